@@ -1,0 +1,103 @@
+"""`RetrievalCache`: the Force-2 cache — a fixed budget of KV entries retrieved from the full cache.
+
+Keys of the full cache are grouped in chunks of ``chunk_size``; each chunk has a summary per KV head (its
+mean key, computed once when the chunk is complete). A selection keeps the first chunk (attention sink),
+the most recent tokens, and the top-k chunks in between scored against the current query of each layer;
+for GQA the query heads of a group are summed, so one set of chunks serves the whole group. After each
+Force-3 step the tail of exact (full-cache) entries for newly accepted tokens is copied in, and Force 2's
+own speculative entries are rolled back. Memory depends only on the budget and the tail capacity.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .buffer import BufferCache
+
+
+class RetrievalCache(BufferCache):
+    """Layout per layer: ``[selected budget entries][exact tail][Force-2 speculative entries]``.
+
+    Sequence coordinates: the selection represents tokens ``[0, base_upto)``; entry
+    ``base_length + i`` holds token ``base_upto + i``.
+    """
+
+    def __init__(self, num_layers: int, budget: int, chunk_size: int, recent: int, tail_capacity: int) -> None:
+        super().__init__(num_layers, budget + tail_capacity)
+        self.budget = budget
+        self.chunk_size = chunk_size
+        self.recent = recent
+        self.tail_capacity = tail_capacity
+        self.base_length = 0
+        self.base_upto = 0
+        self.synced = 0
+        self.sees_whole_cache = True
+        self.selections = 0
+        self._summaries: list[torch.Tensor | None] = [None] * num_layers
+
+    def entries_for(self, seq_len: int) -> int:
+        return self.base_length + seq_len - self.base_upto
+
+    def rollback_to_sequence(self, seq_len: int) -> None:
+        """Keep the entries of tokens ``[0, seq_len)``."""
+        self.rollback(self.entries_for(seq_len))
+
+    def tail_room(self, upto: int) -> int:
+        """Entries still free after syncing up to ``upto``."""
+        return self.capacity - self.entries_for(upto)
+
+    def _chunk_summaries(self, layer_idx: int, keys: torch.Tensor, n_chunks: int) -> torch.Tensor:
+        """Mean key per chunk and KV head for chunks ``1..n_chunks`` (cached; chunks never change)."""
+        cs = self.chunk_size
+        done = self._summaries[layer_idx]
+        have = 0 if done is None else done.shape[2]
+        if have < n_chunks:
+            fresh = keys[:, :, cs * (1 + have) : cs * (1 + n_chunks)].float()
+            fresh = fresh.reshape(keys.shape[0], keys.shape[1], n_chunks - have, cs, keys.shape[-1]).mean(3)
+            done = fresh if done is None else torch.cat((done, fresh), dim=2)
+            self._summaries[layer_idx] = done
+        return done[:, :, :n_chunks]
+
+    @torch.no_grad()
+    def select(self, full: BufferCache, upto: int, queries: dict[int, torch.Tensor]) -> None:
+        """Rebuild the selection from the first ``upto`` entries of ``full``.
+
+        ``queries[layer]`` is ``[batch, heads, head_dim]``: the query of the last cached token per layer.
+        """
+        cs = self.chunk_size
+        self.selections += 1
+        self.sees_whole_cache = upto <= self.budget
+        for layer_idx, (layer, source) in enumerate(zip(self.layers, full.layers)):
+            keys, values = source.keys[:, :, :upto], source.values[:, :, :upto]
+            layer.length = 0
+            if self.sees_whole_cache:
+                layer.write(keys, values)
+                continue
+            n_mid = max(0, (upto - self.recent - cs) // cs)
+            recent_start = cs * (1 + n_mid)
+            k = min(n_mid, (self.budget - cs - (upto - recent_start)) // cs)
+            layer.write(keys[:, :, :cs], values[:, :, :cs])
+            if k > 0:
+                summaries = self._chunk_summaries(layer_idx, source.keys, n_mid)  # [b, kv, n_mid, d]
+                query = queries[layer_idx].float()
+                batch, heads, dim = query.shape
+                kv_heads = keys.shape[1]
+                grouped = query.reshape(batch, kv_heads, heads // kv_heads, dim).sum(2)
+                scores = torch.einsum("bhnd,bhd->bhn", summaries, grouped)
+                chunks = scores.topk(k, dim=-1).indices.sort(dim=-1).values  # [b, kv, k]
+                tokens = (cs * (1 + chunks))[..., None] + torch.arange(cs, device=chunks.device)
+                index = tokens.reshape(batch, kv_heads, k * cs, 1)
+                layer.write(
+                    keys.gather(2, index.expand(-1, -1, -1, keys.shape[-1])),
+                    values.gather(2, index.expand(-1, -1, -1, values.shape[-1])),
+                )
+            layer.write(keys[:, :, recent_start:], values[:, :, recent_start:])
+        self.base_length = self.layers[0].length
+        self.base_upto = self.synced = upto
+
+    def sync(self, full: BufferCache, upto: int) -> None:
+        """Drop speculative entries and copy the exact entries of tokens ``[synced, upto)`` from ``full``."""
+        self.rollback_to_sequence(self.synced)
+        for layer, source in zip(self.layers, full.layers):
+            layer.write(source.keys[:, :, self.synced : upto], source.values[:, :, self.synced : upto])
+        self.synced = upto

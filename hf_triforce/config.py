@@ -1,0 +1,137 @@
+"""`TriForceConfig`: every knob of the three tiers, validated on construction."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+DRAFT_MODES = ("self", "ngram")
+
+
+def _check_int(name: str, value: Any, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"TriForceConfig.{name} must be an integer >= {minimum}, got {value!r}")
+
+
+@dataclass
+class TriForceConfig:
+    """Configuration of TriForce hierarchical speculative decoding.
+
+    draft: Force-1 proposer: ``"self"`` (the target on a sink+window cache), ``"ngram"`` (lookup over the
+        prompt and output), or a ``PreTrainedModel`` sharing the target's vocabulary.
+    retrieval_budget: tokens of the Force-2 retrieval cache (sink chunk + top-k chunks + recent tokens);
+        a multiple of ``chunk_size``.
+    chunk_size: tokens per chunk whose keys are summarised (mean key per KV head) for retrieval.
+    retrieval_recent: most recent tokens always kept in the retrieval cache; a multiple of ``chunk_size``
+        below the budget. ``None`` means a quarter of the budget rounded down to whole chunks.
+    refresh_every: re-select the retrieval chunks every this many Force-3 steps.
+    refresh_below: also re-select when a Force-3 step accepts less than this fraction (``None``: never).
+    sink_tokens, window: the Force-1 cache holds the first ``sink_tokens`` and the last ``window`` tokens.
+    gamma1: tokens Force 1 drafts per Force-2 verification.
+    gamma2: tokens Force 2 hands up per Force-3 verification.
+    ngram_max, ngram_min: longest and shortest suffix matched by the ``"ngram"`` drafter.
+    prefill_chunk_size: prompt tokens per forward during the chunked prefill of the full cache.
+    show_progress: show a tqdm bar during prefill.
+    """
+
+    draft: Any = "self"
+    retrieval_budget: int = 4096
+    chunk_size: int = 8
+    retrieval_recent: int | None = None
+    refresh_every: int = 1
+    refresh_below: float | None = None
+    sink_tokens: int = 16
+    window: int = 256
+    gamma1: int = 2
+    gamma2: int = 6
+    ngram_max: int = 3
+    ngram_min: int = 1
+    prefill_chunk_size: int = 2048
+    show_progress: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.draft, str):
+            if self.draft not in DRAFT_MODES:
+                raise ValueError(
+                    f"TriForceConfig.draft must be one of {DRAFT_MODES} or a PreTrainedModel, got {self.draft!r}"
+                )
+        elif not hasattr(self.draft, "forward") or not hasattr(self.draft, "config"):
+            raise TypeError(
+                "TriForceConfig.draft must be 'self', 'ngram' or a transformers PreTrainedModel, "
+                f"got an object of type {type(self.draft).__name__}"
+            )
+        for name, minimum in (
+            ("chunk_size", 1),
+            ("retrieval_budget", 1),
+            ("refresh_every", 1),
+            ("sink_tokens", 0),
+            ("window", 1),
+            ("gamma1", 1),
+            ("gamma2", 1),
+            ("ngram_max", 1),
+            ("ngram_min", 1),
+            ("prefill_chunk_size", 1),
+        ):
+            _check_int(name, getattr(self, name), minimum)
+        if self.retrieval_budget % self.chunk_size:
+            raise ValueError(
+                f"TriForceConfig.retrieval_budget ({self.retrieval_budget}) must be a multiple of chunk_size "
+                f"({self.chunk_size})"
+            )
+        if self.retrieval_budget < 2 * self.chunk_size:
+            raise ValueError(
+                f"TriForceConfig.retrieval_budget must hold at least two chunks (>= {2 * self.chunk_size}), "
+                f"got {self.retrieval_budget}"
+            )
+        if self.retrieval_recent is not None:
+            _check_int("retrieval_recent", self.retrieval_recent, 0)
+            if self.retrieval_recent % self.chunk_size or self.retrieval_recent > self.retrieval_budget - self.chunk_size:
+                raise ValueError(
+                    "TriForceConfig.retrieval_recent must be a multiple of chunk_size between 0 and "
+                    f"retrieval_budget - chunk_size ({self.retrieval_budget - self.chunk_size}), "
+                    f"got {self.retrieval_recent}"
+                )
+        if self.refresh_below is not None and not (
+            isinstance(self.refresh_below, (int, float)) and 0.0 < self.refresh_below <= 1.0
+        ):
+            raise ValueError(f"TriForceConfig.refresh_below must be None or in (0, 1], got {self.refresh_below!r}")
+        if self.ngram_min > self.ngram_max:
+            raise ValueError(
+                f"TriForceConfig.ngram_min ({self.ngram_min}) must not exceed ngram_max ({self.ngram_max})"
+            )
+        if self.window <= self.gamma1 + 1:
+            raise ValueError(f"TriForceConfig.window must exceed gamma1 + 1 ({self.gamma1 + 1}), got {self.window}")
+        if not isinstance(self.show_progress, bool):
+            raise ValueError(f"TriForceConfig.show_progress must be a bool, got {self.show_progress!r}")
+
+    @property
+    def recent_tokens(self) -> int:
+        """Recent tokens always kept by the retrieval cache."""
+        if self.retrieval_recent is not None:
+            return self.retrieval_recent
+        return (self.retrieval_budget // 4) // self.chunk_size * self.chunk_size
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-friendly dict; a draft model is stored by its ``name_or_path``."""
+        out = asdict(self) if isinstance(self.draft, str) else {
+            f.name: getattr(self, f.name) for f in fields(self) if f.name != "draft"
+        }
+        if not isinstance(self.draft, str):
+            out["draft"] = getattr(self.draft.config, "_name_or_path", None) or "<model>"
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], draft_model: Any = None) -> TriForceConfig:
+        """Inverse of `to_dict`; pass ``draft_model`` when the dict names a draft model."""
+        known = {f.name for f in fields(cls)}
+        unknown = set(data) - known
+        if unknown:
+            raise ValueError(f"Unknown TriForceConfig keys {sorted(unknown)}; allowed: {sorted(known)}")
+        data = dict(data)
+        if draft_model is not None:
+            data["draft"] = draft_model
+        elif data.get("draft", "self") not in DRAFT_MODES:
+            raise ValueError(
+                f"The dict names draft model {data['draft']!r}: pass it as from_dict(..., draft_model=model)"
+            )
+        return cls(**data)

@@ -1,0 +1,51 @@
+"""Per-tier statistics of one TriForce `generate` call."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+
+@dataclass
+class TriForceStats:
+    """Counts and seconds per tier; acceptance = accepted / proposed at each level."""
+
+    new_tokens: int = 0
+    force1_proposed: int = 0
+    force2_accepted: int = 0
+    force2_steps: int = 0
+    force2_proposed: int = 0
+    force3_accepted: int = 0
+    force3_steps: int = 0
+    retrieval_selections: int = 0
+    force2_sees_whole_cache: bool = False
+    prefill_seconds: float = 0.0
+    force1_seconds: float = 0.0
+    force2_seconds: float = 0.0
+    force3_seconds: float = 0.0
+    retrieval_seconds: float = 0.0
+    full_cache_bytes: int = 0
+    retrieval_cache_bytes: int = 0
+    draft_cache_bytes: int = 0
+
+    @property
+    def force2_acceptance(self) -> float:
+        """Force-1 drafts accepted by Force 2 / proposed."""
+        return self.force2_accepted / self.force1_proposed if self.force1_proposed else 0.0
+
+    @property
+    def force3_acceptance(self) -> float:
+        """Force-2 tokens accepted by Force 3 / proposed."""
+        return self.force3_accepted / self.force2_proposed if self.force2_proposed else 0.0
+
+    @property
+    def tokens_per_force3_step(self) -> float:
+        return self.new_tokens / self.force3_steps if self.force3_steps else 0.0
+
+    def to_dict(self) -> dict:
+        out = asdict(self)
+        out.update(
+            force2_acceptance=self.force2_acceptance,
+            force3_acceptance=self.force3_acceptance,
+            tokens_per_force3_step=self.tokens_per_force3_step,
+        )
+        return out
