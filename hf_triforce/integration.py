@@ -21,7 +21,7 @@ from typing import Any, Iterator
 
 import torch
 import transformers
-from transformers import GenerationMixin
+from transformers import GenerationMixin, StoppingCriteriaList, StopStringCriteria
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .attention import wrapped_name
@@ -55,12 +55,12 @@ def recording_attention(model) -> Iterator[None]:
 def _check_request(model, input_ids: torch.Tensor, config: TriForceConfig, generation_config, model_kwargs) -> None:
     if getattr(model.config, "is_encoder_decoder", False) or not getattr(model.config, "is_causal", True):
         raise ValueError("triforce_config= needs a decoder-only causal LM; this model is encoder-decoder or non-causal")
-    if input_ids.shape[0] != 1:
-        raise ValueError(f"triforce_config= supports batch size 1 (got input of batch size {input_ids.shape[0]})")
     if generation_config.num_beams != 1:
         raise ValueError(f"triforce_config= supports num_beams=1 only (got {generation_config.num_beams})")
     if generation_config.num_return_sequences != 1:
         raise ValueError("triforce_config= supports num_return_sequences=1 only")
+    if input_ids.shape[0] != 1:
+        raise ValueError(f"triforce_config= supports batch size 1 (got input of batch size {input_ids.shape[0]})")
     if generation_config.use_cache is False:
         raise ValueError("triforce_config= needs use_cache=True: every tier decodes on a cache")
     for flag in ("output_attentions", "output_hidden_states"):
@@ -158,6 +158,19 @@ def triforce_generate(
 _ORIGINAL_GENERATE = GenerationMixin.generate
 
 
+def _move_stop_strings_to_criteria(kwargs: dict[str, Any]) -> None:
+    """``generate`` drops ``tokenizer=`` before building stop-string criteria for a ``custom_generate``
+    callable (5.24); build the `StopStringCriteria` here instead."""
+    stop_strings, tokenizer = kwargs.pop("stop_strings", None), kwargs.pop("tokenizer", None)
+    if stop_strings is None:
+        return
+    if tokenizer is None:
+        raise ValueError("stop_strings= needs the model's tokenizer: pass tokenizer= to generate")
+    criteria = StoppingCriteriaList(list(kwargs.pop("stopping_criteria", None) or []))
+    criteria.append(StopStringCriteria(tokenizer=tokenizer, stop_strings=stop_strings))
+    kwargs["stopping_criteria"] = criteria
+
+
 @functools.wraps(_ORIGINAL_GENERATE)
 def _generate(self, *args, triforce_config: TriForceConfig | None = None, **kwargs):
     if triforce_config is None and kwargs.get("custom_generate") is not triforce_generate:
@@ -168,6 +181,7 @@ def _generate(self, *args, triforce_config: TriForceConfig | None = None, **kwar
         raise ValueError("triforce_config= cannot be combined with assistant_model: use TriForceConfig(draft=model)")
     kwargs["custom_generate"] = triforce_generate
     kwargs["triforce_streamer"] = kwargs.pop("streamer", None)
+    _move_stop_strings_to_criteria(kwargs)
     return _ORIGINAL_GENERATE(self, *args, triforce_config=triforce_config, **kwargs)
 
 

@@ -1,0 +1,62 @@
+"""Tiny random-weight models of several families, built from configs (no hub access)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import (
+    GemmaConfig,
+    GemmaForCausalLM,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
+
+import hf_triforce  # noqa: F401  (installs triforce_config= on generate)
+
+COMMON = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    max_position_embeddings=2048,
+    bos_token_id=None,
+    eos_token_id=None,
+    pad_token_id=None,
+)
+
+FAMILIES = {
+    "llama-mha": (LlamaConfig, LlamaForCausalLM, dict(num_attention_heads=4, num_key_value_heads=4)),
+    "llama-gqa": (LlamaConfig, LlamaForCausalLM, dict(num_attention_heads=8, num_key_value_heads=2)),
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM, dict(num_attention_heads=4, num_key_value_heads=2)),
+    "mistral": (MistralConfig, MistralForCausalLM, dict(num_attention_heads=4, num_key_value_heads=1, sliding_window=None)),
+    "gemma": (GemmaConfig, GemmaForCausalLM, dict(num_attention_heads=4, num_key_value_heads=1, head_dim=16)),
+}
+
+
+def make_model(family: str = "llama-gqa", vocab_size: int = 96, seed: int = 0, logit_scale: float = 1.0, **overrides):
+    """A tiny random causal LM in fp32; ``logit_scale`` sharpens its distributions."""
+    config_cls, model_cls, extra = FAMILIES[family]
+    torch.manual_seed(seed)
+    config = config_cls(vocab_size=vocab_size, **{**COMMON, **extra, **overrides})
+    model = model_cls(config).eval()
+    if logit_scale != 1.0:
+        with torch.no_grad():
+            model.get_output_embeddings().weight.mul_(logit_scale)
+    return model
+
+
+def random_prompt(length: int, vocab_size: int = 96, seed: int = 1, period: int | None = None) -> torch.Tensor:
+    """Random tokens; with ``period`` the prompt repeats so that n-gram lookup finds matches."""
+    generator = torch.Generator().manual_seed(seed)
+    if period is None:
+        return torch.randint(0, vocab_size, (1, length), generator=generator)
+    base = torch.randint(0, vocab_size, (1, period), generator=generator)
+    return base.repeat(1, length // period + 1)[:, :length]
+
+
+@pytest.fixture(scope="module")
+def gqa_model():
+    return make_model("llama-gqa")

@@ -1,0 +1,66 @@
+"""Greedy TriForce output is token-identical to plain `generate`, for every draft mode, budget and family."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hf_triforce import TriForceConfig
+
+from .conftest import FAMILIES, make_model, random_prompt
+
+
+def _config(draft, budget=64, **kw):
+    base = dict(draft=draft, retrieval_budget=budget, chunk_size=8, sink_tokens=4, window=24, gamma1=2, gamma2=4)
+    base.update(kw)
+    return TriForceConfig(**base)
+
+
+def assert_identical(model, prompt, config, **gen):
+    gen = {"max_new_tokens": 40, "do_sample": False, **gen}
+    expected = model.generate(prompt, **gen)
+    out = model.generate(prompt, triforce_config=config, return_dict_in_generate=True, **gen)
+    assert torch.equal(out.sequences, expected), (out.sequences[0, prompt.shape[1]:], expected[0, prompt.shape[1]:])
+    return out.triforce_stats
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("draft", ["self", "ngram"])
+def test_families_and_draft_modes(family, draft):
+    model = make_model(family)
+    prompt = random_prompt(150, period=37)
+    stats = assert_identical(model, prompt, _config(draft))
+    assert stats.force3_steps > 0 and not stats.force2_sees_whole_cache
+
+
+@pytest.mark.parametrize("budget", [16, 48, 256])
+@pytest.mark.parametrize("gammas", [(1, 1), (2, 6), (4, 3)])
+def test_budgets_and_gammas(gqa_model, budget, gammas):
+    prompt = random_prompt(120)
+    stats = assert_identical(gqa_model, prompt, _config("self", budget=budget, gamma1=gammas[0], gamma2=gammas[1]))
+    assert stats.force2_sees_whole_cache == (budget >= 120)
+
+
+def test_draft_model_with_fewer_layers():
+    target = make_model("qwen2", num_hidden_layers=3)
+    draft = make_model("qwen2", num_hidden_layers=1, seed=5)
+    assert_identical(target, random_prompt(100), _config(draft))
+
+
+def test_refresh_policies(gqa_model):
+    prompt = random_prompt(200)
+    for kw in (dict(refresh_every=3), dict(refresh_every=50), dict(refresh_every=4, refresh_below=0.5)):
+        assert_identical(gqa_model, prompt, _config("self", **kw), max_new_tokens=60)
+
+
+def test_logits_processors_applied_identically(gqa_model):
+    prompt = random_prompt(90, period=11)
+    assert_identical(
+        gqa_model, prompt, _config("ngram"), repetition_penalty=1.3, no_repeat_ngram_size=3, min_new_tokens=5
+    )
+
+
+def test_eager_attention_implementation():
+    model = make_model("llama-gqa", attn_implementation="eager")
+    assert_identical(model, random_prompt(80), _config("self"))
+    assert model.config._attn_implementation == "eager"
