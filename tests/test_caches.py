@@ -1,0 +1,78 @@
+"""The tier caches: constant memory, exact re-rotation, retrieval that picks the chunks the query wants."""
+
+from __future__ import annotations
+
+import torch
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+from hf_triforce import TriForceConfig
+from hf_triforce.caches import BufferCache, RetrievalCache, SinkWindowCache
+from hf_triforce.caches.sink_window import make_rerotate
+
+from .conftest import make_model, random_prompt
+
+
+def test_rerotation_equals_rotation_at_the_new_position():
+    model = make_model("llama-gqa")
+    rotary = model.model.rotary_emb
+    keys = torch.randn(1, 2, 5, 8)
+    positions = torch.arange(100, 105)[None]
+    cos, sin = rotary(keys, positions)
+    rotated, _ = apply_rotary_pos_emb(keys, keys, cos, sin)
+    cos2, sin2 = rotary(keys, positions - 37)
+    expected, _ = apply_rotary_pos_emb(keys, keys, cos2, sin2)
+    torch.testing.assert_close(make_rerotate(model)(rotated, -37), expected, rtol=1e-5, atol=1e-5)
+
+
+def _stats(model, length, **cfg):
+    config = TriForceConfig(**{"draft": "self", "retrieval_budget": 32, "chunk_size": 8, "sink_tokens": 4,
+                               "window": 24, **cfg})
+    out = model.generate(random_prompt(length), max_new_tokens=8, do_sample=False, triforce_config=config,
+                         return_dict_in_generate=True)
+    return out.triforce_stats
+
+
+def test_force1_memory_is_independent_of_context_and_force2_depends_only_on_budget():
+    model = make_model("llama-gqa")
+    short, long = _stats(model, 200), _stats(model, 1200)
+    assert short.draft_cache_bytes == long.draft_cache_bytes > 0
+    assert short.retrieval_cache_bytes == long.retrieval_cache_bytes > 0
+    assert long.full_cache_bytes > short.full_cache_bytes
+    bigger = _stats(model, 1200, retrieval_budget=64)
+    assert bigger.retrieval_cache_bytes > long.retrieval_cache_bytes
+    assert bigger.draft_cache_bytes == long.draft_cache_bytes
+
+
+def test_short_prompt_lets_force2_see_the_whole_cache():
+    model = make_model("llama-gqa")
+    assert _stats(model, 20).force2_sees_whole_cache
+    assert not _stats(model, 200).force2_sees_whole_cache
+
+
+def test_sink_window_keeps_sinks_and_latest_entries():
+    cache = SinkWindowCache(1, sink_tokens=2, window=8, rerotate=lambda keys, delta: keys)
+    for token in range(30):
+        cache.make_room(1)
+        value = torch.full((1, 1, 1, 1), float(token))
+        cache.update(value, value, 0)
+        assert cache.length <= 10
+    kept = cache.layers[0].valid()[1].flatten().tolist()
+    assert kept[:2] == [0.0, 1.0] and kept[-1] == 29.0 and kept == sorted(kept)
+
+
+def test_retrieval_selects_the_chunks_most_aligned_with_the_query():
+    chunk, budget, length = 4, 16, 64
+    full = BufferCache(1, length)
+    keys = torch.zeros(1, 2, length, 2)
+    keys[0, 0, 20:24, 0] = 5.0  # head 0: chunk 5 points along x
+    keys[0, 1, 40:44, 1] = 5.0  # head 1: chunk 10 points along y
+    full.layers[0].write(keys, keys.clone())
+    cache = RetrievalCache(1, budget=budget, chunk_size=chunk, recent=4, tail_capacity=8)
+    query = torch.tensor([[[1.0, 0.0], [1.0, 0.0], [0.0, 1.0], [0.0, 1.0]]])  # 4 query heads, GQA groups of 2
+    cache.select(full, length, {0: query})
+    kept = cache.layers[0].valid()[0]
+    assert cache.layers[0].length == budget
+    assert (kept[0, 0, :, 0] == 5.0).sum() == 4 and (kept[0, 1, :, 1] == 5.0).sum() == 4
+    # sink chunk first, recent tokens last
+    assert torch.equal(kept[0, :, :chunk], keys[0, :, :chunk])
+    assert torch.equal(kept[0, :, -4:], keys[0, :, -4:])

