@@ -8,8 +8,8 @@ each layer while a `QueryRecorder` is active, and otherwise computes exactly wha
 from __future__ import annotations
 
 import sys
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Iterator
 
 import torch
 from transformers import AttentionInterface

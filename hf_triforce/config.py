@@ -85,7 +85,8 @@ class TriForceConfig:
             )
         if self.retrieval_recent is not None:
             _check_int("retrieval_recent", self.retrieval_recent, 0)
-            if self.retrieval_recent % self.chunk_size or self.retrieval_recent > self.retrieval_budget - self.chunk_size:
+            too_big = self.retrieval_recent > self.retrieval_budget - self.chunk_size
+            if self.retrieval_recent % self.chunk_size or too_big:
                 raise ValueError(
                     "TriForceConfig.retrieval_recent must be a multiple of chunk_size between 0 and "
                     f"retrieval_budget - chunk_size ({self.retrieval_budget - self.chunk_size}), "

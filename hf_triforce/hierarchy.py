@@ -129,22 +129,23 @@ def make_drafter(model, config: TriForceConfig, processors: LogitsProcessorList,
     return ModelDrafter(draft_model, config.sink_tokens, config.window, processors, do_sample)
 
 
-def prefill(model, tokens: torch.Tensor, full: BufferCache, config: TriForceConfig) -> torch.Tensor:
-    """Chunked prefill of ``tokens`` after the cached prefix; returns the last row's logits.
+def prefill(model, tokens: torch.Tensor, cache, chunk_size: int, show_progress: bool = False) -> torch.Tensor:
+    """Chunked prefill of ``tokens`` after what ``cache`` holds; returns the last row's logits ``[1, vocab]``.
 
-    The last chunk records the queries that seed the first retrieval selection.
+    Memory stays bounded by ``chunk_size`` activations; the last chunk records the queries that seed the
+    first retrieval selection. Interruptible between chunks (KeyboardInterrupt propagates).
     """
-    start = full.length
-    chunk = config.prefill_chunk_size
-    bounds = list(range(0, tokens.shape[1], chunk))
+    start = int(cache.get_seq_length())
+    bounds = list(range(0, tokens.shape[1], chunk_size))
     logits = None
-    for begin in tqdm(bounds, desc="prefill", unit="chunk", disable=not config.show_progress or len(bounds) < 2):
-        piece = tokens[:, begin : begin + chunk]
+    bar = tqdm(bounds, desc="prefill", unit="chunk", disable=not show_progress or len(bounds) < 2)
+    for begin in bar:
+        piece = tokens[:, begin : begin + chunk_size]
         if begin == bounds[-1]:
             with RECORDER.recording():
-                logits = forward_logits(model, piece, full, start + begin, 1)
+                logits = forward_logits(model, piece, cache, start + begin, 1)
         else:
-            forward_logits(model, piece, full, start + begin, 1)
+            forward_logits(model, piece, cache, start + begin, 1)
     return logits
 
 
@@ -183,7 +184,7 @@ def triforce_decode(
         return stopped or result.sequences.shape[1] >= max_length
 
     start = time.perf_counter()
-    logits = prefill(model, input_ids[:, cached:], full, config)
+    logits = prefill(model, input_ids[:, cached:], full, config.prefill_chunk_size, config.show_progress)
     stats.prefill_seconds = time.perf_counter() - start
     scores = process_rows(processors, input_ids, logits, input_ids.shape[1])
     first = sample(scores_to_probs(scores)[0]) if do_sample else int(scores[0].argmax())

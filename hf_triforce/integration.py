@@ -15,9 +15,10 @@ fails loudly when one of the internals used here changes:
 from __future__ import annotations
 
 import functools
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 import transformers
@@ -113,7 +114,11 @@ def triforce_generate(
     triforce_streamer: Any = None,
     **model_kwargs,
 ):
-    """A ``custom_generate`` callable: ``model.generate(ids, custom_generate=triforce_generate, triforce_config=cfg)``."""
+    """A ``custom_generate`` callable.
+
+    ``model.generate(ids, custom_generate=triforce_generate, triforce_config=cfg)`` is the same as
+    ``model.generate(ids, triforce_config=cfg)``.
+    """
     config = triforce_config if triforce_config is not None else TriForceConfig()
     if not isinstance(config, TriForceConfig):
         raise TypeError(f"triforce_config must be a TriForceConfig, got {type(config).__name__}")

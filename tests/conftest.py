@@ -31,7 +31,9 @@ FAMILIES = {
     "llama-mha": (LlamaConfig, LlamaForCausalLM, dict(num_attention_heads=4, num_key_value_heads=4)),
     "llama-gqa": (LlamaConfig, LlamaForCausalLM, dict(num_attention_heads=8, num_key_value_heads=2)),
     "qwen2": (Qwen2Config, Qwen2ForCausalLM, dict(num_attention_heads=4, num_key_value_heads=2)),
-    "mistral": (MistralConfig, MistralForCausalLM, dict(num_attention_heads=4, num_key_value_heads=1, sliding_window=None)),
+    "mistral": (
+        MistralConfig, MistralForCausalLM, dict(num_attention_heads=4, num_key_value_heads=1, sliding_window=None)
+    ),
     "gemma": (GemmaConfig, GemmaForCausalLM, dict(num_attention_heads=4, num_key_value_heads=1, head_dim=16)),
 }
 

@@ -1,7 +1,8 @@
 """Sampled TriForce output has exactly the target's sequence distribution (chi-square, fixed seeds).
 
-A tiny random model with large weights (peaked, context-dependent logits) and a vocabulary of 8; the retrieval budget and the draft window
-are smaller than the prompt, so all three tiers disagree and every acceptance path is exercised.
+A tiny random model with large weights (peaked, context-dependent logits) and a vocabulary of 8; the
+retrieval budget and the draft window are smaller than the prompt, so all three tiers disagree and every
+acceptance path is exercised.
 """
 
 from __future__ import annotations

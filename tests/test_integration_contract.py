@@ -12,7 +12,7 @@ from transformers.cache_utils import CacheLayerMixin
 from transformers.masking_utils import _preprocess_mask_arguments
 
 import hf_triforce
-from hf_triforce.integration import TESTED_TRANSFORMERS, _ORIGINAL_GENERATE
+from hf_triforce.integration import _ORIGINAL_GENERATE, TESTED_TRANSFORMERS
 
 from .conftest import make_model
 

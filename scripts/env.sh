@@ -1,0 +1,19 @@
+# Sourced by scripts/demo.sh and scripts/test.sh: creates .venv and installs the package with its extras.
+# torch is pinned to the CPU build that this machine installs from local disk (never an unpinned torch).
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="$ROOT/.venv"
+PY="${PYTHON:-python3}"
+if [ ! -x "$VENV/bin/python" ]; then
+    "$PY" -m venv "$VENV"
+fi
+STAMP="$VENV/.hf_triforce-installed"
+WANT="$(cat "$ROOT/setup.cfg" "$ROOT/pyproject.toml" | sha256sum | cut -d' ' -f1)"
+if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$WANT" ]; then
+    "$VENV/bin/python" -m pip install -q --upgrade pip
+    "$VENV/bin/python" -m pip install -q torch==2.13.0
+    "$VENV/bin/python" -m pip install -q -e "$ROOT[test,assets,bench]"
+    echo "$WANT" > "$STAMP"
+fi
+export PATH="$VENV/bin:$PATH"
+cd "$ROOT"
