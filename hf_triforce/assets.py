@@ -45,8 +45,11 @@ def smollm2_gguf() -> Path:
     return path
 
 
-def load_smollm2(dtype: torch.dtype = torch.float32):
-    """``(model, tokenizer)`` of SmolLM2-135M-Instruct, dequantized and cached on disk on first use."""
+def load_smollm2(dtype: torch.dtype = torch.float32, **config_overrides):
+    """``(model, tokenizer)`` of SmolLM2-135M-Instruct, dequantized and cached on disk on first use.
+
+    ``config_overrides`` go to ``from_pretrained`` (e.g. ``rope_parameters`` for contexts beyond 8k).
+    """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     target = cache_root() / "smollm2-135m-instruct"
@@ -60,9 +63,23 @@ def load_smollm2(dtype: torch.dtype = torch.float32):
         model.save_pretrained(target)
         tokenizer.save_pretrained(target)
         (target / "READY").write_text(SMOLLM2_SHA256)
-    model = AutoModelForCausalLM.from_pretrained(target, dtype=dtype).eval()
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=dtype, **config_overrides).eval()
     tokenizer = AutoTokenizer.from_pretrained(target)
     return model, tokenizer
+
+
+def yarn_rope(factor: float, original: int = 8192) -> dict:
+    """Config overrides extending RoPE by ``factor`` with YaRN (explicit, never applied silently)."""
+    return {
+        "rope_parameters": {"rope_type": "yarn", "factor": factor, "original_max_position_embeddings": original,
+                            "rope_theta": 100000.0},
+        "max_position_embeddings": int(original * factor),
+    }
+
+
+def tragedies() -> str:
+    """All bundled tragedies, concatenated: a long public-domain text (~1M characters)."""
+    return "\n\n".join(shakespeare(play) for play in SHAKESPEARE_PLAYS)
 
 
 def shakespeare(play: str = "hamlet") -> str:

@@ -1,8 +1,9 @@
 """An attention function registered with transformers that records queries for retrieval.
 
 `Cache.update` never sees the query, so Force 2's chunk selection gets it here: ``triforce_<base>`` wraps
-the model's own attention implementation ``<base>`` (sdpa, eager, ...), records the post-RoPE query of
-each layer while a `QueryRecorder` is active, and otherwise computes exactly what ``<base>`` computes.
+the model's own attention implementation ``<base>`` (sdpa, eager, ...) and records the post-RoPE query of
+each layer while a `QueryRecorder` is active. Multi-token masked SDPA calls on GQA models (verification,
+chunked prefill) take `gqa_sdpa`, which does not expand K/V; everything else is ``<base>`` itself.
 """
 
 from __future__ import annotations
@@ -48,10 +49,43 @@ def _base_function(base: str, module: torch.nn.Module):
     return ALL_ATTENTION_FUNCTIONS[base]
 
 
+def gqa_sdpa(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """Multi-token masked SDPA that stays GQA-native: the query heads of a group become extra query rows.
+
+    transformers' SDPA path expands K/V to every query head (``repeat_kv``) whenever a mask is given;
+    here ``[b, kv_heads * g, q, d]`` queries are viewed as ``[b, kv_heads, g * q, d]`` and the mask is
+    tiled ``g`` times, so K/V are read once per KV head. Returns ``[b, q, heads, d]`` like transformers.
+    """
+    batch, heads, q_len, dim = query.shape
+    kv_heads = key.shape[1]
+    groups = heads // kv_heads
+    mask = attention_mask.expand(batch, 1, q_len, attention_mask.shape[-1]).repeat(1, 1, groups, 1)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query.reshape(batch, kv_heads, groups * q_len, dim), key, value, attn_mask=mask,
+        dropout_p=dropout if module.training else 0.0, scale=scaling,
+    )
+    return out.reshape(batch, heads, q_len, dim).transpose(1, 2).contiguous(), None
+
+
+def _wants_gqa_sdpa(base: str, query, key, attention_mask, kwargs) -> bool:
+    return (
+        base == "sdpa"
+        and query.shape[2] > 1
+        and key.shape[1] < query.shape[1]
+        and isinstance(attention_mask, torch.Tensor)
+        and attention_mask.dtype == torch.bool
+        and kwargs.get("position_bias") is None
+        and kwargs.get("softcap") is None
+        and not kwargs.get("output_attentions", False)
+    )
+
+
 def _make_wrapper(base: str):
     def triforce_attention(module, query, key, value, attention_mask, **kwargs):
         if RECORDER.active:
             RECORDER.queries[module.layer_idx] = query.detach()
+        if _wants_gqa_sdpa(base, query, key, attention_mask, kwargs):
+            return gqa_sdpa(module, query, key, value, attention_mask, **kwargs)
         return _base_function(base, module)(module, query, key, value, attention_mask, **kwargs)
 
     triforce_attention.__name__ = f"{PREFIX}{base}"

@@ -1,9 +1,10 @@
-"""`hf-triforce demo` (also `python -m hf_triforce demo`)."""
+"""`hf-triforce demo | bench` (also `python -m hf_triforce ...`)."""
 
 from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 
 def _positive(value: str) -> int:
@@ -13,7 +14,16 @@ def _positive(value: str) -> int:
     return number
 
 
+def _positive_float(value: str) -> float:
+    number = float(value)
+    if number <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be a factor above 1, got {value}")
+    return number
+
+
 def build_parser() -> argparse.ArgumentParser:
+    from .bench import METHODS
+
     parser = argparse.ArgumentParser(prog="hf-triforce", description="Exact TriForce speculative decoding")
     commands = parser.add_subparsers(dest="command", required=True)
     demo = commands.add_parser("demo", help="plain generate vs TriForce on SmolLM2-135M and a Shakespeare play")
@@ -24,7 +34,48 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--budget", type=_positive, default=512, help="retrieval budget in tokens (default 512)")
     demo.add_argument("--play", default="hamlet", help="Shakespeare tragedy used as the prompt (default hamlet)")
     demo.add_argument("--threads", type=_positive, default=None, help="torch threads (default: torch's choice)")
+
+    bench = commands.add_parser("bench", help="decode speed of each method at several context lengths")
+    bench.add_argument("--contexts", type=_positive, nargs="+", default=[4096], help="prompt lengths in tokens")
+    bench.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
+    bench.add_argument("--new-tokens", type=_positive, default=128)
+    bench.add_argument("--repeats", type=_positive, default=3, help="rounds per method; the median is reported")
+    bench.add_argument("--budget", type=_positive, default=512, help="retrieval budget in tokens")
+    bench.add_argument("--rope-factor", type=_positive_float, default=None,
+                       help="extend SmolLM2's RoPE by this YaRN factor (needed beyond 8192 tokens)")
+    bench.add_argument("--threads", type=_positive, default=None)
+    bench.add_argument("--out", type=Path, default=Path("bench-results"), help="folder for JSON and markdown")
     return parser
+
+
+def _bench(args) -> int:
+    import torch
+
+    from . import assets
+    from .bench import compare, table, to_json, write_results
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    limit = 8192 if args.rope_factor is None else int(8192 * args.rope_factor)
+    too_long = [c for c in args.contexts if c + args.new_tokens > limit]
+    if too_long:
+        raise SystemExit(f"hf-triforce bench: contexts {too_long} + new tokens exceed {limit} positions; "
+                         "pass --rope-factor (e.g. 4 for 32k)")
+    overrides = assets.yarn_rope(args.rope_factor) if args.rope_factor else {}
+    model, tokenizer = assets.load_smollm2(**overrides)
+    text_ids = tokenizer(assets.tragedies(), return_tensors="pt").input_ids
+    results, tables = [], []
+    for context in args.contexts:
+        ids = text_ids[:, :context]
+        runs, prefill_seconds = compare(model, ids, args.methods, args.new_tokens, args.repeats, args.budget)
+        rendered = (f"### context {context} tokens (prefill {prefill_seconds:.1f} s, {args.new_tokens} new tokens, "
+                    f"median of {args.repeats}, torch threads {torch.get_num_threads()})\n\n" + table(runs))
+        print(rendered, flush=True)
+        results.append(to_json(context, runs, prefill_seconds))
+        tables.append(rendered)
+        write_results(results, tables, args.out)
+    print(f"wrote {args.out}/results.json and results.md")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -37,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"hf-triforce demo: --play must be one of {', '.join(SHAKESPEARE_PLAYS)}")
         return run_demo(args.context, args.new_tokens, args.draft or ["self", "ngram"], args.budget, args.play,
                         args.threads)
-    return 2
+    return _bench(args)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,135 @@
+"""Side-by-side decoding benchmark: one prefill, then every method alternating on copies of that prefix.
+
+Decode time excludes the prefill (reported apart); each method's median over ``repeats`` rounds is
+reported with its ratio to plain `generate` and to the static-cache baseline, acceptance per tier and
+cache memory. ``lookup`` runs from scratch (transformers' assisted decoding mishandles a pre-filled
+cache) and the shared prefill time is subtracted from its total: an approximation. Methods: ``plain`` (DynamicCache), ``static`` (StaticCache), ``lookup`` (HF prompt
+lookup), ``triforce-self`` and ``triforce-ngram``.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+from transformers import DynamicCache, StaticCache
+
+from .config import TriForceConfig
+from .hierarchy import prefill
+from .stats import TriForceStats
+
+METHODS = ("plain", "static", "lookup", "triforce-self", "triforce-ngram")
+
+
+@dataclass
+class Run:
+    method: str
+    seconds: list[float] = field(default_factory=list)
+    new_tokens: int = 0
+    sequences: torch.Tensor | None = None
+    stats: TriForceStats | None = None
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.new_tokens / statistics.median(self.seconds) if self.seconds else 0.0
+
+
+def prefill_prefix(model, ids: torch.Tensor, chunk_size: int = 1024) -> DynamicCache:
+    """A `DynamicCache` holding every prompt token but the last, with a progress bar."""
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        prefill(model, ids[:, :-1], cache, chunk_size, show_progress=True)
+    return cache
+
+
+def static_copy(model, prefix: DynamicCache, max_len: int) -> StaticCache:
+    cache = StaticCache(config=model.config, max_cache_len=max_len)
+    for index, layer in enumerate(prefix.layers):
+        cache.update(layer.keys.clone(), layer.values.clone(), index)
+    return cache
+
+
+def method_kwargs(method: str, model, prefix: DynamicCache, max_len: int, budget: int) -> dict:
+    if method == "plain":
+        return {"cache": copy.deepcopy(prefix)}
+    if method == "static":
+        return {"cache": static_copy(model, prefix, max_len)}
+    if method == "lookup":  # from scratch: HF's assisted decoding mishandles a pre-filled cache (5.24)
+        return {"prompt_lookup_num_tokens": 10}
+    if method.startswith("triforce-"):
+        config = TriForceConfig(draft=method.removeprefix("triforce-"), retrieval_budget=budget, chunk_size=8,
+                                sink_tokens=16, window=256, gamma1=2, gamma2=6)
+        return {"cache": prefix, "triforce_config": config, "return_dict_in_generate": True}
+    raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+
+
+def measure(model, ids, prefix, method: str, new_tokens: int, budget: int, run: Run, prefill_seconds: float) -> None:
+    """One timed greedy run; ``lookup`` prefills itself, so the shared prefill time is subtracted."""
+    kwargs = method_kwargs(method, model, prefix, ids.shape[1] + new_tokens + 16, budget)
+    start = time.perf_counter()
+    out = model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, **kwargs)
+    seconds = time.perf_counter() - start
+    run.seconds.append(seconds - prefill_seconds if method == "lookup" else seconds)
+    sequences = out.sequences if hasattr(out, "sequences") else out
+    run.new_tokens = sequences.shape[1] - ids.shape[1]
+    run.sequences = sequences
+    run.stats = getattr(out, "triforce_stats", None)
+
+
+def compare(model, ids, methods, new_tokens: int, repeats: int, budget: int) -> tuple[list[Run], float]:
+    """Prefill once, then ``repeats`` rounds over all methods in turn; returns runs and prefill seconds."""
+    start = time.perf_counter()
+    prefix = prefill_prefix(model, ids)
+    prefill_seconds = time.perf_counter() - start
+    runs = [Run(m) for m in methods]
+    for _ in tqdm(range(repeats), desc=f"decode {ids.shape[1]} ctx", unit="round"):
+        for run in runs:
+            measure(model, ids, prefix, run.method, new_tokens, budget, run, prefill_seconds)
+    return runs, prefill_seconds
+
+
+def table(runs: list[Run]) -> str:
+    """Markdown table; ratios against ``plain`` and ``static`` where present."""
+    by_name = {run.method: run for run in runs}
+    base, static = by_name.get("plain", runs[0]), by_name.get("static")
+    lines = ["| method | decode tok/s | vs plain | vs static | F2 acc. | F3 acc. | tok/F3 step | "
+             "cache MB full/retr./draft | identical |", "|" + "---|" * 9]
+    for run in runs:
+        s = run.stats
+        cells = [f"{s.force2_acceptance:.2f}", f"{s.force3_acceptance:.2f}", f"{s.tokens_per_force3_step:.2f}",
+                 f"{s.full_cache_bytes / 2**20:.0f}/{s.retrieval_cache_bytes / 2**20:.1f}/"
+                 f"{s.draft_cache_bytes / 2**20:.1f}"] if s else ["-"] * 4
+        vs_static = f"{run.tokens_per_second / static.tokens_per_second:.2f}x" if static else "-"
+        same = "yes" if torch.equal(run.sequences, base.sequences) else "NO"
+        lines.append(f"| {run.method} | {run.tokens_per_second:.2f} | "
+                     f"{run.tokens_per_second / base.tokens_per_second:.2f}x | {vs_static} | "
+                     + " | ".join(cells) + f" | {same} |")
+    return "\n".join(lines)
+
+
+def to_json(context: int, runs: list[Run], prefill_seconds: float) -> dict:
+    return {
+        "context": context,
+        "prefill_seconds": prefill_seconds,
+        "methods": {
+            run.method: {
+                "decode_tokens_per_second": run.tokens_per_second,
+                "seconds": run.seconds,
+                "new_tokens": run.new_tokens,
+                "stats": run.stats.to_dict() if run.stats else None,
+            }
+            for run in runs
+        },
+    }
+
+
+def write_results(results: list[dict], tables: list[str], out_dir: Path) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "results.json").write_text(json.dumps(results, indent=2))
+    (out_dir / "results.md").write_text("\n\n".join(tables) + "\n")
