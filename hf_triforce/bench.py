@@ -3,8 +3,9 @@
 Decode time excludes the prefill (reported apart); each method's median over ``repeats`` rounds is
 reported with its ratio to plain `generate` and to the static-cache baseline, acceptance per tier and
 cache memory. ``lookup`` runs from scratch (transformers' assisted decoding mishandles a pre-filled
-cache) and the shared prefill time is subtracted from its total: an approximation. Methods: ``plain`` (DynamicCache), ``static`` (StaticCache), ``lookup`` (HF prompt
-lookup), ``triforce-self`` and ``triforce-ngram``.
+cache) and the shared prefill time is subtracted from its total: an approximation.
+Methods: ``plain`` (DynamicCache), ``static`` (StaticCache), ``lookup`` (HF prompt lookup),
+``triforce-self`` and ``triforce-ngram``.
 """
 
 from __future__ import annotations
