@@ -14,10 +14,14 @@ def process_rows(
     Row ``i`` predicts the token after ``sequence[:, :first_prefix + i]`` and is processed with exactly that
     prefix, as `generate` would process it when decoding one token at a time.
     """
-    logits = logits.float()
-    if not processors:
-        return logits
-    rows = [
-        processors(sequence[:, : first_prefix + i], logits[i : i + 1].clone())[0] for i in range(logits.shape[0])
-    ]
-    return torch.stack(rows)
+    scores = logits.float()
+    if processors:
+        scores = torch.stack(
+            [processors(sequence[:, : first_prefix + i], scores[i : i + 1].clone())[0] for i in range(scores.shape[0])]
+        )
+    if torch.isnan(scores).any():
+        raise FloatingPointError(
+            "NaN in the logits of a TriForce tier: the model produced NaN (overflow in float16? try bfloat16 "
+            "or float32); refusing to pick tokens from garbage"
+        )
+    return scores
