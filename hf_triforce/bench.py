@@ -5,6 +5,7 @@ reported with its ratio to plain `generate` and to the static-cache baseline, ac
 cache memory. ``lookup`` runs from scratch (transformers' assisted decoding mishandles a pre-filled
 cache) and the shared prefill time is subtracted from its total: an approximation.
 Methods: ``plain`` (DynamicCache), ``static`` (StaticCache), ``lookup`` (HF prompt lookup),
+``streaming-self`` (StreamingLLM-cache self-speculation: TriForce without its middle tier),
 ``triforce-self`` and ``triforce-ngram``.
 """
 
@@ -25,7 +26,7 @@ from .config import TriForceConfig
 from .hierarchy import prefill
 from .stats import TriForceStats
 
-METHODS = ("plain", "static", "lookup", "triforce-self", "triforce-ngram")
+METHODS = ("plain", "static", "lookup", "streaming-self", "triforce-self", "triforce-ngram")
 
 
 @dataclass
@@ -63,9 +64,10 @@ def method_kwargs(method: str, model, prefix: DynamicCache, max_len: int, budget
         return {"cache": static_copy(model, prefix, max_len)}
     if method == "lookup":  # from scratch: HF's assisted decoding mishandles a pre-filled cache (5.24)
         return {"prompt_lookup_num_tokens": 10}
-    if method.startswith("triforce-"):
-        config = TriForceConfig(draft=method.removeprefix("triforce-"), retrieval_budget=budget, chunk_size=8,
-                                sink_tokens=16, window=256, gamma1=2, gamma2=6)
+    if method.startswith(("triforce-", "streaming-")):
+        levels, draft = (3, method.removeprefix("triforce-")) if method.startswith("triforce-") else (2, "self")
+        config = TriForceConfig(draft=draft, retrieval_budget=budget, chunk_size=8, sink_tokens=16, window=256,
+                                gamma1=2, gamma2=6 if levels == 3 else 4, levels=levels)
         return {"cache": prefix, "triforce_config": config, "return_dict_in_generate": True}
     raise ValueError(f"method must be one of {METHODS}, got {method!r}")
 

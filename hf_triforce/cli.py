@@ -1,4 +1,4 @@
-"""`hf-triforce demo | bench` (also `python -m hf_triforce ...`)."""
+"""`hf-triforce demo | bench | generate` (also `python -m hf_triforce ...`)."""
 
 from __future__ import annotations
 
@@ -45,7 +45,52 @@ def build_parser() -> argparse.ArgumentParser:
                        help="extend SmolLM2's RoPE by this YaRN factor (needed beyond 8192 tokens)")
     bench.add_argument("--threads", type=_positive, default=None)
     bench.add_argument("--out", type=Path, default=Path("bench-results"), help="folder for JSON and markdown")
+
+    gen = commands.add_parser("generate", help="stream a TriForce continuation of a prompt file")
+    gen.add_argument("--model", default=None, help="local model folder (default: the bundled SmolLM2-135M)")
+    gen.add_argument("--prompt-file", type=Path, required=True)
+    gen.add_argument("--max-new-tokens", type=_positive, default=128)
+    gen.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
+    gen.add_argument("--temperature", type=float, default=1.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--draft", default="self", help="'self', 'ngram' or a local draft model folder")
+    gen.add_argument("--budget", type=_positive, default=512, help="retrieval budget in tokens")
+    gen.add_argument("--chunk-size", type=_positive, default=8)
+    gen.add_argument("--gamma1", type=_positive, default=2)
+    gen.add_argument("--gamma2", type=_positive, default=6)
+    gen.add_argument("--sink-tokens", type=int, default=16)
+    gen.add_argument("--window", type=_positive, default=256)
+    gen.add_argument("--stats", action="store_true", help="print the per-tier statistics at the end")
     return parser
+
+
+def _generate(args) -> int:
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TextStreamer
+
+    from . import assets
+    from .config import TriForceConfig
+
+    if not args.prompt_file.is_file():
+        raise SystemExit(f"hf-triforce generate: --prompt-file {args.prompt_file} does not exist")
+    if args.model is None:
+        model, tokenizer = assets.load_smollm2()
+    else:
+        model = AutoModelForCausalLM.from_pretrained(args.model).eval()
+        tokenizer = AutoTokenizer.from_pretrained(args.model)
+    draft = args.draft
+    if draft not in ("self", "ngram"):
+        draft = AutoModelForCausalLM.from_pretrained(draft).eval()
+    config = TriForceConfig(draft=draft, retrieval_budget=args.budget, chunk_size=args.chunk_size,
+                            gamma1=args.gamma1, gamma2=args.gamma2, sink_tokens=args.sink_tokens, window=args.window,
+                            show_progress=True)
+    ids = tokenizer(args.prompt_file.read_text(), return_tensors="pt").input_ids
+    sampling = {"do_sample": True, "temperature": args.temperature, "top_p": args.top_p} if args.sample else {
+        "do_sample": False}
+    out = model.generate(ids, max_new_tokens=args.max_new_tokens, triforce_config=config, return_dict_in_generate=True,
+                         streamer=TextStreamer(tokenizer, skip_prompt=True), **sampling)
+    if args.stats:
+        print(out.triforce_stats.to_dict())
+    return 0
 
 
 def _bench(args) -> int:
@@ -88,6 +133,8 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"hf-triforce demo: --play must be one of {', '.join(SHAKESPEARE_PLAYS)}")
         return run_demo(args.context, args.new_tokens, args.draft or ["self", "ngram"], args.budget, args.play,
                         args.threads)
+    if args.command == "generate":
+        return _generate(args)
     return _bench(args)
 
 

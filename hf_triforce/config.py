@@ -32,6 +32,8 @@ class TriForceConfig:
     ngram_max, ngram_min: longest and shortest suffix matched by the ``"ngram"`` drafter.
     prefill_chunk_size: prompt tokens per forward during the chunked prefill of the full cache.
     show_progress: show a tqdm bar during prefill.
+    levels: 3 (TriForce) or 2 (Force 1 verified directly by Force 3: with ``draft="self"`` the
+        StreamingLLM-cache self-speculation baseline; Force-2 knobs are then unused).
     """
 
     draft: Any = "self"
@@ -48,6 +50,7 @@ class TriForceConfig:
     ngram_min: int = 1
     prefill_chunk_size: int = 2048
     show_progress: bool = False
+    levels: int = 3
 
     def __post_init__(self) -> None:
         if isinstance(self.draft, str):
@@ -100,8 +103,13 @@ class TriForceConfig:
             raise ValueError(
                 f"TriForceConfig.ngram_min ({self.ngram_min}) must not exceed ngram_max ({self.ngram_max})"
             )
-        if self.window <= self.gamma1 + 1:
-            raise ValueError(f"TriForceConfig.window must exceed gamma1 + 1 ({self.gamma1 + 1}), got {self.window}")
+        if self.window <= self.gamma1 + self.gamma2 + 1:
+            raise ValueError(
+                f"TriForceConfig.window must exceed gamma1 + gamma2 + 1 ({self.gamma1 + self.gamma2 + 1}), "
+                f"got {self.window}"
+            )
+        if self.levels not in (2, 3):
+            raise ValueError(f"TriForceConfig.levels must be 2 or 3, got {self.levels!r}")
         if not isinstance(self.show_progress, bool):
             raise ValueError(f"TriForceConfig.show_progress must be a bool, got {self.show_progress!r}")
 

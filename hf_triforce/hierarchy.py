@@ -79,7 +79,8 @@ class TriForceCandidateGenerator(CandidateGenerator):
             return input_ids, None
         sequence, rows = input_ids, []
         while sequence.shape[1] - input_ids.shape[1] < wanted:
-            proposals, proposal_probs = self.drafter.propose(sequence, self.config.gamma1)
+            still_wanted = wanted - (sequence.shape[1] - input_ids.shape[1])
+            proposals, proposal_probs = self.drafter.propose(sequence, min(self.config.gamma1, still_wanted - 1))
             q_scores = self.force2_scores(sequence, proposals)
             accepted, next_token = verify_chain(proposals, proposal_probs, q_scores, self.do_sample)
             self.stats.force1_proposed += len(proposals)
@@ -111,6 +112,32 @@ class TriForceCandidateGenerator(CandidateGenerator):
             self.select(queries)
         elif no_room:
             raise RuntimeError("RetrievalCache tail is full and no query was given to refresh the selection")
+
+
+class DraftCandidateGenerator(CandidateGenerator):
+    """Two levels only (``TriForceConfig(levels=2)``): Force 1's drafts go straight to Force 3.
+
+    With ``draft="self"`` this is StreamingLLM-cache self-speculation (MagicDec-style), the baseline
+    TriForce's middle tier is measured against. Candidate scores are ``log r``; ``None`` for greedy
+    drafts or a deterministic drafter (a point mass).
+    """
+
+    def __init__(self, drafter, config: TriForceConfig, stats: TriForceStats) -> None:
+        self.drafter, self.config, self.stats = drafter, config, stats
+
+    def get_candidates(self, input_ids: torch.LongTensor, max_candidates: int | None = None):
+        wanted = self.config.gamma2 if max_candidates is None else min(self.config.gamma2, max_candidates)
+        if wanted <= 0:
+            return input_ids, None
+        proposals, probs = self.drafter.propose(input_ids, wanted)
+        self.stats.force1_proposed += len(proposals)
+        self.stats.force2_proposed += len(proposals)
+        candidates = torch.cat((input_ids, input_ids.new_tensor([proposals])), dim=1) if proposals else input_ids
+        return candidates, None if probs is None else torch.log(probs)[None]
+
+    def update_candidate_strategy(self, input_ids: torch.LongTensor, scores: torch.Tensor, num_matches: int,
+                                  queries: dict[int, torch.Tensor] | None = None) -> None:
+        self.drafter.rollback(input_ids.shape[1] - 1)
 
 
 @dataclass
@@ -191,10 +218,14 @@ def triforce_decode(
     done = commit(first, scores[0], logits[0])
 
     drafter = make_drafter(model, config, processors, do_sample)
-    generator = TriForceCandidateGenerator(model, drafter, config, processors, do_sample, full, stats)
+    if config.levels == 3:
+        generator = TriForceCandidateGenerator(model, drafter, config, processors, do_sample, full, stats)
+    else:
+        generator = DraftCandidateGenerator(drafter, config, stats)
     if not done:
         drafter.prefill(result.sequences)
-        generator.select(RECORDER.at(-1))
+        if config.levels == 3:
+            generator.select(RECORDER.at(-1))
     while not done:
         length = result.sequences.shape[1]
         candidates, q_scores = generator.get_candidates(result.sequences, max_length - length - 1)
@@ -205,12 +236,13 @@ def triforce_decode(
             logits = forward_logits(model, candidates[:, full.length :], full, full.length, len(proposals) + 1)
         p_scores = process_rows(processors, candidates, logits, length)
         stats.force3_seconds += time.perf_counter() - begin
-        q_probs = scores_to_probs(q_scores[0]) if do_sample and proposals else None
+        q_probs = scores_to_probs(q_scores[0]) if do_sample and q_scores is not None else None
         accepted, next_token = verify_chain(proposals, q_probs, p_scores, do_sample)
         full.rollback(length + accepted)
         stats.force3_steps += 1
         stats.force3_accepted += accepted
         for index, token in enumerate(proposals[:accepted] + [next_token]):
+            stats.force3_tokens += 1
             done = commit(token, p_scores[index], logits[index])
             if done:
                 break
@@ -220,7 +252,7 @@ def triforce_decode(
     stats.force1_seconds = drafter.seconds
     stats.new_tokens = result.sequences.shape[1] - input_ids.shape[1]
     stats.full_cache_bytes = full.nbytes()
-    stats.retrieval_cache_bytes = generator.cache.nbytes()
+    stats.retrieval_cache_bytes = generator.cache.nbytes() if config.levels == 3 else 0
     stats.draft_cache_bytes = drafter.nbytes()
     result.cache = full
     if streamer is not None:

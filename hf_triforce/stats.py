@@ -10,6 +10,7 @@ class TriForceStats:
     """Counts and seconds per tier; acceptance = accepted / proposed at each level."""
 
     new_tokens: int = 0
+    force3_tokens: int = 0
     force1_proposed: int = 0
     force2_accepted: int = 0
     force2_steps: int = 0
@@ -39,7 +40,8 @@ class TriForceStats:
 
     @property
     def tokens_per_force3_step(self) -> float:
-        return self.new_tokens / self.force3_steps if self.force3_steps else 0.0
+        """Tokens committed per Force-3 verification (the first token, from the prefill, not counted)."""
+        return self.force3_tokens / self.force3_steps if self.force3_steps else 0.0
 
     def to_dict(self) -> dict:
         out = asdict(self)

@@ -31,6 +31,7 @@ from .conftest import make_model
         (dict(window=4, gamma1=3, gamma2=6), "window must exceed"),
         (dict(prefill_chunk_size=0), "prefill_chunk_size"),
         (dict(show_progress="yes"), "show_progress"),
+        (dict(levels=1), "levels must be 2 or 3"),
     ],
 )
 def test_invalid_values_name_the_parameter(kwargs, match):

@@ -47,6 +47,12 @@ def test_draft_model_with_fewer_layers():
     assert_identical(target, random_prompt(100), _config(draft))
 
 
+@pytest.mark.parametrize("draft", ["self", "ngram"])
+def test_two_level_baseline(gqa_model, draft):
+    stats = assert_identical(gqa_model, random_prompt(140, period=29), _config(draft, levels=2))
+    assert stats.retrieval_cache_bytes == 0 and stats.force2_proposed > 0
+
+
 def test_refresh_policies(gqa_model):
     prompt = random_prompt(200)
     for kw in (dict(refresh_every=3), dict(refresh_every=50), dict(refresh_every=4, refresh_below=0.5)):

@@ -86,6 +86,15 @@ def test_unusable_cache_is_refused(model):
         model.generate(prompt, cache=cache, max_new_tokens=3, triforce_config=CFG)
 
 
+def test_encoder_decoder_model_is_refused():
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    t5 = T5ForConditionalGeneration(T5Config(vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=1,
+                                             num_heads=2, decoder_start_token_id=0)).eval()
+    with pytest.raises(ValueError, match="decoder-only"):
+        t5.generate(random_prompt(10, vocab_size=64), max_new_tokens=3, triforce_config=CFG)
+
+
 def test_sliding_window_model_is_refused_when_the_window_matters():
     mistral = make_model("mistral", sliding_window=64)
     with pytest.raises(ValueError, match="sliding-window"):

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from hf_triforce.sampling import (
     acceptance_probability,
@@ -45,6 +47,18 @@ def test_hierarchical_step_is_exact_and_q_resampling_is_caught(seed):
     wrong3 = emitted(wrong2, p, q)
     if not torch.allclose(q, r, atol=1e-3):
         assert (wrong3 - p).abs().max() > 1e-6, "the enumeration must tell the wrong rule apart"
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    vocab=st.integers(2, 12),
+    sharpness=st.floats(0.1, 6.0),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_property_hierarchical_step_is_exact(vocab, sharpness, seed):
+    g = torch.Generator().manual_seed(seed)
+    p, q, r = (random_simplex(g, vocab, sharpness) for _ in range(3))
+    assert torch.allclose(emitted(emitted(r, q, r), p, q), p, atol=1e-6)
 
 
 def test_wrong_rule_total_variation_is_large_somewhere():

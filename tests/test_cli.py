@@ -1,0 +1,65 @@
+"""The command line: argument handling, and a short end-to-end run of each command."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from hf_triforce.cli import build_parser, main
+
+from .conftest import make_model
+from .tokenizer_util import text_of, word_tokenizer
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["demo", "--context", "0"],
+        ["demo", "--draft", "mystery"],
+        ["bench", "--methods", "warp-drive"],
+        ["bench", "--rope-factor", "0.5"],
+        ["generate"],
+        [],
+    ],
+)
+def test_bad_arguments_exit_with_usage(argv, capsys):
+    with pytest.raises(SystemExit) as info:
+        build_parser().parse_args(argv)
+    assert info.value.code == 2
+    assert "usage" in capsys.readouterr().err
+
+
+def test_bad_play_and_missing_prompt_file(tmp_path):
+    with pytest.raises(SystemExit, match="--play must be one of"):
+        main(["demo", "--play", "cats"])
+    with pytest.raises(SystemExit, match="does not exist"):
+        main(["generate", "--prompt-file", str(tmp_path / "nope.txt")])
+
+
+def test_bench_refuses_contexts_beyond_the_positions():
+    with pytest.raises(SystemExit, match="--rope-factor"):
+        main(["bench", "--contexts", "9000"])
+
+
+def test_generate_streams_on_a_tiny_local_model(tmp_path, capsys):
+    model, tokenizer = make_model("llama-gqa"), word_tokenizer()
+    model.save_pretrained(tmp_path / "m")
+    tokenizer.save_pretrained(tmp_path / "m")
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_text(text_of(list(range(40)) * 3))
+    assert main(["generate", "--model", str(tmp_path / "m"), "--prompt-file", str(prompt), "--max-new-tokens", "6",
+                 "--draft", "ngram", "--budget", "32", "--window", "16", "--stats"]) == 0
+    out = capsys.readouterr().out
+    assert "force3_acceptance" in out and out.split("{")[0].strip()
+
+
+def test_demo_and_bench_end_to_end_on_smollm2(tmp_path, capsys):
+    assert main(["demo", "--context", "300", "--new-tokens", "6", "--draft", "ngram", "--budget", "64"]) == 0
+    assert "Greedy outputs identical to plain generate: YES" in capsys.readouterr().out
+    out_dir = tmp_path / "bench"
+    assert main(["bench", "--contexts", "200", "--new-tokens", "4", "--repeats", "1", "--methods", "plain",
+                 "static", "triforce-ngram", "--budget", "64", "--out", str(out_dir)]) == 0
+    results = json.loads((out_dir / "results.json").read_text())
+    assert set(results[0]["methods"]) == {"plain", "static", "triforce-ngram"}
+    assert "| triforce-ngram |" in (out_dir / "results.md").read_text()
