@@ -132,7 +132,43 @@ def to_json(context: int, runs: list[Run], prefill_seconds: float) -> dict:
     }
 
 
+def plot(results: list[dict], path: Path) -> bool:
+    """Speedup over plain `generate` vs context, and Force-2/Force-3 acceptance; False without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    contexts = [r["context"] for r in results]
+    methods = list(results[0]["methods"])
+    fig, (speed, accept) = plt.subplots(1, 2, figsize=(11, 4))
+    for method in methods:
+        ratios = [r["methods"][method]["decode_tokens_per_second"]
+                  / r["methods"].get("plain", r["methods"][methods[0]])["decode_tokens_per_second"] for r in results]
+        speed.plot(contexts, ratios, marker="o", label=method)
+        stats = [r["methods"][method]["stats"] for r in results]
+        if all(stats):
+            accept.plot(contexts, [s["force3_acceptance"] for s in stats], marker="o", label=f"{method} F3")
+            if any(s["force1_proposed"] for s in stats):
+                accept.plot(contexts, [s["force2_acceptance"] for s in stats], marker="x", ls="--",
+                            label=f"{method} F2")
+    speed.set(xlabel="context tokens", ylabel="decode speed vs plain generate", title="speedup")
+    accept.set(xlabel="context tokens", ylabel="acceptance", title="acceptance per tier", ylim=(0, 1.05))
+    for axis in (speed, accept):
+        axis.grid(alpha=0.3)
+        axis.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
 def write_results(results: list[dict], tables: list[str], out_dir: Path) -> None:
+    """results.json, results.md and (with matplotlib) results.png in ``out_dir``."""
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "results.json").write_text(json.dumps(results, indent=2))
     (out_dir / "results.md").write_text("\n\n".join(tables) + "\n")
+    if not plot(results, out_dir / "results.png"):
+        print("matplotlib is not installed (pip install hf-triforce[bench]): no results.png")

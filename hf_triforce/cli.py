@@ -27,7 +27,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hf-triforce", description="Exact TriForce speculative decoding")
     commands = parser.add_subparsers(dest="command", required=True)
     demo = commands.add_parser("demo", help="plain generate vs TriForce on SmolLM2-135M and a Shakespeare play")
-    demo.add_argument("--context", type=_positive, default=4096, help="prompt tokens (default 4096)")
+    demo.add_argument("--context", type=_positive, default=8000, help="prompt tokens (default 8000)")
     demo.add_argument("--new-tokens", type=_positive, default=96, help="tokens to generate (default 96)")
     demo.add_argument("--draft", action="append", choices=["self", "ngram"],
                       help="Force-1 drafter(s) to run (default: self and ngram)")
@@ -45,6 +45,11 @@ def build_parser() -> argparse.ArgumentParser:
                        help="extend SmolLM2's RoPE by this YaRN factor (needed beyond 8192 tokens)")
     bench.add_argument("--threads", type=_positive, default=None)
     bench.add_argument("--out", type=Path, default=Path("bench-results"), help="folder for JSON and markdown")
+
+    needle = commands.add_parser("needle", help="Force-2 acceptance: retrieval vs StreamingLLM cache on a needle")
+    needle.add_argument("--context", type=_positive, default=6000)
+    needle.add_argument("--budget", type=_positive, default=512)
+    needle.add_argument("--depths", type=float, nargs="+", default=[0.1, 0.5, 0.9])
 
     gen = commands.add_parser("generate", help="stream a TriForce continuation of a prompt file")
     gen.add_argument("--model", default=None, help="local model folder (default: the bundled SmolLM2-135M)")
@@ -123,6 +128,25 @@ def _bench(args) -> int:
     return 0
 
 
+def _needle(args) -> int:
+    from . import assets
+    from .needle import needle_prompt, tier_acceptance
+
+    if args.context > 8192:
+        raise SystemExit("hf-triforce needle: --context must be at most 8192 (SmolLM2's trained length)")
+    model, tokenizer = assets.load_smollm2()
+    print(f"| depth | retrieval acceptance | StreamingLLM acceptance | retrieval greedy | StreamingLLM greedy | "
+          f"full model answers | (context {args.context}, budget {args.budget})")
+    print("|---|---|---|---|---|---|")
+    for depth in args.depths:
+        prompt, answer = needle_prompt(tokenizer, assets.tragedies(), args.context, depth, code="4721-marmalade")
+        r = tier_acceptance(model, prompt, answer, args.budget)
+        print(f"| {depth:.2f} | {r['retrieval_acceptance']:.3f} | {r['streaming_acceptance']:.3f} | "
+              f"{r['retrieval_greedy']:.2f} | {r['streaming_greedy']:.2f} | {'yes' if r['answer_found'] else 'no'} |",
+              flush=True)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "demo":
@@ -131,10 +155,14 @@ def main(argv: list[str] | None = None) -> int:
 
         if args.play not in SHAKESPEARE_PLAYS:
             raise SystemExit(f"hf-triforce demo: --play must be one of {', '.join(SHAKESPEARE_PLAYS)}")
+        if args.context + args.new_tokens > 8192:
+            raise SystemExit("hf-triforce demo: --context + --new-tokens must stay within SmolLM2's 8192 positions")
         return run_demo(args.context, args.new_tokens, args.draft or ["self", "ngram"], args.budget, args.play,
                         args.threads)
     if args.command == "generate":
         return _generate(args)
+    if args.command == "needle":
+        return _needle(args)
     return _bench(args)
 
 

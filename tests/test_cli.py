@@ -63,3 +63,21 @@ def test_demo_and_bench_end_to_end_on_smollm2(tmp_path, capsys):
     results = json.loads((out_dir / "results.json").read_text())
     assert set(results[0]["methods"]) == {"plain", "static", "triforce-ngram"}
     assert "| triforce-ngram |" in (out_dir / "results.md").read_text()
+    assert (out_dir / "results.png").stat().st_size > 1000
+
+
+def test_needle_acceptance_on_a_tiny_model():
+    from hf_triforce.needle import needle_prompt, tier_acceptance
+
+    tokenizer = word_tokenizer()
+    haystack = text_of([i % 90 for i in range(7, 700)])
+    prompt, answer = needle_prompt(tokenizer, haystack, 300, 0.5, code="t91 t92 t93")
+    assert prompt.shape[1] == 300
+    model = make_model("llama-gqa")
+    small = tier_acceptance(model, prompt, answer, budget=64)
+    for key in ("retrieval_acceptance", "streaming_acceptance", "retrieval_greedy", "streaming_greedy"):
+        assert 0.0 <= small[key] <= 1.0
+    whole = tier_acceptance(model, prompt, answer, budget=512)  # the budget holds the whole prompt
+    assert whole["retrieval_acceptance"] > 0.999 and whole["retrieval_greedy"] == 1.0
+    with pytest.raises(ValueError, match="depth"):
+        needle_prompt(tokenizer, haystack, 300, 1.5, code="t1")
