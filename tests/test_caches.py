@@ -76,3 +76,17 @@ def test_retrieval_selects_the_chunks_most_aligned_with_the_query():
     # sink chunk first, recent tokens last
     assert torch.equal(kept[0, :, :chunk], keys[0, :, :chunk])
     assert torch.equal(kept[0, :, -4:], keys[0, :, -4:])
+
+
+def test_retrieval_layout_never_exceeds_the_budget():
+    for recent in (0, 8, 24, 56):
+        for upto in (65, 67, 70, 100, 131):
+            full = BufferCache(1, upto)
+            keys = torch.randn(1, 2, upto, 4)
+            full.layers[0].write(keys, keys.clone())
+            cache = RetrievalCache(1, budget=64, chunk_size=8, recent=recent, tail_capacity=4)
+            cache.select(full, upto, {0: torch.randn(1, 4, 4)})
+            assert cache.layers[0].length <= 64
+            kept = cache.layers[0].valid()[0]
+            if recent:
+                assert torch.equal(kept[0, :, -recent:], keys[0, :, -recent:])

@@ -73,9 +73,9 @@ class RetrievalCache(BufferCache):
             if self.sees_whole_cache:
                 layer.write(keys, values)
                 continue
-            n_mid = max(0, (upto - self.recent - cs) // cs)
-            recent_start = cs * (1 + n_mid)
-            k = min(n_mid, (self.budget - cs - (upto - recent_start)) // cs)
+            recent_start = upto - self.recent  # > cs here: upto > budget >= recent + cs
+            n_mid = (recent_start - cs) // cs  # complete chunks between the sink chunk and the recent tokens
+            k = min(n_mid, (self.budget - cs - self.recent) // cs)
             layer.write(keys[:, :, :cs], values[:, :, :cs])
             if k > 0:
                 summaries = self._chunk_summaries(layer_idx, source.keys, n_mid)  # [b, kv, n_mid, d]
