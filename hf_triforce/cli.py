@@ -36,6 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--threads", type=_positive, default=None, help="torch threads (default: torch's choice)")
 
     bench = commands.add_parser("bench", help="decode speed of each method at several context lengths")
+    bench.add_argument("--model", default=None, help="local model folder (default: the bundled SmolLM2-135M)")
     bench.add_argument("--contexts", type=_positive, nargs="+", default=[4096], help="prompt lengths in tokens")
     bench.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
     bench.add_argument("--new-tokens", type=_positive, default=128)
@@ -106,14 +107,26 @@ def _bench(args) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    limit = 8192 if args.rope_factor is None else int(8192 * args.rope_factor)
+    if args.model is not None:
+        if args.rope_factor is not None:
+            raise SystemExit("hf-triforce bench: --rope-factor applies to the bundled SmolLM2 only; set "
+                             "rope_parameters in your model's config instead")
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        model = AutoModelForCausalLM.from_pretrained(args.model).eval()
+        tokenizer = AutoTokenizer.from_pretrained(args.model)
+        limit = getattr(model.config, "max_position_embeddings", None) or 1 << 30
+    else:
+        limit = 8192 if args.rope_factor is None else int(8192 * args.rope_factor)
     too_long = [c for c in args.contexts if c + args.new_tokens > limit]
     if too_long:
         raise SystemExit(f"hf-triforce bench: contexts {too_long} + new tokens exceed {limit} positions; "
                          "pass --rope-factor (e.g. 4 for 32k)")
-    overrides = assets.yarn_rope(args.rope_factor) if args.rope_factor else {}
-    model, tokenizer = assets.load_smollm2(**overrides)
+    if args.model is None:
+        model, tokenizer = assets.load_smollm2(**(assets.yarn_rope(args.rope_factor) if args.rope_factor else {}))
     text_ids = tokenizer(assets.tragedies(), return_tensors="pt").input_ids
+    if text_ids.shape[1] < max(args.contexts):
+        raise SystemExit(f"hf-triforce bench: the text has only {text_ids.shape[1]} tokens")
     results, tables = [], []
     for context in args.contexts:
         ids = text_ids[:, :context]

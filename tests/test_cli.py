@@ -52,6 +52,12 @@ def test_generate_streams_on_a_tiny_local_model(tmp_path, capsys):
                  "--draft", "ngram", "--budget", "32", "--window", "16", "--stats"]) == 0
     out = capsys.readouterr().out
     assert "force3_acceptance" in out and out.split("{")[0].strip()
+    bench_dir = tmp_path / "bench"
+    assert main(["bench", "--model", str(tmp_path / "m"), "--contexts", "120", "--new-tokens", "3", "--repeats", "1",
+                 "--methods", "plain", "triforce-ngram", "--budget", "32", "--out", str(bench_dir)]) == 0
+    assert "| triforce-ngram |" in (bench_dir / "results.md").read_text()
+    with pytest.raises(SystemExit, match="rope-factor applies"):
+        main(["bench", "--model", str(tmp_path / "m"), "--rope-factor", "2"])
 
 
 def test_demo_and_bench_end_to_end_on_smollm2(tmp_path, capsys):
