@@ -31,6 +31,16 @@ def forward_logits(model, tokens: torch.Tensor, cache, start: int, keep: int) ->
     return out.logits[0]
 
 
+def score_continuation(model, cache, cached: int, extended: torch.Tensor, prefix: int,
+                       processors: LogitsProcessorList) -> tuple[torch.Tensor, torch.Tensor]:
+    """Raw logits and processed scores for every position after ``extended[:, :prefix]``.
+
+    ``cache`` holds the first ``cached`` tokens of ``extended``; the rest is fed in one forward.
+    """
+    logits = forward_logits(model, extended[:, cached:], cache, cached, extended.shape[1] - prefix + 1)
+    return logits, process_rows(processors, extended, logits, prefix)
+
+
 class TriForceCandidateGenerator(CandidateGenerator):
     """Force 1 drafts, Force 2 (the target on a `RetrievalCache`) verifies; hands up Force 2's tokens.
 
@@ -65,12 +75,11 @@ class TriForceCandidateGenerator(CandidateGenerator):
 
     def force2_scores(self, sequence: torch.Tensor, proposals: list[int]) -> torch.Tensor:
         """Processed Force-2 scores for each proposal's position and the one after."""
-        seen = self.seen
         extended = torch.cat((sequence, sequence.new_tensor([proposals])), dim=1) if proposals else sequence
         start = time.perf_counter()
-        logits = forward_logits(self.model, extended[:, seen:], self.cache, seen, len(proposals) + 1)
+        _, scores = score_continuation(self.model, self.cache, self.seen, extended, sequence.shape[1], self.processors)
         self.stats.force2_seconds += time.perf_counter() - start
-        return process_rows(self.processors, extended, logits, sequence.shape[1])
+        return scores
 
     def get_candidates(self, input_ids: torch.LongTensor, max_candidates: int | None = None):
         wanted = self.config.gamma2 if max_candidates is None else min(self.config.gamma2, max_candidates)
@@ -233,8 +242,7 @@ def triforce_decode(
         uncached = length - full.length
         begin = time.perf_counter()
         with RECORDER.recording():
-            logits = forward_logits(model, candidates[:, full.length :], full, full.length, len(proposals) + 1)
-        p_scores = process_rows(processors, candidates, logits, length)
+            logits, p_scores = score_continuation(model, full, full.length, candidates, length, processors)
         stats.force3_seconds += time.perf_counter() - begin
         q_probs = scores_to_probs(q_scores[0]) if do_sample and q_scores is not None else None
         accepted, next_token = verify_chain(proposals, q_probs, p_scores, do_sample)
