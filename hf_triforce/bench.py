@@ -2,11 +2,14 @@
 
 Decode time excludes the prefill (reported apart); each method's median over ``repeats`` rounds is
 reported with its ratio to plain `generate` and to the static-cache baseline, acceptance per tier and
-cache memory. ``lookup`` runs from scratch (transformers' assisted decoding mishandles a pre-filled
-cache) and the shared prefill time is subtracted from its total: an approximation.
-Methods: ``plain`` (DynamicCache), ``static`` (StaticCache), ``lookup`` (HF prompt lookup),
-``streaming-self`` (StreamingLLM-cache self-speculation: TriForce without its middle tier),
-``triforce-self`` and ``triforce-ngram``.
+cache memory. ``lookup`` and ``assisted`` run from scratch (transformers' assisted decoding mishandles a
+pre-filled cache) and the shared prefill time is subtracted from their totals: an approximation;
+``assisted`` still pays its draft model's prefill of the whole prompt, as it does on every call.
+Methods: ``plain`` (DynamicCache), ``static`` (StaticCache), ``lookup`` (HF prompt lookup), ``assisted``
+(HF assisted generation with the draft model), ``streaming-self`` (StreamingLLM-cache self-speculation:
+TriForce without its middle tier), ``triforce-self``, ``triforce-ngram`` and ``triforce-draft`` (the draft
+model as Force 1). Greedy by default; with ``sampling`` every method samples with the same settings and
+seed, and the "identical" column does not apply.
 """
 
 from __future__ import annotations
@@ -26,7 +29,9 @@ from .config import TriForceConfig
 from .hierarchy import prefill
 from .stats import TriForceStats
 
-METHODS = ("plain", "static", "lookup", "streaming-self", "triforce-self", "triforce-ngram")
+METHODS = ("plain", "static", "lookup", "assisted", "streaming-self", "triforce-self", "triforce-ngram",
+           "triforce-draft")
+DRAFT_METHODS = ("assisted", "triforce-draft")
 
 
 @dataclass
@@ -57,48 +62,68 @@ def static_copy(model, prefix: DynamicCache, max_len: int) -> StaticCache:
     return cache
 
 
-def method_kwargs(method: str, model, prefix: DynamicCache, max_len: int, budget: int) -> dict:
+def method_kwargs(method: str, model, prefix: DynamicCache, max_len: int, budget: int, draft_model=None) -> dict:
+    if method in DRAFT_METHODS and draft_model is None:
+        raise ValueError(f"method {method!r} needs a draft model")
     if method == "plain":
         return {"cache": copy.deepcopy(prefix)}
     if method == "static":
         return {"cache": static_copy(model, prefix, max_len)}
     if method == "lookup":  # from scratch: HF's assisted decoding mishandles a pre-filled cache (5.24)
         return {"prompt_lookup_num_tokens": 10}
+    if method == "assisted":  # from scratch, like lookup
+        return {"assistant_model": draft_model}
     if method.startswith(("triforce-", "streaming-")):
         levels, draft = (3, method.removeprefix("triforce-")) if method.startswith("triforce-") else (2, "self")
+        draft = draft_model if draft == "draft" else draft
         config = TriForceConfig(draft=draft, retrieval_budget=budget, chunk_size=8, sink_tokens=16, window=256,
                                 gamma1=2, gamma2=6 if levels == 3 else 4, levels=levels)
         return {"cache": prefix, "triforce_config": config, "return_dict_in_generate": True}
     raise ValueError(f"method must be one of {METHODS}, got {method!r}")
 
 
-def measure(model, ids, prefix, method: str, new_tokens: int, budget: int, run: Run, prefill_seconds: float) -> None:
-    """One timed greedy run; ``lookup`` prefills itself, so the shared prefill time is subtracted."""
-    kwargs = method_kwargs(method, model, prefix, ids.shape[1] + new_tokens + 16, budget)
+def measure(model, ids, prefix, method: str, new_tokens: int, budget: int, run: Run, prefill_seconds: float,
+            draft_model=None, sampling: dict | None = None, seed: int = 0) -> None:
+    """One timed run (greedy, or ``sampling`` kwargs seeded with ``seed``); ``lookup`` and ``assisted``
+    prefill the prompt themselves, so the shared prefill time is subtracted from theirs."""
+    kwargs = method_kwargs(method, model, prefix, ids.shape[1] + new_tokens + 16, budget, draft_model)
+    kwargs.update(sampling or {"do_sample": False})
+    torch.manual_seed(seed)
     start = time.perf_counter()
-    out = model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, **kwargs)
+    out = model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **kwargs)
     seconds = time.perf_counter() - start
-    run.seconds.append(seconds - prefill_seconds if method == "lookup" else seconds)
+    run.seconds.append(seconds - prefill_seconds if method in ("lookup", "assisted") else seconds)
     sequences = out.sequences if hasattr(out, "sequences") else out
     run.new_tokens = sequences.shape[1] - ids.shape[1]
     run.sequences = sequences
     run.stats = getattr(out, "triforce_stats", None)
 
 
-def compare(model, ids, methods, new_tokens: int, repeats: int, budget: int) -> tuple[list[Run], float]:
-    """Prefill once, then ``repeats`` rounds over all methods in turn; returns runs and prefill seconds."""
+def compare(model, ids, methods, new_tokens: int, repeats: int, budget: int, draft_model=None,
+            sampling: dict | None = None) -> tuple[list[Run], float]:
+    """Prefill once, then ``repeats`` rounds over all methods in turn; returns runs and prefill seconds.
+
+    ``sampling``: generate kwargs such as ``{"do_sample": True, "temperature": 0.8}``; round ``i`` seeds
+    every method with ``i``.
+    """
+    missing = [m for m in methods if m not in METHODS]
+    if missing:
+        raise ValueError(f"methods must be among {METHODS}, got {missing}")
+    if draft_model is None and any(m in DRAFT_METHODS for m in methods):
+        raise ValueError(f"methods {DRAFT_METHODS} need a draft model (draft_model=...)")
     start = time.perf_counter()
     prefix = prefill_prefix(model, ids)
     prefill_seconds = time.perf_counter() - start
     runs = [Run(m) for m in methods]
-    for _ in tqdm(range(repeats), desc=f"decode {ids.shape[1]} ctx", unit="round"):
+    for round_index in tqdm(range(repeats), desc=f"decode {ids.shape[1]} ctx", unit="round"):
         for run in runs:
-            measure(model, ids, prefix, run.method, new_tokens, budget, run, prefill_seconds)
+            measure(model, ids, prefix, run.method, new_tokens, budget, run, prefill_seconds, draft_model, sampling,
+                    seed=round_index)
     return runs, prefill_seconds
 
 
-def table(runs: list[Run]) -> str:
-    """Markdown table; ratios against ``plain`` and ``static`` where present."""
+def table(runs: list[Run], sampled: bool = False) -> str:
+    """Markdown table; ratios against ``plain`` and ``static`` where present (no identity check if ``sampled``)."""
     by_name = {run.method: run for run in runs}
     base, static = by_name.get("plain", runs[0]), by_name.get("static")
     lines = ["| method | decode tok/s | vs plain | vs static | F2 acc. | F3 acc. | tok/F3 step | "
@@ -109,17 +134,18 @@ def table(runs: list[Run]) -> str:
                  f"{s.full_cache_bytes / 2**20:.0f}/{s.retrieval_cache_bytes / 2**20:.1f}/"
                  f"{s.draft_cache_bytes / 2**20:.1f}"] if s else ["-"] * 4
         vs_static = f"{run.tokens_per_second / static.tokens_per_second:.2f}x" if static else "-"
-        same = "yes" if torch.equal(run.sequences, base.sequences) else "NO"
+        same = "n/a (sampled)" if sampled else "yes" if torch.equal(run.sequences, base.sequences) else "NO"
         lines.append(f"| {run.method} | {run.tokens_per_second:.2f} | "
                      f"{run.tokens_per_second / base.tokens_per_second:.2f}x | {vs_static} | "
                      + " | ".join(cells) + f" | {same} |")
     return "\n".join(lines)
 
 
-def to_json(context: int, runs: list[Run], prefill_seconds: float) -> dict:
+def to_json(context: int, runs: list[Run], prefill_seconds: float, sampling: dict | None = None) -> dict:
     return {
         "context": context,
         "prefill_seconds": prefill_seconds,
+        "sampling": sampling,
         "methods": {
             run.method: {
                 "decode_tokens_per_second": run.tokens_per_second,

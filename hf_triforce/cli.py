@@ -21,8 +21,25 @@ def _positive_float(value: str) -> float:
     return number
 
 
+def _probability(value: str) -> float:
+    number = float(value)
+    if not 0.0 < number <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {value}")
+    return number
+
+
+def _temperature(value: str) -> float:
+    number = float(value)
+    if not number > 0.0:
+        raise argparse.ArgumentTypeError(f"must be above 0, got {value}")
+    return number
+
+
 def build_parser() -> argparse.ArgumentParser:
+    from .assets import MODELS, TEXTS
     from .bench import METHODS
+
+    model_help = f"one of {', '.join(MODELS)} or a local model folder"
 
     parser = argparse.ArgumentParser(prog="hf-triforce", description="Exact TriForce speculative decoding")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -36,9 +53,17 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--threads", type=_positive, default=None, help="torch threads (default: torch's choice)")
 
     bench = commands.add_parser("bench", help="decode speed of each method at several context lengths")
-    bench.add_argument("--model", default=None, help="local model folder (default: the bundled SmolLM2-135M)")
+    bench.add_argument("--model", default=None, help=f"target: {model_help} (default smollm2-135m)")
+    bench.add_argument("--draft-model", default=None,
+                       help=f"draft for the 'assisted' and 'triforce-draft' methods: {model_help}")
+    bench.add_argument("--text", choices=sorted(TEXTS), default="shakespeare",
+                       help="prompt text: Shakespeare's tragedies or Python's standard-library source")
     bench.add_argument("--contexts", type=_positive, nargs="+", default=[4096], help="prompt lengths in tokens")
-    bench.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
+    bench.add_argument("--methods", nargs="+", choices=METHODS, default=None,
+                       help="default: every method (the draft-model ones only with --draft-model)")
+    bench.add_argument("--sample", action="store_true", help="sample (seeded per round) instead of greedy decoding")
+    bench.add_argument("--temperature", type=_temperature, default=1.0)
+    bench.add_argument("--top-p", type=_probability, default=1.0)
     bench.add_argument("--new-tokens", type=_positive, default=128)
     bench.add_argument("--repeats", type=_positive, default=3, help="rounds per method; the median is reported")
     bench.add_argument("--budget", type=_positive, default=512, help="retrieval budget in tokens")
@@ -53,13 +78,13 @@ def build_parser() -> argparse.ArgumentParser:
     needle.add_argument("--depths", type=float, nargs="+", default=[0.1, 0.5, 0.9])
 
     gen = commands.add_parser("generate", help="stream a TriForce continuation of a prompt file")
-    gen.add_argument("--model", default=None, help="local model folder (default: the bundled SmolLM2-135M)")
+    gen.add_argument("--model", default=None, help=f"{model_help} (default smollm2-135m)")
     gen.add_argument("--prompt-file", type=Path, required=True)
     gen.add_argument("--max-new-tokens", type=_positive, default=128)
     gen.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
-    gen.add_argument("--temperature", type=float, default=1.0)
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--draft", default="self", help="'self', 'ngram' or a local draft model folder")
+    gen.add_argument("--temperature", type=_temperature, default=1.0)
+    gen.add_argument("--top-p", type=_probability, default=1.0)
+    gen.add_argument("--draft", default="self", help=f"'self', 'ngram' or a draft model: {model_help}")
     gen.add_argument("--budget", type=_positive, default=512, help="retrieval budget in tokens")
     gen.add_argument("--chunk-size", type=_positive, default=8)
     gen.add_argument("--gamma1", type=_positive, default=2)
@@ -71,21 +96,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _generate(args) -> int:
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TextStreamer
+    from transformers import TextStreamer
 
-    from . import assets
     from .config import TriForceConfig
 
     if not args.prompt_file.is_file():
         raise SystemExit(f"hf-triforce generate: --prompt-file {args.prompt_file} does not exist")
-    if args.model is None:
-        model, tokenizer = assets.load_smollm2()
-    else:
-        model = AutoModelForCausalLM.from_pretrained(args.model).eval()
-        tokenizer = AutoTokenizer.from_pretrained(args.model)
+    model, tokenizer = _load("generate", "--model", args.model)
     draft = args.draft
     if draft not in ("self", "ngram"):
-        draft = AutoModelForCausalLM.from_pretrained(draft).eval()
+        draft = _load("generate", "--draft", draft)[0]
     config = TriForceConfig(draft=draft, retrieval_budget=args.budget, chunk_size=args.chunk_size,
                             gamma1=args.gamma1, gamma2=args.gamma2, sink_tokens=args.sink_tokens, window=args.window,
                             show_progress=True)
@@ -99,46 +119,63 @@ def _generate(args) -> int:
     return 0
 
 
+def _load(command: str, option: str, name_or_path: str | None, **config_overrides):
+    from .assets import load_model
+
+    try:
+        return load_model(name_or_path, **config_overrides)
+    except FileNotFoundError as error:
+        raise SystemExit(f"hf-triforce {command}: {option}: {error}") from error
+
+
 def _bench(args) -> int:
     import torch
 
     from . import assets
-    from .bench import compare, table, to_json, write_results
+    from .bench import DRAFT_METHODS, METHODS, compare, table, to_json, write_results
 
+    methods = args.methods or [m for m in METHODS if args.draft_model or m not in DRAFT_METHODS]
+    needs_draft = [m for m in methods if m in DRAFT_METHODS]
+    if needs_draft and args.draft_model is None:
+        raise SystemExit(f"hf-triforce bench: methods {needs_draft} need --draft-model")
+    if args.rope_factor is not None and args.model not in (None, "smollm2-135m"):
+        raise SystemExit("hf-triforce bench: --rope-factor applies to the bundled SmolLM2 only; set "
+                         "rope_parameters in your model's config instead")
     if args.threads:
         torch.set_num_threads(args.threads)
-    if args.model is not None:
-        if args.rope_factor is not None:
-            raise SystemExit("hf-triforce bench: --rope-factor applies to the bundled SmolLM2 only; set "
-                             "rope_parameters in your model's config instead")
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        model = AutoModelForCausalLM.from_pretrained(args.model).eval()
-        tokenizer = AutoTokenizer.from_pretrained(args.model)
-        limit = getattr(model.config, "max_position_embeddings", None) or 1 << 30
-    else:
+    overrides = assets.yarn_rope(args.rope_factor) if args.rope_factor else {}
+    if args.model in (None, "smollm2-135m"):  # checked before the (slow) load
         limit = 8192 if args.rope_factor is None else int(8192 * args.rope_factor)
-    too_long = [c for c in args.contexts if c + args.new_tokens > limit]
-    if too_long:
-        raise SystemExit(f"hf-triforce bench: contexts {too_long} + new tokens exceed {limit} positions; "
-                         "pass --rope-factor (e.g. 4 for 32k)")
-    if args.model is None:
-        model, tokenizer = assets.load_smollm2(**(assets.yarn_rope(args.rope_factor) if args.rope_factor else {}))
-    text_ids = tokenizer(assets.tragedies(), return_tensors="pt").input_ids
+        _check_contexts(args, limit)
+    model, tokenizer = _load("bench", "--model", args.model, **overrides)
+    _check_contexts(args, getattr(model.config, "max_position_embeddings", None) or 1 << 30)
+    draft_model = _load("bench", "--draft-model", args.draft_model)[0] if args.draft_model else None
+    text_ids = tokenizer(assets.TEXTS[args.text](), return_tensors="pt").input_ids
     if text_ids.shape[1] < max(args.contexts):
         raise SystemExit(f"hf-triforce bench: the text has only {text_ids.shape[1]} tokens")
+    sampling = {"do_sample": True, "temperature": args.temperature, "top_p": args.top_p} if args.sample else None
+    mode = f"sampling (temperature {args.temperature}, top-p {args.top_p})" if args.sample else "greedy"
     results, tables = [], []
     for context in args.contexts:
         ids = text_ids[:, :context]
-        runs, prefill_seconds = compare(model, ids, args.methods, args.new_tokens, args.repeats, args.budget)
-        rendered = (f"### context {context} tokens (prefill {prefill_seconds:.1f} s, {args.new_tokens} new tokens, "
-                    f"median of {args.repeats}, torch threads {torch.get_num_threads()})\n\n" + table(runs))
+        runs, prefill_seconds = compare(model, ids, methods, args.new_tokens, args.repeats, args.budget, draft_model,
+                                        sampling)
+        rendered = (f"### context {context} tokens, {args.text}, {mode} (prefill {prefill_seconds:.1f} s, "
+                    f"{args.new_tokens} new tokens, median of {args.repeats}, torch threads "
+                    f"{torch.get_num_threads()})\n\n" + table(runs, sampled=args.sample))
         print(rendered, flush=True)
-        results.append(to_json(context, runs, prefill_seconds))
+        results.append(to_json(context, runs, prefill_seconds, sampling))
         tables.append(rendered)
         write_results(results, tables, args.out)
     print(f"wrote {args.out}/results.json and results.md")
     return 0
+
+
+def _check_contexts(args, limit: int) -> None:
+    too_long = [c for c in args.contexts if c + args.new_tokens > limit]
+    if too_long:
+        raise SystemExit(f"hf-triforce bench: contexts {too_long} + new tokens exceed {limit} positions; "
+                         "pass --rope-factor (e.g. 4 for 32k) for SmolLM2, or extend your model's RoPE")
 
 
 def _needle(args) -> int:

@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from hf_triforce.bench import METHODS
 from hf_triforce.cli import build_parser, main
 
 from .conftest import make_model
@@ -19,6 +20,9 @@ from .tokenizer_util import text_of, word_tokenizer
         ["demo", "--draft", "mystery"],
         ["bench", "--methods", "warp-drive"],
         ["bench", "--rope-factor", "0.5"],
+        ["bench", "--top-p", "0"],
+        ["bench", "--temperature", "-1"],
+        ["bench", "--text", "klingon"],
         ["generate"],
         [],
     ],
@@ -42,6 +46,15 @@ def test_bench_refuses_contexts_beyond_the_positions():
         main(["bench", "--contexts", "9000"])
 
 
+def test_bench_names_what_is_missing(tmp_path):
+    with pytest.raises(SystemExit, match=r"\['assisted'\] need --draft-model"):
+        main(["bench", "--methods", "plain", "assisted"])
+    with pytest.raises(SystemExit, match="--model: model must be one of .*smollm2-135m"):
+        main(["bench", "--model", str(tmp_path / "missing")])
+    with pytest.raises(SystemExit, match="--rope-factor applies to the bundled SmolLM2 only"):
+        main(["bench", "--model", "qwen2.5-coder-1.5b", "--rope-factor", "2"])
+
+
 def test_generate_streams_on_a_tiny_local_model(tmp_path, capsys):
     model, tokenizer = make_model("llama-gqa"), word_tokenizer()
     model.save_pretrained(tmp_path / "m")
@@ -58,6 +71,31 @@ def test_generate_streams_on_a_tiny_local_model(tmp_path, capsys):
     assert "| triforce-ngram |" in (bench_dir / "results.md").read_text()
     with pytest.raises(SystemExit, match="rope-factor applies"):
         main(["bench", "--model", str(tmp_path / "m"), "--rope-factor", "2"])
+
+
+def test_bench_with_a_draft_model_and_sampling(tmp_path, capsys):
+    target, draft, tokenizer = make_model("llama-gqa"), make_model("llama-mha", seed=3), word_tokenizer()
+    for name, model in (("target", target), ("draft", draft)):
+        model.save_pretrained(tmp_path / name)
+        tokenizer.save_pretrained(tmp_path / name)
+    out_dir = tmp_path / "bench"
+    argv = ["bench", "--model", str(tmp_path / "target"), "--draft-model", str(tmp_path / "draft"), "--contexts",
+            "120", "--new-tokens", "4", "--repeats", "2", "--budget", "32", "--out", str(out_dir)]
+    assert main(argv + ["--methods", "plain", "assisted", "triforce-draft"]) == 0
+    greedy = json.loads((out_dir / "results.json").read_text())[0]
+    assert greedy["sampling"] is None and set(greedy["methods"]) == {"plain", "assisted", "triforce-draft"}
+    rows = [line for line in (out_dir / "results.md").read_text().splitlines() if line.startswith("| ")]
+    assert all(line.endswith("| yes |") for line in rows[1:]), rows  # greedy: every method equals plain
+    stats = greedy["methods"]["triforce-draft"]["stats"]
+    assert stats["force1_proposed"] > 0 and len(greedy["methods"]["assisted"]["seconds"]) == 2
+    # default methods with a draft model: all of them; sampling: seeded, no identity claim
+    assert main(argv + ["--sample", "--temperature", "0.7", "--top-p", "0.9"]) == 0
+    sampled = json.loads((out_dir / "results.json").read_text())[0]
+    assert set(sampled["methods"]) == set(METHODS)
+    assert sampled["sampling"] == {"do_sample": True, "temperature": 0.7, "top_p": 0.9}
+    assert all(m["new_tokens"] == 4 for m in sampled["methods"].values())
+    assert "n/a (sampled)" in (out_dir / "results.md").read_text()
+    assert "sampling (temperature 0.7, top-p 0.9)" in capsys.readouterr().out
 
 
 def test_demo_and_bench_end_to_end_on_smollm2(tmp_path, capsys):
