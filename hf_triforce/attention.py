@@ -2,12 +2,18 @@
 
 `Cache.update` never sees the query, so Force 2's chunk selection gets it here: ``triforce_<base>`` wraps
 the model's own attention implementation ``<base>`` (sdpa, eager, ...) and records the post-RoPE query of
-each layer while a `QueryRecorder` is active. Multi-token masked SDPA calls on GQA models (verification,
-chunked prefill) take `gqa_sdpa`, which does not expand K/V; everything else is ``<base>`` itself.
+each layer while a `QueryRecorder` is active. Multi-token calls (verification, chunked prefill) stay
+GQA-native: on CUDA with flash-attn installed and fp16/bf16 tensors they take `flash_verify`; otherwise
+masked SDPA calls on GQA models take `gqa_sdpa`, which does not expand K/V. Everything else is ``<base>``.
+
+Invariant relied upon (TriForce's caches guarantee it): batch size 1, no padding, and every new token is
+appended after all cached entries, so the mask of a multi-token call is "all cached entries, then causal
+among the new tokens" — bottom-right-aligned causal attention.
 """
 
 from __future__ import annotations
 
+import functools
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -67,6 +73,47 @@ def gqa_sdpa(module, query, key, value, attention_mask, scaling=None, dropout=0.
     return out.reshape(batch, heads, q_len, dim).transpose(1, 2).contiguous(), None
 
 
+@functools.cache
+def _flash_attn_func():
+    """flash-attn's ``flash_attn_func``, or None where it is not installed (CPU installs never need it)."""
+    try:
+        from flash_attn import flash_attn_func
+    except ImportError:
+        return None
+    return flash_attn_func
+
+
+def flash_verify(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """Multi-token attention through flash-attn: GQA-native, bottom-right causal, no mask tensor.
+
+    ``query`` is ``[1, heads, q, d]``, ``key``/``value`` ``[1, kv_heads, kv, d]`` (cached entries, then the q
+    new ones); returns ``[1, q, heads, d]`` like transformers' attention functions.
+    """
+    out = _flash_attn_func()(
+        query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
+        dropout_p=dropout if module.training else 0.0, softmax_scale=scaling, causal=True,
+    )
+    return out, None
+
+
+def _flash_device(query: torch.Tensor) -> bool:
+    """flash-attn runs fp16/bf16 on CUDA."""
+    return query.is_cuda and query.dtype in (torch.float16, torch.bfloat16)
+
+
+def _wants_flash(query, kwargs) -> bool:
+    return (
+        _flash_device(query)
+        and query.shape[0] == 1
+        and query.shape[2] > 1
+        and kwargs.get("softcap") is None
+        and kwargs.get("position_bias") is None
+        and kwargs.get("sliding_window") is None
+        and not kwargs.get("output_attentions", False)
+        and _flash_attn_func() is not None
+    )
+
+
 def _wants_gqa_sdpa(base: str, query, key, attention_mask, kwargs) -> bool:
     return (
         base == "sdpa"
@@ -84,6 +131,8 @@ def _make_wrapper(base: str):
     def triforce_attention(module, query, key, value, attention_mask, **kwargs):
         if RECORDER.active:
             RECORDER.queries[module.layer_idx] = query.detach()
+        if base == "sdpa" and _wants_flash(query, kwargs):
+            return flash_verify(module, query, key, value, attention_mask, **kwargs)
         if _wants_gqa_sdpa(base, query, key, attention_mask, kwargs):
             return gqa_sdpa(module, query, key, value, attention_mask, **kwargs)
         return _base_function(base, module)(module, query, key, value, attention_mask, **kwargs)

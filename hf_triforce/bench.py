@@ -8,7 +8,8 @@ pre-filled cache) and the shared prefill time is subtracted from their totals: a
 Methods: ``plain`` (DynamicCache), ``static`` (StaticCache), ``lookup`` (HF prompt lookup), ``assisted``
 (HF assisted generation with the draft model), ``streaming-self`` (StreamingLLM-cache self-speculation:
 TriForce without its middle tier), ``triforce-self``, ``triforce-ngram`` and ``triforce-draft`` (the draft
-model as Force 1). Greedy by default; with ``sampling`` every method samples with the same settings and
+model as Force 1); a ``-int8`` suffix runs Force 1 and Force 2 on int8 copies (``draft_precision="int8"``).
+Greedy by default; with ``sampling`` every method samples with the same settings and
 seed, and the "identical" column does not apply.
 """
 
@@ -29,9 +30,9 @@ from .config import TriForceConfig
 from .hierarchy import prefill
 from .stats import TriForceStats
 
-METHODS = ("plain", "static", "lookup", "assisted", "streaming-self", "triforce-self", "triforce-ngram",
-           "triforce-draft")
-DRAFT_METHODS = ("assisted", "triforce-draft")
+SPECULATIVE = ("streaming-self", "triforce-self", "triforce-ngram", "triforce-draft")
+METHODS = ("plain", "static", "lookup", "assisted", *SPECULATIVE, *(f"{m}-int8" for m in SPECULATIVE))
+DRAFT_METHODS = ("assisted", "triforce-draft", "triforce-draft-int8")
 
 
 @dataclass
@@ -73,11 +74,12 @@ def method_kwargs(method: str, model, prefix: DynamicCache, max_len: int, budget
         return {"prompt_lookup_num_tokens": 10}
     if method == "assisted":  # from scratch, like lookup
         return {"assistant_model": draft_model}
-    if method.startswith(("triforce-", "streaming-")):
-        levels, draft = (3, method.removeprefix("triforce-")) if method.startswith("triforce-") else (2, "self")
+    if method in METHODS and method.startswith(("triforce-", "streaming-")):
+        name, precision = (method.removesuffix("-int8"), "int8") if method.endswith("-int8") else (method, "model")
+        levels, draft = (3, name.removeprefix("triforce-")) if name.startswith("triforce-") else (2, "self")
         draft = draft_model if draft == "draft" else draft
         config = TriForceConfig(draft=draft, retrieval_budget=budget, chunk_size=8, sink_tokens=16, window=256,
-                                gamma1=2, gamma2=6 if levels == 3 else 4, levels=levels)
+                                gamma1=2, gamma2=6 if levels == 3 else 4, levels=levels, draft_precision=precision)
         return {"cache": prefix, "triforce_config": config, "return_dict_in_generate": True}
     raise ValueError(f"method must be one of {METHODS}, got {method!r}")
 

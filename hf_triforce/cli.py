@@ -60,7 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="prompt text: Shakespeare's tragedies or Python's standard-library source")
     bench.add_argument("--contexts", type=_positive, nargs="+", default=[4096], help="prompt lengths in tokens")
     bench.add_argument("--methods", nargs="+", choices=METHODS, default=None,
-                       help="default: every method (the draft-model ones only with --draft-model)")
+                       help="default: all but streaming-self-int8 and triforce-draft-int8 (the draft-model "
+                       "ones only with --draft-model)")
     bench.add_argument("--sample", action="store_true", help="sample (seeded per round) instead of greedy decoding")
     bench.add_argument("--temperature", type=_temperature, default=1.0)
     bench.add_argument("--top-p", type=_probability, default=1.0)
@@ -134,7 +135,8 @@ def _bench(args) -> int:
     from . import assets
     from .bench import DRAFT_METHODS, METHODS, compare, table, to_json, write_results
 
-    methods = args.methods or [m for m in METHODS if args.draft_model or m not in DRAFT_METHODS]
+    methods = args.methods or [m for m in METHODS if (args.draft_model or m not in DRAFT_METHODS)
+                               and m not in ("streaming-self-int8", "triforce-draft-int8")]
     needs_draft = [m for m in methods if m in DRAFT_METHODS]
     if needs_draft and args.draft_model is None:
         raise SystemExit(f"hf-triforce bench: methods {needs_draft} need --draft-model")

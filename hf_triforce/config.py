@@ -6,6 +6,7 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 DRAFT_MODES = ("self", "ngram")
+DRAFT_PRECISIONS = ("model", "int8")
 
 
 def _check_int(name: str, value: Any, minimum: int) -> None:
@@ -32,6 +33,9 @@ class TriForceConfig:
     ngram_max, ngram_min: longest and shortest suffix matched by the ``"ngram"`` drafter.
     prefill_chunk_size: prompt tokens per forward during the chunked prefill of the full cache.
     show_progress: show a tqdm bar during prefill.
+    draft_precision: ``"model"`` (Force 1 and Force 2 run the models as given) or ``"int8"`` (they run a
+        cached dynamic-int8 copy of each fp32 model's linear layers; CPU only). Force 3 always runs the target
+        as given, so the output is exact either way; int8 only changes how often drafts are accepted.
     levels: 3 (TriForce) or 2 (Force 1 verified directly by Force 3: with ``draft="self"`` the
         StreamingLLM-cache self-speculation baseline; Force-2 knobs are then unused).
     """
@@ -51,6 +55,7 @@ class TriForceConfig:
     prefill_chunk_size: int = 2048
     show_progress: bool = False
     levels: int = 3
+    draft_precision: str = "model"
 
     def __post_init__(self) -> None:
         if isinstance(self.draft, str):
@@ -110,6 +115,10 @@ class TriForceConfig:
             )
         if self.levels not in (2, 3):
             raise ValueError(f"TriForceConfig.levels must be 2 or 3, got {self.levels!r}")
+        if self.draft_precision not in DRAFT_PRECISIONS:
+            raise ValueError(
+                f"TriForceConfig.draft_precision must be one of {DRAFT_PRECISIONS}, got {self.draft_precision!r}"
+            )
         if not isinstance(self.show_progress, bool):
             raise ValueError(f"TriForceConfig.show_progress must be a bool, got {self.show_progress!r}")
 

@@ -19,6 +19,8 @@ from .caches.buffer import BufferCache, copy_prefix
 from .caches.retrieval import RetrievalCache
 from .config import TriForceConfig
 from .drafters import ModelDrafter, NgramDrafter
+from .output_head import weight_left_output_layer
+from .quantized import int8_copy
 from .sampling import sample, scores_to_probs, verify_chain
 from .scoring import process_rows
 from .stats import TriForceStats
@@ -158,11 +160,16 @@ class DecodeResult:
     cache: BufferCache | None = None
 
 
+def drafting_copy(model, config: TriForceConfig):
+    """The model as Force 1 / Force 2 run it: itself, or its int8 copy (``draft_precision="int8"``)."""
+    return int8_copy(model) if config.draft_precision == "int8" else model
+
+
 def make_drafter(model, config: TriForceConfig, processors: LogitsProcessorList, do_sample: bool):
     if config.draft == "ngram":
         return NgramDrafter(config.ngram_max, config.ngram_min)
     draft_model = model if config.draft == "self" else config.draft
-    return ModelDrafter(draft_model, config.sink_tokens, config.window, processors, do_sample)
+    return ModelDrafter(drafting_copy(draft_model, config), config.sink_tokens, config.window, processors, do_sample)
 
 
 def prefill(model, tokens: torch.Tensor, cache, chunk_size: int, show_progress: bool = False) -> torch.Tensor:
@@ -199,6 +206,13 @@ def triforce_decode(
     keep_logits: bool = False,
 ) -> DecodeResult:
     """Generate with the three tiers until a stopping criterion or ``max_length``; batch size 1."""
+    with weight_left_output_layer(model):
+        return _decode(model, input_ids, config, processors, stopping_criteria, max_length, do_sample, streamer,
+                       prefix_cache, keep_scores, keep_logits)
+
+
+def _decode(model, input_ids, config, processors, stopping_criteria, max_length, do_sample, streamer, prefix_cache,
+            keep_scores, keep_logits) -> DecodeResult:
     stats = TriForceStats()
     result = DecodeResult(input_ids, stats)
     num_layers = model.config.num_hidden_layers
@@ -228,7 +242,8 @@ def triforce_decode(
 
     drafter = make_drafter(model, config, processors, do_sample)
     if config.levels == 3:
-        generator = TriForceCandidateGenerator(model, drafter, config, processors, do_sample, full, stats)
+        generator = TriForceCandidateGenerator(drafting_copy(model, config), drafter, config, processors, do_sample,
+                                               full, stats)
     else:
         generator = DraftCandidateGenerator(drafter, config, stats)
     if not done:

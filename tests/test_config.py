@@ -32,6 +32,7 @@ from .conftest import make_model
         (dict(prefill_chunk_size=0), "prefill_chunk_size"),
         (dict(show_progress="yes"), "show_progress"),
         (dict(levels=1), "levels must be 2 or 3"),
+        (dict(draft_precision="fp8"), r"draft_precision must be one of \('model', 'int8'\)"),
     ],
 )
 def test_invalid_values_name_the_parameter(kwargs, match):

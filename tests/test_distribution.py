@@ -45,11 +45,11 @@ def sampled_counts(model, prompt, config, runs, **gen):
     return counts, stats
 
 
-def check(draft, gen, processors, levels=3):
+def check(draft, gen, processors, levels=3, **config_kw):
     model = make_model("llama-gqa", vocab_size=VOCAB, seed=3, initializer_range=0.3)
     prompt = random_prompt(48, vocab_size=VOCAB, seed=4, period=13)
     config = TriForceConfig(draft=draft, retrieval_budget=16, chunk_size=4, retrieval_recent=4, sink_tokens=2,
-                            window=8, gamma1=2, gamma2=2, levels=levels)
+                            window=8, gamma1=2, gamma2=2, levels=levels, **config_kw)
     exact = exact_sequence_probs(model, prompt, processors)
     counts, stats = sampled_counts(model, prompt, config, RUNS, **gen)
     keys = sorted(exact)
@@ -78,3 +78,8 @@ def test_ngram_draft_with_warpers_matches_target_distribution():
 
 def test_two_level_baseline_matches_target_distribution():
     check("self", dict(top_p=0.9), LogitsProcessorList([TopPLogitsWarper(0.9)]), levels=2)
+
+
+def test_int8_drafting_tiers_match_target_distribution():
+    """Force 1 and Force 2 on the int8 copy: q and r change, p (Force 3, fp32) is still what comes out."""
+    check("self", dict(temperature=1.3), LogitsProcessorList([TemperatureLogitsWarper(1.3)]), draft_precision="int8")

@@ -70,3 +70,53 @@ def test_eager_attention_implementation():
     model = make_model("llama-gqa", attn_implementation="eager")
     assert_identical(model, random_prompt(80), _config("self"))
     assert model.config._attn_implementation == "eager"
+
+
+@pytest.mark.parametrize("family", ["llama-gqa", "qwen2"])
+@pytest.mark.parametrize("draft,levels", [("self", 3), ("ngram", 3), ("self", 2), ("model", 3)])
+def test_int8_drafting_tiers(family, draft, levels):
+    from hf_triforce.quantized import _COPIES
+
+    model = make_model(family, logit_scale=3.0)
+    before = {name: p.clone() for name, p in model.state_dict().items()}
+    if draft == "model":
+        draft = make_model(family, num_hidden_layers=1, seed=5)
+    stats = assert_identical(model, random_prompt(150, period=37), _config(draft, levels=levels,
+                                                                            draft_precision="int8"))
+    assert stats.force3_steps > 0
+    assert model in _COPIES and (isinstance(draft, str) or draft in _COPIES)  # the tiers ran the int8 copies
+    assert all(type(m) is torch.nn.Linear for m in model.modules() if "Linear" in type(m).__name__)
+    after = model.state_dict()
+    assert all(torch.equal(before[name], after[name]) for name in before)  # the target itself is untouched
+
+
+def test_int8_needs_an_fp32_cpu_model():
+    model = make_model("llama-gqa").to(torch.bfloat16)
+    with pytest.raises(ValueError, match="draft_precision='int8' quantizes an fp32 model"):
+        model.generate(random_prompt(60), max_new_tokens=4, triforce_config=_config("self", draft_precision="int8"))
+
+
+def _reference_flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False):
+    """flash-attn's contract ([b, s, h, d], GQA, bottom-right causal) written with SDPA, for the glue test."""
+    assert causal and dropout_p == 0.0
+    q_len, kv_len = q.shape[1], k.shape[1]
+    mask = torch.ones(q_len, kv_len, dtype=torch.bool).tril(kv_len - q_len)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=softmax_scale, enable_gqa=True
+    )
+    _reference_flash_attn_func.calls += 1
+    return out.transpose(1, 2)
+
+
+def test_flash_attention_glue_keeps_greedy_identity(monkeypatch):
+    """The flash-attn route (CUDA-only in use) run on CPU with a reference kernel: every tier's mask must be
+    bottom-right causal for it to be exact. `tests/test_cuda.py` runs the real kernel where a GPU is present."""
+    from hf_triforce import attention
+
+    _reference_flash_attn_func.calls = 0
+    monkeypatch.setattr(attention, "_flash_device", lambda query: True)
+    monkeypatch.setattr(attention, "_flash_attn_func", lambda: _reference_flash_attn_func)
+    model = make_model("llama-gqa", logit_scale=3.0)
+    for draft in ("self", "ngram"):
+        assert_identical(model, random_prompt(150, period=37), _config(draft, budget=48))
+    assert _reference_flash_attn_func.calls > 0

@@ -1,0 +1,77 @@
+"""Dynamic-int8 copies of a model's linear layers, for the drafting tiers (CPU only).
+
+Force 1 and Force 2 only have to report the distribution they drew from (`sampling.verify_chain` does
+the rest), so they may run a cheaper copy of a model; Force 3 always runs the target as given, so the
+output stays exactly the target's. On a 2-core CPU an int8 linear over 1-8 rows costs about a third of
+the fp32 one, and SmolLM2's 49152-row output layer about a seventh (`docs/results.md`).
+
+The copy shares the config, every non-linear parameter and every buffer with the original (no second
+embedding table, the same attention implementation); each `nn.Linear` is replaced by
+`torch.ao.nn.quantized.dynamic.Linear` (per-channel int8 weights, activations quantized per call,
+fbgemm/x86 kernels) except the MLP output projections (``intermediate_size -> hidden_size``): their inputs
+carry activation outliers (max/rms up to ~600 in SmolLM2, vs ~20 elsewhere) and quantizing them halves the
+agreement with the fp32 model (measured on SmolLM2-135M, 1024 tokens of Macbeth, expected acceptance
+sum(min(p, q)): all linears int8 0.57, MLP output projections kept fp32 0.81). It is made once per
+model object and reused: if you change the model's weights afterwards, call `forget_int8_copy`.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import warnings
+import weakref
+
+import torch
+from torch import nn
+
+_COPIES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def int8_available() -> bool:
+    """Whether this torch build has dynamic int8 quantization for CPU."""
+    quantization = getattr(getattr(torch, "ao", None), "quantization", None)
+    return hasattr(quantization, "quantize_dynamic") and bool(torch.backends.quantized.supported_engines)
+
+
+def int8_copy(model: nn.Module) -> nn.Module:
+    """The cached dynamic-int8 copy of ``model`` (an fp32 model on CPU)."""
+    cached = _COPIES.get(model)
+    if cached is not None:
+        return cached
+    device = next(model.parameters()).device
+    if device.type != "cpu":
+        raise ValueError(f"TriForceConfig.draft_precision='int8' runs on CPU only; the model is on {device}")
+    if next(model.parameters()).dtype != torch.float32:
+        raise ValueError("TriForceConfig.draft_precision='int8' quantizes an fp32 model; this one is "
+                         f"{next(model.parameters()).dtype}")
+    if not int8_available():
+        raise RuntimeError("TriForceConfig.draft_precision='int8' needs torch.ao.quantization.quantize_dynamic, "
+                           f"which torch {torch.__version__} does not provide")
+    shared = {id(t): t for t in itertools.chain(model.parameters(), model.buffers())}
+    shared[id(model.config)] = model.config
+    clone = copy.deepcopy(model, shared)  # new modules, the same tensors
+    spec = {name: torch.ao.quantization.per_channel_dynamic_qconfig for name in int8_layer_names(clone)}
+    with warnings.catch_warnings():  # torch marks torch.ao as deprecated in favour of torchao; still shipped
+        warnings.filterwarnings("ignore", category=DeprecationWarning, module=r"torch\.ao")
+        warnings.filterwarnings("ignore", message=r".*quantize_per_(tensor|channel).*", category=UserWarning)
+        torch.ao.quantization.quantize_dynamic(clone, spec, dtype=torch.qint8, inplace=True)
+    clone.eval()
+    _COPIES[model] = clone
+    return clone
+
+
+def int8_layer_names(model: nn.Module) -> list[str]:
+    """Names of the `nn.Linear` layers the int8 copy quantizes: all but the MLP output projections."""
+    config = model.config
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    intermediate, hidden = getattr(text, "intermediate_size", None), getattr(text, "hidden_size", None)
+    return [
+        name for name, module in model.named_modules()
+        if type(module) is nn.Linear and not (module.in_features == intermediate and module.out_features == hidden)
+    ]
+
+
+def forget_int8_copy(model: nn.Module) -> None:
+    """Drop the cached copy of ``model`` (after its weights changed)."""
+    _COPIES.pop(model, None)

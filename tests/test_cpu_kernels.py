@@ -1,0 +1,67 @@
+"""The CPU speed paths: the weight-left output layer and the int8 drafting copy."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from hf_triforce.output_head import weight_left_output_layer
+from hf_triforce.quantized import forget_int8_copy, int8_copy
+
+from .conftest import make_model
+
+
+def test_weight_left_output_layer_same_values_and_restored():
+    model = make_model("qwen2")
+    head = model.get_output_embeddings()
+    rows = torch.randn(1, 7, head.in_features)
+    one = torch.randn(1, 1, head.in_features)
+    expected_rows, expected_one = head(rows), head(one)
+    with weight_left_output_layer(model) as switched:
+        assert switched and "forward" in vars(head)
+        with weight_left_output_layer(model) as nested:  # already switched: left alone
+            assert not nested
+        got_rows, got_one = head(rows), head(one)
+    assert "forward" not in vars(head)
+    assert torch.equal(got_one, expected_one)  # one row: F.linear itself
+    torch.testing.assert_close(got_rows, expected_rows, rtol=1e-5, atol=1e-5)
+    assert got_rows.shape == expected_rows.shape
+
+
+def test_weight_left_output_layer_restored_on_error_and_skips_other_heads():
+    model = make_model("llama-gqa")
+    head = model.get_output_embeddings()
+    try:
+        with weight_left_output_layer(model):
+            raise KeyboardInterrupt
+    except KeyboardInterrupt:
+        pass
+    assert "forward" not in vars(head)
+    assert not weight_left_output_layer(nn.Module()).__enter__()
+
+
+def test_int8_copy_shares_all_but_the_linear_layers():
+    model = make_model("llama-gqa")
+    copy = int8_copy(model)
+    assert int8_copy(model) is copy  # cached
+    assert copy.config is model.config
+    assert copy.model.embed_tokens.weight is model.model.embed_tokens.weight
+    assert copy.model.norm.weight is model.model.norm.weight
+    assert type(copy.lm_head).__module__.startswith("torch.ao.nn.quantized")
+    assert type(model.lm_head) is nn.Linear
+    ids = torch.randint(0, 96, (1, 20))
+    with torch.no_grad():
+        full, quantized = model(ids).logits.softmax(-1), copy(ids).logits.softmax(-1)
+    assert (full - quantized).abs().sum(-1).max() < 0.2  # close, not equal: a cheaper drafter
+    forget_int8_copy(model)
+    assert int8_copy(model) is not copy
+
+
+def test_int8_copy_keeps_the_mlp_output_projections_in_fp32():
+    model = make_model("qwen2")
+    copy = int8_copy(model)
+    down = [m for name, m in copy.named_modules() if name.endswith("mlp.down_proj")]
+    assert down and all(type(m) is nn.Linear and m.weight is not None for m in down)
+    quantized = [name for name, m in copy.named_modules() if type(m).__module__.startswith("torch.ao.nn.quantized")]
+    assert any(name.endswith("mlp.up_proj") for name in quantized) and "lm_head" in quantized
+    forget_int8_copy(model)
