@@ -46,8 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo = commands.add_parser("demo", help="plain generate vs TriForce on SmolLM2-135M and a Shakespeare play")
     demo.add_argument("--context", type=_positive, default=8000, help="prompt tokens (default 8000)")
     demo.add_argument("--new-tokens", type=_positive, default=96, help="tokens to generate (default 96)")
-    demo.add_argument("--draft", action="append", choices=["self", "ngram"],
-                      help="Force-1 drafter(s) to run (default: self and ngram)")
+    demo.add_argument("--draft", action="append", choices=["self", "ngram", "self-int8", "ngram-int8"],
+                      help="TriForce variant(s) to run: the Force-1 drafter, '-int8' for int8 drafting tiers "
+                      "(default: self, ngram and ngram-int8)")
     demo.add_argument("--budget", type=_positive, default=512, help="retrieval budget in tokens (default 512)")
     demo.add_argument("--play", default="hamlet", help="Shakespeare tragedy used as the prompt (default hamlet)")
     demo.add_argument("--threads", type=_positive, default=None, help="torch threads (default: torch's choice)")
@@ -92,6 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--gamma2", type=_positive, default=6)
     gen.add_argument("--sink-tokens", type=int, default=16)
     gen.add_argument("--window", type=_positive, default=256)
+    gen.add_argument("--int8", action="store_true", help="run Force 1 and Force 2 on int8 copies (CPU, fp32 model)")
     gen.add_argument("--stats", action="store_true", help="print the per-tier statistics at the end")
     return parser
 
@@ -109,7 +111,7 @@ def _generate(args) -> int:
         draft = _load("generate", "--draft", draft)[0]
     config = TriForceConfig(draft=draft, retrieval_budget=args.budget, chunk_size=args.chunk_size,
                             gamma1=args.gamma1, gamma2=args.gamma2, sink_tokens=args.sink_tokens, window=args.window,
-                            show_progress=True)
+                            show_progress=True, draft_precision="int8" if args.int8 else "model")
     ids = tokenizer(args.prompt_file.read_text(), return_tensors="pt").input_ids
     sampling = {"do_sample": True, "temperature": args.temperature, "top_p": args.top_p} if args.sample else {
         "do_sample": False}
@@ -209,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"hf-triforce demo: --play must be one of {', '.join(SHAKESPEARE_PLAYS)}")
         if args.context + args.new_tokens > 8192:
             raise SystemExit("hf-triforce demo: --context + --new-tokens must stay within SmolLM2's 8192 positions")
-        return run_demo(args.context, args.new_tokens, args.draft or ["self", "ngram"], args.budget, args.play,
+        return run_demo(args.context, args.new_tokens, args.draft or ["self", "ngram", "ngram-int8"], args.budget, args.play,
                         args.threads)
     if args.command == "generate":
         return _generate(args)

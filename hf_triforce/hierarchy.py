@@ -206,9 +206,12 @@ def triforce_decode(
     keep_logits: bool = False,
 ) -> DecodeResult:
     """Generate with the three tiers until a stopping criterion or ``max_length``; batch size 1."""
-    with weight_left_output_layer(model):
-        return _decode(model, input_ids, config, processors, stopping_criteria, max_length, do_sample, streamer,
-                       prefix_cache, keep_scores, keep_logits)
+    with weight_left_output_layer(model) as weight_left:
+        result = _decode(model, input_ids, config, processors, stopping_criteria, max_length, do_sample, streamer,
+                         prefix_cache, keep_scores, keep_logits)
+    result.stats.weight_left_output_layer = weight_left
+    result.stats.draft_precision = config.draft_precision
+    return result
 
 
 def _decode(model, input_ids, config, processors, stopping_criteria, max_length, do_sample, streamer, prefix_cache,

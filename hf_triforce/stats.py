@@ -19,6 +19,8 @@ class TriForceStats:
     force3_steps: int = 0
     retrieval_selections: int = 0
     force2_sees_whole_cache: bool = False
+    draft_precision: str = "model"  # what Force 1 / Force 2 ran: "model" or "int8"
+    weight_left_output_layer: bool = False  # the CPU multi-row output-layer path was used
     prefill_seconds: float = 0.0
     force1_seconds: float = 0.0
     force2_seconds: float = 0.0

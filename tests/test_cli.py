@@ -62,9 +62,9 @@ def test_generate_streams_on_a_tiny_local_model(tmp_path, capsys):
     prompt = tmp_path / "prompt.txt"
     prompt.write_text(text_of(list(range(40)) * 3))
     assert main(["generate", "--model", str(tmp_path / "m"), "--prompt-file", str(prompt), "--max-new-tokens", "6",
-                 "--draft", "ngram", "--budget", "32", "--window", "16", "--stats"]) == 0
+                 "--draft", "ngram", "--budget", "32", "--window", "16", "--stats", "--int8"]) == 0
     out = capsys.readouterr().out
-    assert "force3_acceptance" in out and out.split("{")[0].strip()
+    assert "force3_acceptance" in out and "'draft_precision': 'int8'" in out and out.split("{")[0].strip()
     bench_dir = tmp_path / "bench"
     assert main(["bench", "--model", str(tmp_path / "m"), "--contexts", "120", "--new-tokens", "3", "--repeats", "1",
                  "--methods", "plain", "triforce-ngram", "--budget", "32", "--out", str(bench_dir)]) == 0
@@ -99,7 +99,8 @@ def test_bench_with_a_draft_model_and_sampling(tmp_path, capsys):
 
 
 def test_demo_and_bench_end_to_end_on_smollm2(tmp_path, capsys):
-    assert main(["demo", "--context", "300", "--new-tokens", "6", "--draft", "ngram", "--budget", "64"]) == 0
+    assert main(["demo", "--context", "300", "--new-tokens", "6", "--draft", "ngram", "--draft", "ngram-int8",
+                 "--budget", "64"]) == 0
     assert "Greedy outputs identical to plain generate: YES" in capsys.readouterr().out
     out_dir = tmp_path / "bench"
     assert main(["bench", "--contexts", "200", "--new-tokens", "4", "--repeats", "1", "--methods", "plain",
@@ -108,6 +109,10 @@ def test_demo_and_bench_end_to_end_on_smollm2(tmp_path, capsys):
     assert set(results[0]["methods"]) == {"plain", "static", "triforce-ngram"}
     assert "| triforce-ngram |" in (out_dir / "results.md").read_text()
     assert (out_dir / "results.png").stat().st_size > 1000
+    capsys.readouterr()
+    assert main(["needle", "--context", "600", "--budget", "128", "--depths", "0.5"]) == 0
+    row = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| 0.50 |")]
+    assert len(row) == 1 and len(row[0].split("|")) == 8
 
 
 def test_needle_acceptance_on_a_tiny_model():
