@@ -32,7 +32,7 @@ from .stats import TriForceStats
 
 SPECULATIVE = ("streaming-self", "triforce-self", "triforce-ngram", "triforce-draft")
 METHODS = ("plain", "static", "lookup", "assisted", *SPECULATIVE, *(f"{m}-int8" for m in SPECULATIVE))
-DRAFT_METHODS = ("assisted", "triforce-draft", "triforce-draft-int8")
+DRAFT_METHODS = tuple(m for m in METHODS if m == "assisted" or m.startswith("triforce-draft"))
 
 
 @dataclass
@@ -64,8 +64,7 @@ def static_copy(model, prefix: DynamicCache, max_len: int) -> StaticCache:
 
 
 def method_kwargs(method: str, model, prefix: DynamicCache, max_len: int, budget: int, draft_model=None) -> dict:
-    if method in DRAFT_METHODS and draft_model is None:
-        raise ValueError(f"method {method!r} needs a draft model")
+    """generate kwargs of one method (`compare` has checked the names and the draft model)."""
     if method == "plain":
         return {"cache": copy.deepcopy(prefix)}
     if method == "static":

@@ -211,8 +211,8 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"hf-triforce demo: --play must be one of {', '.join(SHAKESPEARE_PLAYS)}")
         if args.context + args.new_tokens > 8192:
             raise SystemExit("hf-triforce demo: --context + --new-tokens must stay within SmolLM2's 8192 positions")
-        return run_demo(args.context, args.new_tokens, args.draft or ["self", "ngram", "ngram-int8"], args.budget, args.play,
-                        args.threads)
+        drafts = args.draft or ["self", "ngram", "ngram-int8"]
+        return run_demo(args.context, args.new_tokens, drafts, args.budget, args.play, args.threads)
     if args.command == "generate":
         return _generate(args)
     if args.command == "needle":
