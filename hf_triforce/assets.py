@@ -83,7 +83,8 @@ def gguf_path(asset: GGUFAsset) -> Path:
     if asset.package:
         return _checked(_package_dir(asset.package, asset.pip) / asset.filename, asset.sha256)
     joined = cache_root() / "gguf" / f"{asset.name}.gguf"
-    if joined.exists() and (joined.parent / f"{asset.name}.sha256").read_text().strip() == asset.sha256:
+    marker = joined.parent / f"{asset.name}.sha256"  # written after the join was checked
+    if joined.exists() and marker.exists() and marker.read_text().strip() == asset.sha256:
         return joined
     parts = []
     for module_name in asset.parts:
@@ -98,7 +99,7 @@ def gguf_path(asset: GGUFAsset) -> Path:
                     out.write(block)
     _checked(partial, asset.sha256)
     partial.replace(joined)
-    (joined.parent / f"{asset.name}.sha256").write_text(asset.sha256)
+    marker.write_text(asset.sha256)
     return joined
 
 

@@ -142,13 +142,14 @@ def _bench(args) -> int:
     needs_draft = [m for m in methods if m in DRAFT_METHODS]
     if needs_draft and args.draft_model is None:
         raise SystemExit(f"hf-triforce bench: methods {needs_draft} need --draft-model")
-    if args.rope_factor is not None and args.model not in (None, "smollm2-135m"):
+    bundled = args.model in (None, "smollm2-135m")
+    if args.rope_factor is not None and not bundled:
         raise SystemExit("hf-triforce bench: --rope-factor applies to the bundled SmolLM2 only; set "
                          "rope_parameters in your model's config instead")
     if args.threads:
         torch.set_num_threads(args.threads)
     overrides = assets.yarn_rope(args.rope_factor) if args.rope_factor else {}
-    if args.model in (None, "smollm2-135m"):  # checked before the (slow) load
+    if bundled:  # checked before the (slow) load
         limit = 8192 if args.rope_factor is None else int(8192 * args.rope_factor)
         _check_contexts(args, limit)
     model, tokenizer = _load("bench", "--model", args.model, **overrides)

@@ -34,6 +34,8 @@ def test_parts_are_joined_in_order_and_checked(part_packages):
     path = assets.gguf_path(asset)
     assert path.read_bytes() == part_packages
     assert assets.gguf_path(asset) == path  # joined once, then reused
+    (path.parent / "fake.sha256").unlink()  # interrupted between the join and its marker: joined again
+    assert assets.gguf_path(asset).read_bytes() == part_packages
 
 
 def test_a_wrong_sha256_leaves_nothing_behind(part_packages):
