@@ -3,7 +3,8 @@
 `Cache.update` never sees the query, so Force 2's chunk selection gets it here: ``triforce_<base>`` wraps
 the model's own attention implementation ``<base>`` (sdpa, eager, ...) and records the post-RoPE query of
 each layer while a `QueryRecorder` is active. Multi-token calls (verification, chunked prefill) stay
-GQA-native: on CUDA with flash-attn installed and fp16/bf16 tensors they take `flash_verify`; otherwise
+GQA-native: on CUDA with flash-attn installed and fp16/bf16 tensors they take `flash_verify` (the
+varlen kernel); otherwise
 masked SDPA calls on GQA models take `gqa_sdpa`, which does not expand K/V. Everything else is ``<base>``.
 
 Invariant relied upon (TriForce's caches guarantee it): batch size 1, no padding, and every new token is
@@ -74,26 +75,30 @@ def gqa_sdpa(module, query, key, value, attention_mask, scaling=None, dropout=0.
 
 
 @functools.cache
-def _flash_attn_func():
-    """flash-attn's ``flash_attn_func``, or None where it is not installed (CPU installs never need it)."""
+def _flash_attn_varlen_func():
+    """flash-attn's ``flash_attn_varlen_func``, or None where it is not installed (CPU installs never need it)."""
     try:
-        from flash_attn import flash_attn_func
+        from flash_attn import flash_attn_varlen_func
     except ImportError:
         return None
-    return flash_attn_func
+    return flash_attn_varlen_func
 
 
 def flash_verify(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """Multi-token attention through flash-attn: GQA-native, bottom-right causal, no mask tensor.
+    """Multi-token attention through flash-attn's varlen kernel: GQA-native, bottom-right causal, no mask tensor.
 
     ``query`` is ``[1, heads, q, d]``, ``key``/``value`` ``[1, kv_heads, kv, d]`` (cached entries, then the q
-    new ones); returns ``[1, q, heads, d]`` like transformers' attention functions.
+    new ones), read in place from the cache's buffers (varlen takes ``[tokens, heads, d]`` views, one sequence
+    bounded by ``cu_seqlens``); returns ``[1, q, heads, d]`` like transformers' attention functions.
     """
-    out = _flash_attn_func()(
-        query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
+    q_len, kv_len = query.shape[2], key.shape[2]
+    bounds = torch.tensor([[0, q_len], [0, kv_len]], dtype=torch.int32, device=query.device)
+    out = _flash_attn_varlen_func()(
+        query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1),
+        cu_seqlens_q=bounds[0], cu_seqlens_k=bounds[1], max_seqlen_q=q_len, max_seqlen_k=kv_len,
         dropout_p=dropout if module.training else 0.0, softmax_scale=scaling, causal=True,
     )
-    return out, None
+    return out.unsqueeze(0), None
 
 
 def _flash_device(query: torch.Tensor) -> bool:
@@ -110,7 +115,7 @@ def _wants_flash(query, kwargs) -> bool:
         and kwargs.get("position_bias") is None
         and kwargs.get("sliding_window") is None
         and not kwargs.get("output_attentions", False)
-        and _flash_attn_func() is not None
+        and _flash_attn_varlen_func() is not None
     )
 
 

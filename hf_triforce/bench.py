@@ -33,6 +33,20 @@ from .stats import TriForceStats
 SPECULATIVE = ("streaming-self", "triforce-self", "triforce-ngram", "triforce-draft")
 METHODS = ("plain", "static", "lookup", "assisted", *SPECULATIVE, *(f"{m}-int8" for m in SPECULATIVE))
 DRAFT_METHODS = tuple(m for m in METHODS if m == "assisted" or m.startswith("triforce-draft"))
+# (gamma1, gamma2) per Force-1 kind, each method at its best measured setting: the n-gram drafter costs
+# nothing, so it drafts more per Force-2 step; sweeps of SmolLM2 at 4k, 8k and 8k at another text offset
+# (docs/results.md) put (3, 8) first for it every time. Model drafters keep TriForceConfig's defaults.
+TUNED_GAMMAS = {"ngram": (3, 8), "model": (2, 6)}
+
+
+def chosen_gammas(gammas: tuple[int | None, int | None], kind: str) -> tuple[int, int]:
+    """``gammas`` with each None replaced by the tuned value for Force-1 ``kind`` ("ngram" or "model")."""
+    return tuple(given or tuned for given, tuned in zip(gammas, TUNED_GAMMAS[kind]))
+
+
+def describe_gammas(gammas: tuple[int | None, int | None]) -> str:
+    return ", ".join(f"gamma1/gamma2 {'/'.join(map(str, chosen_gammas(gammas, kind)))} ({kind} drafts)"
+                     for kind in TUNED_GAMMAS)
 
 
 @dataclass
@@ -63,8 +77,13 @@ def static_copy(model, prefix: DynamicCache, max_len: int) -> StaticCache:
     return cache
 
 
-def method_kwargs(method: str, model, prefix: DynamicCache, max_len: int, budget: int, draft_model=None) -> dict:
-    """generate kwargs of one method (`compare` has checked the names and the draft model)."""
+def method_kwargs(method: str, model, prefix: DynamicCache, max_len: int, budget: int, draft_model=None,
+                  gammas: tuple[int | None, int | None] = (None, None)) -> dict:
+    """generate kwargs of one method (`compare` has checked the names and the draft model).
+
+    ``gammas``: TriForce's ``(gamma1, gamma2)``, each None for `TUNED_GAMMAS`; ``streaming-self`` (two
+    levels) drafts 4 tokens per step.
+    """
     if method == "plain":
         return {"cache": copy.deepcopy(prefix)}
     if method == "static":
@@ -76,18 +95,21 @@ def method_kwargs(method: str, model, prefix: DynamicCache, max_len: int, budget
     if method in METHODS and method.startswith(("triforce-", "streaming-")):
         name, precision = (method.removesuffix("-int8"), "int8") if method.endswith("-int8") else (method, "model")
         levels, draft = (3, name.removeprefix("triforce-")) if name.startswith("triforce-") else (2, "self")
+        gamma1, gamma2 = chosen_gammas(gammas, "ngram" if draft == "ngram" else "model")
         draft = draft_model if draft == "draft" else draft
         config = TriForceConfig(draft=draft, retrieval_budget=budget, chunk_size=8, sink_tokens=16, window=256,
-                                gamma1=2, gamma2=6 if levels == 3 else 4, levels=levels, draft_precision=precision)
+                                gamma1=gamma1, gamma2=gamma2 if levels == 3 else 4, levels=levels,
+                                draft_precision=precision)
         return {"cache": prefix, "triforce_config": config, "return_dict_in_generate": True}
     raise ValueError(f"method must be one of {METHODS}, got {method!r}")
 
 
 def measure(model, ids, prefix, method: str, new_tokens: int, budget: int, run: Run, prefill_seconds: float,
-            draft_model=None, sampling: dict | None = None, seed: int = 0) -> None:
+            draft_model=None, sampling: dict | None = None, seed: int = 0,
+            gammas: tuple[int | None, int | None] = (None, None)) -> None:
     """One timed run (greedy, or ``sampling`` kwargs seeded with ``seed``); ``lookup`` and ``assisted``
     prefill the prompt themselves, so the shared prefill time is subtracted from theirs."""
-    kwargs = method_kwargs(method, model, prefix, ids.shape[1] + new_tokens + 16, budget, draft_model)
+    kwargs = method_kwargs(method, model, prefix, ids.shape[1] + new_tokens + 16, budget, draft_model, gammas)
     kwargs.update(sampling or {"do_sample": False})
     torch.manual_seed(seed)
     start = time.perf_counter()
@@ -101,11 +123,12 @@ def measure(model, ids, prefix, method: str, new_tokens: int, budget: int, run: 
 
 
 def compare(model, ids, methods, new_tokens: int, repeats: int, budget: int, draft_model=None,
-            sampling: dict | None = None) -> tuple[list[Run], float]:
+            sampling: dict | None = None, gammas: tuple[int | None, int | None] = (None, None)
+            ) -> tuple[list[Run], float]:
     """Prefill once, then ``repeats`` rounds over all methods in turn; returns runs and prefill seconds.
 
     ``sampling``: generate kwargs such as ``{"do_sample": True, "temperature": 0.8}``; round ``i`` seeds
-    every method with ``i``.
+    every method with ``i``. ``gammas``: TriForce's ``(gamma1, gamma2)``, None for `TUNED_GAMMAS`.
     """
     missing = [m for m in methods if m not in METHODS]
     if missing:
@@ -119,7 +142,7 @@ def compare(model, ids, methods, new_tokens: int, repeats: int, budget: int, dra
     for round_index in tqdm(range(repeats), desc=f"decode {ids.shape[1]} ctx", unit="round"):
         for run in runs:
             measure(model, ids, prefix, run.method, new_tokens, budget, run, prefill_seconds, draft_model, sampling,
-                    seed=round_index)
+                    seed=round_index, gammas=gammas)
     return runs, prefill_seconds
 
 
@@ -142,11 +165,13 @@ def table(runs: list[Run], sampled: bool = False) -> str:
     return "\n".join(lines)
 
 
-def to_json(context: int, runs: list[Run], prefill_seconds: float, sampling: dict | None = None) -> dict:
+def to_json(context: int, runs: list[Run], prefill_seconds: float, sampling: dict | None = None,
+            gammas: tuple[int | None, int | None] = (None, None)) -> dict:
     return {
         "context": context,
         "prefill_seconds": prefill_seconds,
         "sampling": sampling,
+        "gammas": {kind: chosen_gammas(gammas, kind) for kind in TUNED_GAMMAS},
         "methods": {
             run.method: {
                 "decode_tokens_per_second": run.tokens_per_second,

@@ -69,6 +69,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--new-tokens", type=_positive, default=128)
     bench.add_argument("--repeats", type=_positive, default=3, help="rounds per method; the median is reported")
     bench.add_argument("--budget", type=_positive, default=512, help="retrieval budget in tokens")
+    bench.add_argument("--gamma1", type=_positive, default=None,
+                       help="TriForce: Force-1 tokens per Force-2 step (default 3 with n-grams, 2 with models)")
+    bench.add_argument("--gamma2", type=_positive, default=None,
+                       help="TriForce: Force-2 tokens per Force-3 step (default 8 with n-grams, 6 with models)")
     bench.add_argument("--rope-factor", type=_positive_float, default=None,
                        help="extend SmolLM2's RoPE by this YaRN factor (needed beyond 8192 tokens)")
     bench.add_argument("--threads", type=_positive, default=None)
@@ -135,7 +139,7 @@ def _bench(args) -> int:
     import torch
 
     from . import assets
-    from .bench import DRAFT_METHODS, METHODS, compare, table, to_json, write_results
+    from .bench import DRAFT_METHODS, METHODS, compare, describe_gammas, table, to_json, write_results
 
     methods = args.methods or [m for m in METHODS if (args.draft_model or m not in DRAFT_METHODS)
                                and m not in ("streaming-self-int8", "triforce-draft-int8")]
@@ -160,16 +164,17 @@ def _bench(args) -> int:
         raise SystemExit(f"hf-triforce bench: the text has only {text_ids.shape[1]} tokens")
     sampling = {"do_sample": True, "temperature": args.temperature, "top_p": args.top_p} if args.sample else None
     mode = f"sampling (temperature {args.temperature}, top-p {args.top_p})" if args.sample else "greedy"
+    gammas = (args.gamma1, args.gamma2)
     results, tables = [], []
     for context in args.contexts:
         ids = text_ids[:, :context]
         runs, prefill_seconds = compare(model, ids, methods, args.new_tokens, args.repeats, args.budget, draft_model,
-                                        sampling)
+                                        sampling, gammas)
         rendered = (f"### context {context} tokens, {args.text}, {mode} (prefill {prefill_seconds:.1f} s, "
-                    f"{args.new_tokens} new tokens, median of {args.repeats}, torch threads "
-                    f"{torch.get_num_threads()})\n\n" + table(runs, sampled=args.sample))
+                    f"{args.new_tokens} new tokens, median of {args.repeats}, {describe_gammas(gammas)}, "
+                    f"torch threads {torch.get_num_threads()})\n\n" + table(runs, sampled=args.sample))
         print(rendered, flush=True)
-        results.append(to_json(context, runs, prefill_seconds, sampling))
+        results.append(to_json(context, runs, prefill_seconds, sampling, gammas))
         tables.append(rendered)
         write_results(results, tables, args.out)
     print(f"wrote {args.out}/results.json and results.md")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from . import assets
-from .bench import compare, table
+from .bench import compare, describe_gammas, table
 
 
 def run_demo(context: int, new_tokens: int, drafts: list[str], budget: int, play: str, threads: int | None) -> int:
@@ -18,7 +18,7 @@ def run_demo(context: int, new_tokens: int, drafts: list[str], budget: int, play
     print(f"Prefilling {ids.shape[1]} prompt tokens once (shared by every method) ...", flush=True)
     runs, prefill_seconds = compare(model, ids, ["plain"] + [f"triforce-{d}" for d in drafts], new_tokens,
                                     repeats=1, budget=budget)
-    print(f"prefill: {prefill_seconds:.1f} s\n")
+    print(f"prefill: {prefill_seconds:.1f} s; budget {budget}, {describe_gammas((None, None))}\n")
     print(table(runs))
     identical = all(torch.equal(run.sequences, runs[0].sequences) for run in runs)
     print("\nGreedy outputs identical to plain generate:", "YES" if identical else "NO")

@@ -67,8 +67,11 @@ def test_generate_streams_on_a_tiny_local_model(tmp_path, capsys):
     assert "force3_acceptance" in out and "'draft_precision': 'int8'" in out and out.split("{")[0].strip()
     bench_dir = tmp_path / "bench"
     assert main(["bench", "--model", str(tmp_path / "m"), "--contexts", "120", "--new-tokens", "3", "--repeats", "1",
-                 "--methods", "plain", "triforce-ngram", "--budget", "32", "--out", str(bench_dir)]) == 0
-    assert "| triforce-ngram |" in (bench_dir / "results.md").read_text()
+                 "--methods", "plain", "triforce-ngram", "--budget", "32", "--gamma2", "5",
+                 "--out", str(bench_dir)]) == 0
+    results = (bench_dir / "results.md").read_text()
+    assert "| triforce-ngram |" in results and "gamma1/gamma2 3/5 (ngram drafts)" in results
+    assert json.loads((bench_dir / "results.json").read_text())[0]["gammas"] == {"ngram": [3, 5], "model": [2, 5]}
     with pytest.raises(SystemExit, match="rope-factor applies"):
         main(["bench", "--model", str(tmp_path / "m"), "--rope-factor", "2"])
 
@@ -130,3 +133,14 @@ def test_needle_acceptance_on_a_tiny_model():
     assert whole["retrieval_acceptance"] > 0.999 and whole["retrieval_greedy"] == 1.0
     with pytest.raises(ValueError, match="depth"):
         needle_prompt(tokenizer, haystack, 300, 1.5, code="t1")
+
+
+def test_bench_gammas_default_per_drafter_and_reach_the_config():
+    from hf_triforce.bench import TUNED_GAMMAS, method_kwargs
+
+    model = make_model("llama-gqa")
+    ngram = method_kwargs("triforce-ngram", model, None, 200, 32)["triforce_config"]
+    self_draft = method_kwargs("triforce-self-int8", model, None, 200, 32, gammas=(None, 4))["triforce_config"]
+    assert (ngram.gamma1, ngram.gamma2) == TUNED_GAMMAS["ngram"]
+    assert (self_draft.gamma1, self_draft.gamma2) == (TUNED_GAMMAS["model"][0], 4)
+    assert method_kwargs("streaming-self", model, None, 200, 32, gammas=(5, 9))["triforce_config"].gamma2 == 4

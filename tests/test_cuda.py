@@ -10,7 +10,7 @@ from hf_triforce import TriForceConfig, attention
 from .conftest import make_model, random_prompt
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-flash = pytest.mark.skipif(attention._flash_attn_func() is None, reason="needs flash-attn (pip install .[cuda])")
+flash = pytest.mark.skipif(attention._flash_attn_varlen_func() is None, reason="needs flash-attn (pip install .[cuda])")
 
 
 class _Module(torch.nn.Module):

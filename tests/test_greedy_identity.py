@@ -96,16 +96,21 @@ def test_int8_needs_an_fp32_cpu_model():
         model.generate(random_prompt(60), max_new_tokens=4, triforce_config=_config("self", draft_precision="int8"))
 
 
-def _reference_flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False):
-    """flash-attn's contract ([b, s, h, d], GQA, bottom-right causal) written with SDPA, for the glue test."""
+def _reference_flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                     dropout_p=0.0, softmax_scale=None, causal=False):
+    """flash-attn's varlen contract ([tokens, h, d], sequences bounded by cu_seqlens, GQA, bottom-right causal)
+    written with SDPA, for the glue test."""
     assert causal and dropout_p == 0.0
-    q_len, kv_len = q.shape[1], k.shape[1]
-    mask = torch.ones(q_len, kv_len, dtype=torch.bool).tril(kv_len - q_len)
+    assert cu_seqlens_q.dtype == cu_seqlens_k.dtype == torch.int32
+    assert cu_seqlens_q.tolist() == [0, q.shape[0]] == [0, max_seqlen_q]
+    assert cu_seqlens_k.tolist() == [0, k.shape[0]] == [0, max_seqlen_k]
+    assert q.stride(-1) == k.stride(-1) == v.stride(-1) == 1  # flash-attn needs a contiguous last dimension
+    mask = torch.ones(max_seqlen_q, max_seqlen_k, dtype=torch.bool).tril(max_seqlen_k - max_seqlen_q)
     out = torch.nn.functional.scaled_dot_product_attention(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=softmax_scale, enable_gqa=True
+        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, scale=softmax_scale, enable_gqa=True
     )
-    _reference_flash_attn_func.calls += 1
-    return out.transpose(1, 2)
+    _reference_flash_attn_varlen_func.calls += 1
+    return out.transpose(0, 1)
 
 
 def test_flash_attention_glue_keeps_greedy_identity(monkeypatch):
@@ -113,10 +118,10 @@ def test_flash_attention_glue_keeps_greedy_identity(monkeypatch):
     bottom-right causal for it to be exact. `tests/test_cuda.py` runs the real kernel where a GPU is present."""
     from hf_triforce import attention
 
-    _reference_flash_attn_func.calls = 0
+    _reference_flash_attn_varlen_func.calls = 0
     monkeypatch.setattr(attention, "_flash_device", lambda query: True)
-    monkeypatch.setattr(attention, "_flash_attn_func", lambda: _reference_flash_attn_func)
+    monkeypatch.setattr(attention, "_flash_attn_varlen_func", lambda: _reference_flash_attn_varlen_func)
     model = make_model("llama-gqa", logit_scale=3.0)
     for draft in ("self", "ngram"):
         assert_identical(model, random_prompt(150, period=37), _config(draft, budget=48))
-    assert _reference_flash_attn_func.calls > 0
+    assert _reference_flash_attn_varlen_func.calls > 0
