@@ -2,7 +2,9 @@
 
 The KV buffer is filled with random values (attention cost does not depend on them), so 32k contexts
 are measured without a 5-minute prefill. Compares transformers' SDPA path (K/V expanded to every query
-head whenever a mask is given) with TriForce's GQA-native verification attention.
+head whenever a mask is given) with TriForce's GQA-native verification attention, as one SDPA call
+(`gqa_sdpa`) and with the cache split across threads (`split_kv_sdpa`, what TriForce takes from
+`SPLIT_KV_MIN_CACHED` cached entries on).
 
     python benchmarks/verify_cost.py --contexts 8192 16384 32768 --tokens 8
 """
@@ -15,7 +17,7 @@ import time
 
 import torch
 
-from hf_triforce import assets
+from hf_triforce import assets, attention
 from hf_triforce.caches import BufferCache
 from hf_triforce.integration import recording_attention
 
@@ -48,17 +50,26 @@ def main() -> None:
     args = parser.parse_args()
     model, _ = assets.load_smollm2(**assets.yarn_rope(4.0))
     print(f"| context | decode 1 tok ms | verify {args.tokens} ms (transformers sdpa) | ratio | "
-          f"verify {args.tokens} ms (GQA-native) | ratio |")
-    print("|---|---|---|---|---|---|")
+          f"verify {args.tokens} ms (GQA-native, one call) | ratio | verify {args.tokens} ms (split cache) | ratio |")
+    print("|---|---|---|---|---|---|---|---|")
     for length in args.contexts:
         cache = BufferCache(model.config.num_hidden_layers, length + args.tokens)
         fill(model, cache, length)
         one = timed(model, cache, length, 1, args.repeats)
         plain = timed(model, cache, length, args.tokens, args.repeats)
+        threshold = attention.SPLIT_KV_MIN_CACHED
         with recording_attention(model):
-            native = timed(model, cache, length, args.tokens, args.repeats)
+            attention.SPLIT_KV_MIN_CACHED = 1 << 40
+            try:
+                native = timed(model, cache, length, args.tokens, args.repeats)
+            finally:
+                attention.SPLIT_KV_MIN_CACHED = 0
+            try:
+                split = timed(model, cache, length, args.tokens, args.repeats)
+            finally:
+                attention.SPLIT_KV_MIN_CACHED = threshold
         print(f"| {length} | {one * 1e3:.0f} | {plain * 1e3:.0f} | {plain / one:.2f}x | {native * 1e3:.0f} | "
-              f"{native / one:.2f}x |", flush=True)
+              f"{native / one:.2f}x | {split * 1e3:.0f} | {split / one:.2f}x |", flush=True)
 
 
 if __name__ == "__main__":

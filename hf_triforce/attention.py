@@ -4,8 +4,9 @@
 the model's own attention implementation ``<base>`` (sdpa, eager, ...) and records the post-RoPE query of
 each layer while a `QueryRecorder` is active. Multi-token calls (verification, chunked prefill) stay
 GQA-native: on CUDA with flash-attn installed and fp16/bf16 tensors they take `flash_verify` (the
-varlen kernel); otherwise
-masked SDPA calls on GQA models take `gqa_sdpa`, which does not expand K/V. Everything else is ``<base>``.
+varlen kernel); on CPU a few query rows over a long cache take `split_kv_sdpa` (the cache split across
+threads, partial results merged by log-sum-exp); other masked SDPA calls on GQA models take `gqa_sdpa`,
+which does not expand K/V. Everything else is ``<base>``.
 
 Invariant relied upon (TriForce's caches guarantee it): batch size 1, no padding, and every new token is
 appended after all cached entries, so the mask of a multi-token call is "all cached entries, then causal
@@ -74,6 +75,48 @@ def gqa_sdpa(module, query, key, value, attention_mask, scaling=None, dropout=0.
     return out.reshape(batch, heads, q_len, dim).transpose(1, 2).contiguous(), None
 
 
+# CPU verification: below this many cached entries one SDPA call is as fast (SmolLM2 shapes, 2 threads:
+# 5% faster at 8k, 22-24% at 16k-32k for 9 query rows; benchmarks/verify_cost.py).
+SPLIT_KV_MIN_CACHED = 8192
+SPLIT_KV_MAX_QUERY = 64
+
+
+def _sdpa_with_lse():
+    """ATen's CPU flash-attention returning ``(out, logsumexp)``; None where this torch lacks it."""
+    return getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+def split_kv_sdpa(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """Multi-token CPU attention over a long cache, bottom-right causal, GQA-native, split across threads.
+
+    One SDPA call parallelises over (batch, KV heads, query blocks): with 3 KV heads and a few query rows
+    that is 3 work items, so 2 threads run at 2/3 occupancy. Here the cached entries are cut into
+    ``parts`` equal spans laid along the batch dimension (``parts * kv_heads`` items, strided views, no
+    copy); the remainder and the new tokens (causal among themselves) take one small masked call, and
+    the partial results are merged exactly by their log-sum-exp. Returns ``[b, q, heads, d]``.
+    """
+    batch, heads, q_len, dim = query.shape
+    kv_heads, kv_len = key.shape[1], key.shape[2]
+    groups = heads // kv_heads
+    rows = query.reshape(kv_heads, groups * q_len, dim)
+    parts = max(2, torch.get_num_threads())
+    span = (kv_len - q_len) // parts
+    head = parts * span
+    attend = _sdpa_with_lse()
+    split_keys = key[0, :, :head].unflatten(1, (parts, span)).transpose(0, 1)
+    split_values = value[0, :, :head].unflatten(1, (parts, span)).transpose(0, 1)
+    out, lse = attend(rows.expand(parts, -1, -1, -1), split_keys, split_values, scale=scaling)[:2]
+    tail = kv_len - head
+    visible = torch.ones(q_len, tail, dtype=torch.bool, device=query.device).tril(tail - q_len)
+    bias = torch.zeros(q_len, tail, dtype=query.dtype, device=query.device).masked_fill_(~visible, float("-inf"))
+    tail_out, tail_lse = attend(rows[None], key[:, :, head:], value[:, :, head:],
+                                attn_mask=bias.repeat(groups, 1), scale=scaling)[:2]
+    out, lse = torch.cat((out, tail_out)), torch.cat((lse, tail_lse))
+    weights = torch.exp(lse - lse.amax(0)).unsqueeze(-1)
+    merged = (out * weights).sum(0) / weights.sum(0)
+    return merged.reshape(batch, heads, q_len, dim).transpose(1, 2).contiguous(), None
+
+
 @functools.cache
 def _flash_attn_varlen_func():
     """flash-attn's ``flash_attn_varlen_func``, or None where it is not installed (CPU installs never need it)."""
@@ -132,6 +175,17 @@ def _wants_gqa_sdpa(base: str, query, key, attention_mask, kwargs) -> bool:
     )
 
 
+def _wants_split_kv(query, key, dropout, module) -> bool:
+    cached = key.shape[2] - query.shape[2]
+    return (
+        query.device.type == "cpu"
+        and query.shape[2] <= SPLIT_KV_MAX_QUERY
+        and cached >= max(SPLIT_KV_MIN_CACHED, 16 * max(2, torch.get_num_threads()))
+        and not (dropout and module.training)
+        and _sdpa_with_lse() is not None
+    )
+
+
 def _make_wrapper(base: str):
     def triforce_attention(module, query, key, value, attention_mask, **kwargs):
         if RECORDER.active:
@@ -139,6 +193,8 @@ def _make_wrapper(base: str):
         if base == "sdpa" and _wants_flash(query, kwargs):
             return flash_verify(module, query, key, value, attention_mask, **kwargs)
         if _wants_gqa_sdpa(base, query, key, attention_mask, kwargs):
+            if _wants_split_kv(query, key, kwargs.get("dropout", 0.0), module):
+                return split_kv_sdpa(module, query, key, value, attention_mask, **kwargs)
             return gqa_sdpa(module, query, key, value, attention_mask, **kwargs)
         return _base_function(base, module)(module, query, key, value, attention_mask, **kwargs)
 

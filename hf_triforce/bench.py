@@ -52,10 +52,15 @@ def describe_gammas(gammas: tuple[int | None, int | None]) -> str:
 @dataclass
 class Run:
     method: str
+    budget: int | None = None  # set when one run compares several retrieval budgets
     seconds: list[float] = field(default_factory=list)
     new_tokens: int = 0
     sequences: torch.Tensor | None = None
     stats: TriForceStats | None = None
+
+    @property
+    def label(self) -> str:
+        return self.method if self.budget is None else f"{self.method} (budget {self.budget})"
 
     @property
     def tokens_per_second(self) -> float:
@@ -122,13 +127,14 @@ def measure(model, ids, prefix, method: str, new_tokens: int, budget: int, run: 
     run.stats = getattr(out, "triforce_stats", None)
 
 
-def compare(model, ids, methods, new_tokens: int, repeats: int, budget: int, draft_model=None,
+def compare(model, ids, methods, new_tokens: int, repeats: int, budget: int | list[int], draft_model=None,
             sampling: dict | None = None, gammas: tuple[int | None, int | None] = (None, None)
             ) -> tuple[list[Run], float]:
     """Prefill once, then ``repeats`` rounds over all methods in turn; returns runs and prefill seconds.
 
     ``sampling``: generate kwargs such as ``{"do_sample": True, "temperature": 0.8}``; round ``i`` seeds
-    every method with ``i``. ``gammas``: TriForce's ``(gamma1, gamma2)``, None for `TUNED_GAMMAS`.
+    every method with ``i``. ``gammas``: TriForce's ``(gamma1, gamma2)``, None for `TUNED_GAMMAS`. Several
+    ``budget`` values run each TriForce method once per budget (labelled with it).
     """
     missing = [m for m in methods if m not in METHODS]
     if missing:
@@ -138,17 +144,19 @@ def compare(model, ids, methods, new_tokens: int, repeats: int, budget: int, dra
     start = time.perf_counter()
     prefix = prefill_prefix(model, ids)
     prefill_seconds = time.perf_counter() - start
-    runs = [Run(m) for m in methods]
+    budgets = [budget] if isinstance(budget, int) else list(budget)
+    several = len(budgets) > 1
+    runs = [Run(m, b) for m in methods for b in (budgets if several and m.startswith(SPECULATIVE) else [None])]
     for round_index in tqdm(range(repeats), desc=f"decode {ids.shape[1]} ctx", unit="round"):
         for run in runs:
-            measure(model, ids, prefix, run.method, new_tokens, budget, run, prefill_seconds, draft_model, sampling,
-                    seed=round_index, gammas=gammas)
+            measure(model, ids, prefix, run.method, new_tokens, run.budget or budgets[0], run, prefill_seconds,
+                    draft_model, sampling, seed=round_index, gammas=gammas)
     return runs, prefill_seconds
 
 
 def table(runs: list[Run], sampled: bool = False) -> str:
     """Markdown table; ratios against ``plain`` and ``static`` where present (no identity check if ``sampled``)."""
-    by_name = {run.method: run for run in runs}
+    by_name = {run.label: run for run in runs}
     base, static = by_name.get("plain", runs[0]), by_name.get("static")
     lines = ["| method | decode tok/s | vs plain | vs static | F2 acc. | F3 acc. | tok/F3 step | "
              "cache MB full/retr./draft | identical |", "|" + "---|" * 9]
@@ -159,21 +167,22 @@ def table(runs: list[Run], sampled: bool = False) -> str:
                  f"{s.draft_cache_bytes / 2**20:.1f}"] if s else ["-"] * 4
         vs_static = f"{run.tokens_per_second / static.tokens_per_second:.2f}x" if static else "-"
         same = "n/a (sampled)" if sampled else "yes" if torch.equal(run.sequences, base.sequences) else "NO"
-        lines.append(f"| {run.method} | {run.tokens_per_second:.2f} | "
+        lines.append(f"| {run.label} | {run.tokens_per_second:.2f} | "
                      f"{run.tokens_per_second / base.tokens_per_second:.2f}x | {vs_static} | "
                      + " | ".join(cells) + f" | {same} |")
     return "\n".join(lines)
 
 
 def to_json(context: int, runs: list[Run], prefill_seconds: float, sampling: dict | None = None,
-            gammas: tuple[int | None, int | None] = (None, None)) -> dict:
+            gammas: tuple[int | None, int | None] = (None, None), budgets: list[int] | None = None) -> dict:
     return {
         "context": context,
         "prefill_seconds": prefill_seconds,
         "sampling": sampling,
+        "budgets": budgets,
         "gammas": {kind: chosen_gammas(gammas, kind) for kind in TUNED_GAMMAS},
         "methods": {
-            run.method: {
+            run.label: {
                 "decode_tokens_per_second": run.tokens_per_second,
                 "seconds": run.seconds,
                 "new_tokens": run.new_tokens,

@@ -68,7 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--top-p", type=_probability, default=1.0)
     bench.add_argument("--new-tokens", type=_positive, default=128)
     bench.add_argument("--repeats", type=_positive, default=3, help="rounds per method; the median is reported")
-    bench.add_argument("--budget", type=_positive, default=512, help="retrieval budget in tokens")
+    bench.add_argument("--budget", type=_positive, nargs="+", default=[512],
+                       help="retrieval budget(s) in tokens; several run each TriForce method once per budget")
     bench.add_argument("--gamma1", type=_positive, default=None,
                        help="TriForce: Force-1 tokens per Force-2 step (default 3 with n-grams, 2 with models)")
     bench.add_argument("--gamma2", type=_positive, default=None,
@@ -174,7 +175,7 @@ def _bench(args) -> int:
                     f"{args.new_tokens} new tokens, median of {args.repeats}, {describe_gammas(gammas)}, "
                     f"torch threads {torch.get_num_threads()})\n\n" + table(runs, sampled=args.sample))
         print(rendered, flush=True)
-        results.append(to_json(context, runs, prefill_seconds, sampling, gammas))
+        results.append(to_json(context, runs, prefill_seconds, sampling, gammas, args.budget))
         tables.append(rendered)
         write_results(results, tables, args.out)
     print(f"wrote {args.out}/results.json and results.md")

@@ -67,11 +67,14 @@ def test_generate_streams_on_a_tiny_local_model(tmp_path, capsys):
     assert "force3_acceptance" in out and "'draft_precision': 'int8'" in out and out.split("{")[0].strip()
     bench_dir = tmp_path / "bench"
     assert main(["bench", "--model", str(tmp_path / "m"), "--contexts", "120", "--new-tokens", "3", "--repeats", "1",
-                 "--methods", "plain", "triforce-ngram", "--budget", "32", "--gamma2", "5",
+                 "--methods", "plain", "triforce-ngram", "--budget", "32", "48", "--gamma2", "5",
                  "--out", str(bench_dir)]) == 0
     results = (bench_dir / "results.md").read_text()
-    assert "| triforce-ngram |" in results and "gamma1/gamma2 3/5 (ngram drafts)" in results
-    assert json.loads((bench_dir / "results.json").read_text())[0]["gammas"] == {"ngram": [3, 5], "model": [2, 5]}
+    assert "| triforce-ngram (budget 32) |" in results and "| triforce-ngram (budget 48) |" in results
+    assert "| plain |" in results and "gamma1/gamma2 3/5 (ngram drafts)" in results
+    saved = json.loads((bench_dir / "results.json").read_text())[0]
+    assert saved["gammas"] == {"ngram": [3, 5], "model": [2, 5]} and saved["budgets"] == [32, 48]
+    assert set(saved["methods"]) == {"plain", "triforce-ngram (budget 32)", "triforce-ngram (budget 48)"}
     with pytest.raises(SystemExit, match="rope-factor applies"):
         main(["bench", "--model", str(tmp_path / "m"), "--rope-factor", "2"])
 

@@ -1,10 +1,12 @@
-"""The CPU speed paths: the weight-left output layer and the int8 drafting copy."""
+"""The CPU speed paths: the weight-left output layer, the int8 drafting copy, split-cache verification."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
+from hf_triforce import attention
 from hf_triforce.output_head import weight_left_output_layer
 from hf_triforce.quantized import forget_int8_copy, int8_copy
 
@@ -65,3 +67,32 @@ def test_int8_copy_keeps_the_mlp_output_projections_in_fp32():
     quantized = [name for name, m in copy.named_modules() if type(m).__module__.startswith("torch.ao.nn.quantized")]
     assert any(name.endswith("mlp.up_proj") for name in quantized) and "lm_head" in quantized
     forget_int8_copy(model)
+
+
+@pytest.mark.parametrize("heads,kv_heads,q_len,kv_len",
+                         [(9, 3, 1, 300), (9, 3, 9, 1000), (8, 2, 7, 5000), (4, 4, 3, 777)])
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_split_kv_sdpa_matches_one_masked_call(heads, kv_heads, q_len, kv_len, threads):
+    """Same values as masked SDPA over the whole cache, read from a preallocated buffer's strided prefix."""
+    torch.manual_seed(0)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        keys, values = (torch.randn(1, kv_heads, kv_len + 40, 64)[:, :, :kv_len] for _ in range(2))
+        query = torch.randn(1, heads, q_len, 64)
+        mask = torch.ones(q_len, kv_len, dtype=torch.bool).tril(kv_len - q_len)[None, None]
+        expected = torch.nn.functional.scaled_dot_product_attention(
+            query, keys, values, attn_mask=mask, scale=0.125, enable_gqa=True).transpose(1, 2)
+        got, _ = attention.split_kv_sdpa(nn.Module().eval(), query, keys, values, mask, scaling=0.125)
+    finally:
+        torch.set_num_threads(before)
+    assert got.shape == expected.shape and got.is_contiguous()
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_split_kv_route_taken_only_for_few_rows_over_a_long_cpu_cache():
+    module = nn.Module().eval()
+    query, long_keys = torch.zeros(1, 9, 8, 64), torch.zeros(1, 3, attention.SPLIT_KV_MIN_CACHED + 8, 64)
+    assert attention._wants_split_kv(query, long_keys, 0.0, module)
+    assert not attention._wants_split_kv(query, long_keys[:, :, :-1], 0.0, module)  # cache one entry short
+    assert not attention._wants_split_kv(torch.zeros(1, 9, 1024, 64), long_keys, 0.0, module)  # a prefill chunk

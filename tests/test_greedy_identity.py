@@ -125,3 +125,18 @@ def test_flash_attention_glue_keeps_greedy_identity(monkeypatch):
     for draft in ("self", "ngram"):
         assert_identical(model, random_prompt(150, period=37), _config(draft, budget=48))
     assert _reference_flash_attn_varlen_func.calls > 0
+
+
+def test_split_kv_verification_keeps_greedy_identity(monkeypatch):
+    """The CPU split-cache route (taken from 8192 cached entries in use) forced on for every multi-token call
+    of a tiny model: each tier's mask must be bottom-right causal for it to be exact."""
+    from hf_triforce import attention
+
+    calls = []
+    real = attention.split_kv_sdpa
+    monkeypatch.setattr(attention, "SPLIT_KV_MIN_CACHED", 0)
+    monkeypatch.setattr(attention, "split_kv_sdpa", lambda *a, **k: calls.append(1) or real(*a, **k))
+    model = make_model("llama-gqa", logit_scale=3.0)
+    for draft in ("self", "ngram"):
+        assert_identical(model, random_prompt(150, period=37), _config(draft, budget=48))
+    assert calls
