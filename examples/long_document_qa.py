@@ -15,7 +15,7 @@ prefix = DynamicCache(config=model.config)
 with torch.no_grad():
     model(doc_ids, cache=prefix)  # the document's KV, computed once
 
-config = TriForceConfig(draft="ngram", retrieval_budget=512, gamma1=3, gamma2=6)
+config = TriForceConfig(draft="ngram", retrieval_budget=512, gamma1=3, gamma2=8)
 for question in ["\n\nQuestion: Who is Macbeth?\nAnswer:", "\n\nQuestion: Where is the play set?\nAnswer:"]:
     ids = torch.cat((doc_ids, tokenizer(question, return_tensors="pt").input_ids), dim=1)
     out = model.generate(ids, cache=prefix, max_new_tokens=40, do_sample=False, triforce_config=config,

@@ -75,8 +75,8 @@ def gqa_sdpa(module, query, key, value, attention_mask, scaling=None, dropout=0.
     return out.reshape(batch, heads, q_len, dim).transpose(1, 2).contiguous(), None
 
 
-# CPU verification: below this many cached entries one SDPA call is as fast (SmolLM2 shapes, 2 threads:
-# 5% faster at 8k, 22-24% at 16k-32k for 9 query rows; benchmarks/verify_cost.py).
+# CPU verification: below this many cached entries one SDPA call is as fast or faster (SmolLM2, 2 threads,
+# 9 query rows, benchmarks/verify_cost.py: equal at 8k, 19% / 12% cheaper at 16k / 32k, 15% dearer at 4k).
 SPLIT_KV_MIN_CACHED = 8192
 SPLIT_KV_MAX_QUERY = 64
 
