@@ -35,7 +35,8 @@ METHODS = ("plain", "static", "lookup", "assisted", *SPECULATIVE, *(f"{m}-int8" 
 DRAFT_METHODS = tuple(m for m in METHODS if m == "assisted" or m.startswith("triforce-draft"))
 # (gamma1, gamma2) per Force-1 kind, each method at its best measured setting: the n-gram drafter costs
 # nothing, so it drafts more per Force-2 step; sweeps of SmolLM2 at 4k, 8k and 8k at another text offset
-# (docs/results.md) put (3, 8) first for it every time. Model drafters keep TriForceConfig's defaults.
+# (docs/config.md, docs/bench/gamma-sweep/) put (3, 8) first for it every time. Model drafters keep
+# TriForceConfig's defaults.
 TUNED_GAMMAS = {"ngram": (3, 8), "model": (2, 6)}
 
 
@@ -141,10 +142,12 @@ def compare(model, ids, methods, new_tokens: int, repeats: int, budget: int | li
         raise ValueError(f"methods must be among {METHODS}, got {missing}")
     if draft_model is None and any(m in DRAFT_METHODS for m in methods):
         raise ValueError(f"methods {DRAFT_METHODS} need a draft model (draft_model=...)")
+    budgets = [budget] if isinstance(budget, int) else list(budget)
+    if len(set(budgets)) != len(budgets):
+        raise ValueError(f"budget values must differ, got {budgets}")
     start = time.perf_counter()
     prefix = prefill_prefix(model, ids)
     prefill_seconds = time.perf_counter() - start
-    budgets = [budget] if isinstance(budget, int) else list(budget)
     several = len(budgets) > 1
     runs = [Run(m, b) for m in methods for b in (budgets if several and m.startswith(SPECULATIVE) else [None])]
     for round_index in tqdm(range(repeats), desc=f"decode {ids.shape[1]} ctx", unit="round"):

@@ -144,6 +144,8 @@ def _bench(args) -> int:
 
     methods = args.methods or [m for m in METHODS if (args.draft_model or m not in DRAFT_METHODS)
                                and m not in ("streaming-self-int8", "triforce-draft-int8")]
+    if len(set(args.budget)) != len(args.budget):
+        raise SystemExit(f"hf-triforce bench: --budget values must differ, got {args.budget}")
     needs_draft = [m for m in methods if m in DRAFT_METHODS]
     if needs_draft and args.draft_model is None:
         raise SystemExit(f"hf-triforce bench: methods {needs_draft} need --draft-model")

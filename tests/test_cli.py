@@ -49,6 +49,8 @@ def test_bench_refuses_contexts_beyond_the_positions():
 def test_bench_names_what_is_missing(tmp_path):
     with pytest.raises(SystemExit, match=r"\['assisted'\] need --draft-model"):
         main(["bench", "--methods", "plain", "assisted"])
+    with pytest.raises(SystemExit, match="--budget values must differ"):
+        main(["bench", "--budget", "512", "512"])
     with pytest.raises(SystemExit, match="--model: model must be one of .*smollm2-135m"):
         main(["bench", "--model", str(tmp_path / "missing")])
     with pytest.raises(SystemExit, match="--rope-factor applies to the bundled SmolLM2 only"):
