@@ -96,6 +96,13 @@ def test_int8_needs_an_fp32_cpu_model():
         model.generate(random_prompt(60), max_new_tokens=4, triforce_config=_config("self", draft_precision="int8"))
 
 
+def _assert_identical_with_self_and_ngram_drafts() -> None:
+    """Greedy identity on a GQA model through every tier, for the tests that swap an attention route."""
+    model = make_model("llama-gqa", logit_scale=3.0)
+    for draft in ("self", "ngram"):
+        assert_identical(model, random_prompt(150, period=37), _config(draft, budget=48))
+
+
 def _reference_flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                      dropout_p=0.0, softmax_scale=None, causal=False):
     """flash-attn's varlen contract ([tokens, h, d], sequences bounded by cu_seqlens, GQA, bottom-right causal)
@@ -121,9 +128,7 @@ def test_flash_attention_glue_keeps_greedy_identity(monkeypatch):
     _reference_flash_attn_varlen_func.calls = 0
     monkeypatch.setattr(attention, "_flash_device", lambda query: True)
     monkeypatch.setattr(attention, "_flash_attn_varlen_func", lambda: _reference_flash_attn_varlen_func)
-    model = make_model("llama-gqa", logit_scale=3.0)
-    for draft in ("self", "ngram"):
-        assert_identical(model, random_prompt(150, period=37), _config(draft, budget=48))
+    _assert_identical_with_self_and_ngram_drafts()
     assert _reference_flash_attn_varlen_func.calls > 0
 
 
@@ -136,7 +141,5 @@ def test_split_kv_verification_keeps_greedy_identity(monkeypatch):
     real = attention.split_kv_sdpa
     monkeypatch.setattr(attention, "SPLIT_KV_MIN_CACHED", 0)
     monkeypatch.setattr(attention, "split_kv_sdpa", lambda *a, **k: calls.append(1) or real(*a, **k))
-    model = make_model("llama-gqa", logit_scale=3.0)
-    for draft in ("self", "ngram"):
-        assert_identical(model, random_prompt(150, period=37), _config(draft, budget=48))
+    _assert_identical_with_self_and_ngram_drafts()
     assert calls
