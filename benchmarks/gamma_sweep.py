@@ -14,8 +14,8 @@ import time
 
 import torch
 
-from hf_triforce import assets
-from hf_triforce.bench import Run, measure, prefill_prefix
+from hf_triforce.tools import assets
+from hf_triforce.tools.bench import Run, measure, prefill_prefix
 
 
 def main() -> None:

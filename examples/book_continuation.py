@@ -3,7 +3,8 @@
 import torch
 
 import hf_triforce  # noqa: F401
-from hf_triforce import TriForceConfig, assets
+from hf_triforce import TriForceConfig
+from hf_triforce.tools import assets
 
 model, tokenizer = assets.load_smollm2()
 ids = tokenizer(assets.shakespeare("hamlet"), return_tensors="pt").input_ids[:, :4096]

@@ -6,7 +6,8 @@ import torch
 from transformers import DynamicCache
 
 import hf_triforce  # noqa: F401  (enables triforce_config=)
-from hf_triforce import TriForceConfig, assets
+from hf_triforce import TriForceConfig
+from hf_triforce.tools import assets
 
 model, tokenizer = assets.load_smollm2()
 document = assets.shakespeare("macbeth")[:12000]

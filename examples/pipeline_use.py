@@ -3,7 +3,8 @@
 from transformers import pipeline
 
 import hf_triforce  # noqa: F401
-from hf_triforce import TriForceConfig, assets
+from hf_triforce import TriForceConfig
+from hf_triforce.tools import assets
 
 model, tokenizer = assets.load_smollm2()
 generator = pipeline("text-generation", model=model, tokenizer=tokenizer)

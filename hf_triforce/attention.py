@@ -2,11 +2,12 @@
 
 `Cache.update` never sees the query, so Force 2's chunk selection gets it here: ``triforce_<base>`` wraps
 the model's own attention implementation ``<base>`` (sdpa, eager, ...) and records the post-RoPE query of
-each layer while a `QueryRecorder` is active. Multi-token calls (verification, chunked prefill) stay
-GQA-native: on CUDA with flash-attn installed and fp16/bf16 tensors they take `flash_verify` (the
-varlen kernel); on CPU a few query rows over a long cache take `split_kv_sdpa` (the cache split across
-threads, partial results merged by log-sum-exp); other masked SDPA calls on GQA models take `gqa_sdpa`,
-which does not expand K/V. Everything else is ``<base>``.
+each layer into the `QueryRecorder` passed to the model's forward as ``triforce_recorder=`` (forward kwargs
+reach the attention function; one recorder per call, no shared state). Multi-token calls (verification,
+chunked prefill) stay GQA-native: on CUDA with flash-attn installed and fp16/bf16 tensors they take
+`flash_verify` (the varlen kernel); on CPU a few query rows over a long cache take `split_kv_sdpa` (the
+cache split across threads, partial results merged by log-sum-exp); other masked SDPA calls on GQA models
+take `gqa_sdpa`, which does not expand K/V. Everything else is ``<base>``.
 
 Invariant relied upon (TriForce's caches guarantee it): batch size 1, no padding, and every new token is
 appended after all cached entries, so the mask of a multi-token call is "all cached entries, then causal
@@ -16,45 +17,31 @@ among the new tokens" — bottom-right-aligned causal attention.
 from __future__ import annotations
 
 import functools
-import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 import torch
-from transformers import AttentionInterface
-from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from . import compat
 
 PREFIX = "triforce_"
+RECORDER_KWARG = "triforce_recorder"
 
 
 class QueryRecorder:
-    """Holds the last recorded query per layer: ``[batch, heads, q_len, head_dim]``."""
+    """Collects the post-RoPE query of each layer during one forward: ``[batch, heads, q_len, head_dim]``.
+
+    Pass it to a forward as ``model(..., triforce_recorder=recorder)`` while the model runs a ``triforce_*``
+    attention implementation; each forward overwrites the layers it runs.
+    """
 
     def __init__(self) -> None:
-        self.active = False
         self.queries: dict[int, torch.Tensor] = {}
 
-    @contextmanager
-    def recording(self) -> Iterator[None]:
-        self.active, self.queries = True, {}
-        try:
-            yield
-        finally:
-            self.active = False
+    def record(self, layer_idx: int, query: torch.Tensor) -> None:
+        self.queries[layer_idx] = query.detach()
 
     def at(self, row: int) -> dict[int, torch.Tensor]:
         """Query of one row of the recorded block per layer: ``[batch, heads, head_dim]``."""
         return {layer: q[:, :, row] for layer, q in self.queries.items()}
-
-
-RECORDER = QueryRecorder()
-
-
-def _base_function(base: str, module: torch.nn.Module):
-    if base == "eager":  # each model file defines its own eager attention (softcapping, sinks, ...)
-        return sys.modules[type(module).__module__].eager_attention_forward
-    return ALL_ATTENTION_FUNCTIONS[base]
 
 
 def gqa_sdpa(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -188,15 +175,16 @@ def _wants_split_kv(query, key, dropout, module) -> bool:
 
 def _make_wrapper(base: str):
     def triforce_attention(module, query, key, value, attention_mask, **kwargs):
-        if RECORDER.active:
-            RECORDER.queries[module.layer_idx] = query.detach()
+        recorder = kwargs.pop(RECORDER_KWARG, None)
+        if recorder is not None:
+            recorder.record(module.layer_idx, query)
         if base == "sdpa" and _wants_flash(query, kwargs):
             return flash_verify(module, query, key, value, attention_mask, **kwargs)
         if _wants_gqa_sdpa(base, query, key, attention_mask, kwargs):
             if _wants_split_kv(query, key, kwargs.get("dropout", 0.0), module):
                 return split_kv_sdpa(module, query, key, value, attention_mask, **kwargs)
             return gqa_sdpa(module, query, key, value, attention_mask, **kwargs)
-        return _base_function(base, module)(module, query, key, value, attention_mask, **kwargs)
+        return compat.attention_function(base, module)(module, query, key, value, attention_mask, **kwargs)
 
     triforce_attention.__name__ = f"{PREFIX}{base}"
     return triforce_attention
@@ -206,13 +194,12 @@ def wrapped_name(base: str) -> str:
     """Register (once) and return the recording wrapper's name for attention implementation ``base``."""
     if base.startswith(PREFIX):
         return base
-    if base not in ALL_ATTENTION_FUNCTIONS and base != "eager":
+    if not compat.is_registered_attention(base) and base != "eager":
         raise ValueError(
             f"TriForce cannot wrap attention implementation {base!r}; supported: eager, "
-            f"{', '.join(k for k in ALL_ATTENTION_FUNCTIONS.valid_keys() if not k.startswith(PREFIX))}"
+            f"{', '.join(k for k in compat.attention_names() if not k.startswith(PREFIX))}"
         )
     name = f"{PREFIX}{base}"
-    if name not in ALL_ATTENTION_FUNCTIONS:
-        AttentionInterface.register(name, _make_wrapper(base))
-        AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[base])
+    if not compat.is_registered_attention(name):
+        compat.register_attention(name, _make_wrapper(base), masks_like=base)
     return name

@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-DRAFT_MODES = ("self", "ngram")
+from .drafters import drafter_names
+
 DRAFT_PRECISIONS = ("model", "int8")
 
 
@@ -18,8 +19,10 @@ def _check_int(name: str, value: Any, minimum: int) -> None:
 class TriForceConfig:
     """Configuration of TriForce hierarchical speculative decoding.
 
-    draft: Force-1 proposer: ``"self"`` (the target on a sink+window cache), ``"ngram"`` (lookup over the
-        prompt and output), or a ``PreTrainedModel`` sharing the target's vocabulary.
+    draft: Force-1 proposer: a registered drafter name (``hf_triforce.drafters.DRAFTERS``: ``"self"``, the
+        target on a sink+window cache; ``"ngram"``, lookup of the most recent occurrence of the suffix over the
+        prompt and output; ``"suffix"``, its most frequent continuation) or a ``PreTrainedModel`` sharing the
+        target's vocabulary.
     retrieval_budget: tokens of the Force-2 retrieval cache (sink chunk + top-k chunks + recent tokens);
         a multiple of ``chunk_size``.
     chunk_size: tokens per chunk whose keys are summarised (mean key per KV head) for retrieval.
@@ -59,13 +62,13 @@ class TriForceConfig:
 
     def __post_init__(self) -> None:
         if isinstance(self.draft, str):
-            if self.draft not in DRAFT_MODES:
+            if self.draft not in drafter_names():
                 raise ValueError(
-                    f"TriForceConfig.draft must be one of {DRAFT_MODES} or a PreTrainedModel, got {self.draft!r}"
+                    f"TriForceConfig.draft must be one of {drafter_names()} or a PreTrainedModel, got {self.draft!r}"
                 )
         elif not hasattr(self.draft, "forward") or not hasattr(self.draft, "config"):
             raise TypeError(
-                "TriForceConfig.draft must be 'self', 'ngram' or a transformers PreTrainedModel, "
+                f"TriForceConfig.draft must be one of {drafter_names()} or a transformers PreTrainedModel, "
                 f"got an object of type {type(self.draft).__name__}"
             )
         for name, minimum in (
@@ -148,7 +151,7 @@ class TriForceConfig:
         data = dict(data)
         if draft_model is not None:
             data["draft"] = draft_model
-        elif data.get("draft", "self") not in DRAFT_MODES:
+        elif data.get("draft", "self") not in drafter_names():
             raise ValueError(
                 f"The dict names draft model {data['draft']!r}: pass it as from_dict(..., draft_model=model)"
             )

@@ -1,59 +1,58 @@
-"""The ONLY module that touches transformers internals.
+"""``generate(..., triforce_config=cfg)``, ``custom_generate=triforce_generate`` and the pipeline.
 
-Written against transformers 5.24 (declared range ``>=5.24,<6``); ``tests/test_integration_contract.py``
-fails loudly when one of the internals used here changes:
-
-- ``GenerationMixin.generate`` is wrapped so that ``triforce_config=`` routes to ``custom_generate``
-  (a bare unknown kwarg is otherwise rejected by ``_validate_model_kwargs``), and ``streamer=`` is
-  forwarded under another name (``generate`` does not hand it to a ``custom_generate`` callable);
-- ``generate(custom_generate=fn)`` calls ``fn(model, input_ids, logits_processor=, stopping_criteria=,
-  generation_config=, <fn's own kwargs>, **model_kwargs)`` after all of its setup;
-- ``config._attn_implementation`` is switched, for the duration of a call, to the recording wrapper of
-  `attention.py`; masks come from the cache's ``get_mask_sizes`` and ``get_seq_length``.
+Uses transformers through its public generation conventions; the internals it relies on (how ``generate``
+calls a ``custom_generate`` callable, the attention registry) are reached through `compat`, which the
+contract tests pin.
 """
 
 from __future__ import annotations
 
+import copy
 import functools
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-import transformers
-from transformers import GenerationMixin, StoppingCriteriaList, StopStringCriteria
-from transformers.generation.utils import GenerateDecoderOnlyOutput
+from transformers import (
+    ClassifierFreeGuidanceLogitsProcessor,
+    StoppingCriteriaList,
+    StopStringCriteria,
+    SynthIDTextWatermarkLogitsProcessor,
+    UnbatchedClassifierFreeGuidanceLogitsProcessor,
+)
 
+from . import compat
 from .attention import wrapped_name
 from .config import TriForceConfig
-from .hierarchy import triforce_decode
+from .decoder import TriForceDecoder
 from .stats import TriForceStats
 
-TESTED_TRANSFORMERS = (">=5.24", "<6")
+TESTED_TRANSFORMERS = compat.TESTED_TRANSFORMERS
 _HANDLED_MODEL_KWARGS = {"attention_mask", "cache", "use_cache", "position_ids", "logits_to_keep"}
+# Processors that keep state across calls or run the model themselves: TriForce scores several rows per
+# forward and rows that Force 3 rejects, so their state would advance on tokens that are never committed.
+_REFUSED_PROCESSORS = {
+    UnbatchedClassifierFreeGuidanceLogitsProcessor: "guidance_scale (classifier-free guidance runs the model "
+    "on its own cache, one token at a time)",
+    ClassifierFreeGuidanceLogitsProcessor: "guidance_scale (classifier-free guidance needs a doubled batch)",
+    SynthIDTextWatermarkLogitsProcessor: "watermarking_config with SynthID (its state advances on every call)",
+}
 
 
 @dataclass
-class TriForceGenerateOutput(GenerateDecoderOnlyOutput):
+class TriForceGenerateOutput(compat.GenerateDecoderOnlyOutput):
     """`GenerateDecoderOnlyOutput` plus ``triforce_stats``."""
 
     triforce_stats: TriForceStats | None = None
 
 
-@contextmanager
-def recording_attention(model) -> Iterator[None]:
-    """Switch the model to the query-recording wrapper of its own attention implementation."""
-    config = model.config
-    original = config._attn_implementation
-    config._attn_implementation = wrapped_name(original or "eager")
-    try:
-        yield
-    finally:
-        config._attn_implementation = original
+def recording_attention(model):
+    """Switch the model to the query-recording wrapper of its own attention implementation (a context)."""
+    return compat.attention_implementation(model, wrapped_name(compat.current_attention_implementation(model)))
 
 
-def _check_request(model, input_ids: torch.Tensor, config: TriForceConfig, generation_config, model_kwargs) -> None:
+def _check_request(model, input_ids: torch.Tensor, config: TriForceConfig, generation_config, model_kwargs,
+                   logits_processor) -> None:
     if getattr(model.config, "is_encoder_decoder", False) or not getattr(model.config, "is_causal", True):
         raise ValueError("triforce_config= needs a decoder-only causal LM; this model is encoder-decoder or non-causal")
     if generation_config.num_beams != 1:
@@ -76,6 +75,10 @@ def _check_request(model, input_ids: torch.Tensor, config: TriForceConfig, gener
             f"triforce_config=: the model uses sliding-window attention ({sliding} tokens) and the request reaches "
             f"{generation_config.max_length} tokens; TriForce supports full attention only"
         )
+    for processor in logits_processor or []:
+        for refused, why in _REFUSED_PROCESSORS.items():
+            if isinstance(processor, refused):
+                raise ValueError(f"triforce_config= does not support {why}: {type(processor).__name__}")
     limit = getattr(model.config, "max_position_embeddings", None)
     if limit is not None and generation_config.max_length > limit:
         raise ValueError(
@@ -123,7 +126,7 @@ def triforce_generate(
     if not isinstance(config, TriForceConfig):
         raise TypeError(f"triforce_config must be a TriForceConfig, got {type(config).__name__}")
     generation_config = generation_config if generation_config is not None else model.generation_config
-    _check_request(model, input_ids, config, generation_config, model_kwargs)
+    _check_request(model, input_ids, config, generation_config, model_kwargs, logits_processor)
     ids, pad = _strip_padding(input_ids, model_kwargs.get("attention_mask"))
     prefix = model_kwargs.get("cache")
     if prefix is not None and prefix.get_seq_length() == 0:
@@ -134,20 +137,13 @@ def triforce_generate(
         )
     if pad and prefix is not None:
         raise ValueError("triforce_config= does not support a padded prompt together with cache=")
+    decoder = TriForceDecoder(model, config, logits_processor, stopping_criteria,
+                              max_length=generation_config.max_length - pad,
+                              do_sample=bool(generation_config.do_sample), padding=input_ids[:, :pad])
     with recording_attention(model):
-        result = triforce_decode(
-            model,
-            ids,
-            config,
-            logits_processor,
-            stopping_criteria,
-            max_length=generation_config.max_length - pad,
-            do_sample=bool(generation_config.do_sample),
-            streamer=triforce_streamer,
-            prefix_cache=prefix,
-            keep_scores=bool(generation_config.output_scores),
-            keep_logits=bool(generation_config.output_logits),
-        )
+        result = decoder.run(ids, streamer=triforce_streamer, prefix_cache=prefix,
+                             keep_scores=bool(generation_config.output_scores),
+                             keep_logits=bool(generation_config.output_logits))
     sequences = torch.cat((input_ids[:, :pad], result.sequences), dim=1) if pad else result.sequences
     if not generation_config.return_dict_in_generate:
         return sequences
@@ -160,13 +156,15 @@ def triforce_generate(
     )
 
 
-_ORIGINAL_GENERATE = GenerationMixin.generate
-
-
-def _move_stop_strings_to_criteria(kwargs: dict[str, Any]) -> None:
+def _move_stop_strings_to_criteria(model, kwargs: dict[str, Any]) -> None:
     """``generate`` drops ``tokenizer=`` before building stop-string criteria for a ``custom_generate``
-    callable (5.24); build the `StopStringCriteria` here instead."""
+    callable (5.24): build the `StopStringCriteria` here, from ``stop_strings=`` or the generation config."""
     stop_strings, tokenizer = kwargs.pop("stop_strings", None), kwargs.pop("tokenizer", None)
+    source = kwargs.get("generation_config") or model.generation_config
+    if getattr(source, "stop_strings", None) is not None:
+        stop_strings = stop_strings if stop_strings is not None else source.stop_strings
+        kwargs["generation_config"] = copy.deepcopy(source)
+        kwargs["generation_config"].stop_strings = None
     if stop_strings is None:
         return
     if tokenizer is None:
@@ -176,29 +174,25 @@ def _move_stop_strings_to_criteria(kwargs: dict[str, Any]) -> None:
     kwargs["stopping_criteria"] = criteria
 
 
-@functools.wraps(_ORIGINAL_GENERATE)
+@functools.wraps(compat.ORIGINAL_GENERATE)
 def _generate(self, *args, triforce_config: TriForceConfig | None = None, **kwargs):
     if triforce_config is None and kwargs.get("custom_generate") is not triforce_generate:
-        return _ORIGINAL_GENERATE(self, *args, **kwargs)
+        return compat.ORIGINAL_GENERATE(self, *args, **kwargs)
     if kwargs.get("custom_generate", triforce_generate) is not triforce_generate:
         raise ValueError("triforce_config= cannot be combined with another custom_generate")
     if kwargs.get("assistant_model") is not None:
         raise ValueError("triforce_config= cannot be combined with assistant_model: use TriForceConfig(draft=model)")
     kwargs["custom_generate"] = triforce_generate
     kwargs["triforce_streamer"] = kwargs.pop("streamer", None)
-    _move_stop_strings_to_criteria(kwargs)
-    return _ORIGINAL_GENERATE(self, *args, triforce_config=triforce_config, **kwargs)
+    _move_stop_strings_to_criteria(self, kwargs)
+    return compat.ORIGINAL_GENERATE(self, *args, triforce_config=triforce_config, **kwargs)
 
 
 def enable() -> None:
     """Install ``triforce_config=`` on every model's ``generate`` (idempotent; done on ``import hf_triforce``)."""
-    GenerationMixin.generate = _generate
+    compat.install_generate(_generate)
 
 
 def disable() -> None:
     """Restore transformers' own ``generate``."""
-    GenerationMixin.generate = _ORIGINAL_GENERATE
-
-
-def transformers_version() -> str:
-    return transformers.__version__
+    compat.install_generate(None)

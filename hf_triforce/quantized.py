@@ -72,6 +72,11 @@ def int8_layer_names(model: nn.Module) -> list[str]:
     ]
 
 
+def drafting_model(model: nn.Module, precision: str) -> nn.Module:
+    """The model as Force 1 / Force 2 run it: itself (``"model"``) or its int8 copy (``"int8"``)."""
+    return int8_copy(model) if precision == "int8" else model
+
+
 def forget_int8_copy(model: nn.Module) -> None:
     """Drop the cached copy of ``model`` (after its weights changed)."""
     _COPIES.pop(model, None)

@@ -4,11 +4,37 @@ Contract: a proposal ``x ~ q`` is accepted with probability ``min(1, p(x) / q(x)
 drawn from the residual ``norm(max(p - q, 0))``. The emitted token is then distributed exactly as ``p``.
 A ``q`` of ``None`` means a point mass on the proposed token (a deterministic drafter such as n-gram lookup).
 Greedy verification accepts while the proposal equals ``argmax p`` and emits ``argmax p`` otherwise.
+
+Every random draw goes through a `Sampler` (two discrete choices: a biased coin and a categorical draw), so
+that one decode call's randomness is one object: `TorchSampler` uses torch's global RNG as ``generate``
+does; a test can substitute a sampler that enumerates every outcome with its probability.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
 import torch
+
+
+class Sampler(Protocol):
+    def bernoulli(self, probability: torch.Tensor) -> bool:
+        """True with ``probability`` (a 0-d tensor in [0, 1])."""
+
+    def categorical(self, probs: torch.Tensor) -> int:
+        """One index drawn from the 1-D distribution ``probs``."""
+
+
+class TorchSampler:
+    """Draws from torch's global RNG (seeded by ``torch.manual_seed``, like ``generate``)."""
+
+    def bernoulli(self, probability: torch.Tensor) -> bool:
+        return bool(torch.rand((), device=probability.device) < probability)
+
+    def categorical(self, probs: torch.Tensor) -> int:
+        return int(torch.multinomial(probs, num_samples=1))
 
 
 def scores_to_probs(scores: torch.Tensor) -> torch.Tensor:
@@ -41,43 +67,56 @@ def point_mass(token: int, like: torch.Tensor) -> torch.Tensor:
     return q
 
 
-def sample(probs: torch.Tensor) -> int:
-    """One token from ``probs`` (uses torch's global RNG, as ``generate`` does)."""
-    return int(torch.multinomial(probs, num_samples=1))
+Resample = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-def accept_or_resample(token: int, p: torch.Tensor, q: torch.Tensor | None) -> tuple[bool, int]:
-    """Speculative acceptance of one proposal ``token ~ q`` against target ``p`` (1-D probabilities)."""
-    if q is None:
-        q = point_mass(token, p)
-    if torch.rand((), device=p.device) < acceptance_probability(p[token], q[token]):
-        return True, token
-    return False, sample(residual_distribution(p, q))
+@dataclass
+class ChainVerifier:
+    """Verifies a chain of proposals against a target, at one level of the hierarchy.
 
-
-def verify_chain(
-    proposals: list[int],
-    proposal_probs: torch.Tensor | None,
-    target_scores: torch.Tensor,
-    do_sample: bool,
-) -> tuple[int, int]:
-    """Verify a chain of proposals against ``len(proposals) + 1`` rows of target scores.
-
-    Returns ``(n_accepted, next_token)``: the first ``n_accepted`` proposals stand, followed by
-    ``next_token`` (a residual resample at the first rejection, or a bonus token from the last row).
+    ``resample(p, q)`` is the law drawn from after a rejection: the residual (exact). It is a field so that
+    tests can substitute a wrong rule and show that the distribution tests catch it.
     """
-    n = len(proposals)
-    if target_scores.shape[0] != n + 1:
-        raise ValueError(f"verify_chain needs {n + 1} rows of target scores, got {target_scores.shape[0]}")
-    if not do_sample:
-        best = target_scores.argmax(-1).tolist()
+
+    do_sample: bool
+    sampler: Sampler
+    resample: Resample = residual_distribution
+
+    def accept_or_resample(self, token: int, p: torch.Tensor, q: torch.Tensor | None) -> tuple[bool, int]:
+        """Speculative acceptance of one proposal ``token ~ q`` against target ``p`` (1-D probabilities)."""
+        if q is None:
+            q = point_mass(token, p)
+        if self.sampler.bernoulli(acceptance_probability(p[token], q[token])):
+            return True, token
+        return False, self.sampler.categorical(self.resample(p, q))
+
+    def verify(self, proposals: list[int], proposal_probs: torch.Tensor | None,
+               target_scores: torch.Tensor) -> tuple[int, int]:
+        """Verify ``proposals`` against ``len(proposals) + 1`` rows of processed target scores.
+
+        Returns ``(n_accepted, next_token)``: the first ``n_accepted`` proposals stand, followed by
+        ``next_token`` (a residual resample at the first rejection, or a bonus token from the last row).
+        ``proposal_probs[i]`` is the distribution proposal ``i`` was drawn from (``None``: point masses).
+        """
+        n = len(proposals)
+        if target_scores.shape[0] != n + 1:
+            raise ValueError(f"verify needs {n + 1} rows of target scores, got {target_scores.shape[0]}")
+        if not self.do_sample:
+            best = target_scores.argmax(-1).tolist()
+            for i, token in enumerate(proposals):
+                if best[i] != token:
+                    return i, best[i]
+            return n, best[n]
+        p = scores_to_probs(target_scores)
         for i, token in enumerate(proposals):
-            if best[i] != token:
-                return i, best[i]
-        return n, best[n]
-    p = scores_to_probs(target_scores)
-    for i, token in enumerate(proposals):
-        accepted, emitted = accept_or_resample(token, p[i], None if proposal_probs is None else proposal_probs[i])
-        if not accepted:
-            return i, emitted
-    return n, sample(p[n])
+            q = None if proposal_probs is None else proposal_probs[i]
+            accepted, emitted = self.accept_or_resample(token, p[i], q)
+            if not accepted:
+                return i, emitted
+        return n, self.sampler.categorical(p[n])
+
+
+def verify_chain(proposals: list[int], proposal_probs: torch.Tensor | None, target_scores: torch.Tensor,
+                 do_sample: bool) -> tuple[int, int]:
+    """`ChainVerifier.verify` with the residual rule and torch's global RNG."""
+    return ChainVerifier(do_sample, TorchSampler()).verify(proposals, proposal_probs, target_scores)

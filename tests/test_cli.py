@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from hf_triforce.bench import METHODS
-from hf_triforce.cli import build_parser, main
+from hf_triforce.tools.bench import METHODS
+from hf_triforce.tools.cli import build_parser, main
 
 from .conftest import make_model
 from .tokenizer_util import text_of, word_tokenizer
@@ -124,7 +124,7 @@ def test_demo_and_bench_end_to_end_on_smollm2(tmp_path, capsys):
 
 
 def test_needle_acceptance_on_a_tiny_model():
-    from hf_triforce.needle import needle_prompt, tier_acceptance
+    from hf_triforce.tools.needle import needle_prompt, tier_acceptance
 
     tokenizer = word_tokenizer()
     haystack = text_of([i % 90 for i in range(7, 700)])
@@ -141,7 +141,7 @@ def test_needle_acceptance_on_a_tiny_model():
 
 
 def test_bench_gammas_default_per_drafter_and_reach_the_config():
-    from hf_triforce.bench import TUNED_GAMMAS, method_kwargs
+    from hf_triforce.tools.bench import TUNED_GAMMAS, method_kwargs
 
     model = make_model("llama-gqa")
     ngram = method_kwargs("triforce-ngram", model, None, 200, 32)["triforce_config"]

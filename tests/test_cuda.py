@@ -57,3 +57,55 @@ def test_triforce_on_cuda_fp32_is_exact():
     config = TriForceConfig(draft="ngram", retrieval_budget=64, chunk_size=8, sink_tokens=4, window=24)
     expected = model.generate(prompt, max_new_tokens=32, do_sample=False)
     assert torch.equal(model.generate(prompt, max_new_tokens=32, do_sample=False, triforce_config=config), expected)
+
+
+def _cuda_exact(family, draft, prompt_len=600, new_tokens=40, levels=3):
+    """Greedy TriForce on CUDA (fp32) equals plain generate; the prompt exceeds the budget, so retrieval selects."""
+    model = make_model(family).to("cuda")
+    prompt = random_prompt(prompt_len, period=53).to("cuda")
+    if draft == "model":
+        draft = make_model(family, num_hidden_layers=1, seed=5).to("cuda")
+    config = TriForceConfig(draft=draft, retrieval_budget=64, chunk_size=8, sink_tokens=4, window=24, gamma1=2,
+                            gamma2=6, levels=levels)
+    expected = model.generate(prompt, max_new_tokens=new_tokens, do_sample=False)
+    out = model.generate(prompt, max_new_tokens=new_tokens, do_sample=False, triforce_config=config,
+                         return_dict_in_generate=True)
+    assert torch.equal(out.sequences, expected), (out.sequences[0, prompt_len:], expected[0, prompt_len:])
+    stats = out.triforce_stats
+    assert stats.force3_steps > 0 and not stats.force2_sees_whole_cache
+    return model, prompt, config, expected
+
+
+@cuda
+@pytest.mark.parametrize("family", ["llama-gqa", "qwen2", "gemma"])
+@pytest.mark.parametrize("draft", ["self", "ngram", "model"])
+def test_cuda_fp32_greedy_identity(family, draft):
+    _cuda_exact(family, draft)
+
+
+@cuda
+def test_cuda_fp32_two_levels_and_prefilled_cache():
+    from transformers import DynamicCache
+
+    model, prompt, config, expected = _cuda_exact("llama-gqa", "self", levels=2)
+    prefix = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(input_ids=prompt[:, :-1], cache=prefix, use_cache=True)
+    cached = prefix.get_seq_length()
+    config = TriForceConfig(draft="self", retrieval_budget=64, chunk_size=8, sink_tokens=4, window=24)
+    out = model.generate(prompt, max_new_tokens=40, do_sample=False, triforce_config=config, cache=prefix)
+    assert torch.equal(out, expected)
+    assert prefix.get_seq_length() == cached, "cache= must be read, never modified"
+
+
+@cuda
+def test_cuda_sampling_is_seeded_and_runs():
+    model = make_model("llama-gqa", logit_scale=4.0).to("cuda")
+    prompt = random_prompt(400, period=31).to("cuda")
+    config = TriForceConfig(draft="self", retrieval_budget=64, chunk_size=8, sink_tokens=4, window=24)
+    runs = []
+    for _ in range(2):
+        torch.manual_seed(7)
+        runs.append(model.generate(prompt, max_new_tokens=32, do_sample=True, temperature=0.8, top_p=0.9,
+                                   triforce_config=config))
+    assert runs[0].shape == (1, 432) and torch.equal(runs[0], runs[1])

@@ -6,7 +6,8 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
-from hf_triforce import TriForceConfig, assets
+from hf_triforce import TriForceConfig
+from hf_triforce.tools import assets
 
 CONTEXT, NEW = 4096, 48
 

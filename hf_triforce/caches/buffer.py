@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin
+
+from ..compat import Cache, CacheLayerMixin
 
 
 class BufferLayer(CacheLayerMixin):

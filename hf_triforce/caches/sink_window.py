@@ -6,6 +6,7 @@ from collections.abc import Callable
 
 import torch
 
+from ..compat import rotary_embedding
 from .buffer import BufferCache
 
 Rerotate = Callable[[torch.Tensor, int], torch.Tensor]
@@ -22,7 +23,7 @@ def make_rerotate(model) -> Rerotate:
     Works for any model whose decoder has a standard ``rotary_emb`` (Llama, Qwen2, Mistral, Gemma, ...):
     rotating by ``delta`` composes with the rotation already applied, so keys move without recomputation.
     """
-    rotary = getattr(model.get_decoder(), "rotary_emb", None)
+    rotary = rotary_embedding(model)
     if rotary is None:
         raise ValueError(
             f"draft model {type(model).__name__} has no `rotary_emb` on its decoder: the sink+window cache "

@@ -106,7 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _generate(args) -> int:
     from transformers import TextStreamer
 
-    from .config import TriForceConfig
+    from ..config import TriForceConfig
 
     if not args.prompt_file.is_file():
         raise SystemExit(f"hf-triforce generate: --prompt-file {args.prompt_file} does not exist")

@@ -1,30 +1,27 @@
-"""Force-1 proposers: a model on a `SinkWindowCache` (the target itself or a small draft), or n-gram lookup.
-
-Contract: ``propose(sequence, n)`` returns up to ``n`` proposed tokens and, row by row, the exact
-distribution each was drawn from (``None`` for a deterministic proposer: a point mass). ``rollback(length)``
-is called with the length of a committed prefix of the sequence.
-"""
+"""A causal LM drafting on a constant-size `SinkWindowCache`: the target itself (``"self"``) or a draft model."""
 
 from __future__ import annotations
 
 import time
 
 import torch
-from transformers import LogitsProcessorList
 
-from .caches.sink_window import SinkWindowCache, make_rerotate
-from .sampling import sample, scores_to_probs
-from .scoring import process_rows
+from ..caches.sink_window import SinkWindowCache, make_rerotate
+from ..quantized import drafting_model
+from ..sampling import Sampler, scores_to_probs
+from ..scoring import process_rows
+from .registry import MODEL_DRAFTER, DraftContext, register_drafter
 
 
 class ModelDrafter:
     """A causal LM on a constant-size sink+window cache with in-cache positions."""
 
-    def __init__(self, model, sink_tokens: int, window: int, processors: LogitsProcessorList, do_sample: bool):
+    def __init__(self, model, sink_tokens: int, window: int, processors, do_sample: bool, sampler: Sampler):
         self.model = model
         self.cache = SinkWindowCache(model.config.num_hidden_layers, sink_tokens, window, make_rerotate(model))
         self.processors = processors
         self.do_sample = do_sample
+        self.sampler = sampler
         self.seen = 0  # tokens of the sequence whose entries the cache holds (or has evicted)
         self.seconds = 0.0
         self.forwards = 0
@@ -59,7 +56,7 @@ class ModelDrafter:
             scores = process_rows(self.processors, current, logits, current.shape[1])
             if self.do_sample:
                 probs = scores_to_probs(scores)[0]
-                token = sample(probs)
+                token = self.sampler.categorical(probs)
                 rows.append(probs)
             else:
                 token = int(scores[0].argmax())
@@ -76,34 +73,13 @@ class ModelDrafter:
         return self.cache.nbytes()
 
 
-class NgramDrafter:
-    """Prompt-lookup drafting: continue the most recent earlier occurrence of the sequence's suffix."""
+def _build(context: DraftContext, model) -> ModelDrafter:
+    config = context.config
+    return ModelDrafter(drafting_model(model, config.draft_precision), config.sink_tokens, config.window,
+                        context.processors, context.do_sample, context.sampler)
 
-    def __init__(self, ngram_max: int, ngram_min: int):
-        self.ngram_max, self.ngram_min = ngram_max, ngram_min
-        self.seconds = 0.0
-        self.forwards = 0
 
-    def prefill(self, prompt: torch.Tensor) -> None:
-        pass
-
-    def propose(self, sequence: torch.Tensor, n: int) -> tuple[list[int], None]:
-        start = time.perf_counter()
-        seq = sequence[0]
-        length = seq.shape[0]
-        try:
-            for size in range(min(self.ngram_max, length - 1), self.ngram_min - 1, -1):
-                windows = seq[: length - 1].unfold(0, size, 1)  # candidates that have a continuation
-                hits = (windows == seq[length - size :]).all(1).nonzero()
-                if hits.numel():
-                    begin = int(hits[-1]) + size
-                    return seq[begin : begin + n].tolist(), None
-            return [], None
-        finally:
-            self.seconds += time.perf_counter() - start
-
-    def rollback(self, length: int) -> None:
-        pass
-
-    def nbytes(self) -> int:
-        return 0
+register_drafter("self", lambda context: _build(context, context.target), "model",
+                 "the target itself on a sink+window cache (TriForce's Force 1)")
+register_drafter(MODEL_DRAFTER, lambda context: _build(context, context.config.draft), "model",
+                 "a small draft model sharing the target's vocabulary, on a sink+window cache")

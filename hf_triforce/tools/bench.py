@@ -26,9 +26,9 @@ import torch
 from tqdm.auto import tqdm
 from transformers import DynamicCache, StaticCache
 
-from .config import TriForceConfig
-from .hierarchy import prefill
-from .stats import TriForceStats
+from ..config import TriForceConfig
+from ..forward import prefill
+from ..stats import TriForceStats
 
 SPECULATIVE = ("streaming-self", "triforce-self", "triforce-ngram", "triforce-draft")
 METHODS = ("plain", "static", "lookup", "assisted", *SPECULATIVE, *(f"{m}-int8" for m in SPECULATIVE))

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import torch
 
-from .attention import RECORDER
-from .caches.buffer import BufferCache
-from .caches.retrieval import RetrievalCache
-from .hierarchy import forward_logits, prefill
-from .integration import recording_attention
+from ..attention import QueryRecorder
+from ..caches.buffer import BufferCache
+from ..caches.retrieval import RetrievalCache
+from ..forward import forward_logits, prefill
+from ..integration import recording_attention
 
 NEEDLE = " The secret password of the blue door is {code}. "
 QUESTION = (
@@ -55,8 +55,9 @@ def tier_acceptance(model, prompt: torch.Tensor, answer: torch.Tensor, budget: i
     forced = torch.cat((prompt[:, -1:], answer[:, :-1]), dim=1)  # predicts each answer token
     full = BufferCache(layers, n + k)
     with recording_attention(model):
-        prefill(model, prompt[:, :-1], full, chunk_size=2048)
-        queries = RECORDER.at(-1)
+        recorder = QueryRecorder()
+        prefill(model, prompt[:, :-1], full, chunk_size=2048, recorder=recorder)
+        queries = recorder.at(-1)
         p = forward_logits(model, forced, full, n - 1, k)
         caches = {
             "retrieval": RetrievalCache(layers, budget, chunk_size, (budget // 4) // chunk_size * chunk_size, k + 2),

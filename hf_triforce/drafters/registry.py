@@ -1,0 +1,82 @@
+"""The `Drafter` protocol and the registry of Force-1 drafters.
+
+Contract: ``propose(sequence, n)`` returns up to ``n`` proposed tokens and, row by row, the exact
+distribution each was drawn from (``None`` for a deterministic proposer: a point mass). ``rollback(length)``
+is called with the length of a committed prefix of the sequence; ``prefill(prompt)`` once, before the first
+proposal. ``seconds`` accumulates the time spent proposing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+from transformers import LogitsProcessorList
+
+from ..sampling import Sampler
+
+
+class Drafter(Protocol):
+    seconds: float
+
+    def prefill(self, prompt: torch.Tensor) -> None: ...
+
+    def propose(self, sequence: torch.Tensor, n: int) -> tuple[list[int], torch.Tensor | None]: ...
+
+    def rollback(self, length: int) -> None: ...
+
+    def nbytes(self) -> int: ...
+
+
+@dataclass(frozen=True)
+class DraftContext:
+    """What a drafter may use: the target, the config, the call's processors, sampling mode and sampler."""
+
+    target: Any
+    config: Any  # TriForceConfig
+    processors: LogitsProcessorList
+    do_sample: bool
+    sampler: Sampler
+
+
+@dataclass(frozen=True)
+class DrafterSpec:
+    """A registered drafter: ``build(context)`` makes one per `generate` call.
+
+    ``kind``: ``"model"`` (runs a network; each proposal costs a forward) or ``"lookup"`` (costs almost
+    nothing; the bench drafts more per step with it). ``description`` is shown by the CLI.
+    """
+
+    name: str
+    build: Callable[[DraftContext], Drafter]
+    kind: str
+    description: str
+
+
+DRAFTERS: dict[str, DrafterSpec] = {}
+MODEL_DRAFTER = "model"  # the spec used when TriForceConfig.draft is a model object
+
+
+def register_drafter(name: str, build: Callable[[DraftContext], Drafter], kind: str, description: str) -> None:
+    """Add a drafter under ``name`` (refuses a name in use and an unknown ``kind``)."""
+    if name in DRAFTERS:
+        raise ValueError(f"a drafter named {name!r} is already registered")
+    if kind not in ("model", "lookup"):
+        raise ValueError(f"drafter kind must be 'model' or 'lookup', got {kind!r}")
+    DRAFTERS[name] = DrafterSpec(name, build, kind, description)
+
+
+def drafter_names() -> tuple[str, ...]:
+    """Names a `TriForceConfig.draft` string may take."""
+    return tuple(name for name in DRAFTERS if name != MODEL_DRAFTER)
+
+
+def spec_of(draft: Any) -> DrafterSpec:
+    return DRAFTERS[draft if isinstance(draft, str) else MODEL_DRAFTER]
+
+
+def build_drafter(context: DraftContext) -> Drafter:
+    """The drafter ``context.config.draft`` names (a model object: the ``model`` drafter)."""
+    return spec_of(context.config.draft).build(context)

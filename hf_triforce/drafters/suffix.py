@@ -1,0 +1,66 @@
+"""Frequency lookup drafting (``"suffix"``): the continuation most often seen after the sequence's suffix.
+
+Where ``"ngram"`` copies what followed the most recent occurrence of the suffix, this drafter walks every
+earlier occurrence at once, as a suffix trie would: at each step it proposes the token that most of the
+still-matching occurrences continue with (ties: the smallest token id) and keeps only those occurrences.
+Repeated phrasing in a long document then drafts its usual continuation rather than its latest one.
+Deterministic: point-mass proposals. Uses ``ngram_max`` / ``ngram_min`` for the suffix length.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from .registry import DraftContext, register_drafter
+
+
+class SuffixDrafter:
+    def __init__(self, ngram_max: int, ngram_min: int):
+        self.ngram_max, self.ngram_min = ngram_max, ngram_min
+        self.seconds = 0.0
+
+    def prefill(self, prompt: torch.Tensor) -> None:
+        pass
+
+    def _continuations(self, seq: torch.Tensor) -> torch.Tensor:
+        """Positions right after each earlier occurrence of the longest matching suffix (empty: no match)."""
+        length = seq.shape[0]
+        for size in range(min(self.ngram_max, length - 1), self.ngram_min - 1, -1):
+            windows = seq[: length - 1].unfold(0, size, 1)
+            hits = (windows == seq[length - size :]).all(1).nonzero()[:, 0]
+            if hits.numel():
+                return hits + size
+        return seq.new_empty(0)
+
+    def propose(self, sequence: torch.Tensor, n: int) -> tuple[list[int], None]:
+        start = time.perf_counter()
+        seq = sequence[0]
+        starts = self._continuations(seq)
+        tokens: list[int] = []
+        while len(tokens) < n:
+            starts = starts[starts < seq.shape[0]]
+            if not starts.numel():
+                break
+            following = seq[starts]
+            values, counts = following.unique(return_counts=True)
+            best = values[counts.argmax()]
+            tokens.append(int(best))
+            starts = starts[following == best] + 1
+        self.seconds += time.perf_counter() - start
+        return tokens, None
+
+    def rollback(self, length: int) -> None:
+        pass
+
+    def nbytes(self) -> int:
+        return 0
+
+
+def _build(context: DraftContext) -> SuffixDrafter:
+    return SuffixDrafter(context.config.ngram_max, context.config.ngram_min)
+
+
+register_drafter("suffix", _build, "lookup",
+                 "frequency lookup: the continuation most earlier occurrences of the suffix share")

@@ -1,0 +1,51 @@
+"""Forwards on a cache at absolute positions: logits, processed scores of a continuation, chunked prefill.
+
+Every tier calls the model through these, with explicit ``position_ids`` (a cache may hold a subset of the
+sequence) and, when the caller wants the queries (Force-2 selection), a `QueryRecorder`.
+"""
+
+from __future__ import annotations
+
+import torch
+from tqdm.auto import tqdm
+from transformers import LogitsProcessorList
+
+from .attention import RECORDER_KWARG, QueryRecorder
+from .scoring import process_rows
+
+
+def forward_logits(model, tokens: torch.Tensor, cache, start: int, keep: int,
+                   recorder: QueryRecorder | None = None) -> torch.Tensor:
+    """Logits ``[keep, vocab]`` of the last ``keep`` rows of ``tokens`` placed at absolute ``start``."""
+    positions = torch.arange(start, start + tokens.shape[1], device=tokens.device).unsqueeze(0)
+    extra = {RECORDER_KWARG: recorder} if recorder is not None else {}
+    out = model(input_ids=tokens, cache=cache, position_ids=positions, use_cache=True, logits_to_keep=keep, **extra)
+    return out.logits[0]
+
+
+def score_continuation(model, cache, cached: int, extended: torch.Tensor, prefix: int,
+                       processors: LogitsProcessorList,
+                       recorder: QueryRecorder | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Raw logits and processed scores for every position after ``extended[:, :prefix]``.
+
+    ``cache`` holds the first ``cached`` tokens of ``extended``; the rest is fed in one forward.
+    """
+    logits = forward_logits(model, extended[:, cached:], cache, cached, extended.shape[1] - prefix + 1, recorder)
+    return logits, process_rows(processors, extended, logits, prefix)
+
+
+def prefill(model, tokens: torch.Tensor, cache, chunk_size: int, show_progress: bool = False,
+            recorder: QueryRecorder | None = None) -> torch.Tensor:
+    """Chunked prefill of ``tokens`` after what ``cache`` holds; returns the last row's logits ``[1, vocab]``.
+
+    Memory stays bounded by ``chunk_size`` activations; the last chunk's queries go to ``recorder`` (they
+    seed the first retrieval selection). Interruptible between chunks (KeyboardInterrupt propagates).
+    """
+    start = int(cache.get_seq_length())
+    bounds = list(range(0, tokens.shape[1], chunk_size))
+    logits = None
+    bar = tqdm(bounds, desc="prefill", unit="chunk", disable=not show_progress or len(bounds) < 2)
+    for begin in bar:
+        piece = tokens[:, begin : begin + chunk_size]
+        logits = forward_logits(model, piece, cache, start + begin, 1, recorder if begin == bounds[-1] else None)
+    return logits
