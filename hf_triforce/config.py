@@ -6,6 +6,7 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 from .drafters import drafter_names
+from .quantized import ROW_INDEPENDENT_MAX_ROWS
 
 DRAFT_PRECISIONS = ("model", "int8")
 
@@ -121,6 +122,12 @@ class TriForceConfig:
         if self.draft_precision not in DRAFT_PRECISIONS:
             raise ValueError(
                 f"TriForceConfig.draft_precision must be one of {DRAFT_PRECISIONS}, got {self.draft_precision!r}"
+            )
+        if self.draft_precision == "int8" and self.gamma1 + 1 > ROW_INDEPENDENT_MAX_ROWS:
+            raise ValueError(
+                f"TriForceConfig.gamma1 must be at most {ROW_INDEPENDENT_MAX_ROWS - 1} with draft_precision='int8' "
+                f"(Force 2 verifies gamma1 + 1 rows, each quantized on its own up to {ROW_INDEPENDENT_MAX_ROWS}), "
+                f"got {self.gamma1}"
             )
         if not isinstance(self.show_progress, bool):
             raise ValueError(f"TriForceConfig.show_progress must be a bool, got {self.show_progress!r}")

@@ -112,10 +112,9 @@ class TriForceDecoder:
         self.criteria = stopping_criteria
         self.sampler = sampler if sampler is not None else TorchSampler()
         self.stats = TriForceStats(draft_precision=config.draft_precision)
-
-    def verifier(self) -> ChainVerifier:
-        """The verification rule of one level (each level gets its own, so tests can alter one level)."""
-        return ChainVerifier(self.do_sample, self.sampler)
+        # one verification rule per level (the same exact rule; separate objects so a test can alter one level)
+        self.force2_verifier = ChainVerifier(do_sample, self.sampler)
+        self.force3_verifier = ChainVerifier(do_sample, self.sampler)
 
     def make_level(self, full: BufferCache):
         """The level that proposes to Force 3: `Force2` over Force 1, or Force 1 alone (``levels=2``)."""
@@ -125,7 +124,7 @@ class TriForceDecoder:
         if self.config.levels == 2:
             return Force1Only(drafter, self.config, self.stats)
         drafting_target = drafting_model(self.model, self.config.draft_precision)
-        return Force2(drafting_target, drafter, self.config, self.processors, self.verifier(), full, self.stats)
+        return Force2(drafting_target, drafter, self.config, self.processors, self.force2_verifier, full, self.stats)
 
     def run(self, input_ids: torch.LongTensor, streamer=None, prefix_cache=None, keep_scores: bool = False,
             keep_logits: bool = False) -> DecodeResult:
@@ -139,7 +138,7 @@ class TriForceDecoder:
         full = BufferCache(self.model.config.num_hidden_layers, self.max_length + config.gamma2 + 2)
         cached = copy_prefix(prefix_cache, full) if prefix_cache is not None else 0
         out = Output(input_ids, self.view, self.criteria, self.max_length, streamer, keep_scores, keep_logits, stats)
-        verifier = self.verifier()
+        verifier = self.force3_verifier
 
         start = time.perf_counter()
         logits = prefill(self.model, input_ids[:, cached:], full, config.prefill_chunk_size, config.show_progress,

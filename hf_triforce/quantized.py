@@ -13,6 +13,14 @@ carry activation outliers (max/rms up to ~600 in SmolLM2, vs ~20 elsewhere) and 
 agreement with the fp32 model (measured on SmolLM2-135M, 1024 tokens of Macbeth, expected acceptance
 sum(min(p, q)): all linears int8 0.57, MLP output projections kept fp32 0.81). It is made once per
 model object and reused: if you change the model's weights afterwards, call `forget_int8_copy`.
+
+Row independence (exactness): a dynamic-int8 linear quantizes its whole input with one scale, so each output
+row depends on the other rows of the call. When Force 2 verifies Force 1's drafts in one forward, the q of
+row 0 would then depend on the drafts being verified, and the emitted token would no longer be distributed as
+the q handed up (measured by exact enumeration: 1.2e-4 off the target law on a 4-token vocabulary,
+tests/test_exact_enumeration.py). The copy's linears therefore quantize calls of up to
+`ROW_INDEPENDENT_MAX_ROWS` rows one row at a time (verification sizes); longer calls (the draft cache's
+prefill, whose rows are all committed tokens) keep one batched call.
 """
 
 from __future__ import annotations
@@ -26,6 +34,21 @@ import torch
 from torch import nn
 
 _COPIES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+ROW_INDEPENDENT_MAX_ROWS = 64  # >= gamma1 + 1 (checked by TriForceConfig)
+
+
+def _row_independent(layer: nn.Module) -> None:
+    """Make ``layer`` quantize each row of a call of up to `ROW_INDEPENDENT_MAX_ROWS` rows on its own."""
+    batched = layer.forward
+
+    def forward(hidden: torch.Tensor) -> torch.Tensor:
+        rows = hidden.reshape(-1, hidden.shape[-1])
+        if not 1 < rows.shape[0] <= ROW_INDEPENDENT_MAX_ROWS:
+            return batched(hidden)
+        out = torch.cat([batched(rows[i : i + 1]) for i in range(rows.shape[0])])
+        return out.reshape(*hidden.shape[:-1], out.shape[-1])
+
+    layer.forward = forward
 
 
 def int8_available() -> bool:
@@ -56,6 +79,9 @@ def int8_copy(model: nn.Module) -> nn.Module:
         warnings.filterwarnings("ignore", category=DeprecationWarning, module=r"torch\.ao")
         warnings.filterwarnings("ignore", message=r".*quantize_per_(tensor|channel).*", category=UserWarning)
         torch.ao.quantization.quantize_dynamic(clone, spec, dtype=torch.qint8, inplace=True)
+    for module in clone.modules():
+        if isinstance(module, torch.ao.nn.quantized.dynamic.Linear):
+            _row_independent(module)
     clone.eval()
     _COPIES[model] = clone
     return clone

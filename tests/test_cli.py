@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from hf_triforce.tools.bench import METHODS
 from hf_triforce.tools.cli import build_parser, main
+from hf_triforce.tools.methods import DEFAULT_EXCLUDED, METHODS
 
 from .conftest import make_model
 from .tokenizer_util import text_of, word_tokenizer
@@ -73,9 +73,9 @@ def test_generate_streams_on_a_tiny_local_model(tmp_path, capsys):
                  "--out", str(bench_dir)]) == 0
     results = (bench_dir / "results.md").read_text()
     assert "| triforce-ngram (budget 32) |" in results and "| triforce-ngram (budget 48) |" in results
-    assert "| plain |" in results and "gamma1/gamma2 3/5 (ngram drafts)" in results
+    assert "| plain |" in results and "gamma1/gamma2 3/5 (lookup drafts)" in results
     saved = json.loads((bench_dir / "results.json").read_text())[0]
-    assert saved["gammas"] == {"ngram": [3, 5], "model": [2, 5]} and saved["budgets"] == [32, 48]
+    assert saved["gammas"] == {"lookup": [3, 5], "model": [2, 5]} and saved["budgets"] == [32, 48]
     assert set(saved["methods"]) == {"plain", "triforce-ngram (budget 32)", "triforce-ngram (budget 48)"}
     with pytest.raises(SystemExit, match="rope-factor applies"):
         main(["bench", "--model", str(tmp_path / "m"), "--rope-factor", "2"])
@@ -99,7 +99,7 @@ def test_bench_with_a_draft_model_and_sampling(tmp_path, capsys):
     # default methods with a draft model: all of them; sampling: seeded, no identity claim
     assert main(argv + ["--sample", "--temperature", "0.7", "--top-p", "0.9"]) == 0
     sampled = json.loads((out_dir / "results.json").read_text())[0]
-    assert set(sampled["methods"]) == set(METHODS) - {"streaming-self-int8", "triforce-draft-int8"}
+    assert set(sampled["methods"]) == set(METHODS) - set(DEFAULT_EXCLUDED)
     assert sampled["sampling"] == {"do_sample": True, "temperature": 0.7, "top_p": 0.9}
     assert all(m["new_tokens"] == 4 for m in sampled["methods"].values())
     assert "n/a (sampled)" in (out_dir / "results.md").read_text()
@@ -141,11 +141,24 @@ def test_needle_acceptance_on_a_tiny_model():
 
 
 def test_bench_gammas_default_per_drafter_and_reach_the_config():
-    from hf_triforce.tools.bench import TUNED_GAMMAS, method_kwargs
+    from hf_triforce.tools.bench import method_kwargs
+    from hf_triforce.tools.methods import TUNED_GAMMAS
 
     model = make_model("llama-gqa")
     ngram = method_kwargs("triforce-ngram", model, None, 200, 32)["triforce_config"]
     self_draft = method_kwargs("triforce-self-int8", model, None, 200, 32, gammas=(None, 4))["triforce_config"]
-    assert (ngram.gamma1, ngram.gamma2) == TUNED_GAMMAS["ngram"]
+    assert (ngram.gamma1, ngram.gamma2) == TUNED_GAMMAS["lookup"]
     assert (self_draft.gamma1, self_draft.gamma2) == (TUNED_GAMMAS["model"][0], 4)
     assert method_kwargs("streaming-self", model, None, 200, 32, gammas=(5, 9))["triforce_config"].gamma2 == 4
+    window = method_kwargs("triforce-suffix", model, None, 200, 32, knobs={"window": 40})["triforce_config"]
+    assert window.window == 40 and window.draft == "suffix"
+
+
+def test_methods_are_records_derived_from_the_drafter_registry():
+    from hf_triforce.drafters import DRAFTERS
+
+    for name in DRAFTERS:
+        label = "draft" if name == "model" else name
+        assert METHODS[f"triforce-{label}"].drafter == label and METHODS[f"triforce-{label}-int8"].precision == "int8"
+    assert METHODS["streaming-self"].levels == 2 and METHODS["plain"].baseline
+    assert METHODS["assisted"].needs_draft_model and METHODS["triforce-draft"].needs_draft_model

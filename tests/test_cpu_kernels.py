@@ -96,3 +96,16 @@ def test_split_kv_route_taken_only_for_few_rows_over_a_long_cpu_cache():
     assert attention._wants_split_kv(query, long_keys, 0.0, module)
     assert not attention._wants_split_kv(query, long_keys[:, :, :-1], 0.0, module)  # cache one entry short
     assert not attention._wants_split_kv(torch.zeros(1, 9, 1024, 64), long_keys, 0.0, module)  # a prefill chunk
+
+
+def test_int8_copy_rows_do_not_depend_on_each_other():
+    """Force 2's q for one row must not change with the drafts verified beside it (exactness)."""
+    model = make_model("llama-gqa")
+    copy = int8_copy(model)
+    ids = torch.randint(0, 96, (1, 7))
+    with torch.no_grad():
+        together = copy(ids).logits[0]
+        for extra in ([5], [5, 80, 3]):
+            longer = copy(torch.cat((ids, torch.tensor([extra])), dim=1)).logits[0, : ids.shape[1]]
+            assert torch.equal(longer, together)
+    forget_int8_copy(model)

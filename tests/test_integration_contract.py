@@ -1,28 +1,49 @@
-"""Fails loudly when a transformers internal that `hf_triforce.integration` relies on changes."""
+"""Fails loudly when a transformers internal that `hf_triforce.compat` relies on changes (one test per item)."""
 
 from __future__ import annotations
 
+import ast
 import inspect
+from pathlib import Path
 
 import torch
 import transformers
 from packaging.specifiers import SpecifierSet
 from transformers import GenerationMixin
-from transformers.cache_utils import CacheLayerMixin
 from transformers.masking_utils import _preprocess_mask_arguments
 
 import hf_triforce
-from hf_triforce.integration import _ORIGINAL_GENERATE, TESTED_TRANSFORMERS
+from hf_triforce import compat
+from hf_triforce.attention import QueryRecorder, wrapped_name
 
-from .conftest import make_model
+from .conftest import FAMILIES, make_model
+
+PACKAGE = Path(hf_triforce.__file__).parent
 
 
 def test_transformers_version_in_tested_range():
-    assert transformers.__version__ in SpecifierSet(",".join(TESTED_TRANSFORMERS))
+    assert transformers.__version__ in SpecifierSet(",".join(compat.TESTED_TRANSFORMERS))
+
+
+def test_only_compat_imports_private_transformers_names():
+    """Every other module imports transformers' public names only (top-level package or documented
+    submodules of public classes); `compat` is the one place for the rest."""
+    allowed_modules = {"transformers"}
+    offenders = []
+    for path in PACKAGE.rglob("*.py"):
+        if path.name == "compat.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("transformers"):
+                if node.module not in allowed_modules:
+                    offenders.append(f"{path.relative_to(PACKAGE)}: from {node.module} import ...")
+            if isinstance(node, ast.Attribute) and node.attr in ("_attn_implementation", "hf_quantizer", "rotary_emb"):
+                offenders.append(f"{path.relative_to(PACKAGE)}: .{node.attr}")
+    assert not offenders, offenders
 
 
 def test_generate_hands_custom_generate_its_own_kwargs():
-    params = inspect.signature(_ORIGINAL_GENERATE).parameters
+    params = inspect.signature(compat.ORIGINAL_GENERATE).parameters
     assert "custom_generate" in params and "streamer" in params
     assert "triforce_config" not in inspect.signature(GenerationMixin._sample).parameters
     source = inspect.getsource(GenerationMixin._extract_generation_mode_kwargs)
@@ -30,16 +51,18 @@ def test_generate_hands_custom_generate_its_own_kwargs():
 
 
 def test_generate_is_wrapped_and_can_be_restored():
-    assert GenerationMixin.generate is not _ORIGINAL_GENERATE
+    assert GenerationMixin.generate is not compat.ORIGINAL_GENERATE
     hf_triforce.disable()
     try:
-        assert GenerationMixin.generate is _ORIGINAL_GENERATE
+        assert GenerationMixin.generate is compat.ORIGINAL_GENERATE
     finally:
         hf_triforce.enable()
 
 
 def test_cache_layer_contract():
-    abstract = {name for name, value in vars(CacheLayerMixin).items() if getattr(value, "__isabstractmethod__", False)}
+    abstract = {
+        name for name, value in vars(compat.CacheLayerMixin).items() if getattr(value, "__isabstractmethod__", False)
+    }
     assert abstract == {"lazy_initialization", "update", "get_mask_sizes", "get_seq_length", "get_max_length"}
     source = inspect.getsource(_preprocess_mask_arguments)
     assert "get_mask_sizes" in source and "get_query_offset" in source
@@ -47,12 +70,54 @@ def test_cache_layer_contract():
 
 def test_attention_implementation_is_switchable_and_positions_are_honoured():
     model = make_model("llama-gqa")
-    model.config._attn_implementation = "eager"
-    assert model.config._attn_implementation == "eager"
-    model.config._attn_implementation = "sdpa"
-    # explicit position_ids drive RoPE: the same tokens at shifted positions give different logits
+    with compat.attention_implementation(model, "eager") as before:
+        assert compat.current_attention_implementation(model) == "eager"
+    assert compat.current_attention_implementation(model) == before
+    # explicit position_ids drive RoPE: a gap in the positions (what a cache holding a subset of the
+    # sequence passes) changes the logits; a uniform shift does not (RoPE is relative)
     ids = torch.arange(6)[None]
     with torch.no_grad():
         a = model(ids, position_ids=torch.arange(6)[None]).logits
-        b = model(ids, position_ids=torch.arange(100, 106)[None]).logits
-    assert not torch.allclose(a, b)
+        shifted = model(ids, position_ids=torch.arange(100, 106)[None]).logits
+        gap = model(ids, position_ids=torch.tensor([[0, 1, 2, 40, 41, 42]])).logits
+    torch.testing.assert_close(a, shifted, rtol=1e-4, atol=1e-4)
+    assert not torch.allclose(a[:, 3:], gap[:, 3:], atol=1e-4)
+
+
+def test_eager_attention_lives_in_each_model_file_and_registries_accept_ours():
+    for family in FAMILIES:
+        model = make_model(family)
+        attention = model.get_decoder().layers[0].self_attn
+        assert callable(compat.attention_function("eager", attention))
+    assert callable(compat.attention_function("sdpa", None))
+    name = wrapped_name("sdpa")
+    assert compat.is_registered_attention(name) and name in compat.attention_names()
+
+
+def test_forward_kwargs_reach_the_attention_function():
+    """A call's `QueryRecorder` travels as a forward kwarg down to the attention function of every layer."""
+    for family in FAMILIES:
+        model = make_model(family)
+        recorder = QueryRecorder()
+        with compat.attention_implementation(model, wrapped_name("sdpa")), torch.no_grad():
+            model(torch.arange(5)[None], triforce_recorder=recorder)
+        assert sorted(recorder.queries) == list(range(model.config.num_hidden_layers)), family
+        assert recorder.queries[0].shape[2] == 5
+
+
+def test_rotary_embedding_module_contract():
+    for family in FAMILIES:
+        model = make_model(family)
+        rotary = compat.rotary_embedding(model)
+        assert rotary is not None, family
+        cos, sin = rotary(torch.zeros(1, 1, 4), torch.tensor([[3]]))
+        assert cos.shape[:2] == (1, 1) and sin.shape == cos.shape
+        assert isinstance(float(getattr(rotary, "attention_scaling", 1.0)), float)
+
+
+def test_output_class_and_quantizer_marker():
+    fields = {f for f in compat.GenerateDecoderOnlyOutput.__dataclass_fields__}
+    assert {"sequences", "scores", "logits", "cache"} <= fields
+    model = make_model("llama-gqa")
+    compat.remove_quantization_config(model)  # no marker: a no-op
+    assert getattr(model, "hf_quantizer", None) is None

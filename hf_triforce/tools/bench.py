@@ -26,28 +26,13 @@ import torch
 from tqdm.auto import tqdm
 from transformers import DynamicCache, StaticCache
 
-from ..config import TriForceConfig
 from ..forward import prefill
 from ..stats import TriForceStats
-
-SPECULATIVE = ("streaming-self", "triforce-self", "triforce-ngram", "triforce-draft")
-METHODS = ("plain", "static", "lookup", "assisted", *SPECULATIVE, *(f"{m}-int8" for m in SPECULATIVE))
-DRAFT_METHODS = tuple(m for m in METHODS if m == "assisted" or m.startswith("triforce-draft"))
-# (gamma1, gamma2) per Force-1 kind, each method at its best measured setting: the n-gram drafter costs
-# nothing, so it drafts more per Force-2 step; sweeps of SmolLM2 at 4k, 8k and 8k at another text offset
-# (docs/config.md, docs/bench/gamma-sweep/) put (3, 8) first for it every time. Model drafters keep
-# TriForceConfig's defaults.
-TUNED_GAMMAS = {"ngram": (3, 8), "model": (2, 6)}
+from .methods import METHODS, TUNED_GAMMAS, chosen_gammas, method_named
 
 
-def chosen_gammas(gammas: tuple[int | None, int | None], kind: str) -> tuple[int, int]:
-    """``gammas`` with each None replaced by the tuned value for Force-1 ``kind`` ("ngram" or "model")."""
-    return tuple(given or tuned for given, tuned in zip(gammas, TUNED_GAMMAS[kind]))
-
-
-def describe_gammas(gammas: tuple[int | None, int | None]) -> str:
-    return ", ".join(f"gamma1/gamma2 {'/'.join(map(str, chosen_gammas(gammas, kind)))} ({kind} drafts)"
-                     for kind in TUNED_GAMMAS)
+def speculative(method: str) -> bool:
+    return not method_named(method).baseline
 
 
 @dataclass
@@ -84,12 +69,13 @@ def static_copy(model, prefix: DynamicCache, max_len: int) -> StaticCache:
 
 
 def method_kwargs(method: str, model, prefix: DynamicCache, max_len: int, budget: int, draft_model=None,
-                  gammas: tuple[int | None, int | None] = (None, None)) -> dict:
+                  gammas: tuple[int | None, int | None] = (None, None), knobs: dict | None = None) -> dict:
     """generate kwargs of one method (`compare` has checked the names and the draft model).
 
-    ``gammas``: TriForce's ``(gamma1, gamma2)``, each None for `TUNED_GAMMAS`; ``streaming-self`` (two
-    levels) drafts 4 tokens per step.
+    ``gammas``: TriForce's ``(gamma1, gamma2)``, each None for `TUNED_GAMMAS`; ``knobs``: other
+    `TriForceConfig` fields (chunk_size, sink_tokens, window, ...).
     """
+    spec = method_named(method)
     if method == "plain":
         return {"cache": copy.deepcopy(prefix)}
     if method == "static":
@@ -98,24 +84,16 @@ def method_kwargs(method: str, model, prefix: DynamicCache, max_len: int, budget
         return {"prompt_lookup_num_tokens": 10}
     if method == "assisted":  # from scratch, like lookup
         return {"assistant_model": draft_model}
-    if method in METHODS and method.startswith(("triforce-", "streaming-")):
-        name, precision = (method.removesuffix("-int8"), "int8") if method.endswith("-int8") else (method, "model")
-        levels, draft = (3, name.removeprefix("triforce-")) if name.startswith("triforce-") else (2, "self")
-        gamma1, gamma2 = chosen_gammas(gammas, "ngram" if draft == "ngram" else "model")
-        draft = draft_model if draft == "draft" else draft
-        config = TriForceConfig(draft=draft, retrieval_budget=budget, chunk_size=8, sink_tokens=16, window=256,
-                                gamma1=gamma1, gamma2=gamma2 if levels == 3 else 4, levels=levels,
-                                draft_precision=precision)
-        return {"cache": prefix, "triforce_config": config, "return_dict_in_generate": True}
-    raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    config = spec.config(budget, gammas, draft_model=draft_model, **(knobs or {}))
+    return {"cache": prefix, "triforce_config": config, "return_dict_in_generate": True}
 
 
 def measure(model, ids, prefix, method: str, new_tokens: int, budget: int, run: Run, prefill_seconds: float,
             draft_model=None, sampling: dict | None = None, seed: int = 0,
-            gammas: tuple[int | None, int | None] = (None, None)) -> None:
+            gammas: tuple[int | None, int | None] = (None, None), knobs: dict | None = None) -> None:
     """One timed run (greedy, or ``sampling`` kwargs seeded with ``seed``); ``lookup`` and ``assisted``
     prefill the prompt themselves, so the shared prefill time is subtracted from theirs."""
-    kwargs = method_kwargs(method, model, prefix, ids.shape[1] + new_tokens + 16, budget, draft_model, gammas)
+    kwargs = method_kwargs(method, model, prefix, ids.shape[1] + new_tokens + 16, budget, draft_model, gammas, knobs)
     kwargs.update(sampling or {"do_sample": False})
     torch.manual_seed(seed)
     start = time.perf_counter()
@@ -129,8 +107,8 @@ def measure(model, ids, prefix, method: str, new_tokens: int, budget: int, run: 
 
 
 def compare(model, ids, methods, new_tokens: int, repeats: int, budget: int | list[int], draft_model=None,
-            sampling: dict | None = None, gammas: tuple[int | None, int | None] = (None, None)
-            ) -> tuple[list[Run], float]:
+            sampling: dict | None = None, gammas: tuple[int | None, int | None] = (None, None),
+            knobs: dict | None = None) -> tuple[list[Run], float]:
     """Prefill once, then ``repeats`` rounds over all methods in turn; returns runs and prefill seconds.
 
     ``sampling``: generate kwargs such as ``{"do_sample": True, "temperature": 0.8}``; round ``i`` seeds
@@ -139,9 +117,10 @@ def compare(model, ids, methods, new_tokens: int, repeats: int, budget: int | li
     """
     missing = [m for m in methods if m not in METHODS]
     if missing:
-        raise ValueError(f"methods must be among {METHODS}, got {missing}")
-    if draft_model is None and any(m in DRAFT_METHODS for m in methods):
-        raise ValueError(f"methods {DRAFT_METHODS} need a draft model (draft_model=...)")
+        raise ValueError(f"methods must be among {tuple(METHODS)}, got {missing}")
+    needs_draft = [m for m in methods if METHODS[m].needs_draft_model]
+    if draft_model is None and needs_draft:
+        raise ValueError(f"methods {needs_draft} need a draft model (draft_model=...)")
     budgets = [budget] if isinstance(budget, int) else list(budget)
     if len(set(budgets)) != len(budgets):
         raise ValueError(f"budget values must differ, got {budgets}")
@@ -149,11 +128,11 @@ def compare(model, ids, methods, new_tokens: int, repeats: int, budget: int | li
     prefix = prefill_prefix(model, ids)
     prefill_seconds = time.perf_counter() - start
     several = len(budgets) > 1
-    runs = [Run(m, b) for m in methods for b in (budgets if several and m.startswith(SPECULATIVE) else [None])]
+    runs = [Run(m, b) for m in methods for b in (budgets if several and speculative(m) else [None])]
     for round_index in tqdm(range(repeats), desc=f"decode {ids.shape[1]} ctx", unit="round"):
         for run in runs:
             measure(model, ids, prefix, run.method, new_tokens, run.budget or budgets[0], run, prefill_seconds,
-                    draft_model, sampling, seed=round_index, gammas=gammas)
+                    draft_model, sampling, seed=round_index, gammas=gammas, knobs=knobs)
     return runs, prefill_seconds
 
 

@@ -36,8 +36,11 @@ def _temperature(value: str) -> float:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from ..drafters import drafter_names
     from .assets import MODELS, TEXTS
-    from .bench import METHODS
+    from .methods import METHODS, add_triforce_arguments
+
+    drafts = [m.removeprefix("triforce-") for m in METHODS if m.startswith("triforce-") and "draft" not in m]
 
     model_help = f"one of {', '.join(MODELS)} or a local model folder"
 
@@ -46,12 +49,12 @@ def build_parser() -> argparse.ArgumentParser:
     demo = commands.add_parser("demo", help="plain generate vs TriForce on SmolLM2-135M and a Shakespeare play")
     demo.add_argument("--context", type=_positive, default=8000, help="prompt tokens (default 8000)")
     demo.add_argument("--new-tokens", type=_positive, default=96, help="tokens to generate (default 96)")
-    demo.add_argument("--draft", action="append", choices=["self", "ngram", "self-int8", "ngram-int8"],
+    demo.add_argument("--draft", action="append", choices=drafts,
                       help="TriForce variant(s) to run: the Force-1 drafter, '-int8' for int8 drafting tiers "
                       "(default: self, ngram and ngram-int8)")
-    demo.add_argument("--budget", type=_positive, default=512, help="retrieval budget in tokens (default 512)")
     demo.add_argument("--play", default="hamlet", help="Shakespeare tragedy used as the prompt (default hamlet)")
     demo.add_argument("--threads", type=_positive, default=None, help="torch threads (default: torch's choice)")
+    add_triforce_arguments(demo, _positive)
 
     bench = commands.add_parser("bench", help="decode speed of each method at several context lengths")
     bench.add_argument("--model", default=None, help=f"target: {model_help} (default smollm2-135m)")
@@ -60,24 +63,19 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--text", choices=sorted(TEXTS), default="shakespeare",
                        help="prompt text: Shakespeare's tragedies or Python's standard-library source")
     bench.add_argument("--contexts", type=_positive, nargs="+", default=[4096], help="prompt lengths in tokens")
-    bench.add_argument("--methods", nargs="+", choices=METHODS, default=None,
-                       help="default: all but streaming-self-int8 and triforce-draft-int8 (the draft-model "
-                       "ones only with --draft-model)")
+    bench.add_argument("--methods", nargs="+", choices=list(METHODS), default=None,
+                       help="default: all but streaming-self-int8, triforce-draft-int8 and the suffix drafter "
+                       "(the draft-model ones only with --draft-model)")
     bench.add_argument("--sample", action="store_true", help="sample (seeded per round) instead of greedy decoding")
     bench.add_argument("--temperature", type=_temperature, default=1.0)
     bench.add_argument("--top-p", type=_probability, default=1.0)
     bench.add_argument("--new-tokens", type=_positive, default=128)
     bench.add_argument("--repeats", type=_positive, default=3, help="rounds per method; the median is reported")
-    bench.add_argument("--budget", type=_positive, nargs="+", default=[512],
-                       help="retrieval budget(s) in tokens; several run each TriForce method once per budget")
-    bench.add_argument("--gamma1", type=_positive, default=None,
-                       help="TriForce: Force-1 tokens per Force-2 step (default 3 with n-grams, 2 with models)")
-    bench.add_argument("--gamma2", type=_positive, default=None,
-                       help="TriForce: Force-2 tokens per Force-3 step (default 8 with n-grams, 6 with models)")
     bench.add_argument("--rope-factor", type=_positive_float, default=None,
                        help="extend SmolLM2's RoPE by this YaRN factor (needed beyond 8192 tokens)")
     bench.add_argument("--threads", type=_positive, default=None)
     bench.add_argument("--out", type=Path, default=Path("bench-results"), help="folder for JSON and markdown")
+    add_triforce_arguments(bench, _positive)
 
     needle = commands.add_parser("needle", help="Force-2 acceptance: retrieval vs StreamingLLM cache on a needle")
     needle.add_argument("--context", type=_positive, default=6000)
@@ -91,32 +89,29 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
     gen.add_argument("--temperature", type=_temperature, default=1.0)
     gen.add_argument("--top-p", type=_probability, default=1.0)
-    gen.add_argument("--draft", default="self", help=f"'self', 'ngram' or a draft model: {model_help}")
-    gen.add_argument("--budget", type=_positive, default=512, help="retrieval budget in tokens")
-    gen.add_argument("--chunk-size", type=_positive, default=8)
-    gen.add_argument("--gamma1", type=_positive, default=2)
-    gen.add_argument("--gamma2", type=_positive, default=6)
-    gen.add_argument("--sink-tokens", type=int, default=16)
-    gen.add_argument("--window", type=_positive, default=256)
+    gen.add_argument("--draft", default="self",
+                     help=f"a registered drafter ({', '.join(drafter_names())}) or a draft model: {model_help}")
     gen.add_argument("--int8", action="store_true", help="run Force 1 and Force 2 on int8 copies (CPU, fp32 model)")
     gen.add_argument("--stats", action="store_true", help="print the per-tier statistics at the end")
+    add_triforce_arguments(gen, _positive)
     return parser
 
 
 def _generate(args) -> int:
     from transformers import TextStreamer
 
-    from ..config import TriForceConfig
+    from ..drafters import drafter_names
+    from .methods import config_from_args, method_named
 
     if not args.prompt_file.is_file():
         raise SystemExit(f"hf-triforce generate: --prompt-file {args.prompt_file} does not exist")
     model, tokenizer = _load("generate", "--model", args.model)
-    draft = args.draft
-    if draft not in ("self", "ngram"):
-        draft = _load("generate", "--draft", draft)[0]
-    config = TriForceConfig(draft=draft, retrieval_budget=args.budget, chunk_size=args.chunk_size,
-                            gamma1=args.gamma1, gamma2=args.gamma2, sink_tokens=args.sink_tokens, window=args.window,
-                            show_progress=True, draft_precision="int8" if args.int8 else "model")
+    suffix = "-int8" if args.int8 else ""
+    if args.draft in drafter_names():
+        method, draft_model = method_named(f"triforce-{args.draft}{suffix}"), None
+    else:
+        method, draft_model = method_named(f"triforce-draft{suffix}"), _load("generate", "--draft", args.draft)[0]
+    config = config_from_args(args, method, draft_model=draft_model, show_progress=True)
     ids = tokenizer(args.prompt_file.read_text(), return_tensors="pt").input_ids
     sampling = {"do_sample": True, "temperature": args.temperature, "top_p": args.top_p} if args.sample else {
         "do_sample": False}
@@ -140,13 +135,14 @@ def _bench(args) -> int:
     import torch
 
     from . import assets
-    from .bench import DRAFT_METHODS, METHODS, compare, describe_gammas, table, to_json, write_results
+    from .bench import compare, table, to_json, write_results
+    from .methods import DEFAULT_EXCLUDED, METHODS, describe_gammas, knobs_from_args
 
-    methods = args.methods or [m for m in METHODS if (args.draft_model or m not in DRAFT_METHODS)
-                               and m not in ("streaming-self-int8", "triforce-draft-int8")]
+    methods = args.methods or [m for m, spec in METHODS.items()
+                               if (args.draft_model or not spec.needs_draft_model) and m not in DEFAULT_EXCLUDED]
     if len(set(args.budget)) != len(args.budget):
         raise SystemExit(f"hf-triforce bench: --budget values must differ, got {args.budget}")
-    needs_draft = [m for m in methods if m in DRAFT_METHODS]
+    needs_draft = [m for m in methods if METHODS[m].needs_draft_model]
     if needs_draft and args.draft_model is None:
         raise SystemExit(f"hf-triforce bench: methods {needs_draft} need --draft-model")
     bundled = args.model in (None, "smollm2-135m")
@@ -172,7 +168,7 @@ def _bench(args) -> int:
     for context in args.contexts:
         ids = text_ids[:, :context]
         runs, prefill_seconds = compare(model, ids, methods, args.new_tokens, args.repeats, args.budget, draft_model,
-                                        sampling, gammas)
+                                        sampling, gammas, knobs_from_args(args))
         rendered = (f"### context {context} tokens, {args.text}, {mode} (prefill {prefill_seconds:.1f} s, "
                     f"{args.new_tokens} new tokens, median of {args.repeats}, {describe_gammas(gammas)}, "
                     f"torch threads {torch.get_num_threads()})\n\n" + table(runs, sampled=args.sample))
@@ -221,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.context + args.new_tokens > 8192:
             raise SystemExit("hf-triforce demo: --context + --new-tokens must stay within SmolLM2's 8192 positions")
         drafts = args.draft or ["self", "ngram", "ngram-int8"]
-        return run_demo(args.context, args.new_tokens, drafts, args.budget, args.play, args.threads)
+        return run_demo(args, drafts)
     if args.command == "generate":
         return _generate(args)
     if args.command == "needle":

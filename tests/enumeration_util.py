@@ -1,0 +1,54 @@
+"""Exact enumeration of a sampled decode: every random choice is replayed from a script, depth first.
+
+`ReplaySampler` implements the library's `Sampler` protocol: each draw takes the scripted option (the first
+one past the script) over the draw's support and multiplies the path's probability by that option's
+probability. `enumerate_outcomes` runs a decode once per path of the choice tree and sums each output's
+probability: the output law of the library's own code, exactly (up to float rounding), with no sampling noise.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable, Hashable
+
+
+class ReplaySampler:
+    def __init__(self, script: list[int]) -> None:
+        self.script, self.widths, self.probability = script, [], 1.0
+
+    def _choose(self, probs: list[float]) -> int:
+        step = len(self.widths)
+        choice = self.script[step] if step < len(self.script) else 0
+        self.widths.append(len(probs))
+        self.probability *= probs[choice]
+        return choice
+
+    def bernoulli(self, probability) -> bool:
+        p = float(probability)
+        if p >= 1.0:
+            return True
+        if p <= 0.0:
+            return False
+        return self._choose([p, 1.0 - p]) == 0
+
+    def categorical(self, probs) -> int:
+        support = (probs > 0).nonzero()[:, 0].tolist()
+        total = float(probs[support].double().sum())
+        return support[self._choose([float(probs[i]) / total for i in support])]
+
+
+def enumerate_outcomes(run: Callable[[ReplaySampler], Hashable], max_paths: int = 20000) -> tuple[dict, int]:
+    """``({output: probability}, paths)`` over every path of the choice tree of ``run``."""
+    law: dict = defaultdict(float)
+    script: list[int] = []
+    for paths in range(1, max_paths + 1):
+        sampler = ReplaySampler(script)
+        law[run(sampler)] += sampler.probability
+        script = script + [0] * (len(sampler.widths) - len(script))
+        step = len(sampler.widths) - 1
+        while step >= 0 and script[step] + 1 >= sampler.widths[step]:
+            step -= 1
+        if step < 0:
+            return dict(law), paths
+        script = script[:step] + [script[step] + 1]
+    raise RuntimeError(f"more than {max_paths} paths: shrink the vocabulary, top-k or the number of new tokens")

@@ -1,0 +1,150 @@
+"""Exactness at the edges: what plain `generate` does with stops, padding, stateful processors, stop strings.
+
+Each test here failed on the loop before this file was written (an outside review reproduced each bug).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import GenerationConfig, SynthIDTextWatermarkingConfig, WatermarkingConfig
+from transformers.generation.streamers import BaseStreamer
+
+from hf_triforce import TriForceConfig
+
+from .conftest import make_model, random_prompt
+from .tokenizer_util import word_tokenizer
+
+CFG = TriForceConfig(draft="self", retrieval_budget=32, chunk_size=8, sink_tokens=4, window=24, gamma1=2, gamma2=4)
+NGRAM = TriForceConfig(draft="ngram", retrieval_budget=32, chunk_size=8, sink_tokens=4, window=24, gamma1=3,
+                       gamma2=6)
+PAD = 5
+
+
+@pytest.fixture(scope="module")
+def model():
+    return make_model("llama-gqa")
+
+
+@pytest.fixture(scope="module")
+def prompt():
+    return random_prompt(100, period=23)
+
+
+def padded(prompt, pad=PAD, pad_id=0):
+    ids = torch.cat((torch.full((1, pad), pad_id, dtype=torch.long), prompt), dim=1)
+    mask = torch.cat((torch.zeros(1, pad, dtype=torch.long), torch.ones_like(prompt)), dim=1)
+    return ids, mask
+
+
+def test_returned_cache_holds_exactly_the_committed_sequence_after_a_stop(model, prompt):
+    """A stop inside an accepted run: the cache must hold n - 1 entries, so a next turn continues exactly."""
+    free = model.generate(prompt, max_new_tokens=40, do_sample=False)[0, prompt.shape[1]:].tolist()
+    checked = 0
+    for config in (CFG, NGRAM):
+        for stop_at in range(3, 30):
+            eos = free[stop_at]
+            if eos in free[:stop_at]:
+                continue
+            out = model.generate(prompt, max_new_tokens=40, do_sample=False, eos_token_id=eos,
+                                 triforce_config=config, return_dict_in_generate=True)
+            n = out.sequences.shape[1]
+            assert out.cache.get_seq_length() == n - 1, (stop_at, out.cache.get_seq_length(), n)
+            checked += 1
+    assert checked >= 10
+    # continuing from the returned cache gives what plain generate gives on the whole conversation
+    out = model.generate(prompt, max_new_tokens=40, do_sample=False, eos_token_id=free[17], triforce_config=NGRAM,
+                         return_dict_in_generate=True)
+    turn = torch.cat((out.sequences, random_prompt(9, seed=5)), dim=1)
+    expected = model.generate(turn, max_new_tokens=20, do_sample=False)
+    again = model.generate(turn, max_new_tokens=20, do_sample=False, cache=out.cache, triforce_config=NGRAM)
+    assert torch.equal(again, expected)
+
+
+@pytest.mark.parametrize("pad", [0, PAD])
+@pytest.mark.parametrize(
+    "gen",
+    [
+        dict(min_new_tokens=6),
+        dict(min_length=100 + PAD + 8),
+        dict(repetition_penalty=1.8),
+        dict(forced_eos_token_id=7, max_new_tokens=12),
+        dict(begin_suppress_tokens=[3, 5, 60]),
+        dict(no_repeat_ngram_size=2),
+        dict(exponential_decay_length_penalty=(4, 3.0)),
+        dict(sequence_bias={(40,): 4.0, (41, 42): -3.0}),
+        dict(suppress_tokens=[1, 2, 3]),
+        dict(bad_words_ids=[[40], [41, 42]]),
+        dict(renormalize_logits=True, repetition_penalty=1.3),
+        dict(watermarking_config=WatermarkingConfig(greenlist_ratio=0.25, bias=3.0, context_width=1)),
+    ],
+    ids=lambda g: ",".join(k for k in g if k != "max_new_tokens"),
+)
+def test_length_and_padding_aware_processors_match_plain_generate(model, prompt, gen, pad):
+    ids, mask = padded(prompt, pad) if pad else (prompt, torch.ones_like(prompt))
+    free = model.generate(prompt, max_new_tokens=30, do_sample=False)[0, prompt.shape[1]:].tolist()
+    gen = {"max_new_tokens": 30, "do_sample": False, "eos_token_id": free[2], "attention_mask": mask, **gen}
+    expected = model.generate(ids, **gen)
+    for config in (CFG, NGRAM):
+        out = model.generate(ids, triforce_config=config, **gen)
+        assert torch.equal(out, expected), (config.draft, out[0, ids.shape[1]:], expected[0, ids.shape[1]:])
+
+
+def test_repetition_penalty_counts_the_same_prompt_tokens_with_left_padding(model):
+    """generate ignores the padding positions (``prompt_ignore_length``); stripping the padding before the
+    processor sees the ids would leave the first real prompt tokens unpenalised."""
+    prompt = random_prompt(60, seed=2)
+    ids, mask = padded(prompt)
+    gen = dict(max_new_tokens=30, do_sample=False, repetition_penalty=3.0, attention_mask=mask)
+    assert torch.equal(model.generate(ids, triforce_config=CFG, **gen), model.generate(ids, **gen))
+
+
+def test_max_time_stops_generation(model, prompt):
+    out = model.generate(prompt, max_new_tokens=1900, max_time=0.3, do_sample=False, triforce_config=CFG,
+                         return_dict_in_generate=True)
+    assert out.sequences.shape[1] < prompt.shape[1] + 1900
+
+
+@pytest.mark.parametrize(
+    "gen, name",
+    [
+        (dict(guidance_scale=1.5), "guidance_scale"),
+        (dict(watermarking_config=SynthIDTextWatermarkingConfig(ngram_len=2, keys=[1, 2, 3], sampling_table_size=2**8),
+              do_sample=True), "SynthID"),
+    ],
+)
+def test_stateful_processors_are_refused_clearly(model, prompt, gen, name):
+    with pytest.raises(ValueError, match=name):
+        model.generate(prompt, max_new_tokens=5, triforce_config=CFG, **gen)
+
+
+def test_stop_strings_from_a_generation_config(model, prompt):
+    tokenizer = word_tokenizer()
+    free = model.generate(prompt, max_new_tokens=30, do_sample=False)[0, prompt.shape[1]:].tolist()
+    config = GenerationConfig(max_new_tokens=30, do_sample=False, stop_strings=[f"t{free[11]}"])
+    expected = model.generate(prompt, generation_config=config, tokenizer=tokenizer)
+    out = model.generate(prompt, generation_config=config, tokenizer=tokenizer, triforce_config=CFG)
+    assert torch.equal(out, expected) and out.shape[1] < prompt.shape[1] + 30
+    assert config.stop_strings == [f"t{free[11]}"], "the caller's generation config must not be modified"
+
+
+class Collect(BaseStreamer):
+    def __init__(self):
+        self.chunks = []
+
+    def put(self, value):
+        self.chunks.append(value.reshape(-1).tolist())
+
+    def end(self):
+        pass
+
+
+def test_streamer_receives_what_plain_generate_sends(model, prompt):
+    ids, mask = padded(prompt)
+    plain, mine = Collect(), Collect()
+    expected = model.generate(ids, attention_mask=mask, max_new_tokens=15, do_sample=False, streamer=plain)
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=15, do_sample=False, streamer=mine,
+                         triforce_config=CFG)
+    assert torch.equal(out, expected)
+    assert mine.chunks[0] == plain.chunks[0] == ids[0].tolist()
+    assert sum(mine.chunks[1:], []) == sum(plain.chunks[1:], [])

@@ -1,0 +1,137 @@
+"""The output law of the library's own sampled decode loop, enumerated exactly, equals the target's.
+
+`TriForceDecoder` runs with a `ReplaySampler`: every path of its random choices (Force-1 draws, Force-2 and
+Force-3 acceptances, residual and bonus draws, the first token) is visited once, so the law of the emitted
+sequence is known exactly and compared with the target model's sequence law (from one batched forward over
+every continuation) at 1e-5. The mutation tests replace one rule at a time with a wrong one — the middle
+level resampling from its own distribution (the reference implementation's bug), the top level doing the
+same, Force 2 handing up the residual instead of q — and assert that the comparison fails: a test that
+could not tell them apart would be caught here.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper
+
+from hf_triforce import TriForceConfig
+from hf_triforce.decoder import TriForceDecoder
+from hf_triforce.hierarchy import Force2
+from hf_triforce.integration import recording_attention
+from hf_triforce.sampling import residual_distribution, scores_to_probs
+
+from .conftest import make_model, random_prompt
+from .enumeration_util import enumerate_outcomes
+
+VOCAB, TOLERANCE = 4, 1e-5
+CONFIG = dict(retrieval_budget=16, chunk_size=4, retrieval_recent=4, sink_tokens=2, window=8, gamma1=2, gamma2=2)
+
+
+@pytest.fixture(scope="module")
+def setup():
+    model = make_model("llama-gqa", vocab_size=VOCAB, seed=3, initializer_range=0.3, num_hidden_layers=1)
+    prompt = random_prompt(40, vocab_size=VOCAB, seed=4, period=13)
+    return model, prompt
+
+
+def target_law(model, prompt, processors, new: int) -> dict[tuple[int, ...], float]:
+    """Probability of every continuation of length ``new`` under the processed target distribution."""
+    continuations = torch.tensor(list(itertools.product(range(VOCAB), repeat=new)))
+    batch = torch.cat((prompt.expand(continuations.shape[0], -1), continuations), dim=1)
+    with torch.no_grad():
+        logits = model(batch).logits[:, prompt.shape[1] - 1 : -1].float()
+    logprob = torch.zeros(continuations.shape[0], dtype=torch.float64)
+    for step in range(new):
+        scores = processors(batch[:, : prompt.shape[1] + step], logits[:, step])
+        logprob += torch.log_softmax(scores.double(), -1).gather(1, continuations[:, step : step + 1])[:, 0]
+    return {tuple(c.tolist()): float(p) for c, p in zip(continuations, logprob.exp())}
+
+
+def decoded_law(model, prompt, config, processors, new: int, mutate=None) -> tuple[dict, int, list]:
+    stats = []
+
+    def run(sampler):
+        decoder = TriForceDecoder(model, config, processors, None, prompt.shape[1] + new, True, sampler=sampler)
+        if mutate is not None:
+            mutate(decoder)
+        with torch.no_grad(), recording_attention(model):
+            result = decoder.run(prompt)
+        stats.append(result.stats)
+        return tuple(result.sequences[0, prompt.shape[1]:].tolist())
+
+    law, paths = enumerate_outcomes(run)
+    return law, paths, stats
+
+
+def distance(law, exact) -> float:
+    return max(abs(law.get(key, 0.0) - exact[key]) for key in exact)
+
+
+def exercised(stats, levels: int) -> None:
+    """Both levels must see acceptances and rejections on some path, or the residuals go untested."""
+    assert any(0 < s.force3_accepted < s.force2_proposed for s in stats) and any(s.force3_accepted == 0 for s in stats)
+    if levels == 3:
+        assert any(s.force2_accepted < s.force1_proposed for s in stats)
+        assert any(0 < s.force2_accepted for s in stats)
+
+
+CASES = {
+    "self top-k 2, 5 tokens": ("self", LogitsProcessorList([TopKLogitsWarper(2)]), 5, {}),
+    "self top-k 3, T 0.8": ("self", LogitsProcessorList([TemperatureLogitsWarper(0.8), TopKLogitsWarper(3)]), 4, {}),
+    "ngram top-k 3": ("ngram", LogitsProcessorList([TopKLogitsWarper(3)]), 4, {}),
+    "two levels, self": ("self", LogitsProcessorList([TopKLogitsWarper(3)]), 4, {"levels": 2}),
+    "int8 drafting tiers": ("self", LogitsProcessorList([TopKLogitsWarper(2)]), 4, {"draft_precision": "int8"}),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_enumerated_law_equals_the_target_law(setup, case):
+    model, prompt = setup
+    draft, processors, new, extra = CASES[case]
+    config = TriForceConfig(draft=draft, **{**CONFIG, **extra})
+    law, paths, stats = decoded_law(model, prompt, config, processors, new)
+    exact = target_law(model, prompt, processors, new)
+    assert abs(sum(law.values()) - 1.0) < 1e-6 and paths > 10
+    assert set(law) <= {k for k, p in exact.items() if p > 0}, "a sequence of probability zero was emitted"
+    assert distance(law, exact) < TOLERANCE
+    exercised(stats, config.levels)
+
+
+def middle_resamples_from_q(decoder):
+    decoder.force2_verifier.resample = lambda target, proposal: target  # the reference implementation's rule
+
+
+def top_resamples_from_p(decoder):
+    decoder.force3_verifier.resample = lambda target, proposal: target
+
+
+def hands_up_the_residual(monkeypatch):
+    def handed_up(self, q_scores, proposal_probs, accepted):
+        rows = q_scores[: accepted + 1].clone()
+        if proposal_probs is not None and accepted < proposal_probs.shape[0]:  # a rejection: resampled token
+            residual = residual_distribution(scores_to_probs(rows[accepted]), proposal_probs[accepted])
+            rows[accepted] = torch.log(residual)
+        return rows
+
+    monkeypatch.setattr(Force2, "handed_up", handed_up)
+
+
+@pytest.mark.parametrize("mutation", ["middle level resamples from q", "top level resamples from p",
+                                      "Force 2 hands up the residual"])
+def test_each_wrong_rule_is_caught(setup, monkeypatch, mutation):
+    model, prompt = setup
+    draft, processors, new, extra = CASES["self top-k 3, T 0.8"]
+    config = TriForceConfig(draft=draft, **{**CONFIG, **extra})
+    mutate = None
+    if mutation == "middle level resamples from q":
+        mutate = middle_resamples_from_q
+    elif mutation == "top level resamples from p":
+        mutate = top_resamples_from_p
+    else:
+        hands_up_the_residual(monkeypatch)
+    law, _, _ = decoded_law(model, prompt, config, processors, new, mutate)
+    exact = target_law(model, prompt, processors, new)
+    assert distance(law, exact) > 100 * TOLERANCE, f"the enumeration did not catch: {mutation}"
