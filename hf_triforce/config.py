@@ -9,6 +9,7 @@ from .drafters import drafter_names
 from .quantized import ROW_INDEPENDENT_MAX_ROWS
 
 DRAFT_PRECISIONS = ("model", "int8")
+POLICIES = ("auto", "fixed")
 
 
 def _check_int(name: str, value: Any, minimum: int) -> None:
@@ -42,6 +43,12 @@ class TriForceConfig:
         as given, so the output is exact either way; int8 only changes how often drafts are accepted.
     levels: 3 (TriForce) or 2 (Force 1 verified directly by Force 3: with ``draft="self"`` the
         StreamingLLM-cache self-speculation baseline; Force-2 knobs are then unused).
+    policy: ``"auto"`` (default): each Force-3 step runs the plan an online cost model predicts fastest —
+        plain one-token decoding, the drafter (or free n-gram lookup) verified by Force 3, or all three
+        levels — with gammas up to ``gamma1`` / ``gamma2`` (`hf_triforce.policy`). ``"fixed"``: every step
+        runs ``levels`` with ``gamma1`` / ``gamma2``. Either way the output is exact.
+    explore_every: under ``policy="auto"``, steps between tries of the best plan other than the current
+        one (doubling, up to 16x, while such tries do not pay).
     """
 
     draft: Any = "self"
@@ -60,6 +67,8 @@ class TriForceConfig:
     show_progress: bool = False
     levels: int = 3
     draft_precision: str = "model"
+    policy: str = "auto"
+    explore_every: int = 16
 
     def __post_init__(self) -> None:
         if isinstance(self.draft, str):
@@ -83,6 +92,7 @@ class TriForceConfig:
             ("ngram_max", 1),
             ("ngram_min", 1),
             ("prefill_chunk_size", 1),
+            ("explore_every", 1),
         ):
             _check_int(name, getattr(self, name), minimum)
         if self.retrieval_budget % self.chunk_size:
@@ -129,6 +139,8 @@ class TriForceConfig:
                 f"(Force 2 verifies gamma1 + 1 rows, each quantized on its own up to {ROW_INDEPENDENT_MAX_ROWS}), "
                 f"got {self.gamma1}"
             )
+        if self.policy not in POLICIES:
+            raise ValueError(f"TriForceConfig.policy must be one of {POLICIES}, got {self.policy!r}")
         if not isinstance(self.show_progress, bool):
             raise ValueError(f"TriForceConfig.show_progress must be a bool, got {self.show_progress!r}")
 

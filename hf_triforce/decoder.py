@@ -19,7 +19,7 @@ the prompt without its padding. The returned cache holds exactly the committed s
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from transformers import LogitsProcessorList, StoppingCriteriaList
@@ -27,10 +27,12 @@ from transformers import LogitsProcessorList, StoppingCriteriaList
 from .attention import QueryRecorder
 from .caches.buffer import BufferCache, copy_prefix
 from .config import TriForceConfig
-from .drafters import DraftContext, build_drafter
+from .drafters import DRAFTERS, DraftContext, build_drafter
+from .drafters.registry import MODEL_DRAFTER, spec_of
 from .forward import prefill, score_continuation
-from .hierarchy import Force1Only, Force2
+from .hierarchy import Candidates, Force1Only, Force2
 from .output_head import weight_left_output_layer
+from .policy import AdaptivePolicy, Plan
 from .quantized import drafting_model
 from .sampling import ChainVerifier, Sampler, TorchSampler, scores_to_probs
 from .scoring import process_rows
@@ -115,16 +117,78 @@ class TriForceDecoder:
         # one verification rule per level (the same exact rule; separate objects so a test can alter one level)
         self.force2_verifier = ChainVerifier(do_sample, self.sampler)
         self.force3_verifier = ChainVerifier(do_sample, self.sampler)
+        self.draft_name = config.draft if isinstance(config.draft, str) else MODEL_DRAFTER
+        self.drafters: dict[str, object] = {}
+        self.levels: dict[tuple[int, str], object] = {}
+        self.policy = self.make_policy()
+        self.fixed_plan = Plan(config.levels, self.draft_name, config.gamma1, config.gamma2)
 
-    def make_level(self, full: BufferCache):
-        """The level that proposes to Force 3: `Force2` over Force 1, or Force 1 alone (``levels=2``)."""
-        context = DraftContext(self.model, self.config, self.processors, self.do_sample, self.sampler)
-        drafter = build_drafter(context)
-        self.drafter = drafter
-        if self.config.levels == 2:
-            return Force1Only(drafter, self.config, self.stats)
-        drafting_target = drafting_model(self.model, self.config.draft_precision)
-        return Force2(drafting_target, drafter, self.config, self.processors, self.force2_verifier, full, self.stats)
+    def drafter(self, name: str):
+        """The drafter ``name`` (``"model"``: the config's draft model), built once per call."""
+        if name not in self.drafters:
+            config = self.config if name == self.draft_name else replace(self.config, draft=name)
+            context = DraftContext(self.model, config, self.processors, self.do_sample, self.sampler)
+            self.drafters[name] = build_drafter(context)
+        return self.drafters[name]
+
+    def level(self, plan: Plan, full: BufferCache):
+        """The level that proposes for ``plan``: None (plain), `Force1Only` or `Force2` (built once)."""
+        if plan.levels == 1:
+            return None
+        key = (plan.levels, plan.drafter)
+        if key not in self.levels:
+            drafter = self.drafter(plan.drafter)
+            if plan.levels == 2:
+                self.levels[key] = Force1Only(drafter, self.config, self.stats)
+            else:
+                drafting_target = drafting_model(self.model, self.config.draft_precision)
+                timed = self.policy.observe_forward if self.policy is not None else None
+                self.levels[key] = Force2(drafting_target, drafter, self.config, self.processors,
+                                          self.force2_verifier, full, self.stats, timed)
+        return self.levels[key]
+
+    def make_policy(self) -> AdaptivePolicy | None:
+        """``policy="auto"``: the configured drafter plus every free (lookup) drafter, three levels if
+        ``levels=3``; ``"fixed"``: None (every step runs the configured plan)."""
+        if self.config.policy == "fixed":
+            return None
+        kinds = {self.draft_name: spec_of(self.config.draft).kind}
+        kinds.update({name: spec.kind for name, spec in DRAFTERS.items() if spec.kind == "lookup" and name == "ngram"})
+        three = self.draft_name if self.config.levels == 3 else None
+        return AdaptivePolicy(kinds, three, self.config.gamma1, self.config.gamma2, self.config.explore_every)
+
+    def _drafter_seconds(self) -> float:
+        return sum(drafter.seconds for drafter in self.drafters.values())
+
+    def _observe(self, plan: Plan, level, candidates: Candidates, accepted: int, first_scores: torch.Tensor,
+                 counterfactual: dict[str, list[int]], force3_seconds: float, force2_before, drafted_before: float,
+                 step_seconds: float, committed: int) -> None:
+        """Tell the policy what the step cost and how each level did (timings, acceptances, counterfactuals)."""
+        policy, proposed = self.policy, len(candidates.tokens)
+        policy.observe_forward("force3", proposed + 1, force3_seconds)
+        forward_seconds = force3_seconds
+        probs = scores_to_probs(first_scores) if self.do_sample else None
+        for name, tokens in counterfactual.items():
+            if tokens:
+                token = tokens[0]
+                acceptance = float(probs[token]) if probs is not None else float(int(first_scores.argmax()) == token)
+                policy.observe_lookup(name, True, acceptance)
+            else:
+                policy.observe_lookup(name, False, 0.0)
+        drafted = self._drafter_seconds() - drafted_before
+        if plan.levels == 2:
+            if proposed:
+                policy.observe_direct(plan.drafter, accepted, proposed)
+                policy.observe_forward(f"draft:{plan.drafter}", 1, drafted / proposed)
+        elif plan.levels == 3:
+            f2_accepted = self.stats.force2_accepted - force2_before[0]
+            f2_rejections = level.rejections - force2_before[1]
+            policy.observe_three_level(f2_accepted, f2_rejections, accepted, proposed)
+            drafts = max(1, f2_accepted + f2_rejections)
+            if self.policy.drafters[plan.drafter] == "model":
+                policy.observe_forward(f"draft:{plan.drafter}", 1, drafted / drafts)
+            forward_seconds += self.stats.force2_seconds - force2_before[2]
+        policy.observe_step(plan, committed, step_seconds, forward_seconds + drafted)
 
     def run(self, input_ids: torch.LongTensor, streamer=None, prefix_cache=None, keep_scores: bool = False,
             keep_logits: bool = False) -> DecodeResult:
@@ -138,7 +202,6 @@ class TriForceDecoder:
         full = BufferCache(self.model.config.num_hidden_layers, self.max_length + config.gamma2 + 2)
         cached = copy_prefix(prefix_cache, full) if prefix_cache is not None else 0
         out = Output(input_ids, self.view, self.criteria, self.max_length, streamer, keep_scores, keep_logits, stats)
-        verifier = self.force3_verifier
 
         start = time.perf_counter()
         logits = prefill(self.model, input_ids[:, cached:], full, config.prefill_chunk_size, config.show_progress,
@@ -148,36 +211,55 @@ class TriForceDecoder:
         first = self.sampler.categorical(scores_to_probs(scores)[0]) if self.do_sample else int(scores[0].argmax())
         done = out.commit(first, scores[0], logits[0])
 
-        level = self.make_level(full)
-        if not done:
-            level.start(out.sequence, recorder.at(-1))
+        queries = recorder.at(-1)
+        lookups = [name for name, kind in (self.policy.drafters.items() if self.policy else []) if kind == "lookup"]
         while not done:
             length = out.sequence.shape[1]
-            candidates = level.get_candidates(out.sequence, self.max_length - length - 1)
+            plan = self.policy.choose() if self.policy is not None else self.fixed_plan
+            step_start, drafted_before = time.perf_counter(), self._drafter_seconds()
+            level = self.level(plan, full)
+            if level is not None:
+                level.start(out.sequence, queries)
+                force2_before = (stats.force2_accepted, getattr(level, "rejections", 0), stats.force2_seconds)
+                candidates = level.get_candidates(out.sequence, self.max_length - length - 1, plan.gamma1, plan.gamma2)
+            else:
+                candidates = Candidates([], None)
+            counterfactual = {name: self.drafter(name).propose(out.sequence, 1)[0] for name in lookups}
             proposals = candidates.tokens
             extended = torch.cat((out.sequence, out.sequence.new_tensor([proposals])), dim=1)
             uncached = length - full.length
             begin = time.perf_counter()
             logits, p_scores = score_continuation(self.model, full, full.length, extended, length, self.processors,
                                                   recorder)
-            stats.force3_seconds += time.perf_counter() - begin
-            accepted, next_token = verifier.verify(proposals, candidates.probs, p_scores)
+            force3_seconds = time.perf_counter() - begin
+            stats.force3_seconds += force3_seconds
+            accepted, next_token = self.force3_verifier.verify(proposals, candidates.probs, p_scores)
             full.rollback(length + accepted)
             stats.force3_steps += 1
             stats.force3_accepted += accepted
+            stats.plan_steps[plan.levels] = stats.plan_steps.get(plan.levels, 0) + 1
+            committed = 0
             for index, token in enumerate(proposals[:accepted] + [next_token]):
                 stats.force3_tokens += 1
+                committed += 1
                 done = out.commit(token, p_scores[index], logits[index])
                 if done:
                     break
-            if not done:
-                level.commit(out.sequence, accepted, len(proposals), recorder.at(uncached - 1 + accepted))
+            queries = recorder.at(uncached - 1 + accepted)
+            if not done and level is not None:
+                level.commit(out.sequence, accepted, len(proposals), queries)
+            if self.policy is not None:
+                self._observe(plan, level, candidates, accepted, p_scores[0], counterfactual, force3_seconds,
+                              force2_before if level is not None else None, drafted_before,
+                              time.perf_counter() - step_start, committed)
         full.rollback(out.sequence.shape[1] - 1)  # a stop inside an accepted run commits fewer tokens
         out.end()
-        stats.force1_seconds = self.drafter.seconds
+        stats.force1_seconds = self._drafter_seconds()
         stats.new_tokens = out.sequence.shape[1] - input_ids.shape[1]
         stats.full_cache_bytes = full.nbytes()
-        stats.retrieval_cache_bytes = level.nbytes()
-        stats.draft_cache_bytes = self.drafter.nbytes()
+        stats.retrieval_cache_bytes = sum(level.nbytes() for level in self.levels.values())
+        stats.draft_cache_bytes = sum(drafter.nbytes() for drafter in self.drafters.values())
+        if self.policy is not None:
+            stats.plans = self.policy.summary()
         out.result.cache = full
         return out.result

@@ -39,9 +39,12 @@ class Force2:
     """The target (or its int8 copy) on a `RetrievalCache`: verifies Force 1, hands its tokens up with q."""
 
     def __init__(self, model, drafter: Drafter, config: TriForceConfig, processors: LogitsProcessorList,
-                 verifier: ChainVerifier, full: BufferCache, stats: TriForceStats) -> None:
+                 verifier: ChainVerifier, full: BufferCache, stats: TriForceStats, timed=None) -> None:
         self.model, self.drafter, self.config = model, drafter, config
         self.processors, self.verifier, self.full, self.stats = processors, verifier, full, stats
+        self.timed = timed  # optional callback (tier, rows, seconds) for the adaptive policy's cost model
+        self.started = False
+        self.rejections = 0  # Force-2 verifications that rejected a draft
         tail = config.refresh_every * (config.gamma2 + 1) + config.gamma1 + config.gamma2 + 2
         self.cache = RetrievalCache(
             model.config.num_hidden_layers, config.retrieval_budget, config.chunk_size, config.recent_tokens, tail
@@ -54,13 +57,25 @@ class Force2:
         return self.cache.base_upto + self.cache.length - self.cache.base_length
 
     def start(self, sequence: torch.Tensor, queries: dict[int, torch.Tensor]) -> None:
-        self.drafter.prefill(sequence)
-        self.select(queries)
+        """Before the first proposal, and again after steps that ran without this level (plain decoding or
+        two levels): the drafter catches up and the retrieval cache catches up with the full cache."""
+        if not self.started:
+            self.drafter.prefill(sequence)
+            self.select(queries)
+            self.started = True
+        elif self.cache.synced != self.full.length:
+            if self.cache.tail_room(self.full.length) >= self.config.gamma1 + self.config.gamma2 + 2:
+                self.cache.sync(self.full, self.full.length)
+            else:
+                self.select(queries)
 
     def select(self, queries: dict[int, torch.Tensor]) -> None:
         start = time.perf_counter()
         self.cache.select(self.full, self.full.length, queries)
-        self.stats.retrieval_seconds += time.perf_counter() - start
+        seconds = time.perf_counter() - start
+        self.stats.retrieval_seconds += seconds
+        if self.timed is not None:
+            self.timed("select", 1, seconds)
         self.stats.retrieval_selections += 1
         self.stats.force2_sees_whole_cache = self.cache.sees_whole_cache
         self.steps_since_selection = 0
@@ -70,7 +85,10 @@ class Force2:
         extended = torch.cat((sequence, sequence.new_tensor([proposals])), dim=1) if proposals else sequence
         start = time.perf_counter()
         _, scores = score_continuation(self.model, self.cache, self.seen, extended, sequence.shape[1], self.processors)
-        self.stats.force2_seconds += time.perf_counter() - start
+        seconds = time.perf_counter() - start
+        self.stats.force2_seconds += seconds
+        if self.timed is not None:
+            self.timed("force2", extended.shape[1] - self.seen, seconds)
         return scores
 
     def handed_up(self, q_scores: torch.Tensor, proposal_probs: torch.Tensor | None, accepted: int) -> torch.Tensor:
@@ -78,16 +96,20 @@ class Force2:
         draft and a residual resample are both distributed exactly as q, whatever Force 1 drew from)."""
         return q_scores[: accepted + 1]
 
-    def get_candidates(self, sequence: torch.Tensor, limit: int) -> Candidates:
-        wanted = min(self.config.gamma2, limit)
+    def get_candidates(self, sequence: torch.Tensor, limit: int, gamma1: int | None = None,
+                       gamma2: int | None = None) -> Candidates:
+        """Up to ``min(gamma2, limit)`` tokens (gammas default to the config's)."""
+        gamma1 = self.config.gamma1 if gamma1 is None else gamma1
+        wanted = min(self.config.gamma2 if gamma2 is None else gamma2, limit)
         if wanted <= 0:
             return Candidates([], None)
         prompt_length, rows = sequence.shape[1], []
         while sequence.shape[1] - prompt_length < wanted:
             still_wanted = wanted - (sequence.shape[1] - prompt_length)
-            proposals, proposal_probs = self.drafter.propose(sequence, min(self.config.gamma1, still_wanted - 1))
+            proposals, proposal_probs = self.drafter.propose(sequence, min(gamma1, still_wanted - 1))
             q_scores = self.scores(sequence, proposals)
             accepted, next_token = self.verifier.verify(proposals, proposal_probs, q_scores)
+            self.rejections += accepted < len(proposals)
             self.stats.force1_proposed += len(proposals)
             self.stats.force2_accepted += accepted
             self.stats.force2_steps += 1
@@ -126,12 +148,16 @@ class Force1Only:
 
     def __init__(self, drafter: Drafter, config: TriForceConfig, stats: TriForceStats) -> None:
         self.drafter, self.config, self.stats = drafter, config, stats
+        self.started = False
 
     def start(self, sequence: torch.Tensor, queries: dict[int, torch.Tensor]) -> None:
-        self.drafter.prefill(sequence)
+        if not self.started:
+            self.drafter.prefill(sequence)
+            self.started = True
 
-    def get_candidates(self, sequence: torch.Tensor, limit: int) -> Candidates:
-        wanted = min(self.config.gamma2, limit)
+    def get_candidates(self, sequence: torch.Tensor, limit: int, gamma1: int | None = None,
+                       gamma2: int | None = None) -> Candidates:
+        wanted = min(self.config.gamma2 if gamma2 is None else gamma2, limit)
         if wanted <= 0:
             return Candidates([], None)
         proposals, probs = self.drafter.propose(sequence, wanted)

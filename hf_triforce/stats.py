@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 
 @dataclass
@@ -29,6 +29,8 @@ class TriForceStats:
     full_cache_bytes: int = 0
     retrieval_cache_bytes: int = 0
     draft_cache_bytes: int = 0
+    plan_steps: dict = field(default_factory=dict)  # Force-3 steps by plan levels (1 plain, 2, 3)
+    plans: dict = field(default_factory=dict)  # policy="auto": per plan, steps, predicted and measured tokens/s
 
     @property
     def force2_acceptance(self) -> float:

@@ -25,8 +25,8 @@ def test_rerotation_equals_rotation_at_the_new_position():
 
 
 def _stats(model, length, **cfg):
-    config = TriForceConfig(**{"draft": "self", "retrieval_budget": 32, "chunk_size": 8, "sink_tokens": 4,
-                               "window": 24, **cfg})
+    config = TriForceConfig(**{"policy": "fixed", "draft": "self", "retrieval_budget": 32, "chunk_size": 8,
+                               "sink_tokens": 4, "window": 24, **cfg})
     out = model.generate(random_prompt(length), max_new_tokens=8, do_sample=False, triforce_config=config,
                          return_dict_in_generate=True)
     return out.triforce_stats

@@ -17,7 +17,8 @@ from .tokenizer_util import text_of, word_tokenizer
     "argv",
     [
         ["demo", "--context", "0"],
-        ["demo", "--draft", "mystery"],
+        ["demo", "--methods", "mystery"],
+        ["demo", "--methods", "plain"],
         ["bench", "--methods", "warp-drive"],
         ["bench", "--rope-factor", "0.5"],
         ["bench", "--top-p", "0"],
@@ -68,7 +69,8 @@ def test_generate_streams_on_a_tiny_local_model(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "force3_acceptance" in out and "'draft_precision': 'int8'" in out and out.split("{")[0].strip()
     bench_dir = tmp_path / "bench"
-    assert main(["bench", "--model", str(tmp_path / "m"), "--contexts", "120", "--new-tokens", "3", "--repeats", "1",
+    assert main(["bench", "--model", str(tmp_path / "m"), "--prompt", "continue", "--contexts",
+                 "120", "--new-tokens", "3", "--repeats", "1",
                  "--methods", "plain", "triforce-ngram", "--budget", "32", "48", "--gamma2", "5",
                  "--out", str(bench_dir)]) == 0
     results = (bench_dir / "results.md").read_text()
@@ -87,7 +89,8 @@ def test_bench_with_a_draft_model_and_sampling(tmp_path, capsys):
         model.save_pretrained(tmp_path / name)
         tokenizer.save_pretrained(tmp_path / name)
     out_dir = tmp_path / "bench"
-    argv = ["bench", "--model", str(tmp_path / "target"), "--draft-model", str(tmp_path / "draft"), "--contexts",
+    argv = ["bench", "--model", str(tmp_path / "target"), "--draft-model", str(tmp_path / "draft"), "--prompt",
+            "continue", "--contexts",
             "120", "--new-tokens", "4", "--repeats", "2", "--budget", "32", "--out", str(out_dir)]
     assert main(argv + ["--methods", "plain", "assisted", "triforce-draft"]) == 0
     greedy = json.loads((out_dir / "results.json").read_text())[0]
@@ -107,7 +110,7 @@ def test_bench_with_a_draft_model_and_sampling(tmp_path, capsys):
 
 
 def test_demo_and_bench_end_to_end_on_smollm2(tmp_path, capsys):
-    assert main(["demo", "--context", "300", "--new-tokens", "6", "--draft", "ngram", "--draft", "ngram-int8",
+    assert main(["demo", "--context", "300", "--new-tokens", "6", "--methods", "default", "triforce-ngram-int8",
                  "--budget", "64"]) == 0
     assert "Greedy outputs identical to plain generate: YES" in capsys.readouterr().out
     out_dir = tmp_path / "bench"

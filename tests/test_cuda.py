@@ -41,7 +41,7 @@ def test_triforce_on_cuda_takes_the_flash_route(monkeypatch):
     model = make_model("llama-gqa", logit_scale=8.0).to("cuda", torch.float16)
     prompt = random_prompt(300, period=37).to("cuda")
     config = TriForceConfig(draft="self", retrieval_budget=64, chunk_size=8, sink_tokens=4, window=24, gamma1=2,
-                            gamma2=4)
+                            gamma2=4, policy="fixed")
     expected = model.generate(prompt, max_new_tokens=24, do_sample=False)
     out = model.generate(prompt, max_new_tokens=24, do_sample=False, triforce_config=config)
     assert calls, "the flash-attn route was not taken"
@@ -54,7 +54,7 @@ def test_triforce_on_cuda_takes_the_flash_route(monkeypatch):
 def test_triforce_on_cuda_fp32_is_exact():
     model = make_model("qwen2").to("cuda")
     prompt = random_prompt(200, period=29).to("cuda")
-    config = TriForceConfig(draft="ngram", retrieval_budget=64, chunk_size=8, sink_tokens=4, window=24)
+    config = TriForceConfig(policy="fixed", draft="ngram", retrieval_budget=64, chunk_size=8, sink_tokens=4, window=24)
     expected = model.generate(prompt, max_new_tokens=32, do_sample=False)
     assert torch.equal(model.generate(prompt, max_new_tokens=32, do_sample=False, triforce_config=config), expected)
 
@@ -66,7 +66,7 @@ def _cuda_exact(family, draft, prompt_len=600, new_tokens=40, levels=3):
     if draft == "model":
         draft = make_model(family, num_hidden_layers=1, seed=5).to("cuda")
     config = TriForceConfig(draft=draft, retrieval_budget=64, chunk_size=8, sink_tokens=4, window=24, gamma1=2,
-                            gamma2=6, levels=levels)
+                            gamma2=6, levels=levels, policy="fixed")
     expected = model.generate(prompt, max_new_tokens=new_tokens, do_sample=False)
     out = model.generate(prompt, max_new_tokens=new_tokens, do_sample=False, triforce_config=config,
                          return_dict_in_generate=True)
@@ -92,7 +92,7 @@ def test_cuda_fp32_two_levels_and_prefilled_cache():
     with torch.no_grad():
         model(input_ids=prompt[:, :-1], cache=prefix, use_cache=True)
     cached = prefix.get_seq_length()
-    config = TriForceConfig(draft="self", retrieval_budget=64, chunk_size=8, sink_tokens=4, window=24)
+    config = TriForceConfig(policy="fixed", draft="self", retrieval_budget=64, chunk_size=8, sink_tokens=4, window=24)
     out = model.generate(prompt, max_new_tokens=40, do_sample=False, triforce_config=config, cache=prefix)
     assert torch.equal(out, expected)
     assert prefix.get_seq_length() == cached, "cache= must be read, never modified"
@@ -102,7 +102,7 @@ def test_cuda_fp32_two_levels_and_prefilled_cache():
 def test_cuda_sampling_is_seeded_and_runs():
     model = make_model("llama-gqa", logit_scale=4.0).to("cuda")
     prompt = random_prompt(400, period=31).to("cuda")
-    config = TriForceConfig(draft="self", retrieval_budget=64, chunk_size=8, sink_tokens=4, window=24)
+    config = TriForceConfig(policy="fixed", draft="self", retrieval_budget=64, chunk_size=8, sink_tokens=4, window=24)
     runs = []
     for _ in range(2):
         torch.manual_seed(7)

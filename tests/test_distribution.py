@@ -48,7 +48,8 @@ def sampled_counts(model, prompt, config, runs, **gen):
 def check(draft, gen, processors, levels=3, **config_kw):
     model = make_model("llama-gqa", vocab_size=VOCAB, seed=3, initializer_range=0.3)
     prompt = random_prompt(48, vocab_size=VOCAB, seed=4, period=13)
-    config = TriForceConfig(draft=draft, retrieval_budget=16, chunk_size=4, retrieval_recent=4, sink_tokens=2,
+    config = TriForceConfig(draft=draft, policy="fixed", retrieval_budget=16, chunk_size=4,
+                            retrieval_recent=4, sink_tokens=2,
                             window=8, gamma1=2, gamma2=2, levels=levels, **config_kw)
     exact = exact_sequence_probs(model, prompt, processors)
     counts, stats = sampled_counts(model, prompt, config, RUNS, **gen)

@@ -27,7 +27,8 @@ from .conftest import make_model, random_prompt
 from .enumeration_util import enumerate_outcomes
 
 VOCAB, TOLERANCE = 4, 1e-5
-CONFIG = dict(retrieval_budget=16, chunk_size=4, retrieval_recent=4, sink_tokens=2, window=8, gamma1=2, gamma2=2)
+CONFIG = dict(policy="fixed", retrieval_budget=16, chunk_size=4, retrieval_recent=4, sink_tokens=2, window=8,
+              gamma1=2, gamma2=2)
 
 
 @pytest.fixture(scope="module")

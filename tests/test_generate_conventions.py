@@ -14,7 +14,8 @@ from hf_triforce import TriForceConfig, TriForceGenerateOutput, triforce_generat
 from .conftest import make_model, random_prompt
 from .tokenizer_util import text_of, word_tokenizer
 
-CFG = TriForceConfig(draft="self", retrieval_budget=32, chunk_size=8, sink_tokens=4, window=24, gamma1=2, gamma2=4)
+CFG = TriForceConfig(draft="self", policy="fixed", retrieval_budget=32, chunk_size=8, sink_tokens=4,
+                     window=24, gamma1=2, gamma2=4)
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,8 @@ from .conftest import FAMILIES, make_model, random_prompt
 
 
 def _config(draft, budget=64, **kw):
-    base = dict(draft=draft, retrieval_budget=budget, chunk_size=8, sink_tokens=4, window=24, gamma1=2, gamma2=4)
+    base = dict(draft=draft, policy="fixed", retrieval_budget=budget, chunk_size=8, sink_tokens=4, window=24,
+                gamma1=2, gamma2=4)
     base.update(kw)
     return TriForceConfig(**base)
 

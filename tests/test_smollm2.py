@@ -33,7 +33,8 @@ def layer_truncated_draft(model, layers: int = 10):
 def test_greedy_identical_at_4k_with_budget_512(smollm2, draft, precision):
     model, ids, expected = smollm2
     draft_arg = layer_truncated_draft(model) if draft == "model" else draft
-    config = TriForceConfig(draft=draft_arg, retrieval_budget=512, chunk_size=8, sink_tokens=16, window=256,
+    config = TriForceConfig(draft=draft_arg, policy="fixed", retrieval_budget=512, chunk_size=8,
+                            sink_tokens=16, window=256,
                             gamma1=2, gamma2=6, draft_precision=precision)
     out = model.generate(ids, max_new_tokens=NEW, do_sample=False, triforce_config=config,
                          return_dict_in_generate=True)

@@ -37,7 +37,8 @@ class ModelDrafter:
         return out.logits[0]
 
     def prefill(self, prompt: torch.Tensor) -> None:
-        """Fill the cache with the prompt's first ``sink_tokens`` and last ``window`` tokens, except the last."""
+        """(Re)fill the cache with the prompt's first ``sink_tokens`` and last ``window`` tokens, except the last."""
+        self.cache.rollback(0)
         body = prompt[:, :-1]
         sink, window = self.cache.sink_tokens, self.cache.window - self.cache.evict_block
         if body.shape[1] > sink + window:
@@ -47,6 +48,8 @@ class ModelDrafter:
         self.seen = prompt.shape[1] - 1
 
     def propose(self, sequence: torch.Tensor, n: int) -> tuple[list[int], torch.Tensor | None]:
+        if sequence.shape[1] - self.seen > self.cache.window // 2:  # far behind (steps ran without it)
+            self.prefill(sequence)
         tokens: list[int] = []
         rows = []
         pending = sequence[:, self.seen :]

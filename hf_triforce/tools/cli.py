@@ -39,19 +39,24 @@ def build_parser() -> argparse.ArgumentParser:
     from ..drafters import drafter_names
     from .assets import MODELS, TEXTS
     from .methods import METHODS, add_triforce_arguments
+    from .prompts import PROMPTS
 
-    drafts = [m.removeprefix("triforce-") for m in METHODS if m.startswith("triforce-") and "draft" not in m]
 
     model_help = f"one of {', '.join(MODELS)} or a local model folder"
 
     parser = argparse.ArgumentParser(prog="hf-triforce", description="Exact TriForce speculative decoding")
     commands = parser.add_subparsers(dest="command", required=True)
-    demo = commands.add_parser("demo", help="plain generate vs TriForce on SmolLM2-135M and a Shakespeare play")
+    demo = commands.add_parser("demo", help="plain generate vs TriForce on SmolLM2-135M and a question about a "
+                               "Shakespeare play, greedy and sampled")
     demo.add_argument("--context", type=_positive, default=8000, help="prompt tokens (default 8000)")
     demo.add_argument("--new-tokens", type=_positive, default=96, help="tokens to generate (default 96)")
-    demo.add_argument("--draft", action="append", choices=drafts,
-                      help="TriForce variant(s) to run: the Force-1 drafter, '-int8' for int8 drafting tiers "
-                      "(default: self, ngram and ngram-int8)")
+    demo.add_argument("--methods", nargs="+", choices=[m for m, spec in METHODS.items()
+                                                       if not spec.baseline and not spec.needs_draft_model],
+                      default=["default"], help="TriForce methods beside plain generate (default: 'default', "
+                      "i.e. TriForceConfig() with no argument)")
+    demo.add_argument("--prompt", choices=PROMPTS, default="question",
+                      help="'question' (default): the play in the chat template and a question about it; "
+                      "'continue': the raw play, continued")
     demo.add_argument("--play", default="hamlet", help="Shakespeare tragedy used as the prompt (default hamlet)")
     demo.add_argument("--threads", type=_positive, default=None, help="torch threads (default: torch's choice)")
     add_triforce_arguments(demo, _positive)
@@ -60,8 +65,12 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--model", default=None, help=f"target: {model_help} (default smollm2-135m)")
     bench.add_argument("--draft-model", default=None,
                        help=f"draft for the 'assisted' and 'triforce-draft' methods: {model_help}")
-    bench.add_argument("--text", choices=sorted(TEXTS), default="shakespeare",
-                       help="prompt text: Shakespeare's tragedies or Python's standard-library source")
+    bench.add_argument("--text", choices=sorted(TEXTS), default="essays",
+                       help="prompt text: Paul Graham's essays (default), Shakespeare's tragedies or Python's "
+                       "standard-library source")
+    bench.add_argument("--prompt", choices=PROMPTS, default="question",
+                       help="'question': the text in the chat template followed by a question about it (what an "
+                       "instruct model gets; default); 'continue': the raw text, continued")
     bench.add_argument("--contexts", type=_positive, nargs="+", default=[4096], help="prompt lengths in tokens")
     bench.add_argument("--methods", nargs="+", choices=list(METHODS), default=None,
                        help="default: all but streaming-self-int8, triforce-draft-int8 and the suffix drafter "
@@ -137,6 +146,7 @@ def _bench(args) -> int:
     from . import assets
     from .bench import compare, table, to_json, write_results
     from .methods import DEFAULT_EXCLUDED, METHODS, describe_gammas, knobs_from_args
+    from .prompts import document_prompt
 
     methods = args.methods or [m for m, spec in METHODS.items()
                                if (args.draft_model or not spec.needs_draft_model) and m not in DEFAULT_EXCLUDED]
@@ -158,22 +168,26 @@ def _bench(args) -> int:
     model, tokenizer = _load("bench", "--model", args.model, **overrides)
     _check_contexts(args, getattr(model.config, "max_position_embeddings", None) or 1 << 30)
     draft_model = _load("bench", "--draft-model", args.draft_model)[0] if args.draft_model else None
-    text_ids = tokenizer(assets.TEXTS[args.text](), return_tensors="pt").input_ids
-    if text_ids.shape[1] < max(args.contexts):
-        raise SystemExit(f"hf-triforce bench: the text has only {text_ids.shape[1]} tokens")
+    text = assets.TEXTS[args.text]()
+    try:
+        prompts = {context: document_prompt(tokenizer, text, context, args.prompt) for context in args.contexts}
+    except ValueError as error:
+        raise SystemExit(f"hf-triforce bench: --text {args.text} --prompt {args.prompt}: {error}") from error
     sampling = {"do_sample": True, "temperature": args.temperature, "top_p": args.top_p} if args.sample else None
     mode = f"sampling (temperature {args.temperature}, top-p {args.top_p})" if args.sample else "greedy"
     gammas = (args.gamma1, args.gamma2)
     results, tables = [], []
     for context in args.contexts:
-        ids = text_ids[:, :context]
+        ids = prompts[context]
         runs, prefill_seconds = compare(model, ids, methods, args.new_tokens, args.repeats, args.budget, draft_model,
                                         sampling, gammas, knobs_from_args(args))
-        rendered = (f"### context {context} tokens, {args.text}, {mode} (prefill {prefill_seconds:.1f} s, "
+        rendered = (f"### context {context} tokens, {args.text}, prompt '{args.prompt}', {mode} "
+                    f"(prefill {prefill_seconds:.1f} s, "
                     f"{args.new_tokens} new tokens, median of {args.repeats}, {describe_gammas(gammas)}, "
                     f"torch threads {torch.get_num_threads()})\n\n" + table(runs, sampled=args.sample))
         print(rendered, flush=True)
-        results.append(to_json(context, runs, prefill_seconds, sampling, gammas, args.budget))
+        results.append(to_json(context, runs, prefill_seconds, sampling, gammas, args.budget, args.text,
+                               args.prompt))
         tables.append(rendered)
         write_results(results, tables, args.out)
     print(f"wrote {args.out}/results.json and results.md")
@@ -216,8 +230,7 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"hf-triforce demo: --play must be one of {', '.join(SHAKESPEARE_PLAYS)}")
         if args.context + args.new_tokens > 8192:
             raise SystemExit("hf-triforce demo: --context + --new-tokens must stay within SmolLM2's 8192 positions")
-        drafts = args.draft or ["self", "ngram", "ngram-int8"]
-        return run_demo(args, drafts)
+        return run_demo(args)
     if args.command == "generate":
         return _generate(args)
     if args.command == "needle":

@@ -1,9 +1,11 @@
 """Decoding methods the tools compare, as records, and the one place CLI arguments become a `TriForceConfig`.
 
 A TriForce method is a drafter from the registry (``hf_triforce.drafters.DRAFTERS``; ``draft`` names the
-``--draft-model``), a number of levels and a drafting precision: ``triforce-<drafter>[-int8]`` and the
-two-level ``streaming-self[-int8]``. Baselines: ``plain`` (DynamicCache), ``static`` (StaticCache),
-``lookup`` (HF prompt lookup), ``assisted`` (HF assisted generation with the draft model).
+``--draft-model``), a number of levels and a drafting precision, with a fixed plan:
+``triforce-<drafter>[-int8]`` and the two-level ``streaming-self[-int8]``; or the adaptive policy:
+``triforce-auto[-int8]`` (self drafts, free n-gram lookups, three levels, the bench's knobs) and ``default``
+(``TriForceConfig()`` with no argument: what a user gets). Baselines: ``plain`` (DynamicCache), ``static``
+(StaticCache), ``lookup`` (HF prompt lookup), ``assisted`` (HF assisted generation with the draft model).
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ class Method:
     drafter: str = ""  # registry name; "draft" = the --draft-model
     levels: int = 3
     precision: str = "model"
+    policy: str = "fixed"
+    library_default: bool = False  # TriForceConfig() exactly, whatever the bench's knobs
 
     @property
     def needs_draft_model(self) -> bool:
@@ -46,12 +50,14 @@ class Method:
         """The `TriForceConfig` of this method (None gammas: `TUNED_GAMMAS` for its kind)."""
         if self.baseline:
             raise ValueError(f"method {self.name!r} is a transformers baseline, not a TriForce method")
+        if self.library_default:
+            return TriForceConfig()
         gamma1, gamma2 = chosen_gammas(gammas, self.kind)
         draft_model = overrides.pop("draft_model", None)
         draft = draft_model if self.drafter == "draft" else self.drafter
         settings = dict(draft=draft, retrieval_budget=budget, chunk_size=8, sink_tokens=16, window=256, gamma1=gamma1,
                         gamma2=gamma2 if self.levels == 3 else STREAMING_GAMMA, levels=self.levels,
-                        draft_precision=self.precision)
+                        draft_precision=self.precision, policy=self.policy)
         settings.update(overrides)
         return TriForceConfig(**settings)
 
@@ -59,6 +65,9 @@ class Method:
 def _all_methods() -> dict[str, Method]:
     methods = [Method("plain", baseline=True), Method("static", baseline=True), Method("lookup", baseline=True),
                Method("assisted", baseline=True)]
+    methods.append(Method("default", drafter="self", policy="auto", library_default=True))
+    methods += [Method(f"triforce-auto{s}", drafter="self", policy="auto", precision=p)
+                for p, s in (("model", ""), ("int8", "-int8"))]
     drafters = [name if name != MODEL_DRAFTER else "draft" for name in DRAFTERS]
     for precision, suffix in (("model", ""), ("int8", "-int8")):
         methods.append(Method(f"streaming-self{suffix}", drafter="self", levels=2, precision=precision))

@@ -1,0 +1,237 @@
+"""The adaptive hierarchy (``TriForceConfig(policy="auto")``): a plan per Force-3 step from an online cost model.
+
+A `Plan` is how one Force-3 step gets its candidates: ``plain`` (none: one-token decoding on the full cache),
+``two-level`` (a drafter's chain verified by Force 3) or ``three-level`` (TriForce: Force 1 verified by Force 2,
+Force 2's chain verified by Force 3), with its gammas. Every plan is exact on its own, and the choice depends
+only on the past (timings and acceptances already observed), so the output law is the target's whatever is
+chosen; greedy output stays identical to plain ``generate``.
+
+The cost model, measured online in the same call:
+
+- seconds per forward of each tier by number of rows (`TierCosts`, exponential moving averages; an unmeasured
+  row count is scaled from the nearest measured one by `ROW_COST_SLOPE`), and the per-step overhead;
+- acceptance per level as a geometric rate ``a = accepted / (accepted + rejections)`` (`AcceptanceRate`), so
+  a chain of ``g`` proposals yields ``(1 - a^(g+1)) / (1 - a)`` tokens per verification;
+- lookup drafters are scored for free on every step (counterfactual): the token the lookup would have
+  proposed next is checked against Force 3's own distribution (``p(x)`` when sampling, ``x == argmax p``
+  greedy), so the policy knows when a repetitive stretch begins without paying for a try.
+
+Predicted tokens/s of each candidate plan = expected tokens per step / predicted seconds per step; the best
+is run. Every ``explore_every`` steps the best plan other than the current one runs once to refresh its
+numbers (the interval doubles each time exploring did not pay, up to 16x). Each step's plan, predicted and
+measured tokens/s are in `TriForceStats.plans`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# Extra cost of each additional row of a forward, as a fraction of a one-row forward, until measured
+# (SmolLM2-135M fp32, 2 CPU threads: 9 rows cost about 2x one row, docs/results.md).
+ROW_COST_SLOPE = 0.125
+EMA = 0.3  # weight of the newest timing in the moving averages
+
+
+@dataclass(frozen=True)
+class Plan:
+    levels: int  # 1: plain decoding, 2: drafter -> Force 3, 3: Force 1 -> Force 2 -> Force 3
+    drafter: str = ""
+    gamma1: int = 0
+    gamma2: int = 0
+
+    @property
+    def name(self) -> str:
+        if self.levels == 1:
+            return "plain"
+        if self.levels == 2:
+            return f"{self.drafter} g{self.gamma2}"
+        return f"triforce {self.drafter} g{self.gamma1}/{self.gamma2}"
+
+
+def expected_tokens(rate: float, gamma: int) -> float:
+    """Tokens one verification of a ``gamma``-long chain yields at per-token acceptance ``rate``."""
+    if rate >= 1.0:
+        return gamma + 1.0
+    return (1.0 - rate ** (gamma + 1)) / (1.0 - rate)
+
+
+class TierCosts:
+    """Seconds per forward of each tier by rows (moving averages)."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[tuple[str, int], float] = {}
+
+    def observe(self, tier: str, rows: int, seconds: float) -> None:
+        key = (tier, rows)
+        old = self.seconds.get(key)
+        self.seconds[key] = seconds if old is None else (1 - EMA) * old + EMA * seconds
+
+    def known(self, tier: str) -> bool:
+        return any(t == tier for t, _ in self.seconds)
+
+    def estimate(self, tier: str, rows: int, fallback: float) -> float:
+        """Measured, else scaled from the nearest measured row count, else ``fallback`` (a one-row cost)."""
+        if (tier, rows) in self.seconds:
+            return self.seconds[(tier, rows)]
+        measured = [r for t, r in self.seconds if t == tier]
+        if not measured:
+            return fallback * (1 + ROW_COST_SLOPE * (rows - 1))
+        nearest = min(measured, key=lambda r: abs(r - rows))
+        return self.seconds[(tier, nearest)] * (1 + ROW_COST_SLOPE * (rows - 1)) / (1 + ROW_COST_SLOPE * (nearest - 1))
+
+
+class AcceptanceRate:
+    """Geometric per-token acceptance from chains: accepted / (accepted + rejections), decayed."""
+
+    def __init__(self, prior: float, weight: float = 2.0, decay: float = 0.97) -> None:
+        self.accepted, self.trials, self.decay = prior * weight, weight, decay
+
+    def observe(self, accepted: float, rejected: float) -> None:
+        self.accepted = self.decay * self.accepted + accepted
+        self.trials = self.decay * self.trials + accepted + rejected
+
+    @property
+    def rate(self) -> float:
+        return min(self.accepted / self.trials, 0.999) if self.trials > 0 else 0.0
+
+
+@dataclass
+class PlanRecord:
+    """What one plan did over the call: steps, predicted and measured tokens per second."""
+
+    steps: int = 0
+    tokens: int = 0
+    seconds: float = 0.0
+    predicted: float = 0.0  # sum of the predicted tokens/s of its steps
+
+    def to_dict(self) -> dict:
+        return {
+            "steps": self.steps,
+            "tokens": self.tokens,
+            "measured_tokens_per_second": self.tokens / self.seconds if self.seconds else 0.0,
+            "predicted_tokens_per_second": self.predicted / self.steps if self.steps else 0.0,
+        }
+
+
+class AdaptivePolicy:
+    """Chooses the plan of each Force-3 step (see the module docstring).
+
+    ``drafters``: ``{name: kind}`` of the drafters it may use (kind "model" or "lookup"); ``three_level``:
+    the drafter TriForce's three-level plan uses (None: no three-level plan); ``max_gamma1/2``: bounds.
+    """
+
+    def __init__(self, drafters: dict[str, str], three_level: str | None, max_gamma1: int, max_gamma2: int,
+                 explore_every: int) -> None:
+        self.drafters, self.three_level = drafters, three_level
+        self.max_gamma1, self.max_gamma2 = max_gamma1, max_gamma2
+        self.costs = TierCosts()
+        self.overhead: dict[int, float] = {}  # seconds per step outside the forwards, by plan levels
+        # acceptance priors: hopeful enough that each plan is tried once, then measured
+        self.direct = {name: AcceptanceRate(0.6 if kind == "model" else 0.3) for name, kind in drafters.items()}
+        self.force2_rate = AcceptanceRate(0.8)  # Force 1 verified by Force 2
+        self.force3_rate = AcceptanceRate(0.8)  # Force 2 verified by Force 3
+        self.lookup_coverage = {name: AcceptanceRate(0.5) for name, kind in drafters.items() if kind == "lookup"}
+        self.base_interval = explore_every
+        self.interval = explore_every
+        self.since_explore = 0
+        self.current: Plan | None = None
+        self.exploring = False
+        self.records: dict[str, PlanRecord] = {}
+        self.log: list[tuple[str, float, float]] = []
+
+    # -- predictions ------------------------------------------------------------------------------------
+    def _force3(self, rows: int) -> float:
+        return self.costs.estimate("force3", rows, self.costs.estimate("force3", 1, 1.0))
+
+    def _drafter_seconds(self, name: str, tokens: int) -> float:
+        if self.drafters[name] == "lookup":
+            return self.costs.estimate(f"draft:{name}", 1, 0.0) if tokens else 0.0
+        one = self.costs.estimate(f"draft:{name}", 1, 0.5 * self._force3(1))
+        return tokens * one
+
+    def predict(self, plan: Plan) -> tuple[float, float]:
+        """``(expected tokens, predicted seconds)`` of one step of ``plan``."""
+        overhead = self.overhead.get(plan.levels, 0.0)
+        if plan.levels == 1:
+            return 1.0, self._force3(1) + overhead
+        if plan.levels == 2:
+            rate = self.direct[plan.drafter].rate
+            coverage = self.lookup_coverage[plan.drafter].rate if plan.drafter in self.lookup_coverage else 1.0
+            tokens = 1.0 + coverage * (expected_tokens(rate, plan.gamma2) - 1.0)
+            seconds = (self._drafter_seconds(plan.drafter, plan.gamma2) + coverage * self._force3(plan.gamma2 + 1)
+                       + (1 - coverage) * self._force3(1))
+            return tokens, seconds + overhead
+        per_round = expected_tokens(self.force2_rate.rate, plan.gamma1)
+        rounds = plan.gamma2 / per_round
+        force2 = self.costs.estimate("force2", plan.gamma1 + 1, 0.5 * self._force3(1))
+        select = self.costs.estimate("select", 1, 0.0)
+        seconds = rounds * (self._drafter_seconds(plan.drafter, plan.gamma1) + force2) + self._force3(plan.gamma2 + 1)
+        return expected_tokens(self.force3_rate.rate, plan.gamma2), seconds + select + overhead
+
+    def candidates(self) -> list[Plan]:
+        plans = [Plan(1)]
+        for name in self.drafters:
+            plans += [Plan(2, name, gamma2=g) for g in range(1, self.max_gamma2 + 1)]
+        if self.three_level is not None:
+            plans += [Plan(3, self.three_level, g1, g2) for g1 in range(1, self.max_gamma1 + 1)
+                      for g2 in range(2, self.max_gamma2 + 1) if g2 > g1]
+        return plans
+
+    def tokens_per_second(self, plan: Plan) -> float:
+        tokens, seconds = self.predict(plan)
+        return tokens / seconds if seconds > 0 else 0.0
+
+    # -- choice -----------------------------------------------------------------------------------------
+    def choose(self) -> Plan:
+        """The plan of the next step (the best predicted, or, when it is time, the best other one)."""
+        ranked = sorted(self.candidates(), key=self.tokens_per_second, reverse=True)
+        best = ranked[0]
+        self.exploring = False
+        if self.since_explore >= self.interval:
+            self.since_explore = 0
+            others = [p for p in ranked if p.levels != best.levels or p.drafter != best.drafter]
+            if others:
+                self.exploring = True
+                best = others[0]
+        self.since_explore += 1
+        self.current = best
+        return best
+
+    # -- observations -----------------------------------------------------------------------------------
+    def observe_forward(self, tier: str, rows: int, seconds: float) -> None:
+        self.costs.observe(tier, rows, seconds)
+
+    def observe_step(self, plan: Plan, tokens: int, seconds: float, forward_seconds: float) -> None:
+        """One finished step: its tokens, wall seconds and the part spent in timed forwards."""
+        predicted = self.tokens_per_second(plan)
+        old = self.overhead.get(plan.levels)
+        spare = max(seconds - forward_seconds, 0.0)
+        self.overhead[plan.levels] = spare if old is None else (1 - EMA) * old + EMA * spare
+        record = self.records.setdefault(plan.name, PlanRecord())
+        record.steps += 1
+        record.tokens += tokens
+        record.seconds += seconds
+        record.predicted += predicted
+        self.log.append((plan.name, predicted, tokens / seconds if seconds else 0.0))
+        if self.exploring:
+            best_other = max(self.tokens_per_second(p) for p in self.candidates() if p.levels != plan.levels
+                             or p.drafter != plan.drafter)
+            won = tokens / seconds >= best_other if seconds else False
+            self.interval = self.base_interval if won else min(2 * self.interval, 16 * self.base_interval)
+
+    def observe_direct(self, drafter: str, accepted: int, proposed: int) -> None:
+        self.direct[drafter].observe(accepted, 1.0 if accepted < proposed else 0.0)
+
+    def observe_three_level(self, force2_accepted: int, force2_rejections: int, force3_accepted: int,
+                            proposed: int) -> None:
+        self.force2_rate.observe(force2_accepted, force2_rejections)
+        self.force3_rate.observe(force3_accepted, 1.0 if force3_accepted < proposed else 0.0)
+
+    def observe_lookup(self, drafter: str, proposed: bool, acceptance: float) -> None:
+        """Counterfactual: would the lookup have proposed a token, and with what acceptance probability."""
+        self.lookup_coverage[drafter].observe(1.0 if proposed else 0.0, 0.0 if proposed else 1.0)
+        if proposed:
+            self.direct[drafter].observe(acceptance, 1.0 - acceptance)
+
+    def summary(self) -> dict:
+        return {name: record.to_dict() for name, record in self.records.items()}

@@ -1,0 +1,104 @@
+"""The adaptive hierarchy (policy="auto"): exact whatever it chooses, and it chooses from what it measured."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LogitsProcessorList, TopKLogitsWarper
+
+from hf_triforce import TriForceConfig
+from hf_triforce.policy import AcceptanceRate, AdaptivePolicy, Plan, TierCosts, expected_tokens
+
+from .conftest import FAMILIES, make_model, random_prompt
+from .test_exact_enumeration import CONFIG, decoded_law, distance, target_law
+
+
+def auto(draft="self", **kw):
+    base = dict(draft=draft, retrieval_budget=48, chunk_size=8, sink_tokens=4, window=24, gamma1=2, gamma2=6,
+                explore_every=4)
+    base.update(kw)
+    return TriForceConfig(**base)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("draft", ["self", "ngram", "suffix"])
+def test_auto_policy_is_greedy_identical(family, draft):
+    model = make_model(family)
+    prompt = random_prompt(160, period=37)
+    expected = model.generate(prompt, max_new_tokens=50, do_sample=False)
+    out = model.generate(prompt, max_new_tokens=50, do_sample=False, triforce_config=auto(draft),
+                         return_dict_in_generate=True)
+    assert torch.equal(out.sequences, expected)
+    stats = out.triforce_stats
+    assert sum(stats.plan_steps.values()) == stats.force3_steps
+    assert sum(p["steps"] for p in stats.plans.values()) == stats.force3_steps
+    assert sum(p["tokens"] for p in stats.plans.values()) == stats.force3_tokens
+    assert len(stats.plan_steps) >= 2, "exploration must try more than one kind of plan"
+
+
+def test_auto_policy_switches_plans_mid_generation_and_stays_exact():
+    """Plans alternate (explore_every=1): caches of dormant levels must catch up correctly."""
+    model = make_model("llama-gqa")
+    prompt = random_prompt(200, period=41)
+    expected = model.generate(prompt, max_new_tokens=80, do_sample=False)
+    out = model.generate(prompt, max_new_tokens=80, do_sample=False, return_dict_in_generate=True,
+                         triforce_config=auto("self", explore_every=1, window=40))
+    assert torch.equal(out.sequences, expected)
+    assert set(out.triforce_stats.plan_steps) == {1, 2, 3}
+
+
+def test_plans_chosen_from_the_past_keep_the_law_exact(monkeypatch):
+    """The policy's choices depend on timings, which a replayed enumeration cannot hold fixed; here the plan
+    of each step is a deterministic function of the path so far (steps and tokens committed), which is the
+    property exactness rests on: whatever past-dependent rule picks the plans, the law is the target's."""
+    plans = [Plan(1), Plan(2, "ngram", gamma2=2), Plan(2, "self", gamma2=3), Plan(3, "self", 1, 2),
+             Plan(3, "self", 2, 3)]
+
+    def choose(self):
+        steps = sum(record.steps for record in self.records.values())
+        tokens = sum(record.tokens for record in self.records.values())
+        self.current = plans[(3 * steps + tokens) % len(plans)]
+        return self.current
+
+    monkeypatch.setattr(AdaptivePolicy, "choose", choose)
+    model = make_model("llama-gqa", vocab_size=4, seed=3, initializer_range=0.3, num_hidden_layers=1)
+    prompt = random_prompt(40, vocab_size=4, seed=4, period=13)
+    processors = LogitsProcessorList([TopKLogitsWarper(2)])
+    config = TriForceConfig(draft="self", **{**CONFIG, "policy": "auto", "explore_every": 1})
+    law, paths, stats = decoded_law(model, prompt, config, processors, 5)
+    assert distance(law, target_law(model, prompt, processors, 5)) < 1e-5
+    assert len({levels for s in stats for levels in s.plan_steps}) >= 2
+
+
+def test_expected_tokens_of_a_chain():
+    assert expected_tokens(0.0, 5) == 1.0
+    assert expected_tokens(1.0, 5) == 6.0
+    assert abs(expected_tokens(0.5, 2) - 1.75) < 1e-12
+
+
+def test_acceptance_rate_is_geometric():
+    rate = AcceptanceRate(prior=0.5, weight=1e-9, decay=1.0)
+    for _ in range(100):
+        rate.observe(3, 1)  # chains accepting 3 then rejecting: a = 3 / 4
+    assert abs(rate.rate - 0.75) < 1e-6
+
+
+def test_tier_costs_scale_unmeasured_rows():
+    costs = TierCosts()
+    costs.observe("force3", 1, 0.1)
+    assert costs.estimate("force3", 1, 9.0) == pytest.approx(0.1)
+    assert costs.estimate("force3", 9, 9.0) == pytest.approx(0.1 * 2.0)
+    assert costs.estimate("force2", 3, 0.2) == pytest.approx(0.2 * 1.25)
+
+
+def test_policy_prefers_plain_when_drafts_are_rejected_and_lookup_when_they_pass():
+    policy = AdaptivePolicy({"ngram": "lookup"}, None, 2, 6, explore_every=1000)
+    policy.observe_forward("force3", 1, 0.1)
+    for rows in range(2, 8):
+        policy.observe_forward("force3", rows, 0.1 * (1 + 0.15 * (rows - 1)))
+    for _ in range(50):
+        policy.observe_lookup("ngram", True, 0.05)
+    assert policy.choose() == Plan(1)
+    for _ in range(200):
+        policy.observe_lookup("ngram", True, 0.95)
+    assert policy.choose().levels == 2
