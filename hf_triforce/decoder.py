@@ -29,7 +29,7 @@ from .caches.buffer import BufferCache, copy_prefix
 from .config import TriForceConfig
 from .drafters import DRAFTERS, DraftContext, build_drafter
 from .drafters.registry import MODEL_DRAFTER, spec_of
-from .forward import prefill, score_continuation
+from .forward import prefill, score_continuation, settle
 from .hierarchy import Candidates, Force1Only, Force2
 from .output_head import weight_left_output_layer
 from .policy import AdaptivePolicy, Plan
@@ -216,10 +216,11 @@ class TriForceDecoder:
         while not done:
             length = out.sequence.shape[1]
             plan = self.policy.choose() if self.policy is not None else self.fixed_plan
-            step_start, drafted_before = time.perf_counter(), self._drafter_seconds()
             level = self.level(plan, full)
-            if level is not None:
+            if level is not None:  # one-time set-up (draft cache prefill, first selection) is not the step's cost
                 level.start(out.sequence, queries)
+            step_start, drafted_before = time.perf_counter(), self._drafter_seconds()
+            if level is not None:
                 force2_before = (stats.force2_accepted, getattr(level, "rejections", 0), stats.force2_seconds)
                 candidates = level.get_candidates(out.sequence, self.max_length - length - 1, plan.gamma1, plan.gamma2)
             else:
@@ -231,6 +232,7 @@ class TriForceDecoder:
             begin = time.perf_counter()
             logits, p_scores = score_continuation(self.model, full, full.length, extended, length, self.processors,
                                                   recorder)
+            settle(p_scores)
             force3_seconds = time.perf_counter() - begin
             stats.force3_seconds += force3_seconds
             accepted, next_token = self.force3_verifier.verify(proposals, candidates.probs, p_scores)

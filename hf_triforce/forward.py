@@ -14,6 +14,14 @@ from .attention import RECORDER_KWARG, QueryRecorder
 from .scoring import process_rows
 
 
+def settle(tensor: torch.Tensor) -> torch.Tensor:
+    """Wait for the device to finish computing ``tensor`` (CUDA runs asynchronously), so that wall-clock
+    timings of a tier (the adaptive policy's cost model) measure the work, not its launch."""
+    if tensor.is_cuda:
+        torch.cuda.synchronize(tensor.device)
+    return tensor
+
+
 def forward_logits(model, tokens: torch.Tensor, cache, start: int, keep: int,
                    recorder: QueryRecorder | None = None) -> torch.Tensor:
     """Logits ``[keep, vocab]`` of the last ``keep`` rows of ``tokens`` placed at absolute ``start``."""

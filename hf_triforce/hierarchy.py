@@ -22,7 +22,7 @@ from .caches.buffer import BufferCache
 from .caches.retrieval import RetrievalCache
 from .config import TriForceConfig
 from .drafters import Drafter
-from .forward import score_continuation
+from .forward import score_continuation, settle
 from .sampling import ChainVerifier, scores_to_probs
 from .stats import TriForceStats
 
@@ -85,6 +85,7 @@ class Force2:
         extended = torch.cat((sequence, sequence.new_tensor([proposals])), dim=1) if proposals else sequence
         start = time.perf_counter()
         _, scores = score_continuation(self.model, self.cache, self.seen, extended, sequence.shape[1], self.processors)
+        settle(scores)
         seconds = time.perf_counter() - start
         self.stats.force2_seconds += seconds
         if self.timed is not None:

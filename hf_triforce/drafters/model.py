@@ -7,6 +7,7 @@ import time
 import torch
 
 from ..caches.sink_window import SinkWindowCache, make_rerotate
+from ..forward import settle
 from ..quantized import drafting_model
 from ..sampling import Sampler, scores_to_probs
 from ..scoring import process_rows
@@ -31,6 +32,7 @@ class ModelDrafter:
         positions = self.cache.next_positions(tokens.shape[1], tokens.device)
         start = time.perf_counter()
         out = self.model(input_ids=tokens, cache=self.cache, position_ids=positions, use_cache=True, logits_to_keep=1)
+        settle(out.logits)
         self.seconds += time.perf_counter() - start
         self.forwards += 1
         self.seen += tokens.shape[1]
