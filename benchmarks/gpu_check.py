@@ -54,7 +54,9 @@ SHAPES = {
         vocab_size=512, max_position_embeddings=4096)),
 }
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
-METHODS = ("plain", "static", "triforce-self", "triforce-ngram")
+# triforce-self / -ngram: a fixed three-level plan (each tier's cost on the GPU); triforce-auto: the adaptive
+# policy (the library default), which falls back to plain decoding where speculation does not pay.
+METHODS = ("plain", "static", "triforce-self", "triforce-ngram", "triforce-auto")
 LONGEST = MAX_POSITIONS - 256  # "128k": leaves room for the new tokens inside max_position_embeddings
 
 # Priority order: what must come back first. (shape, dtype, context)
@@ -77,12 +79,13 @@ def log(*args) -> None:
     print(*args, flush=True)
 
 
-def triforce_config(draft: str, tiny: bool) -> TriForceConfig:
+def triforce_config(name: str, tiny: bool) -> TriForceConfig:
+    draft, policy = ("self", "auto") if name == "auto" else (name, "fixed")
     if tiny:  # budget below the 512-token context, so retrieval really selects chunks
         return TriForceConfig(draft=draft, retrieval_budget=128, chunk_size=8, sink_tokens=16, window=64, gamma1=2,
-                              gamma2=6)
+                              gamma2=6, policy=policy)
     return TriForceConfig(draft=draft, retrieval_budget=4096, chunk_size=8, sink_tokens=16, window=256, gamma1=2,
-                          gamma2=6)
+                          gamma2=6, policy=policy)
 
 
 def build_model(shape: str, dtype: torch.dtype, device: torch.device):

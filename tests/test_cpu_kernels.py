@@ -109,3 +109,21 @@ def test_int8_copy_rows_do_not_depend_on_each_other():
             longer = copy(torch.cat((ids, torch.tensor([extra])), dim=1)).logits[0, : ids.shape[1]]
             assert torch.equal(longer, together)
     forget_int8_copy(model)
+
+
+@pytest.mark.parametrize("heads,kv_heads,kv_len", [(9, 3, 300), (8, 2, 9000), (4, 4, 777)])
+def test_one_row_sdpa_matches_sdpa_over_the_whole_cache(heads, kv_heads, kv_len):
+    """A decoding step's row sees every cached entry: the same values as SDPA with enable_gqa (split across
+    threads from SPLIT_KV_MIN_CACHED entries), read from a preallocated buffer's strided prefix."""
+    torch.manual_seed(0)
+    keys, values = (torch.randn(1, kv_heads, kv_len + 40, 64)[:, :, :kv_len] for _ in range(2))
+    query = torch.randn(1, heads, 1, 64)
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        query, keys, values, scale=0.125, enable_gqa=True).transpose(1, 2)
+    got, _ = attention.one_row_sdpa(nn.Module().eval(), query, keys, values, None, scaling=0.125)
+    assert got.shape == expected.shape and got.is_contiguous()
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+    assert attention._wants_one_row("sdpa", query, None, {})
+    assert not attention._wants_one_row("eager", query, None, {})
+    assert not attention._wants_one_row("sdpa", torch.zeros(1, heads, 2, 64), None, {})
+    assert not attention._wants_one_row("sdpa", query, None, {"softcap": 30.0})

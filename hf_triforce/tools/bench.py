@@ -108,13 +108,15 @@ def measure(model, ids, prefix, method: str, new_tokens: int, budget: int, run: 
 
 def compare(model, ids, methods, new_tokens: int, repeats: int, budget: int | list[int], draft_model=None,
             sampling: dict | None = None, gammas: tuple[int | None, int | None] = (None, None),
-            knobs: dict | None = None, prefix: DynamicCache | None = None) -> tuple[list[Run], float]:
+            knobs: dict | None = None, prefilled: tuple[DynamicCache, float] | None = None
+            ) -> tuple[list[Run], float]:
     """Prefill once, then ``repeats`` rounds over all methods in turn; returns runs and prefill seconds.
 
     ``sampling``: generate kwargs such as ``{"do_sample": True, "temperature": 0.8}``; round ``i`` seeds
     every method with ``i``. ``gammas``: TriForce's ``(gamma1, gamma2)``, None for `TUNED_GAMMAS`. Several
-    ``budget`` values run each TriForce method once per budget (labelled with it). ``prefix``: a cache of
-    every prompt token but the last, from `prefill_prefix` (read only), to share one prefill between calls.
+    ``budget`` values run each TriForce method once per budget (labelled with it). ``prefilled``: ``(cache,
+    seconds)`` from an earlier `prefill_prefix` of the same prompt (read only), to share one prefill between
+    calls (greedy and sampled rounds).
     """
     missing = [m for m in methods if m not in METHODS]
     if missing:
@@ -125,9 +127,10 @@ def compare(model, ids, methods, new_tokens: int, repeats: int, budget: int | li
     budgets = [budget] if isinstance(budget, int) else list(budget)
     if len(set(budgets)) != len(budgets):
         raise ValueError(f"budget values must differ, got {budgets}")
-    start = time.perf_counter()
-    prefix = prefill_prefix(model, ids) if prefix is None else prefix
-    prefill_seconds = time.perf_counter() - start
+    if prefilled is None:
+        start = time.perf_counter()
+        prefilled = prefill_prefix(model, ids), time.perf_counter() - start
+    prefix, prefill_seconds = prefilled
     several = len(budgets) > 1
     runs = [Run(m, b) for m in methods for b in (budgets if several and speculative(m) else [None])]
     for round_index in tqdm(range(repeats), desc=f"decode {ids.shape[1]} ctx", unit="round"):

@@ -75,7 +75,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--methods", nargs="+", choices=list(METHODS), default=None,
                        help="default: all but streaming-self-int8, triforce-draft-int8 and the suffix drafter "
                        "(the draft-model ones only with --draft-model)")
-    bench.add_argument("--sample", action="store_true", help="sample (seeded per round) instead of greedy decoding")
+    bench.add_argument("--modes", nargs="+", choices=["greedy", "sampled"], default=["greedy"],
+                       help="decoding modes, each a table on one shared prefill (sampled: seeded per round, with "
+                       "--temperature and --top-p)")
+    bench.add_argument("--sample", action="store_true", help="the same as --modes sampled")
     bench.add_argument("--temperature", type=_temperature, default=1.0)
     bench.add_argument("--top-p", type=_probability, default=1.0)
     bench.add_argument("--new-tokens", type=_positive, default=128)
@@ -141,10 +144,12 @@ def _load(command: str, option: str, name_or_path: str | None, **config_override
 
 
 def _bench(args) -> int:
+    import time
+
     import torch
 
     from . import assets
-    from .bench import compare, table, to_json, write_results
+    from .bench import compare, prefill_prefix, table, to_json, write_results
     from .methods import DEFAULT_EXCLUDED, METHODS, describe_gammas, knobs_from_args
     from .prompts import document_prompt
 
@@ -173,23 +178,28 @@ def _bench(args) -> int:
         prompts = {context: document_prompt(tokenizer, text, context, args.prompt) for context in args.contexts}
     except ValueError as error:
         raise SystemExit(f"hf-triforce bench: --text {args.text} --prompt {args.prompt}: {error}") from error
-    sampling = {"do_sample": True, "temperature": args.temperature, "top_p": args.top_p} if args.sample else None
-    mode = f"sampling (temperature {args.temperature}, top-p {args.top_p})" if args.sample else "greedy"
+    modes = ["sampled"] if args.sample else list(dict.fromkeys(args.modes))
+    sampled = {"do_sample": True, "temperature": args.temperature, "top_p": args.top_p}
     gammas = (args.gamma1, args.gamma2)
     results, tables = [], []
     for context in args.contexts:
         ids = prompts[context]
-        runs, prefill_seconds = compare(model, ids, methods, args.new_tokens, args.repeats, args.budget, draft_model,
-                                        sampling, gammas, knobs_from_args(args))
-        rendered = (f"### context {context} tokens, {args.text}, prompt '{args.prompt}', {mode} "
-                    f"(prefill {prefill_seconds:.1f} s, "
-                    f"{args.new_tokens} new tokens, median of {args.repeats}, {describe_gammas(gammas)}, "
-                    f"torch threads {torch.get_num_threads()})\n\n" + table(runs, sampled=args.sample))
-        print(rendered, flush=True)
-        results.append(to_json(context, runs, prefill_seconds, sampling, gammas, args.budget, args.text,
-                               args.prompt))
-        tables.append(rendered)
-        write_results(results, tables, args.out)
+        start = time.perf_counter()
+        prefilled = prefill_prefix(model, ids), time.perf_counter() - start
+        for mode in modes:
+            sampling = sampled if mode == "sampled" else None
+            described = f"sampling (temperature {args.temperature}, top-p {args.top_p})" if sampling else "greedy"
+            runs, prefill_seconds = compare(model, ids, methods, args.new_tokens, args.repeats, args.budget,
+                                            draft_model, sampling, gammas, knobs_from_args(args), prefilled)
+            rendered = (f"### context {context} tokens, {args.text}, prompt '{args.prompt}', {described} "
+                        f"(prefill {prefill_seconds:.1f} s, {args.new_tokens} new tokens, median of {args.repeats}, "
+                        f"{describe_gammas(gammas)}, torch threads {torch.get_num_threads()})\n\n"
+                        + table(runs, sampled=sampling is not None))
+            print(rendered, flush=True)
+            results.append(to_json(context, runs, prefill_seconds, sampling, gammas, args.budget, args.text,
+                                   args.prompt))
+            tables.append(rendered)
+            write_results(results, tables, args.out)
     print(f"wrote {args.out}/results.json and results.md")
     return 0
 

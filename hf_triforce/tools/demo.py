@@ -33,9 +33,10 @@ def run_demo(args) -> int:
     print(f"Prefilling {ids.shape[1]} prompt tokens once (shared by every method) ...", flush=True)
     start = time.perf_counter()
     prefix = prefill_prefix(model, ids)
-    print(f"prefill: {time.perf_counter() - start:.1f} s; prompt '{args.prompt}'; budget {budget}, "
+    prefilled = prefix, time.perf_counter() - start
+    print(f"prefill: {prefilled[1]:.1f} s; prompt '{args.prompt}'; budget {budget}, "
           f"{describe_gammas(gammas)} (methods other than 'default'); {new_tokens} new tokens\n")
-    shared = dict(repeats=1, budget=budget, gammas=gammas, knobs=knobs_from_args(args), prefix=prefix)
+    shared = dict(repeats=1, budget=budget, gammas=gammas, knobs=knobs_from_args(args), prefilled=prefilled)
     greedy, _ = compare(model, ids, methods, new_tokens, **shared)
     print("Greedy:\n" + table(greedy), flush=True)
     sampled, _ = compare(model, ids, methods, new_tokens, sampling=SAMPLING, **shared)
