@@ -101,7 +101,7 @@ def split_kv_sdpa(module, query, key, value, attention_mask, scaling=None, dropo
                                 attn_mask=bias.repeat(groups, 1), scale=scaling)[:2]
     out, lse = torch.cat((out, tail_out)), torch.cat((lse, tail_lse))
     weights = torch.exp(lse - lse.amax(0)).unsqueeze(-1)
-    merged = (out * weights).sum(0) / weights.sum(0)
+    merged = ((out * weights).sum(0) / weights.sum(0)).to(query.dtype)  # the weights are fp32
     return merged.reshape(batch, heads, q_len, dim).transpose(1, 2).contiguous(), None
 
 

@@ -115,7 +115,8 @@ class TriForceConfig:
                     f"got {self.retrieval_recent}"
                 )
         if self.refresh_below is not None and not (
-            isinstance(self.refresh_below, (int, float)) and 0.0 < self.refresh_below <= 1.0
+            isinstance(self.refresh_below, (int, float)) and not isinstance(self.refresh_below, bool)
+            and 0.0 < self.refresh_below <= 1.0
         ):
             raise ValueError(f"TriForceConfig.refresh_below must be None or in (0, 1], got {self.refresh_below!r}")
         if self.ngram_min > self.ngram_max:
@@ -127,7 +128,7 @@ class TriForceConfig:
                 f"TriForceConfig.window must exceed gamma1 + gamma2 + 1 ({self.gamma1 + self.gamma2 + 1}), "
                 f"got {self.window}"
             )
-        if self.levels not in (2, 3):
+        if isinstance(self.levels, bool) or not isinstance(self.levels, int) or self.levels not in (2, 3):
             raise ValueError(f"TriForceConfig.levels must be 2 or 3, got {self.levels!r}")
         if self.draft_precision not in DRAFT_PRECISIONS:
             raise ValueError(
@@ -157,7 +158,7 @@ class TriForceConfig:
             f.name: getattr(self, f.name) for f in fields(self) if f.name != "draft"
         }
         if not isinstance(self.draft, str):
-            out["draft"] = getattr(self.draft.config, "_name_or_path", None) or "<model>"
+            out["draft"] = getattr(self.draft.config, "name_or_path", None) or "<model>"
         return out
 
     @classmethod

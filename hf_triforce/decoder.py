@@ -148,8 +148,8 @@ class TriForceDecoder:
         return self.levels[key]
 
     def make_policy(self) -> AdaptivePolicy | None:
-        """``policy="auto"``: the configured drafter plus every free (lookup) drafter, three levels if
-        ``levels=3``; ``"fixed"``: None (every step runs the configured plan)."""
+        """``policy="auto"``: the configured drafter plus the free n-gram lookup, three levels if ``levels=3``;
+        ``"fixed"``: None (every step runs the configured plan)."""
         if self.config.policy == "fixed":
             return None
         kinds = {self.draft_name: spec_of(self.config.draft).kind}
@@ -157,11 +157,17 @@ class TriForceDecoder:
         three = self.draft_name if self.config.levels == 3 else None
         return AdaptivePolicy(kinds, three, self.config.gamma1, self.config.gamma2, self.config.explore_every)
 
+    def drafter_setup_estimate(self, prefill_seconds_per_token: float) -> dict[str, float]:
+        """Seconds a model drafter's first use costs: filling its sink+window cache, at the prefill's speed."""
+        rows = self.config.sink_tokens + self.config.window
+        return {name: rows * prefill_seconds_per_token for name, kind in self.policy.drafters.items()
+                if kind == "model"}
+
     def _drafter_seconds(self) -> float:
         return sum(drafter.seconds for drafter in self.drafters.values())
 
     def _observe(self, plan: Plan, level, candidates: Candidates, accepted: int, first_scores: torch.Tensor,
-                 counterfactual: dict[str, list[int]], force3_seconds: float, force2_before, drafted_before: float,
+                 counterfactual: dict[str, list[int]], force3_seconds: float, before: tuple, drafted_before: float,
                  step_seconds: float, committed: int) -> None:
         """Tell the policy what the step cost and how each level did (timings, acceptances, counterfactuals)."""
         policy, proposed = self.policy, len(candidates.tokens)
@@ -176,18 +182,21 @@ class TriForceDecoder:
             else:
                 policy.observe_lookup(name, False, 0.0)
         drafted = self._drafter_seconds() - drafted_before
+        lookup = plan.levels > 1 and policy.drafters[plan.drafter] == "lookup"
         if plan.levels == 2:
             if proposed:
                 policy.observe_direct(plan.drafter, accepted, proposed)
-                policy.observe_forward(f"draft:{plan.drafter}", 1, drafted / proposed)
+                # model drafters: seconds per drafted token; lookups: seconds per call
+                policy.observe_forward(f"draft:{plan.drafter}", 1, drafted if lookup else drafted / proposed)
         elif plan.levels == 3:
-            f2_accepted = self.stats.force2_accepted - force2_before[0]
-            f2_rejections = level.rejections - force2_before[1]
+            f2_accepted = self.stats.force2_accepted - before[0]
+            f2_rejections = level.rejections - before[1]
             policy.observe_three_level(f2_accepted, f2_rejections, accepted, proposed)
-            drafts = max(1, f2_accepted + f2_rejections)
-            if self.policy.drafters[plan.drafter] == "model":
+            drafts = self.stats.force1_proposed - before[3]
+            if drafts and not lookup:
                 policy.observe_forward(f"draft:{plan.drafter}", 1, drafted / drafts)
-            forward_seconds += self.stats.force2_seconds - force2_before[2]
+            forward_seconds += self.stats.force2_seconds - before[2]
+            forward_seconds += self.stats.retrieval_seconds - before[4]  # selection: its own term in the model
         policy.observe_step(plan, committed, step_seconds, forward_seconds + drafted)
 
     def run(self, input_ids: torch.LongTensor, streamer=None, prefix_cache=None, keep_scores: bool = False,
@@ -212,20 +221,27 @@ class TriForceDecoder:
         done = out.commit(first, scores[0], logits[0])
 
         queries = recorder.at(-1)
+        if self.policy is not None:
+            per_token = stats.prefill_seconds / max(1, input_ids.shape[1] - cached)
+            self.policy.setup_seconds = self.drafter_setup_estimate(per_token)
         lookups = [name for name, kind in (self.policy.drafters.items() if self.policy else []) if kind == "lookup"]
         while not done:
             length = out.sequence.shape[1]
-            plan = self.policy.choose() if self.policy is not None else self.fixed_plan
+            plan = self.policy.choose(self.max_length - length) if self.policy is not None else self.fixed_plan
             level = self.level(plan, full)
             if level is not None:  # one-time set-up (draft cache prefill, first selection) is not the step's cost
                 level.start(out.sequence, queries)
+                if self.policy is not None:
+                    self.policy.started(plan.drafter)
+            # what each free lookup would propose next, scored against Force 3 below (no state, no randomness)
+            counterfactual = {name: self.drafter(name).propose(out.sequence, 1)[0] for name in lookups}
             step_start, drafted_before = time.perf_counter(), self._drafter_seconds()
+            before = (stats.force2_accepted, getattr(level, "rejections", 0), stats.force2_seconds,
+                      stats.force1_proposed, stats.retrieval_seconds)
             if level is not None:
-                force2_before = (stats.force2_accepted, getattr(level, "rejections", 0), stats.force2_seconds)
                 candidates = level.get_candidates(out.sequence, self.max_length - length - 1, plan.gamma1, plan.gamma2)
             else:
                 candidates = Candidates([], None)
-            counterfactual = {name: self.drafter(name).propose(out.sequence, 1)[0] for name in lookups}
             proposals = candidates.tokens
             extended = torch.cat((out.sequence, out.sequence.new_tensor([proposals])), dim=1)
             uncached = length - full.length
@@ -252,8 +268,7 @@ class TriForceDecoder:
                 level.commit(out.sequence, accepted, len(proposals), queries)
             if self.policy is not None:
                 self._observe(plan, level, candidates, accepted, p_scores[0], counterfactual, force3_seconds,
-                              force2_before if level is not None else None, drafted_before,
-                              time.perf_counter() - step_start, committed)
+                              before, drafted_before, time.perf_counter() - step_start, committed)
         full.rollback(out.sequence.shape[1] - 1)  # a stop inside an accepted run commits fewer tokens
         out.end()
         stats.force1_seconds = self._drafter_seconds()

@@ -5,7 +5,8 @@ With MKL on the 2-core AMD CPU this project measures on, ``F.linear`` over 2-16 
 (`docs/results.md`). Every verification (Force 2 and Force 3) scores several rows at once, so while
 TriForce generates, a plain `nn.Linear` output layer on CPU computes multi-row inputs this way. The values
 are the same dot products summed in another order (fp32 rounding, like any change of GEMM kernel); single
-rows keep ``F.linear``, so one-token steps are bit-identical to plain decoding.
+rows keep ``F.linear`` (one-token steps then differ from plain decoding only through the one-row attention
+route of `attention.one_row_sdpa`, summation order again).
 """
 
 from __future__ import annotations

@@ -59,25 +59,22 @@ class TierCosts:
     """Seconds per forward of each tier by rows (moving averages)."""
 
     def __init__(self) -> None:
-        self.seconds: dict[tuple[str, int], float] = {}
+        self.seconds: dict[str, dict[int, float]] = {}  # tier -> rows -> seconds
 
     def observe(self, tier: str, rows: int, seconds: float) -> None:
-        key = (tier, rows)
-        old = self.seconds.get(key)
-        self.seconds[key] = seconds if old is None else (1 - EMA) * old + EMA * seconds
-
-    def known(self, tier: str) -> bool:
-        return any(t == tier for t, _ in self.seconds)
+        measured = self.seconds.setdefault(tier, {})
+        old = measured.get(rows)
+        measured[rows] = seconds if old is None else (1 - EMA) * old + EMA * seconds
 
     def estimate(self, tier: str, rows: int, fallback: float) -> float:
         """Measured, else scaled from the nearest measured row count, else ``fallback`` (a one-row cost)."""
-        if (tier, rows) in self.seconds:
-            return self.seconds[(tier, rows)]
-        measured = [r for t, r in self.seconds if t == tier]
+        measured = self.seconds.get(tier)
         if not measured:
             return fallback * (1 + ROW_COST_SLOPE * (rows - 1))
+        if rows in measured:
+            return measured[rows]
         nearest = min(measured, key=lambda r: abs(r - rows))
-        return self.seconds[(tier, nearest)] * (1 + ROW_COST_SLOPE * (rows - 1)) / (1 + ROW_COST_SLOPE * (nearest - 1))
+        return measured[nearest] * (1 + ROW_COST_SLOPE * (rows - 1)) / (1 + ROW_COST_SLOPE * (nearest - 1))
 
 
 class AcceptanceRate:
@@ -121,8 +118,11 @@ class AdaptivePolicy:
     """
 
     def __init__(self, drafters: dict[str, str], three_level: str | None, max_gamma1: int, max_gamma2: int,
-                 explore_every: int) -> None:
+                 explore_every: int, setup_seconds: dict[str, float] | None = None) -> None:
         self.drafters, self.three_level = drafters, three_level
+        # one-time cost of a drafter's first use (a model drafter fills its cache), spread over the steps left
+        self.setup_seconds = dict(setup_seconds or {})
+        self.remaining_tokens = 1 << 30
         self.max_gamma1, self.max_gamma2 = max_gamma1, max_gamma2
         self.costs = TierCosts()
         self.overhead: dict[int, float] = {}  # seconds per step outside the forwards, by plan levels
@@ -136,6 +136,8 @@ class AdaptivePolicy:
         self.since_explore = 0
         self.current: Plan | None = None
         self.exploring = False
+        self.prediction = 0.0  # predicted tokens/s of the chosen plan
+        self.best_other = 0.0  # when exploring: the prediction of the plan it displaced
         self.records: dict[str, PlanRecord] = {}
         self.log: list[tuple[str, float, float]] = []
 
@@ -150,7 +152,19 @@ class AdaptivePolicy:
         return tokens * one
 
     def predict(self, plan: Plan) -> tuple[float, float]:
-        """``(expected tokens, predicted seconds)`` of one step of ``plan``."""
+        """``(expected tokens, predicted seconds)`` of one step of ``plan``, its drafter's set-up (if still to
+        be paid) spread over the steps the rest of the call would take with it."""
+        tokens, seconds = self._predict(plan)
+        setup = self.setup_seconds.get(plan.drafter, 0.0)
+        if setup:
+            seconds += setup * tokens / max(self.remaining_tokens, tokens)
+        return tokens, seconds
+
+    def started(self, drafter: str) -> None:
+        """``drafter`` has paid its set-up."""
+        self.setup_seconds.pop(drafter, None)
+
+    def _predict(self, plan: Plan) -> tuple[float, float]:
         overhead = self.overhead.get(plan.levels, 0.0)
         if plan.levels == 1:
             return 1.0, self._force3(1) + overhead
@@ -182,17 +196,19 @@ class AdaptivePolicy:
         return tokens / seconds if seconds > 0 else 0.0
 
     # -- choice -----------------------------------------------------------------------------------------
-    def choose(self) -> Plan:
+    def choose(self, remaining_tokens: int | None = None) -> Plan:
         """The plan of the next step (the best predicted, or, when it is time, the best other one)."""
-        ranked = sorted(self.candidates(), key=self.tokens_per_second, reverse=True)
-        best = ranked[0]
-        self.exploring = False
+        if remaining_tokens is not None:
+            self.remaining_tokens = max(1, remaining_tokens)
+        scored = sorted(((self.tokens_per_second(p), p) for p in self.candidates()), key=lambda x: -x[0])
+        best = scored[0][1]
+        self.exploring, self.prediction = False, scored[0][0]
         if self.since_explore >= self.interval:
             self.since_explore = 0
-            others = [p for p in ranked if p.levels != best.levels or p.drafter != best.drafter]
+            others = [(tps, p) for tps, p in scored if p.levels != best.levels or p.drafter != best.drafter]
             if others:
-                self.exploring = True
-                best = others[0]
+                self.exploring, self.best_other = True, scored[0][0]
+                self.prediction, best = others[0]
         self.since_explore += 1
         self.current = best
         return best
@@ -203,7 +219,7 @@ class AdaptivePolicy:
 
     def observe_step(self, plan: Plan, tokens: int, seconds: float, forward_seconds: float) -> None:
         """One finished step: its tokens, wall seconds and the part spent in timed forwards."""
-        predicted = self.tokens_per_second(plan)
+        predicted = self.prediction
         old = self.overhead.get(plan.levels)
         spare = max(seconds - forward_seconds, 0.0)
         self.overhead[plan.levels] = spare if old is None else (1 - EMA) * old + EMA * spare
@@ -214,9 +230,7 @@ class AdaptivePolicy:
         record.predicted += predicted
         self.log.append((plan.name, predicted, tokens / seconds if seconds else 0.0))
         if self.exploring:
-            best_other = max(self.tokens_per_second(p) for p in self.candidates() if p.levels != plan.levels
-                             or p.drafter != plan.drafter)
-            won = tokens / seconds >= best_other if seconds else False
+            won = tokens / seconds >= self.best_other if seconds else False
             self.interval = self.base_interval if won else min(2 * self.interval, 16 * self.base_interval)
 
     def observe_direct(self, drafter: str, accepted: int, proposed: int) -> None:

@@ -62,15 +62,7 @@ def int8_copy(model: nn.Module) -> nn.Module:
     cached = _COPIES.get(model)
     if cached is not None:
         return cached
-    device = next(model.parameters()).device
-    if device.type != "cpu":
-        raise ValueError(f"TriForceConfig.draft_precision='int8' runs on CPU only; the model is on {device}")
-    if next(model.parameters()).dtype != torch.float32:
-        raise ValueError("TriForceConfig.draft_precision='int8' quantizes an fp32 model; this one is "
-                         f"{next(model.parameters()).dtype}")
-    if not int8_available():
-        raise RuntimeError("TriForceConfig.draft_precision='int8' needs torch.ao.quantization.quantize_dynamic, "
-                           f"which torch {torch.__version__} does not provide")
+    check_int8_eligible(model)
     shared = {id(t): t for t in itertools.chain(model.parameters(), model.buffers())}
     shared[id(model.config)] = model.config
     clone = copy.deepcopy(model, shared)  # new modules, the same tensors
@@ -85,6 +77,19 @@ def int8_copy(model: nn.Module) -> nn.Module:
     clone.eval()
     _COPIES[model] = clone
     return clone
+
+
+def check_int8_eligible(model: nn.Module) -> None:
+    """Raise the error `int8_copy` would raise for ``model`` (checked before a long prefill)."""
+    device = next(model.parameters()).device
+    if device.type != "cpu":
+        raise ValueError(f"TriForceConfig.draft_precision='int8' runs on CPU only; the model is on {device}")
+    if next(model.parameters()).dtype != torch.float32:
+        raise ValueError("TriForceConfig.draft_precision='int8' quantizes an fp32 model; this one is "
+                         f"{next(model.parameters()).dtype}")
+    if not int8_available():
+        raise RuntimeError("TriForceConfig.draft_precision='int8' needs torch.ao.quantization.quantize_dynamic, "
+                           f"which torch {torch.__version__} does not provide")
 
 
 def int8_layer_names(model: nn.Module) -> list[str]:

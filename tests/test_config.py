@@ -32,6 +32,11 @@ from .conftest import make_model
         (dict(prefill_chunk_size=0), "prefill_chunk_size"),
         (dict(show_progress="yes"), "show_progress"),
         (dict(levels=1), "levels must be 2 or 3"),
+        (dict(levels=3.0), "levels must be 2 or 3"),
+        (dict(refresh_below=True), "refresh_below"),
+        (dict(policy="smart"), r"policy must be one of \('auto', 'fixed'\)"),
+        (dict(explore_every=0), "explore_every"),
+        (dict(draft_precision="int8", gamma1=64, gamma2=70, window=256), "gamma1 must be at most 63"),
         (dict(draft_precision="fp8"), r"draft_precision must be one of \('model', 'int8'\)"),
     ],
 )

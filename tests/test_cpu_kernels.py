@@ -127,3 +127,15 @@ def test_one_row_sdpa_matches_sdpa_over_the_whole_cache(heads, kv_heads, kv_len)
     assert not attention._wants_one_row("eager", query, None, {})
     assert not attention._wants_one_row("sdpa", torch.zeros(1, heads, 2, 64), None, {})
     assert not attention._wants_one_row("sdpa", query, None, {"softcap": 30.0})
+
+
+def test_split_route_keeps_the_dtype(monkeypatch):
+    """The log-sum-exp merge weights are fp32: a bf16 model must get bf16 back (o_proj's input)."""
+    monkeypatch.setattr(attention, "SPLIT_KV_MIN_CACHED", 64)
+    keys, values = (torch.randn(1, 3, 300, 64, dtype=torch.bfloat16) for _ in range(2))
+    query = torch.randn(1, 9, 1, 64, dtype=torch.bfloat16)
+    got, _ = attention.one_row_sdpa(nn.Module().eval(), query, keys, values, None, scaling=0.125)
+    expected = torch.nn.functional.scaled_dot_product_attention(query.float(), keys.float(), values.float(),
+                                                                scale=0.125, enable_gqa=True).transpose(1, 2)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), expected, rtol=2e-2, atol=2e-2)

@@ -15,9 +15,14 @@ from hf_triforce import TriForceConfig
 from .conftest import make_model, random_prompt
 from .tokenizer_util import word_tokenizer
 
-CFG = TriForceConfig(draft="self", retrieval_budget=32, chunk_size=8, sink_tokens=4, window=24, gamma1=2, gamma2=4)
+# fixed plans, so that multi-token verification and stops inside accepted runs really happen; AUTO checks
+# the adaptive policy on the same cases
+CFG = TriForceConfig(draft="self", retrieval_budget=32, chunk_size=8, sink_tokens=4, window=24, gamma1=2, gamma2=4,
+                     policy="fixed")
 NGRAM = TriForceConfig(draft="ngram", retrieval_budget=32, chunk_size=8, sink_tokens=4, window=24, gamma1=3,
-                       gamma2=6)
+                       gamma2=6, policy="fixed")
+AUTO = TriForceConfig(draft="self", retrieval_budget=32, chunk_size=8, sink_tokens=4, window=24, gamma1=2, gamma2=4,
+                      explore_every=2)
 PAD = 5
 
 
@@ -41,7 +46,7 @@ def test_returned_cache_holds_exactly_the_committed_sequence_after_a_stop(model,
     """A stop inside an accepted run: the cache must hold n - 1 entries, so a next turn continues exactly."""
     free = model.generate(prompt, max_new_tokens=40, do_sample=False)[0, prompt.shape[1]:].tolist()
     checked = 0
-    for config in (CFG, NGRAM):
+    for config in (CFG, NGRAM, AUTO):
         for stop_at in range(3, 30):
             eos = free[stop_at]
             if eos in free[:stop_at]:
@@ -51,7 +56,7 @@ def test_returned_cache_holds_exactly_the_committed_sequence_after_a_stop(model,
             n = out.sequences.shape[1]
             assert out.cache.get_seq_length() == n - 1, (stop_at, out.cache.get_seq_length(), n)
             checked += 1
-    assert checked >= 10
+    assert checked >= 15
     # continuing from the returned cache gives what plain generate gives on the whole conversation
     out = model.generate(prompt, max_new_tokens=40, do_sample=False, eos_token_id=free[17], triforce_config=NGRAM,
                          return_dict_in_generate=True)
@@ -85,7 +90,7 @@ def test_length_and_padding_aware_processors_match_plain_generate(model, prompt,
     free = model.generate(prompt, max_new_tokens=30, do_sample=False)[0, prompt.shape[1]:].tolist()
     gen = {"max_new_tokens": 30, "do_sample": False, "eos_token_id": free[2], "attention_mask": mask, **gen}
     expected = model.generate(ids, **gen)
-    for config in (CFG, NGRAM):
+    for config in (CFG, NGRAM, AUTO):
         out = model.generate(ids, triforce_config=config, **gen)
         assert torch.equal(out, expected), (config.draft, out[0, ids.shape[1]:], expected[0, ids.shape[1]:])
 
@@ -148,3 +153,21 @@ def test_streamer_receives_what_plain_generate_sends(model, prompt):
     assert torch.equal(out, expected)
     assert mine.chunks[0] == plain.chunks[0] == ids[0].tolist()
     assert sum(mine.chunks[1:], []) == sum(plain.chunks[1:], [])
+
+
+def test_int8_eligibility_is_checked_before_the_prefill(prompt):
+    """draft_precision='int8' on a bf16 model fails at once, even when the policy might never draft."""
+    model = make_model("llama-gqa").to(torch.bfloat16)
+    config = TriForceConfig(draft="ngram", draft_precision="int8", retrieval_budget=32, chunk_size=8)
+    with pytest.raises(ValueError, match="draft_precision='int8' quantizes an fp32 model"):
+        model.generate(prompt, max_new_tokens=4, triforce_config=config)
+
+
+@pytest.mark.parametrize("family, extra, name", [
+    ("qwen2", dict(use_sliding_window=True, sliding_window=16, max_window_layers=1), r"\['sliding_attention'\] layers"),
+    ("llama-gqa", dict(attention_chunk_size=64), "attention_chunk_size"),
+])
+def test_layers_that_are_not_full_attention_are_refused(prompt, family, extra, name):
+    model = make_model(family, **extra)
+    with pytest.raises(ValueError, match=name):
+        model.generate(prompt, max_new_tokens=4, triforce_config=CFG)

@@ -136,3 +136,15 @@ def test_each_wrong_rule_is_caught(setup, monkeypatch, mutation):
     law, _, _ = decoded_law(model, prompt, config, processors, new, mutate)
     exact = target_law(model, prompt, processors, new)
     assert distance(law, exact) > 100 * TOLERANCE, f"the enumeration did not catch: {mutation}"
+
+
+def test_int8_rows_quantized_together_are_caught(setup, monkeypatch):
+    """The bug the enumeration found: int8 drafting tiers quantizing a verification's rows with one scale."""
+    from hf_triforce import quantized
+
+    model, prompt = setup
+    draft, processors, new, extra = CASES["int8 drafting tiers"]
+    config = TriForceConfig(draft=draft, **{**CONFIG, **extra})
+    monkeypatch.setattr(quantized, "ROW_INDEPENDENT_MAX_ROWS", 1)
+    law, _, _ = decoded_law(model, prompt, config, processors, new)
+    assert distance(law, target_law(model, prompt, processors, new)) > 10 * TOLERANCE

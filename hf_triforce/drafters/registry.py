@@ -3,7 +3,9 @@
 Contract: ``propose(sequence, n)`` returns up to ``n`` proposed tokens and, row by row, the exact
 distribution each was drawn from (``None`` for a deterministic proposer: a point mass). ``rollback(length)``
 is called with the length of a committed prefix of the sequence; ``prefill(prompt)`` once, before the first
-proposal. ``seconds`` accumulates the time spent proposing.
+proposal. ``seconds`` accumulates the time spent proposing. A ``"lookup"`` drafter's ``propose`` must have no
+side effects and draw no random numbers: the adaptive policy asks it every step what it would propose
+(counterfactual scoring), whether or not the step uses it.
 """
 
 from __future__ import annotations

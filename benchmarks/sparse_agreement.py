@@ -1,0 +1,93 @@
+"""How well does Force 2 (the target on a retrieval cache) agree with Force 3 (the full cache)? Teacher-forced.
+
+One prefill of a question prompt about a natural text (Paul Graham's essays, the chat template, SmolLM2,
+YaRN where the context needs it), then the model's own greedy answer (``--new-tokens``) is scored position
+by position: ``p`` from the full cache, ``q`` from each sparse cache selected the way Force 2 selects it —
+with the query of the last cached token, refreshed at every position (``refresh_every=1``) or only once at
+the end of the prompt. Reported per configuration: expected acceptance ``sum(min(p, q))`` at temperature 1 and
+at 0.6 (what a sampled verification accepts), and greedy agreement (``argmax q == argmax p``). A StreamingLLM
+cache (sink chunk + recent tokens, same budget) is the baseline the retrieval has to beat.
+
+    python benchmarks/sparse_agreement.py --context 16000 --rope-factor 2 --budgets 512 1024 2048 4096
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from hf_triforce.attention import QueryRecorder
+from hf_triforce.caches import BufferCache, RetrievalCache
+from hf_triforce.forward import forward_logits, prefill
+from hf_triforce.integration import recording_attention
+from hf_triforce.tools import assets
+from hf_triforce.tools.prompts import document_prompt
+
+
+def agreement(p_logits: torch.Tensor, q_logits: torch.Tensor) -> dict[str, float]:
+    out = {}
+    for temperature in (1.0, 0.6):
+        p = torch.softmax(p_logits.float() / temperature, -1)
+        q = torch.softmax(q_logits.float() / temperature, -1)
+        out[f"accept T={temperature}"] = float(torch.minimum(p, q).sum(-1).mean())
+    out["greedy"] = float((p_logits.argmax(-1) == q_logits.argmax(-1)).float().mean())
+    return out
+
+
+@torch.no_grad()
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--context", type=int, default=16000)
+    parser.add_argument("--rope-factor", type=float, default=None)
+    parser.add_argument("--new-tokens", type=int, default=48)
+    parser.add_argument("--budgets", type=int, nargs="+", default=[512, 1024, 2048, 4096])
+    parser.add_argument("--chunks", type=int, nargs="+", default=[8, 16])
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    overrides = assets.yarn_rope(args.rope_factor) if args.rope_factor else {}
+    model, tokenizer = assets.load_smollm2(**overrides)
+    ids = document_prompt(tokenizer, assets.essays(), args.context)
+    n, k = ids.shape[1], args.new_tokens
+    answer = model.generate(ids, max_new_tokens=k, min_new_tokens=k, do_sample=False)[:, n:]
+    forced = torch.cat((ids[:, -1:], answer[:, :-1]), dim=1)  # token fed at positions n-1 .. n+k-2
+    layers = model.config.num_hidden_layers
+    full = BufferCache(layers, n + k)
+    start = time.perf_counter()
+    with recording_attention(model):
+        at_prompt_end, forced_rows = QueryRecorder(), QueryRecorder()
+        prefill(model, ids[:, :-1], full, chunk_size=2048, show_progress=True, recorder=at_prompt_end)
+        p = forward_logits(model, forced, full, n - 1, k, forced_rows)  # the full cache now holds n + k - 1
+        # the query of the last cached token when position i is predicted: token n-2+i
+        selection_queries = [at_prompt_end.at(-1)] + [forced_rows.at(i) for i in range(k - 1)]
+        print(f"prefill + reference {time.perf_counter() - start:.0f} s; context {n}, {k} teacher-forced positions "
+              f"of the greedy answer; rope factor {args.rope_factor}", flush=True)
+        print("| cache | budget | chunk | selection | accept T=1 | accept T=0.6 | greedy |")
+        print("|---|---|---|---|---|---|---|")
+        for budget in args.budgets:
+            for chunk in args.chunks:
+                if budget % chunk:
+                    continue
+                variants = [("retrieval", (budget // 4) // chunk * chunk, True),
+                            ("retrieval", (budget // 4) // chunk * chunk, False)]
+                if chunk == args.chunks[0]:
+                    variants.append(("streaming (sink + recent)", budget - chunk, True))
+                for name, recent, refreshed in variants:
+                    cache = RetrievalCache(layers, budget, chunk, recent, k + 2)
+                    rows = []
+                    for i in range(k):
+                        upto = n - 1 + i  # tokens before the one fed at position n-1+i
+                        if refreshed or i == 0:
+                            cache.select(full, upto, selection_queries[i])
+                        else:
+                            cache.sync(full, upto)
+                        rows.append(forward_logits(model, forced[:, i : i + 1], cache, upto, 1)[0])
+                    scores = agreement(p, torch.stack(rows))
+                    print(f"| {name} | {budget} | {chunk} | {'every position' if refreshed else 'end of prompt'} | "
+                          f"{scores['accept T=1.0']:.3f} | {scores['accept T=0.6']:.3f} | {scores['greedy']:.2f} |",
+                          flush=True)
+
+if __name__ == "__main__":
+    main()
