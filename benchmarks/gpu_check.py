@@ -34,10 +34,11 @@ from pathlib import Path
 
 import torch
 import transformers
-from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, StaticCache
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 import hf_triforce
 from hf_triforce import TriForceConfig
+from hf_triforce.tools.bench import static_copy
 
 MAX_POSITIONS = 131072
 NO_SPECIAL = dict(bos_token_id=None, eos_token_id=None, pad_token_id=None)
@@ -116,13 +117,6 @@ def prefill(model, ids: torch.Tensor, chunk: int) -> DynamicCache:
         piece = ids[:, begin : begin + chunk]
         positions = torch.arange(begin, begin + piece.shape[1], device=ids.device)[None]
         model(input_ids=piece, cache=cache, position_ids=positions, use_cache=True, logits_to_keep=1)
-    return cache
-
-
-def static_copy(model, prefix: DynamicCache, max_len: int) -> StaticCache:
-    cache = StaticCache(config=model.config, max_cache_len=max_len)
-    for index, layer in enumerate(prefix.layers):
-        cache.update(layer.keys.clone(), layer.values.clone(), index)
     return cache
 
 

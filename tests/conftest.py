@@ -62,3 +62,15 @@ def random_prompt(length: int, vocab_size: int = 96, seed: int = 1, period: int 
 @pytest.fixture(scope="module")
 def gqa_model():
     return make_model("llama-gqa")
+
+
+@pytest.fixture(scope="module")
+def model():
+    """A tiny GQA Llama (modules may define their own ``model``)."""
+    return make_model("llama-gqa")
+
+
+@pytest.fixture(scope="module")
+def prompt():
+    """100 tokens repeating with period 23, so that n-gram lookups find matches."""
+    return random_prompt(100, period=23)

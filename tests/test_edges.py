@@ -26,16 +26,6 @@ AUTO = TriForceConfig(draft="self", retrieval_budget=32, chunk_size=8, sink_toke
 PAD = 5
 
 
-@pytest.fixture(scope="module")
-def model():
-    return make_model("llama-gqa")
-
-
-@pytest.fixture(scope="module")
-def prompt():
-    return random_prompt(100, period=23)
-
-
 def padded(prompt, pad=PAD, pad_id=0):
     ids = torch.cat((torch.full((1, pad), pad_id, dtype=torch.long), prompt), dim=1)
     mask = torch.cat((torch.zeros(1, pad, dtype=torch.long), torch.ones_like(prompt)), dim=1)

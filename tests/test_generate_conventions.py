@@ -18,16 +18,6 @@ CFG = TriForceConfig(draft="self", policy="fixed", retrieval_budget=32, chunk_si
                      window=24, gamma1=2, gamma2=4)
 
 
-@pytest.fixture(scope="module")
-def model():
-    return make_model("llama-gqa")
-
-
-@pytest.fixture(scope="module")
-def prompt():
-    return random_prompt(100, period=23)
-
-
 def both(model, prompt, **gen):
     gen = {"max_new_tokens": 30, "do_sample": False, **gen}
     return model.generate(prompt, **gen), model.generate(prompt, triforce_config=CFG, **gen)
