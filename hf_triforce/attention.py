@@ -7,7 +7,7 @@ reach the attention function; one recorder per call, no shared state). Multi-tok
 chunked prefill) stay GQA-native: on CUDA with flash-attn installed and fp16/bf16 tensors they take
 `flash_verify` (the varlen kernel); on CPU a few query rows over a long cache take `split_kv_sdpa` (the
 cache split across threads, partial results merged by log-sum-exp); other masked SDPA calls on GQA models
-take `gqa_sdpa`, which does not expand K/V. One-row calls on CPU (decoding steps of every tier) take
+take `gqa_sdpa`, which does not expand K/V. One-row calls (decoding steps of every tier) take
 `one_row_sdpa`: no mask, GQA-native. Everything else is ``<base>``.
 
 Invariant relied upon (TriForce's caches guarantee it): batch size 1, no padding, and every new token is
@@ -183,7 +183,7 @@ def _wants_gqa_sdpa(base: str, query, key, attention_mask, kwargs) -> bool:
 def _wants_one_row(base: str, query, attention_mask, kwargs) -> bool:
     return (
         base == "sdpa"
-        and query.device.type == "cpu"
+        and query.device.type in ("cpu", "cuda")
         and query.shape[0] == 1
         and query.shape[2] == 1
         and (attention_mask is None or attention_mask.dtype == torch.bool)

@@ -157,11 +157,12 @@ class TriForceDecoder:
         three = self.draft_name if self.config.levels == 3 else None
         return AdaptivePolicy(kinds, three, self.config.gamma1, self.config.gamma2, self.config.explore_every)
 
-    def drafter_setup_estimate(self, prefill_seconds_per_token: float) -> dict[str, float]:
-        """Seconds a model drafter's first use costs: filling its sink+window cache, at the prefill's speed."""
+    def drafter_setup_estimate(self, prefill_seconds_per_token: float | None) -> dict[str, float | None]:
+        """Seconds a model drafter's first use costs: filling its sink+window cache at the prefill's speed
+        (None: unknown, the policy's fallback applies)."""
         rows = self.config.sink_tokens + self.config.window
-        return {name: rows * prefill_seconds_per_token for name, kind in self.policy.drafters.items()
-                if kind == "model"}
+        return {name: None if prefill_seconds_per_token is None else rows * prefill_seconds_per_token
+                for name, kind in self.policy.drafters.items() if kind == "model"}
 
     def _drafter_seconds(self) -> float:
         return sum(drafter.seconds for drafter in self.drafters.values())
@@ -212,9 +213,9 @@ class TriForceDecoder:
         cached = copy_prefix(prefix_cache, full) if prefix_cache is not None else 0
         out = Output(input_ids, self.view, self.criteria, self.max_length, streamer, keep_scores, keep_logits, stats)
 
-        start = time.perf_counter()
+        start, chunks = time.perf_counter(), []
         logits = prefill(self.model, input_ids[:, cached:], full, config.prefill_chunk_size, config.show_progress,
-                         recorder)
+                         recorder, chunks)
         stats.prefill_seconds = time.perf_counter() - start
         scores = process_rows(self.processors, input_ids, logits, input_ids.shape[1])
         first = self.sampler.categorical(scores_to_probs(scores)[0]) if self.do_sample else int(scores[0].argmax())
@@ -222,8 +223,10 @@ class TriForceDecoder:
 
         queries = recorder.at(-1)
         if self.policy is not None:
-            per_token = stats.prefill_seconds / max(1, input_ids.shape[1] - cached)
-            self.policy.setup_seconds = self.drafter_setup_estimate(per_token)
+            # a draft cache's fill is a short-context prefill: priced from a first prefill chunk that started at
+            # position 0 with enough rows to say; else (a cache= prefix) the policy prices it from Force 3
+            measured = bool(chunks) and cached == 0 and chunks[0][0] >= 64
+            self.policy.setup_seconds = self.drafter_setup_estimate(chunks[0][1] / chunks[0][0] if measured else None)
         lookups = [name for name, kind in (self.policy.drafters.items() if self.policy else []) if kind == "lookup"]
         while not done:
             length = out.sequence.shape[1]

@@ -6,6 +6,8 @@ sequence) and, when the caller wants the queries (Force-2 selection), a `QueryRe
 
 from __future__ import annotations
 
+import time
+
 import torch
 from tqdm.auto import tqdm
 from transformers import LogitsProcessorList
@@ -43,11 +45,12 @@ def score_continuation(model, cache, cached: int, extended: torch.Tensor, prefix
 
 
 def prefill(model, tokens: torch.Tensor, cache, chunk_size: int, show_progress: bool = False,
-            recorder: QueryRecorder | None = None) -> torch.Tensor:
+            recorder: QueryRecorder | None = None, chunk_seconds: list | None = None) -> torch.Tensor:
     """Chunked prefill of ``tokens`` after what ``cache`` holds; returns the last row's logits ``[1, vocab]``.
 
     Memory stays bounded by ``chunk_size`` activations; the last chunk's queries go to ``recorder`` (they
     seed the first retrieval selection). Interruptible between chunks (KeyboardInterrupt propagates).
+    ``chunk_seconds``, if given, receives ``(tokens, seconds)`` per chunk.
     """
     start = int(cache.get_seq_length())
     bounds = list(range(0, tokens.shape[1], chunk_size))
@@ -55,5 +58,9 @@ def prefill(model, tokens: torch.Tensor, cache, chunk_size: int, show_progress: 
     bar = tqdm(bounds, desc="prefill", unit="chunk", disable=not show_progress or len(bounds) < 2)
     for begin in bar:
         piece = tokens[:, begin : begin + chunk_size]
+        began = time.perf_counter()
         logits = forward_logits(model, piece, cache, start + begin, 1, recorder if begin == bounds[-1] else None)
+        if chunk_seconds is not None:
+            settle(logits)
+            chunk_seconds.append((piece.shape[1], time.perf_counter() - began))
     return logits

@@ -30,6 +30,10 @@ from dataclasses import dataclass
 # (SmolLM2-135M fp32, 2 CPU threads: 9 rows cost about 2x one row, docs/results.md).
 ROW_COST_SLOPE = 0.125
 EMA = 0.3  # weight of the newest timing in the moving averages
+# A model drafter's first use fills its sink+window cache (~272 rows at short context). Where the prefill did
+# not time a short-context chunk (a cache= prefix), that fill is priced as this many one-token Force-3 steps:
+# SmolLM2 on 2 CPU threads, 272 rows at short context cost ~0.3 s, 5x a one-token step at 1k, 0.75x at 32k.
+SETUP_IN_STEPS = 4
 
 
 @dataclass(frozen=True)
@@ -118,10 +122,11 @@ class AdaptivePolicy:
     """
 
     def __init__(self, drafters: dict[str, str], three_level: str | None, max_gamma1: int, max_gamma2: int,
-                 explore_every: int, setup_seconds: dict[str, float] | None = None) -> None:
+                 explore_every: int, setup_seconds: dict[str, float | None] | None = None) -> None:
         self.drafters, self.three_level = drafters, three_level
-        # one-time cost of a drafter's first use (a model drafter fills its cache), spread over the steps left
-        self.setup_seconds = dict(setup_seconds or {})
+        # one-time cost of a drafter's first use (a model drafter fills its cache; None: unmeasured), spread
+        # over the steps left
+        self.setup_seconds: dict[str, float | None] = dict(setup_seconds or {})
         self.remaining_tokens = 1 << 30
         self.max_gamma1, self.max_gamma2 = max_gamma1, max_gamma2
         self.costs = TierCosts()
@@ -155,8 +160,10 @@ class AdaptivePolicy:
         """``(expected tokens, predicted seconds)`` of one step of ``plan``, its drafter's set-up (if still to
         be paid) spread over the steps the rest of the call would take with it."""
         tokens, seconds = self._predict(plan)
-        setup = self.setup_seconds.get(plan.drafter, 0.0)
-        if setup:
+        if plan.drafter in self.setup_seconds:
+            setup = self.setup_seconds[plan.drafter]
+            if setup is None:  # unmeasured: as much as SETUP_IN_STEPS one-token steps on the full cache
+                setup = SETUP_IN_STEPS * self._force3(1)
             seconds += setup * tokens / max(self.remaining_tokens, tokens)
         return tokens, seconds
 
