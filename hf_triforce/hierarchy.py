@@ -92,7 +92,8 @@ class Force2:
             self.timed("force2", extended.shape[1] - self.seen, seconds)
         return scores
 
-    def handed_up(self, q_scores: torch.Tensor, proposal_probs: torch.Tensor | None, accepted: int) -> torch.Tensor:
+    def handed_up(self, q_scores: torch.Tensor, proposals: list[int], proposal_probs: torch.Tensor | None,
+                  accepted: int) -> torch.Tensor:
         """The scores of the ``accepted + 1`` tokens one Force-2 verification emits: q at each row (an accepted
         draft and a residual resample are both distributed exactly as q, whatever Force 1 drew from)."""
         return q_scores[: accepted + 1]
@@ -115,7 +116,7 @@ class Force2:
             self.stats.force2_accepted += accepted
             self.stats.force2_steps += 1
             sequence = torch.cat((sequence, sequence.new_tensor([proposals[:accepted] + [next_token]])), dim=1)
-            rows.append(self.handed_up(q_scores, proposal_probs, accepted))
+            rows.append(self.handed_up(q_scores, proposals, proposal_probs, accepted))
             self.cache.rollback_to_sequence(sequence.shape[1] - 1)
             self.drafter.rollback(sequence.shape[1] - 1)
         end = prompt_length + wanted

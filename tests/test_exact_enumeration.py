@@ -21,7 +21,7 @@ from hf_triforce import TriForceConfig
 from hf_triforce.decoder import TriForceDecoder
 from hf_triforce.hierarchy import Force2
 from hf_triforce.integration import recording_attention
-from hf_triforce.sampling import residual_distribution, scores_to_probs
+from hf_triforce.sampling import point_mass, residual_distribution, scores_to_probs
 
 from .conftest import make_model, random_prompt
 from .enumeration_util import enumerate_outcomes
@@ -110,21 +110,32 @@ def top_resamples_from_p(decoder):
 
 
 def hands_up_the_residual(monkeypatch):
-    def handed_up(self, q_scores, proposal_probs, accepted):
+    def handed_up(self, q_scores, proposals, proposal_probs, accepted):
         rows = q_scores[: accepted + 1].clone()
-        if proposal_probs is not None and accepted < proposal_probs.shape[0]:  # a rejection: resampled token
-            residual = residual_distribution(scores_to_probs(rows[accepted]), proposal_probs[accepted])
-            rows[accepted] = torch.log(residual)
+        if accepted < len(proposals):  # a rejection: the resampled token is handed up with the residual
+            q = scores_to_probs(rows[accepted])
+            r = point_mass(proposals[accepted], q) if proposal_probs is None else proposal_probs[accepted]
+            rows[accepted] = torch.log(residual_distribution(q, r))
         return rows
 
     monkeypatch.setattr(Force2, "handed_up", handed_up)
 
 
-@pytest.mark.parametrize("mutation", ["middle level resamples from q", "top level resamples from p",
-                                      "Force 2 hands up the residual"])
-def test_each_wrong_rule_is_caught(setup, monkeypatch, mutation):
+MUTATIONS = ["middle level resamples from q", "top level resamples from p", "Force 2 hands up the residual"]
+
+
+# Each rule mutated under a model drafter, a point-mass (n-gram) drafter and two levels (no middle level
+# there). The five-token and int8 cases run the same verification code as the self case; the int8 tiers
+# have their own mutation below. (Mutated rules multiply the paths: these cases keep the suite short.)
+MUTATED_CASES = [(case, mutation) for case in ("self top-k 3, T 0.8", "ngram top-k 3", "two levels, self")
+                 for mutation in MUTATIONS if CASES[case][3].get("levels", 3) == 3 or mutation.startswith("top")]
+
+
+@pytest.mark.parametrize("case, mutation", MUTATED_CASES)
+def test_each_wrong_rule_is_caught(setup, monkeypatch, case, mutation):
+    """The distribution test of each case fails under every wrong rule that applies to it."""
     model, prompt = setup
-    draft, processors, new, extra = CASES["self top-k 3, T 0.8"]
+    draft, processors, new, extra = CASES[case]
     config = TriForceConfig(draft=draft, **{**CONFIG, **extra})
     mutate = None
     if mutation == "middle level resamples from q":
