@@ -153,7 +153,7 @@ class TriForceDecoder:
         if self.config.policy == "fixed":
             return None
         kinds = {self.draft_name: spec_of(self.config.draft).kind}
-        kinds.update({name: spec.kind for name, spec in DRAFTERS.items() if spec.kind == "lookup" and name == "ngram"})
+        kinds.setdefault("ngram", DRAFTERS["ngram"].kind)  # the free lookup, scored on every step
         three = self.draft_name if self.config.levels == 3 else None
         return AdaptivePolicy(kinds, three, self.config.gamma1, self.config.gamma2, self.config.explore_every)
 
