@@ -148,13 +148,17 @@ class TriForceDecoder:
         return self.levels[key]
 
     def make_policy(self) -> AdaptivePolicy | None:
-        """``policy="auto"``: the configured drafter plus the free n-gram lookup, three levels if ``levels=3``;
-        ``"fixed"``: None (every step runs the configured plan)."""
+        """``policy="auto"``: the configured drafter plus the free n-gram lookup, each as Force 1 of three levels
+        too if ``levels=3`` and the request is longer than the retrieval budget; ``"fixed"``: None (every step
+        runs the configured plan)."""
         if self.config.policy == "fixed":
             return None
         kinds = {self.draft_name: spec_of(self.config.draft).kind}
         kinds.setdefault("ngram", DRAFTERS["ngram"].kind)  # the free lookup, scored on every step
-        three = self.draft_name if self.config.levels == 3 else None
+        # three levels only where Force 2 can see less than Force 3: a retrieval budget covering the whole
+        # request makes Force 2 a copy of Force 3 at the same cost
+        sparse = self.max_length > self.config.retrieval_budget
+        three = tuple(kinds) if self.config.levels == 3 and sparse else ()
         return AdaptivePolicy(kinds, three, self.config.gamma1, self.config.gamma2, self.config.explore_every)
 
     def drafter_setup_estimate(self, prefill_seconds_per_token: float | None) -> dict[str, float | None]:
@@ -192,7 +196,7 @@ class TriForceDecoder:
         elif plan.levels == 3:
             f2_accepted = self.stats.force2_accepted - before[0]
             f2_rejections = level.rejections - before[1]
-            policy.observe_three_level(f2_accepted, f2_rejections, accepted, proposed)
+            policy.observe_three_level(plan.drafter, f2_accepted, f2_rejections, accepted, proposed)
             drafts = self.stats.force1_proposed - before[3]
             if drafts and not lookup:
                 policy.observe_forward(f"draft:{plan.drafter}", 1, drafted / drafts)

@@ -118,12 +118,16 @@ class AdaptivePolicy:
     """Chooses the plan of each Force-3 step (see the module docstring).
 
     ``drafters``: ``{name: kind}`` of the drafters it may use (kind "model" or "lookup"); ``three_level``:
-    the drafter TriForce's three-level plan uses (None: no three-level plan); ``max_gamma1/2``: bounds.
+    the drafters TriForce's three-level plan may use as Force 1 (empty: no three-level plan);
+    ``max_gamma1/2``: bounds.
     """
 
-    def __init__(self, drafters: dict[str, str], three_level: str | None, max_gamma1: int, max_gamma2: int,
+    def __init__(self, drafters: dict[str, str], three_level: tuple[str, ...], max_gamma1: int, max_gamma2: int,
                  explore_every: int, setup_seconds: dict[str, float | None] | None = None) -> None:
-        self.drafters, self.three_level = drafters, three_level
+        unknown = [name for name in three_level if name not in drafters]
+        if unknown:
+            raise ValueError(f"three_level drafters {unknown} are not among the drafters {tuple(drafters)}")
+        self.drafters, self.three_level = drafters, tuple(three_level)
         # one-time cost of a drafter's first use (a model drafter fills its cache; None: unmeasured), spread
         # over the steps left
         self.setup_seconds: dict[str, float | None] = dict(setup_seconds or {})
@@ -133,7 +137,9 @@ class AdaptivePolicy:
         self.overhead: dict[int, float] = {}  # seconds per step outside the forwards, by plan levels
         # acceptance priors: hopeful enough that each plan is tried once, then measured
         self.direct = {name: AcceptanceRate(0.6 if kind == "model" else 0.3) for name, kind in drafters.items()}
-        self.force2_rate = AcceptanceRate(0.8)  # Force 1 verified by Force 2
+        # Force 1 verified by Force 2, per drafter (a lookup's prior: its counterfactual rate against Force 3,
+        # `direct`, until its own three-level steps are measured; Force 2 approximates Force 3)
+        self.force2_rate = {name: AcceptanceRate(0.8) for name in self.three_level if drafters[name] == "model"}
         self.force3_rate = AcceptanceRate(0.8)  # Force 2 verified by Force 3
         self.lookup_coverage = {name: AcceptanceRate(0.5) for name, kind in drafters.items() if kind == "lookup"}
         self.base_interval = explore_every
@@ -182,19 +188,28 @@ class AdaptivePolicy:
             seconds = (self._drafter_seconds(plan.drafter, plan.gamma2) + coverage * self._force3(plan.gamma2 + 1)
                        + (1 - coverage) * self._force3(1))
             return tokens, seconds + overhead
-        per_round = expected_tokens(self.force2_rate.rate, plan.gamma1)
+        # one Force-2 round: Force 1's chain (a lookup proposes one only with probability `coverage`) verified
+        # in one Force-2 forward; rounds until Force 2 has gamma2 tokens
+        coverage = self.lookup_coverage[plan.drafter].rate if plan.drafter in self.lookup_coverage else 1.0
+        per_round = 1.0 + coverage * (expected_tokens(self.force1_rate(plan.drafter), plan.gamma1) - 1.0)
         rounds = plan.gamma2 / per_round
-        force2 = self.costs.estimate("force2", plan.gamma1 + 1, 0.5 * self._force3(1))
+        fallback = 0.5 * self._force3(1)
+        force2 = (coverage * self.costs.estimate("force2", plan.gamma1 + 1, fallback)
+                  + (1 - coverage) * self.costs.estimate("force2", 1, fallback))
         select = self.costs.estimate("select", 1, 0.0)
         seconds = rounds * (self._drafter_seconds(plan.drafter, plan.gamma1) + force2) + self._force3(plan.gamma2 + 1)
         return expected_tokens(self.force3_rate.rate, plan.gamma2), seconds + select + overhead
+
+    def force1_rate(self, drafter: str) -> float:
+        """Per-token acceptance of ``drafter``'s chains by Force 2."""
+        return self.force2_rate[drafter].rate if drafter in self.force2_rate else self.direct[drafter].rate
 
     def candidates(self) -> list[Plan]:
         plans = [Plan(1)]
         for name in self.drafters:
             plans += [Plan(2, name, gamma2=g) for g in range(1, self.max_gamma2 + 1)]
-        if self.three_level is not None:
-            plans += [Plan(3, self.three_level, g1, g2) for g1 in range(1, self.max_gamma1 + 1)
+        for name in self.three_level:
+            plans += [Plan(3, name, g1, g2) for g1 in range(1, self.max_gamma1 + 1)
                       for g2 in range(2, self.max_gamma2 + 1) if g2 > g1]
         return plans
 
@@ -243,9 +258,9 @@ class AdaptivePolicy:
     def observe_direct(self, drafter: str, accepted: int, proposed: int) -> None:
         self.direct[drafter].observe(accepted, 1.0 if accepted < proposed else 0.0)
 
-    def observe_three_level(self, force2_accepted: int, force2_rejections: int, force3_accepted: int,
-                            proposed: int) -> None:
-        self.force2_rate.observe(force2_accepted, force2_rejections)
+    def observe_three_level(self, drafter: str, force2_accepted: int, force2_rejections: int,
+                            force3_accepted: int, proposed: int) -> None:
+        (self.force2_rate.get(drafter) or self.direct[drafter]).observe(force2_accepted, force2_rejections)
         self.force3_rate.observe(force3_accepted, 1.0 if force3_accepted < proposed else 0.0)
 
     def observe_lookup(self, drafter: str, proposed: bool, acceptance: float) -> None:

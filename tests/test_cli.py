@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from hf_triforce.tools.cli import build_parser, main
 from hf_triforce.tools.methods import DEFAULT_EXCLUDED, METHODS
@@ -165,3 +166,39 @@ def test_methods_are_records_derived_from_the_drafter_registry():
         assert METHODS[f"triforce-{label}"].drafter == label and METHODS[f"triforce-{label}-int8"].precision == "int8"
     assert METHODS["streaming-self"].levels == 2 and METHODS["plain"].baseline
     assert METHODS["assisted"].needs_draft_model and METHODS["triforce-draft"].needs_draft_model
+
+
+class ScriptedEngine:
+    """Stands in for `LlamaCppEngine` (llama-cpp-python is optional): the same ``decode`` contract, returning
+    the reference continuation with its token ``differ_at`` changed."""
+
+    def __init__(self, reference, differ_at: int):
+        self.reference, self.differ_at, self.calls, self.prefill_seconds = reference, differ_at, [], 0.0
+
+    def decode(self, ids, new_tokens, sampling, seed):
+        self.calls.append((new_tokens, sampling, seed))
+        out = self.reference[:, : ids.shape[1] + new_tokens].clone()
+        out[0, ids.shape[1] + self.differ_at] += 1
+        return 0.5, out
+
+
+def test_bench_runs_another_engine_beside_transformers():
+    from hf_triforce.tools.bench import compare, table
+
+    model = make_model("llama-gqa")
+    ids = torch.randint(0, 64, (1, 60), generator=torch.Generator().manual_seed(0))
+    reference = model.generate(ids, max_new_tokens=6, min_new_tokens=6, do_sample=False)
+    engine = ScriptedEngine(reference, differ_at=4)
+    with pytest.raises(ValueError, match=r"\['llama.cpp'\] run another engine"):
+        compare(model, ids, ["plain", "llama.cpp"], 6, 1, 32)
+    runs, _ = compare(model, ids, ["plain", "llama.cpp"], 6, 2, 32, engines={"llama.cpp": engine})
+    assert engine.calls == [(6, None, 0), (6, None, 1)]
+    assert runs[1].tokens_per_second == pytest.approx(12.0)
+    assert "| first 4/6 tokens |" in table(runs)
+    assert "n/a (sampled)" in table(runs, sampled=True)
+
+
+def test_bench_llama_cpp_methods_need_a_bundled_gguf(tmp_path):
+    with pytest.raises(SystemExit, match="run llama.cpp on a bundled GGUF"):
+        main(["bench", "--model", str(tmp_path), "--methods", "plain", "llama.cpp"])
+    assert METHODS["llama.cpp-lookup"].engine == "llama.cpp" and "llama.cpp" in DEFAULT_EXCLUDED

@@ -107,7 +107,7 @@ def test_tier_costs_scale_unmeasured_rows():
 
 
 def test_policy_prefers_plain_when_drafts_are_rejected_and_lookup_when_they_pass():
-    policy = AdaptivePolicy({"ngram": "lookup"}, None, 2, 6, explore_every=1000)
+    policy = AdaptivePolicy({"ngram": "lookup"}, (), 2, 6, explore_every=1000)
     policy.observe_forward("force3", 1, 0.1)
     for rows in range(2, 8):
         policy.observe_forward("force3", rows, 0.1 * (1 + 0.15 * (rows - 1)))
@@ -117,3 +117,26 @@ def test_policy_prefers_plain_when_drafts_are_rejected_and_lookup_when_they_pass
     for _ in range(200):
         policy.observe_lookup("ngram", True, 0.95)
     assert policy.choose().levels == 2
+
+
+def test_three_level_lookup_plan_when_force2_is_cheap_and_not_when_it_is_not():
+    """Free lookups as Force 1 of three levels: chosen when Force 2 is much cheaper than Force 3 (long
+    context), not when Force 2 costs as much (short context)."""
+    def policy_with(force2_seconds: float) -> AdaptivePolicy:
+        policy = AdaptivePolicy({"ngram": "lookup"}, ("ngram",), 3, 8, explore_every=1000)
+        for rows in range(1, 10):
+            policy.observe_forward("force3", rows, 0.2 * (1 + 0.1 * (rows - 1)))
+            policy.observe_forward("force2", rows, force2_seconds * (1 + 0.1 * (rows - 1)))
+        for _ in range(100):
+            policy.observe_lookup("ngram", True, 0.5)
+            policy.observe_three_level("ngram", 1, 1, 8, 8)  # Force 3 accepts all Force 2 hands up
+        return policy
+
+    cheap = policy_with(0.04).choose()
+    assert cheap.levels == 3 and cheap.drafter == "ngram", cheap
+    assert policy_with(0.2).choose().levels != 3
+
+
+def test_three_level_drafters_must_be_known():
+    with pytest.raises(ValueError, match="three_level"):
+        AdaptivePolicy({"ngram": "lookup"}, ("self",), 2, 6, explore_every=16)

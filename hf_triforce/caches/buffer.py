@@ -43,6 +43,31 @@ class BufferLayer(CacheLayerMixin):
         self.values[:, :, self.length : self.length + n] = value_states
         self.length += n
 
+    def write_chunks(self, keys: torch.Tensor, values: torch.Tensor, chunks: torch.Tensor, chunk_size: int) -> None:
+        """Append, for each ``[b, h]``, the chunks ``chunks[b, h]`` of ``keys[b, h]`` (and of ``values``) after
+        the valid prefix; chunk ``j`` is rows ``[chunk_size * j, chunk_size * (j + 1))``.
+
+        ``keys``/``values``: ``[batch, heads, n, dim]`` with each ``[b, h]`` slice contiguous (a buffer's);
+        ``chunks``: ``[batch, heads, k]``. Whole chunks are copied straight into the buffer, one
+        ``index_select`` per head: an element-wise ``gather`` costs several times more on the CPU.
+        """
+        m = chunks.shape[-1] * chunk_size
+        if not self.is_initialized:
+            self.lazy_initialization(keys[:, :, :0], values[:, :, :0])
+        if self.length + m > self.capacity:
+            raise RuntimeError(
+                f"{type(self).__name__} overflow: {self.length} + {m} entries exceed its capacity {self.capacity}"
+            )
+        whole = keys.shape[2] // chunk_size * chunk_size
+        end = self.length + m
+        for b in range(chunks.shape[0]):
+            for h in range(chunks.shape[1]):
+                for source, target in ((keys, self.keys), (values, self.values)):
+                    rows = source[b, h, :whole].view(whole // chunk_size, chunk_size * source.shape[-1])
+                    out = target[b, h, self.length : end].view(-1, chunk_size * source.shape[-1])
+                    torch.index_select(rows, 0, chunks[b, h], out=out)
+        self.length = end
+
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         self.write(key_states, value_states)
         return self.keys[:, :, : self.length], self.values[:, :, : self.length]

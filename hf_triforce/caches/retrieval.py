@@ -85,12 +85,7 @@ class RetrievalCache(BufferCache):
                 grouped = query.reshape(batch, kv_heads, heads // kv_heads, dim).sum(2)
                 scores = torch.einsum("bhnd,bhd->bhn", summaries, grouped)
                 chunks = scores.topk(k, dim=-1).indices.sort(dim=-1).values  # [b, kv, k]
-                tokens = (cs * (1 + chunks))[..., None] + torch.arange(cs, device=chunks.device)
-                index = tokens.reshape(batch, kv_heads, k * cs, 1)
-                layer.write(
-                    keys.gather(2, index.expand(-1, -1, -1, keys.shape[-1])),
-                    values.gather(2, index.expand(-1, -1, -1, values.shape[-1])),
-                )
+                layer.write_chunks(source.keys, source.values, 1 + chunks, cs)  # chunk 0 is the sink chunk
             layer.write(keys[:, :, recent_start:], values[:, :, recent_start:])
         self.base_length = self.layers[0].length
         self.base_upto = self.synced = upto

@@ -10,7 +10,9 @@ Methods: ``plain`` (DynamicCache), ``static`` (StaticCache), ``lookup`` (HF prom
 TriForce without its middle tier), ``triforce-self``, ``triforce-ngram`` and ``triforce-draft`` (the draft
 model as Force 1); a ``-int8`` suffix runs Force 1 and Force 2 on int8 copies (``draft_precision="int8"``).
 Greedy by default; with ``sampling`` every method samples with the same settings and
-seed, and the "identical" column does not apply.
+seed, and the "identical" column does not apply. ``llama.cpp`` and ``llama.cpp-lookup`` run another engine on
+the same GGUF (`llama_cpp_engine.LlamaCppEngine`, prefilled once each, passed to `compare` as ``engines``);
+their greedy rows say how many leading tokens match plain `generate` (its arithmetic differs).
 """
 
 from __future__ import annotations
@@ -90,9 +92,16 @@ def method_kwargs(method: str, model, prefix: DynamicCache, max_len: int, budget
 
 def measure(model, ids, prefix, method: str, new_tokens: int, budget: int, run: Run, prefill_seconds: float,
             draft_model=None, sampling: dict | None = None, seed: int = 0,
-            gammas: tuple[int | None, int | None] = (None, None), knobs: dict | None = None) -> None:
+            gammas: tuple[int | None, int | None] = (None, None), knobs: dict | None = None,
+            engines: dict | None = None) -> None:
     """One timed run (greedy, or ``sampling`` kwargs seeded with ``seed``); ``lookup`` and ``assisted``
-    prefill the prompt themselves, so the shared prefill time is subtracted from theirs."""
+    prefill the prompt themselves, so the shared prefill time is subtracted from theirs. Methods of another
+    engine run on ``engines[method]`` (prefilled already)."""
+    if method_named(method).engine != "transformers":
+        seconds, sequences = engines[method].decode(ids, new_tokens, sampling, seed)
+        run.seconds.append(seconds)
+        run.new_tokens, run.sequences = sequences.shape[1] - ids.shape[1], sequences
+        return
     kwargs = method_kwargs(method, model, prefix, ids.shape[1] + new_tokens + 16, budget, draft_model, gammas, knobs)
     kwargs.update(sampling or {"do_sample": False})
     torch.manual_seed(seed)
@@ -108,15 +117,16 @@ def measure(model, ids, prefix, method: str, new_tokens: int, budget: int, run: 
 
 def compare(model, ids, methods, new_tokens: int, repeats: int, budget: int | list[int], draft_model=None,
             sampling: dict | None = None, gammas: tuple[int | None, int | None] = (None, None),
-            knobs: dict | None = None, prefilled: tuple[DynamicCache, float] | None = None
-            ) -> tuple[list[Run], float]:
+            knobs: dict | None = None, prefilled: tuple[DynamicCache, float] | None = None,
+            engines: dict | None = None) -> tuple[list[Run], float]:
     """Prefill once, then ``repeats`` rounds over all methods in turn; returns runs and prefill seconds.
 
     ``sampling``: generate kwargs such as ``{"do_sample": True, "temperature": 0.8}``; round ``i`` seeds
     every method with ``i``. ``gammas``: TriForce's ``(gamma1, gamma2)``, None for `TUNED_GAMMAS`. Several
     ``budget`` values run each TriForce method once per budget (labelled with it). ``prefilled``: ``(cache,
     seconds)`` from an earlier `prefill_prefix` of the same prompt (read only), to share one prefill between
-    calls (greedy and sampled rounds).
+    calls (greedy and sampled rounds). ``engines``: ``{method: engine}`` for the methods of another engine
+    (`llama_cpp_engine.LlamaCppEngine`, prefilled with the same prompt).
     """
     missing = [m for m in methods if m not in METHODS]
     if missing:
@@ -124,6 +134,9 @@ def compare(model, ids, methods, new_tokens: int, repeats: int, budget: int | li
     needs_draft = [m for m in methods if METHODS[m].needs_draft_model]
     if draft_model is None and needs_draft:
         raise ValueError(f"methods {needs_draft} need a draft model (draft_model=...)")
+    no_engine = [m for m in methods if METHODS[m].engine != "transformers" and m not in (engines or {})]
+    if no_engine:
+        raise ValueError(f"methods {no_engine} run another engine: pass it in engines={{method: engine}}")
     budgets = [budget] if isinstance(budget, int) else list(budget)
     if len(set(budgets)) != len(budgets):
         raise ValueError(f"budget values must differ, got {budgets}")
@@ -136,7 +149,7 @@ def compare(model, ids, methods, new_tokens: int, repeats: int, budget: int | li
     for round_index in tqdm(range(repeats), desc=f"decode {ids.shape[1]} ctx", unit="round"):
         for run in runs:
             measure(model, ids, prefix, run.method, new_tokens, run.budget or budgets[0], run, prefill_seconds,
-                    draft_model, sampling, seed=round_index, gammas=gammas, knobs=knobs)
+                    draft_model, sampling, seed=round_index, gammas=gammas, knobs=knobs, engines=engines)
     return runs, prefill_seconds
 
 
@@ -153,11 +166,21 @@ def table(runs: list[Run], sampled: bool = False) -> str:
                  f"{s.draft_cache_bytes / 2**20:.1f}",
                  "/".join(str(s.plan_steps.get(levels, 0)) for levels in (1, 2, 3))] if s else ["-"] * 5
         vs_static = f"{run.tokens_per_second / static.tokens_per_second:.2f}x" if static else "-"
-        same = "n/a (sampled)" if sampled else "yes" if torch.equal(run.sequences, base.sequences) else "NO"
+        same = "n/a (sampled)" if sampled else identity(run, base)
         lines.append(f"| {run.label} | {run.tokens_per_second:.2f} | "
                      f"{run.tokens_per_second / base.tokens_per_second:.2f}x | {vs_static} | "
                      + " | ".join(cells) + f" | {same} |")
     return "\n".join(lines)
+
+
+def identity(run: Run, base: Run) -> str:
+    """"yes"/"NO" against plain `generate`; for another engine, how many leading new tokens match."""
+    if method_named(run.method).engine == "transformers":
+        return "yes" if torch.equal(run.sequences, base.sequences) else "NO"
+    new, reference = run.sequences[0, -run.new_tokens:], base.sequences[0, -base.new_tokens:]
+    differs = (new != reference[: new.shape[0]]).nonzero()
+    same = int(differs[0]) if differs.numel() else new.shape[0]
+    return f"first {same}/{new.shape[0]} tokens"
 
 
 def to_json(context: int, runs: list[Run], prefill_seconds: float, sampling: dict | None = None,

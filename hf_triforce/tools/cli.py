@@ -170,6 +170,16 @@ def _bench(args) -> int:
     if bundled:  # checked before the (slow) load
         limit = 8192 if args.rope_factor is None else int(8192 * args.rope_factor)
         _check_contexts(args, limit)
+    engine_methods = [m for m in methods if METHODS[m].engine != "transformers"]
+    if engine_methods:
+        from .llama_cpp_engine import llama_cpp_available
+
+        if not bundled and args.model not in assets.MODELS:
+            raise SystemExit(f"hf-triforce bench: methods {engine_methods} run llama.cpp on a bundled GGUF: --model "
+                             f"must be one of {sorted(assets.MODELS)}")
+        if not llama_cpp_available():
+            raise SystemExit(f"hf-triforce bench: methods {engine_methods} need llama-cpp-python "
+                             "(pip install llama-cpp-python; it compiles llama.cpp)")
     model, tokenizer = _load("bench", "--model", args.model, **overrides)
     _check_contexts(args, getattr(model.config, "max_position_embeddings", None) or 1 << 30)
     draft_model = _load("bench", "--draft-model", args.draft_model)[0] if args.draft_model else None
@@ -186,13 +196,17 @@ def _bench(args) -> int:
         ids = prompts[context]
         start = time.perf_counter()
         prefilled = prefill_prefix(model, ids), time.perf_counter() - start
+        engines = _llama_cpp_engines(args, engine_methods, ids)
         for mode in modes:
             sampling = sampled if mode == "sampled" else None
             described = f"sampling (temperature {args.temperature}, top-p {args.top_p})" if sampling else "greedy"
             runs, prefill_seconds = compare(model, ids, methods, args.new_tokens, args.repeats, args.budget,
-                                            draft_model, sampling, gammas, knobs_from_args(args), prefilled)
+                                            draft_model, sampling, gammas, knobs_from_args(args), prefilled,
+                                            engines)
+            engine_prefill = "".join(f", {m} prefill {e.prefill_seconds:.1f} s" for m, e in engines.items())
             rendered = (f"### context {context} tokens, {args.text}, prompt '{args.prompt}', {described} "
-                        f"(prefill {prefill_seconds:.1f} s, {args.new_tokens} new tokens, median of {args.repeats}, "
+                        f"(prefill {prefill_seconds:.1f} s{engine_prefill}, {args.new_tokens} new tokens, "
+                        f"median of {args.repeats}, "
                         f"{describe_gammas(gammas)}, torch threads {torch.get_num_threads()})\n\n"
                         + table(runs, sampled=sampling is not None))
             print(rendered, flush=True)
@@ -202,6 +216,23 @@ def _bench(args) -> int:
             write_results(results, tables, args.out)
     print(f"wrote {args.out}/results.json and results.md")
     return 0
+
+
+def _llama_cpp_engines(args, methods: list[str], ids) -> dict:
+    """A prefilled llama.cpp engine per method of that engine (same GGUF, threads and RoPE scaling)."""
+    import torch
+
+    from . import assets
+    from .llama_cpp_engine import LlamaCppEngine
+
+    engines = {}
+    for method in methods:
+        engine = LlamaCppEngine(assets.gguf_path(assets.MODELS[args.model or "smollm2-135m"]),
+                                ids.shape[1] + args.new_tokens + 16, torch.get_num_threads(),
+                                lookup=method.endswith("-lookup"), rope_factor=args.rope_factor)
+        engine.prefill(ids)
+        engines[method] = engine
+    return engines
 
 
 def _check_contexts(args, limit: int) -> None:

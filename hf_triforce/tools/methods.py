@@ -5,7 +5,9 @@ A TriForce method is a drafter from the registry (``hf_triforce.drafters.DRAFTER
 ``triforce-<drafter>[-int8]`` and the two-level ``streaming-self[-int8]``; or the adaptive policy:
 ``triforce-auto[-int8]`` (self drafts, free n-gram lookups, three levels, the bench's knobs) and ``default``
 (``TriForceConfig()`` with no argument: what a user gets). Baselines: ``plain`` (DynamicCache), ``static``
-(StaticCache), ``lookup`` (HF prompt lookup), ``assisted`` (HF assisted generation with the draft model).
+(StaticCache), ``lookup`` (HF prompt lookup), ``assisted`` (HF assisted generation with the draft model);
+another engine where installed: ``llama.cpp`` and ``llama.cpp-lookup`` (its prompt-lookup speculative decoding)
+on the same GGUF (`llama_cpp_engine`).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ class Method:
     precision: str = "model"
     policy: str = "fixed"
     library_default: bool = False  # TriForceConfig() exactly, whatever the bench's knobs
+    engine: str = "transformers"  # "llama.cpp": another engine on the same GGUF (a baseline)
 
     @property
     def needs_draft_model(self) -> bool:
@@ -64,7 +67,8 @@ class Method:
 
 def _all_methods() -> dict[str, Method]:
     methods = [Method("plain", baseline=True), Method("static", baseline=True), Method("lookup", baseline=True),
-               Method("assisted", baseline=True)]
+               Method("assisted", baseline=True), Method("llama.cpp", baseline=True, engine="llama.cpp"),
+               Method("llama.cpp-lookup", baseline=True, engine="llama.cpp")]
     methods.append(Method("default", drafter="self", policy="auto", library_default=True))
     methods += [Method(f"triforce-auto{s}", drafter="self", policy="auto", precision=p)
                 for p, s in (("model", ""), ("int8", "-int8"))]
@@ -76,7 +80,8 @@ def _all_methods() -> dict[str, Method]:
 
 
 METHODS: dict[str, Method] = _all_methods()
-DEFAULT_EXCLUDED = ("streaming-self-int8", "triforce-draft-int8", "triforce-suffix", "triforce-suffix-int8")
+DEFAULT_EXCLUDED = ("streaming-self-int8", "triforce-draft-int8", "triforce-suffix", "triforce-suffix-int8",
+                    "llama.cpp", "llama.cpp-lookup")  # optional engine: named with --methods
 
 
 def method_named(name: str) -> Method:
