@@ -90,3 +90,29 @@ def test_retrieval_layout_never_exceeds_the_budget():
             kept = cache.layers[0].valid()[0]
             if recent:
                 assert torch.equal(kept[0, :, -recent:], keys[0, :, -recent:])
+
+
+def test_retrieval_copies_exactly_the_top_chunks_of_keys_and_values():
+    """Every selected entry is the key/value of the chunk the scores chose, per batch row and KV head (an
+    independent element-wise reference; buffer capacity not a multiple of the chunk size)."""
+    torch.manual_seed(0)
+    chunk, budget, recent, upto = 8, 96, 16, 203
+    full = BufferCache(2, upto + 5)
+    for layer in full.layers:
+        layer.write(torch.randn(2, 3, upto, 4), torch.randn(2, 3, upto, 4))
+    cache = RetrievalCache(2, budget=budget, chunk_size=chunk, recent=recent, tail_capacity=4)
+    queries = {i: torch.randn(2, 6, 4) for i in range(2)}
+    cache.select(full, upto, queries)
+    n_mid = (upto - recent - chunk) // chunk
+    k = (budget - chunk - recent) // chunk
+    for index, (layer, source) in enumerate(zip(cache.layers, full.layers)):
+        keys, values = source.valid()
+        summaries = keys[:, :, chunk : chunk * (1 + n_mid)].reshape(2, 3, n_mid, chunk, 4).mean(3)
+        grouped = queries[index].reshape(2, 3, 2, 4).sum(2)
+        chosen = torch.einsum("bhnd,bhd->bhn", summaries, grouped).topk(k, dim=-1).indices.sort(-1).values
+        tokens = (chunk * (1 + chosen))[..., None] + torch.arange(chunk)
+        index_ = tokens.reshape(2, 3, k * chunk, 1).expand(-1, -1, -1, 4)
+        kept_keys, kept_values = layer.valid()
+        assert torch.equal(kept_keys[:, :, chunk : chunk + k * chunk], keys.gather(2, index_))
+        assert torch.equal(kept_values[:, :, chunk : chunk + k * chunk], values.gather(2, index_))
+        assert torch.equal(kept_values[:, :, -recent:], values[:, :, -recent:])
