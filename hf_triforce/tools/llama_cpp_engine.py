@@ -46,7 +46,7 @@ class LlamaCppEngine:
                                                    yarn_orig_ctx=original_positions)
         draft = LlamaPromptLookupDecoding(num_pred_tokens=LOOKUP_TOKENS) if lookup else None
         self.llm = Llama(str(gguf), n_ctx=context, n_threads=threads, n_threads_batch=threads, n_batch=512,
-                         draft_model=draft, verbose=False, **rope)
+                         draft_model=draft, logits_all=lookup, verbose=False, **rope)
         self.prefill_seconds = 0.0
 
     def prefill(self, ids: torch.Tensor) -> float:
