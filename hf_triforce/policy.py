@@ -17,8 +17,10 @@ The cost model, measured online in the same call:
   greedy), so the policy knows when a repetitive stretch begins without paying for a try.
 
 Predicted tokens/s of each candidate plan = expected tokens per step / predicted seconds per step; the best
-is run. Every ``explore_every`` steps the best plan other than the current one runs once to refresh its
-numbers (the interval doubles each time exploring did not pay, up to 16x). Each step's plan, predicted and
+is run (the first step runs plain decoding: it measures Force 3, which every prediction needs). Every
+``explore_every`` steps the best plan of another kind runs once to refresh its numbers (the interval doubles
+each time exploring did not pay, up to 16x); a drafter with its set-up still to pay is not explored, only
+chosen when predicted best with its set-up counted. Each step's plan, predicted and
 measured tokens/s are in `TriForceStats.plans`.
 """
 
@@ -222,12 +224,19 @@ class AdaptivePolicy:
         """The plan of the next step (the best predicted, or, when it is time, the best other one)."""
         if remaining_tokens is not None:
             self.remaining_tokens = max(1, remaining_tokens)
+        if not self.costs.seconds.get("force3"):  # nothing to predict from yet: the first step measures Force 3
+            self.exploring, self.prediction, self.current = False, 0.0, Plan(1)
+            self.since_explore += 1
+            return self.current
         scored = sorted(((self.tokens_per_second(p), p) for p in self.candidates()), key=lambda x: -x[0])
         best = scored[0][1]
         self.exploring, self.prediction = False, scored[0][0]
         if self.since_explore >= self.interval:
             self.since_explore = 0
-            others = [(tps, p) for tps, p in scored if p.levels != best.levels or p.drafter != best.drafter]
+            # a drafter whose set-up (its cache's first fill) is still to pay runs only when predicted best:
+            # a one-step try would pay the whole set-up for one step's worth of measurement
+            others = [(tps, p) for tps, p in scored if (p.levels != best.levels or p.drafter != best.drafter)
+                      and p.drafter not in self.setup_seconds]
             if others:
                 self.exploring, self.best_other = True, scored[0][0]
                 self.prediction, best = others[0]

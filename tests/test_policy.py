@@ -140,3 +140,16 @@ def test_three_level_lookup_plan_when_force2_is_cheap_and_not_when_it_is_not():
 def test_three_level_drafters_must_be_known():
     with pytest.raises(ValueError, match="three_level"):
         AdaptivePolicy({"ngram": "lookup"}, ("self",), 2, 6, explore_every=16)
+
+
+def test_first_step_measures_force3_and_unpaid_setups_are_not_explored():
+    policy = AdaptivePolicy({"self": "model"}, (), 2, 6, explore_every=2, setup_seconds={"self": 2.0})
+    assert policy.choose() == Plan(1)  # nothing measured yet
+    for rows in range(1, 8):
+        policy.observe_forward("force3", rows, 0.1 * (1 + 0.1 * (rows - 1)))
+    # 20 tokens left: the 2 s fill would not be repaid, and exploring must not pay it for a one-step try
+    assert [policy.choose(remaining_tokens=20) for _ in range(6)] == [Plan(1)] * 6
+    # many tokens left and self drafts accepted: chosen on merit, its set-up counted
+    for _ in range(30):
+        policy.observe_direct("self", 6, 6)
+    assert policy.choose(remaining_tokens=10_000).drafter == "self"
