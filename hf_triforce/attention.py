@@ -11,8 +11,10 @@ take `gqa_sdpa`, which does not expand K/V. One-row calls (decoding steps of eve
 `one_row_sdpa`: no mask, GQA-native. Everything else is ``<base>``.
 
 Invariant relied upon (TriForce's caches guarantee it): batch size 1, no padding, and every new token is
-appended after all cached entries, so the mask of a multi-token call is "all cached entries, then causal
-among the new tokens" — bottom-right-aligned causal attention.
+appended after all cached entries, so the mask of a multi-token call of a full-attention layer is "all cached
+entries, then causal among the new tokens" — bottom-right-aligned causal attention. Sliding-window layers
+(`compat.module_window`) take only the paths that apply the mask transformers built for them (each row cut at
+its own window): `gqa_sdpa` or ``<base>``, and `one_row_sdpa` only when that mask is None (nothing cut).
 """
 
 from __future__ import annotations
@@ -210,12 +212,14 @@ def _make_wrapper(base: str):
         recorder = kwargs.pop(RECORDER_KWARG, None)
         if recorder is not None:
             recorder.record(module.layer_idx, query)
-        if base == "sdpa" and _wants_flash(query, kwargs):
+        # a sliding-window layer's mask cuts each row at its own window: only paths that read the mask
+        windowed = compat.module_window(module, kwargs) is not None
+        if base == "sdpa" and not windowed and _wants_flash(query, kwargs):
             return flash_verify(module, query, key, value, attention_mask, **kwargs)
-        if _wants_one_row(base, query, attention_mask, kwargs):
+        if _wants_one_row(base, query, attention_mask, kwargs) and (attention_mask is None or not windowed):
             return one_row_sdpa(module, query, key, value, attention_mask, **kwargs)
         if _wants_gqa_sdpa(base, query, key, attention_mask, kwargs):
-            if _wants_split_kv(query, key, kwargs.get("dropout", 0.0), module):
+            if not windowed and _wants_split_kv(query, key, kwargs.get("dropout", 0.0), module):
                 return split_kv_sdpa(module, query, key, value, attention_mask, **kwargs)
             return gqa_sdpa(module, query, key, value, attention_mask, **kwargs)
         return compat.attention_function(base, module)(module, query, key, value, attention_mask, **kwargs)
