@@ -19,6 +19,8 @@ its own window): `gqa_sdpa` or ``<base>``, and `one_row_sdpa` only when that mas
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 
 import torch
@@ -27,6 +29,10 @@ from . import compat
 
 PREFIX = "triforce_"
 RECORDER_KWARG = "triforce_recorder"
+# the recorder of the forward running in this context: reaches the attention function also in models whose
+# decoder layers do not pass forward kwargs on to their attention (StableLM)
+_ACTIVE_RECORDER: contextvars.ContextVar[QueryRecorder | None] = contextvars.ContextVar("triforce_recorder",
+                                                                                       default=None)
 
 
 class QueryRecorder:
@@ -45,6 +51,16 @@ class QueryRecorder:
     def at(self, row: int) -> dict[int, torch.Tensor]:
         """Query of one row of the recorded block per layer: ``[batch, heads, head_dim]``."""
         return {layer: q[:, :, row] for layer, q in self.queries.items()}
+
+
+@contextlib.contextmanager
+def recording(recorder: QueryRecorder | None):
+    """Record into ``recorder`` during the block (for this context only: no state shared across threads)."""
+    token = _ACTIVE_RECORDER.set(recorder)
+    try:
+        yield recorder
+    finally:
+        _ACTIVE_RECORDER.reset(token)
 
 
 def gqa_sdpa(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -209,7 +225,7 @@ def _wants_split_kv(query, key, dropout, module) -> bool:
 
 def _make_wrapper(base: str):
     def triforce_attention(module, query, key, value, attention_mask, **kwargs):
-        recorder = kwargs.pop(RECORDER_KWARG, None)
+        recorder = kwargs.pop(RECORDER_KWARG, None) or _ACTIVE_RECORDER.get()
         if recorder is not None:
             recorder.record(module.layer_idx, query)
         # a sliding-window layer's mask cuts each row at its own window: only paths that read the mask

@@ -90,6 +90,11 @@ class RetrievalCache(BufferCache):
             k = min(n_mid, (self.budget - cs - self.recent) // cs)
             layer.write(keys[:, :, :cs], values[:, :, :cs])
             if k > 0:
+                if layer_idx not in queries:
+                    raise ValueError(
+                        f"RetrievalCache: no query was recorded for layer {layer_idx}: the model's attention does "
+                        "not go through transformers' AttentionInterface, which Force-2 retrieval reads it from"
+                    )
                 summaries = self._chunk_summaries(layer_idx, source.keys, n_mid)  # [b, kv, n_mid, d]
                 query = queries[layer_idx].float()
                 batch, heads, dim = query.shape

@@ -22,18 +22,30 @@ def rotate_interleaved(x: torch.Tensor) -> torch.Tensor:
     return torch.stack((-x[..., 1::2], x[..., 0::2]), dim=-1).flatten(-2)
 
 
-ROTATIONS = {"half": rotate_half, "interleaved": rotate_interleaved}
+def _same(x: torch.Tensor) -> torch.Tensor:
+    return x
 
 
-def _rerotation(rotary: Callable, rotate: Callable) -> Rerotate:
+def _twice(x: torch.Tensor) -> torch.Tensor:
+    return torch.cat((x, x), dim=-1)
+
+
+# (pairing, cos/sin layout): halves (Llama), interleaved pairs (Cohere), halves with one angle per pair (GPT-OSS)
+ROTATIONS = {
+    "half": (rotate_half, _same), "interleaved": (rotate_interleaved, _same), "half-pairs": (rotate_half, _twice),
+}
+
+
+def _rerotation(rotary: Callable, rotate: Callable, layout: Callable = _same) -> Rerotate:
     """Keys rotated at position ``t`` -> the same keys at ``t + delta``: rotation by ``cos(delta)/cos(0)``, the
     rotary's own output divided by its attention scaling (``cos(0)``), on its first ``rot_dim`` dims."""
 
     def rerotate(keys: torch.Tensor, delta: int) -> torch.Tensor:
         position = torch.tensor([[0, delta]], device=keys.device)
         cos, sin = rotary(keys.float(), position)  # [1, 2, rot_dim]
-        scale = cos[:, :1].float()
-        cos, sin = (cos[:, 1:] / scale)[:, None].float(), (sin[:, 1:] / scale)[:, None].float()
+        cos, sin = layout(cos.float()), layout(sin.float())
+        scale = cos[:, :1]
+        cos, sin = (cos[:, 1:] / scale)[:, None], (sin[:, 1:] / scale)[:, None]
         rot = cos.shape[-1]
         k = keys.float()
         k_rot = k[..., :rot] * cos + rotate(k[..., :rot]) * sin
@@ -65,8 +77,8 @@ def make_layer_rerotations(model) -> list[Rerotate | None]:
 
     Read from the model: each layer's rotary embedding (`compat.layer_rotary`: per-layer-type bases, Gemma 3),
     and a probe — one token at positions 0 and `PROBE_DELTA` — says which layers rotate, and whether by halves
-    (Llama) or by interleaved pairs (Cohere), partial rotary (Phi, StableLM, GPT-NeoX) included. A layer whose
-    keys move in another way raises a ValueError naming it.
+    (Llama), by interleaved pairs (Cohere) or by halves with one angle per pair (GPT-OSS), partial rotary (Phi,
+    StableLM, GPT-NeoX) included. A layer whose keys move in another way raises a ValueError naming it.
     """
     if rotary_embedding(model) is None:
         raise ValueError(
@@ -81,8 +93,8 @@ def make_layer_rerotations(model) -> list[Rerotate | None]:
             rerotations.append(None)
             continue
         rotary = layer_rotary(model, index)
-        for rotate in ROTATIONS.values():
-            candidate = _rerotation(rotary, rotate)
+        for rotate, layout in ROTATIONS.values():
+            candidate = _rerotation(rotary, rotate, layout)
             if float((candidate(at_zero[None, :, None], PROBE_DELTA)[0, :, 0] - moved).abs().max()) <= 1e-2 * scale:
                 rerotations.append(candidate)
                 break
