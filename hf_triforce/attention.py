@@ -11,12 +11,16 @@ take `gqa_sdpa`, which does not expand K/V. One-row calls (decoding steps of eve
 `one_row_sdpa`: no mask, GQA-native. Everything else is ``<base>``.
 
 Invariant relied upon (TriForce's caches guarantee it): batch size 1, no padding, and every new token is
-appended after all cached entries, so the mask of a multi-token call is "all cached entries, then causal
-among the new tokens" — bottom-right-aligned causal attention.
+appended after all cached entries, so the mask of a multi-token call of a full-attention layer is "all cached
+entries, then causal among the new tokens" — bottom-right-aligned causal attention. Sliding-window layers
+(`compat.module_window`) take only the paths that apply the mask transformers built for them (each row cut at
+its own window): `gqa_sdpa` or ``<base>``, and `one_row_sdpa` only when that mask is None (nothing cut).
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 
 import torch
@@ -25,6 +29,10 @@ from . import compat
 
 PREFIX = "triforce_"
 RECORDER_KWARG = "triforce_recorder"
+# the recorder of the forward running in this context: reaches the attention function also in models whose
+# decoder layers do not pass forward kwargs on to their attention (StableLM)
+_ACTIVE_RECORDER: contextvars.ContextVar[QueryRecorder | None] = contextvars.ContextVar("triforce_recorder",
+                                                                                       default=None)
 
 
 class QueryRecorder:
@@ -43,6 +51,16 @@ class QueryRecorder:
     def at(self, row: int) -> dict[int, torch.Tensor]:
         """Query of one row of the recorded block per layer: ``[batch, heads, head_dim]``."""
         return {layer: q[:, :, row] for layer, q in self.queries.items()}
+
+
+@contextlib.contextmanager
+def recording(recorder: QueryRecorder | None):
+    """Record into ``recorder`` during the block (for this context only: no state shared across threads)."""
+    token = _ACTIVE_RECORDER.set(recorder)
+    try:
+        yield recorder
+    finally:
+        _ACTIVE_RECORDER.reset(token)
 
 
 def gqa_sdpa(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -207,15 +225,17 @@ def _wants_split_kv(query, key, dropout, module) -> bool:
 
 def _make_wrapper(base: str):
     def triforce_attention(module, query, key, value, attention_mask, **kwargs):
-        recorder = kwargs.pop(RECORDER_KWARG, None)
+        recorder = kwargs.pop(RECORDER_KWARG, None) or _ACTIVE_RECORDER.get()
         if recorder is not None:
             recorder.record(module.layer_idx, query)
-        if base == "sdpa" and _wants_flash(query, kwargs):
+        # a sliding-window layer's mask cuts each row at its own window: only paths that read the mask
+        windowed = compat.module_window(module, kwargs) is not None
+        if base == "sdpa" and not windowed and _wants_flash(query, kwargs):
             return flash_verify(module, query, key, value, attention_mask, **kwargs)
-        if _wants_one_row(base, query, attention_mask, kwargs):
+        if _wants_one_row(base, query, attention_mask, kwargs) and (attention_mask is None or not windowed):
             return one_row_sdpa(module, query, key, value, attention_mask, **kwargs)
         if _wants_gqa_sdpa(base, query, key, attention_mask, kwargs):
-            if _wants_split_kv(query, key, kwargs.get("dropout", 0.0), module):
+            if not windowed and _wants_split_kv(query, key, kwargs.get("dropout", 0.0), module):
                 return split_kv_sdpa(module, query, key, value, attention_mask, **kwargs)
             return gqa_sdpa(module, query, key, value, attention_mask, **kwargs)
         return compat.attention_function(base, module)(module, query, key, value, attention_mask, **kwargs)

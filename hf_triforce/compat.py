@@ -13,20 +13,26 @@ and reach anything else through the functions below:
 - attention functions: the registries ``ALL_ATTENTION_FUNCTIONS`` / ``ALL_MASK_ATTENTION_FUNCTIONS``, the
   per-model-file ``eager_attention_forward``, ``config._attn_implementation`` switched per call, and
   forward ``**kwargs`` reaching the attention function (how a call's `QueryRecorder` travels);
-- the decoder's ``rotary_emb`` module (``forward(x, position_ids) -> (cos, sin)``, ``attention_scaling``);
+- the decoder's ``rotary_emb`` module (``forward(x, position_ids[, layer_type]) -> (cos, sin)``: Gemma 3 takes
+  the layer's type, its local and global layers rotate with different bases);
+- the per-layer cache structure of a config (``cache_utils.get_layer_types_and_kwargs``, what ``DynamicCache``
+  follows: ``"sliding_attention"`` layers with their ``sliding_window``), and the sliding-window mask built
+  from a cache's ``is_sliding`` layers, ``get_mask_sizes`` and ``get_seq_length``;
 - ``GenerateDecoderOnlyOutput`` (the output class TriForce's output extends);
 - ``hf_quantizer.remove_quantization_config`` (a GGUF-loaded model is marked quantized until it is removed).
 """
 
 from __future__ import annotations
 
+import inspect
 import sys
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
 from transformers import AttentionInterface, GenerationMixin
-from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.cache_utils import Cache, CacheLayerMixin, get_layer_types_and_kwargs
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -43,6 +49,9 @@ __all__ = [
     "attention_function",
     "attention_implementation",
     "install_generate",
+    "layer_rotary",
+    "layer_windows",
+    "module_window",
     "register_attention",
     "remove_quantization_config",
     "rotary_embedding",
@@ -90,6 +99,66 @@ def current_attention_implementation(model) -> str:
 def rotary_embedding(model) -> torch.nn.Module | None:
     """The decoder's rotary embedding module (``None`` where the decoder has none)."""
     return getattr(model.get_decoder(), "rotary_emb", None)
+
+
+SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+def layer_windows(config) -> list[int | None]:
+    """Per decoder layer: ``None`` for full attention, the window ``W`` for sliding-window attention.
+
+    Read the way ``DynamicCache(config=...)`` reads it (``get_layer_types_and_kwargs``), so every tier keeps
+    what plain ``generate``'s cache keeps. Any other layer type (``chunked_attention`` of Llama 4, linear
+    attention, convolutions, shared-KV layers, ...) raises a ValueError naming it.
+    """
+    config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    types, kwargs = get_layer_types_and_kwargs(config)
+    unsupported = sorted({str(t) for t in types if t not in SUPPORTED_LAYER_TYPES})
+    if unsupported:
+        raise ValueError(
+            f"triforce_config=: the model has {unsupported} layers (config.layer_types); TriForce supports "
+            f"{' and '.join(SUPPORTED_LAYER_TYPES)} layers"
+        )
+    windows = [None if t == "full_attention" else int(kw["sliding_window"]) for t, kw in zip(types, kwargs)]
+    distinct = {w for w in windows if w is not None}
+    if len(distinct) > 1 or (distinct and distinct != {getattr(config, "sliding_window", None)}):
+        raise ValueError(f"triforce_config=: sliding layers with windows {sorted(distinct)}; transformers masks them "
+                         f"with config.sliding_window={getattr(config, 'sliding_window', None)}, TriForce needs one")
+    return windows
+
+
+_MODULE_WINDOWS: weakref.WeakKeyDictionary[torch.nn.Module, int | None] = weakref.WeakKeyDictionary()
+
+
+def module_window(module: torch.nn.Module, kwargs: dict) -> int | None:
+    """The sliding window of the attention layer ``module`` (None: full attention): the ``sliding_window`` its
+    forward passes to the attention function, else its layer's type in its config (Qwen2-MoE passes none)."""
+    if kwargs.get("sliding_window") is not None:
+        return int(kwargs["sliding_window"])
+    if module not in _MODULE_WINDOWS:
+        config, index = getattr(module, "config", None), getattr(module, "layer_idx", None)
+        window = None
+        if config is not None and index is not None:
+            try:
+                types, layer_kwargs = get_layer_types_and_kwargs(config)
+                window = layer_kwargs[index].get("sliding_window") if types[index] != "full_attention" else None
+            except (AttributeError, IndexError, TypeError):
+                window = getattr(config, "sliding_window", None)  # a config without per-layer structure
+        _MODULE_WINDOWS[module] = window
+    return _MODULE_WINDOWS[module]
+
+
+def layer_rotary(model, layer_idx: int) -> Callable | None:
+    """``f(x, position_ids) -> (cos, sin)`` of decoder layer ``layer_idx``: the decoder's ``rotary_emb``, given the
+    layer's type where its ``forward`` takes a ``layer_type`` (per-layer-type bases). None where there is none."""
+    rotary = rotary_embedding(model)
+    if rotary is None:
+        return None
+    if "layer_type" not in inspect.signature(rotary.forward).parameters:
+        return rotary
+    config = model.config.get_text_config(decoder=True)
+    layer_type = get_layer_types_and_kwargs(config)[0][layer_idx]
+    return lambda x, position_ids: rotary(x, position_ids, layer_type)
 
 
 def remove_quantization_config(model) -> None:

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field, replace
 import torch
 from transformers import LogitsProcessorList, StoppingCriteriaList
 
+from . import compat
 from .attention import QueryRecorder
 from .caches.buffer import BufferCache, copy_prefix
 from .config import TriForceConfig
@@ -213,7 +214,9 @@ class TriForceDecoder:
 
     def _run(self, input_ids, streamer, prefix_cache, keep_scores, keep_logits) -> DecodeResult:
         config, stats, recorder = self.config, self.stats, QueryRecorder()
-        full = BufferCache(self.model.config.num_hidden_layers, self.max_length + config.gamma2 + 2)
+        # sliding-window layers keep their window plus room for the deepest rollback (a rejected chain, a stop)
+        full = BufferCache(self.model.config.num_hidden_layers, self.max_length + config.gamma2 + 2,
+                           compat.layer_windows(self.model.config), rollback=config.gamma2 + 2)
         cached = copy_prefix(prefix_cache, full) if prefix_cache is not None else 0
         out = Output(input_ids, self.view, self.criteria, self.max_length, streamer, keep_scores, keep_logits, stats)
 

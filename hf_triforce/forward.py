@@ -12,7 +12,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import LogitsProcessorList
 
-from .attention import RECORDER_KWARG, QueryRecorder
+from .attention import RECORDER_KWARG, QueryRecorder, recording
 from .scoring import process_rows
 
 
@@ -29,7 +29,8 @@ def forward_logits(model, tokens: torch.Tensor, cache, start: int, keep: int,
     """Logits ``[keep, vocab]`` of the last ``keep`` rows of ``tokens`` placed at absolute ``start``."""
     positions = torch.arange(start, start + tokens.shape[1], device=tokens.device).unsqueeze(0)
     extra = {RECORDER_KWARG: recorder} if recorder is not None else {}
-    out = model(input_ids=tokens, cache=cache, position_ids=positions, use_cache=True, logits_to_keep=keep, **extra)
+    with recording(recorder):
+        out = model(input_ids=tokens, cache=cache, position_ids=positions, use_cache=True, logits_to_keep=keep, **extra)
     return out.logits[0]
 
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 from transformers import LogitsProcessorList
 
+from . import compat
 from .caches.buffer import BufferCache
 from .caches.retrieval import RetrievalCache
 from .config import TriForceConfig
@@ -47,7 +48,8 @@ class Force2:
         self.rejections = 0  # Force-2 verifications that rejected a draft
         tail = config.refresh_every * (config.gamma2 + 1) + config.gamma1 + config.gamma2 + 2
         self.cache = RetrievalCache(
-            model.config.num_hidden_layers, config.retrieval_budget, config.chunk_size, config.recent_tokens, tail
+            model.config.num_hidden_layers, config.retrieval_budget, config.chunk_size, config.recent_tokens, tail,
+            compat.layer_windows(model.config),
         )
         self.steps_since_selection = 0
 

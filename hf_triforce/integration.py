@@ -70,20 +70,9 @@ def _check_request(model, input_ids: torch.Tensor, config: TriForceConfig, gener
     unknown = sorted(k for k, v in model_kwargs.items() if v is not None and k not in _HANDLED_MODEL_KWARGS)
     if unknown:
         raise ValueError(f"triforce_config= does not support the model kwargs {unknown}")
-    layer_types = getattr(model.config, "layer_types", None) or []
-    other = sorted({str(t) for t in layer_types if t != "full_attention"})
-    if other:
-        raise ValueError(f"triforce_config=: the model has {other} layers (config.layer_types); TriForce supports "
-                         "full-attention layers only")
-    sliding = getattr(model.config, "sliding_window", None)
-    if sliding is not None and generation_config.max_length > sliding:
-        raise ValueError(
-            f"triforce_config=: the model uses sliding-window attention ({sliding} tokens) and the request reaches "
-            f"{generation_config.max_length} tokens; TriForce supports full attention only"
-        )
-    if getattr(model.config, "attention_chunk_size", None):
-        raise ValueError("triforce_config=: the model uses chunked attention (config.attention_chunk_size); "
-                         "TriForce supports full attention only")
+    # per-layer attention types as plain generate's cache reads them: full and sliding-window layers are
+    # supported (sliding layers keep their window in every tier); any other type is refused here, by name
+    compat.layer_windows(model.config)
     if config.draft_precision == "int8":
         check_int8_eligible(model)
         if not isinstance(config.draft, str):

@@ -20,24 +20,24 @@ from .stats_util import chi_square_pvalue
 VOCAB, NEW, RUNS = 8, 4, 1500
 
 
-def exact_sequence_probs(model, prompt, processors) -> dict[tuple[int, ...], float]:
-    """Probability of every continuation of length NEW under the processed target distribution."""
-    continuations = torch.tensor(list(itertools.product(range(VOCAB), repeat=NEW)))
+def exact_sequence_probs(model, prompt, processors, new: int = NEW) -> dict[tuple[int, ...], float]:
+    """Probability of every continuation of length ``new`` under the processed target distribution."""
+    continuations = torch.tensor(list(itertools.product(range(VOCAB), repeat=new)))
     batch = torch.cat((prompt.expand(continuations.shape[0], -1), continuations), dim=1)
     with torch.no_grad():
         logits = model(batch).logits[:, prompt.shape[1] - 1 : -1].float()
     logprob = torch.zeros(continuations.shape[0], dtype=torch.float64)
-    for step in range(NEW):
+    for step in range(new):
         scores = processors(batch[:, : prompt.shape[1] + step], logits[:, step])
         logprob += torch.log_softmax(scores.double(), -1).gather(1, continuations[:, step : step + 1])[:, 0]
     return {tuple(c.tolist()): float(p) for c, p in zip(continuations, logprob.exp())}
 
 
-def sampled_counts(model, prompt, config, runs, **gen):
+def sampled_counts(model, prompt, config, runs, new: int = NEW, **gen):
     torch.manual_seed(1234)
     counts, stats = {}, []
     for _ in range(runs):
-        out = model.generate(prompt, max_new_tokens=NEW, do_sample=True, triforce_config=config,
+        out = model.generate(prompt, max_new_tokens=new, do_sample=True, triforce_config=config,
                              return_dict_in_generate=True, **gen)
         key = tuple(out.sequences[0, prompt.shape[1]:].tolist())
         counts[key] = counts.get(key, 0) + 1

@@ -153,11 +153,11 @@ def test_int8_eligibility_is_checked_before_the_prefill(prompt):
         model.generate(prompt, max_new_tokens=4, triforce_config=config)
 
 
+# sliding-window layers are supported (tests/test_hybrid.py); other layer types are refused by name
 @pytest.mark.parametrize("family, extra, name", [
-    ("qwen2", dict(use_sliding_window=True, sliding_window=16, max_window_layers=1), r"\['sliding_attention'\] layers"),
-    ("llama-gqa", dict(attention_chunk_size=64), "attention_chunk_size"),
+    ("llama-gqa", dict(attention_chunk_size=64), r"\['chunked_attention'\] layers"),
 ])
-def test_layers_that_are_not_full_attention_are_refused(prompt, family, extra, name):
+def test_layers_that_are_not_full_or_sliding_attention_are_refused(prompt, family, extra, name):
     model = make_model(family, **extra)
     with pytest.raises(ValueError, match=name):
         model.generate(prompt, max_new_tokens=4, triforce_config=CFG)

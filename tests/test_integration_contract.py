@@ -134,3 +134,42 @@ def test_output_class_and_quantizer_marker():
     model = make_model("llama-gqa")
     compat.remove_quantization_config(model)  # no marker: a no-op
     assert getattr(model, "hf_quantizer", None) is None
+
+
+def test_per_layer_cache_structure_and_sliding_mask_contract():
+    """Sliding layers: ``get_layer_types_and_kwargs`` is what ``DynamicCache(config=)`` follows; the sliding mask
+    is built from the first ``is_sliding`` cache layer's ``get_mask_sizes`` / ``get_query_offset`` and lets query
+    ``q`` see keys ``(q - W, q]``; a ``DynamicSlidingWindowLayer`` keeps the last ``W - 1`` entries."""
+    from transformers import Gemma2Config
+    from transformers.cache_utils import DynamicCache, DynamicSlidingWindowLayer, get_layer_types_and_kwargs
+    from transformers.masking_utils import create_sliding_window_causal_mask, sliding_window_overlay
+
+    config = Gemma2Config(num_hidden_layers=2, sliding_window=5)
+    types, kwargs = get_layer_types_and_kwargs(config)
+    assert types == ["sliding_attention", "full_attention"] and kwargs[0] == {"sliding_window": 5}
+    assert compat.layer_windows(config) == [5, None]
+    cache = DynamicCache(config=config)
+    assert isinstance(cache.layers[0], DynamicSlidingWindowLayer) and cache.is_sliding == [True, False]
+    cache.update(torch.zeros(1, 1, 12, 2), torch.zeros(1, 1, 12, 2), 0)
+    assert cache.layers[0].keys.shape[2] == 4 and cache.layers[0].get_seq_length() == 12
+    overlay = sliding_window_overlay(5)
+    assert overlay(0, 0, 10, 6) and not overlay(0, 0, 10, 5)
+    source = inspect.getsource(create_sliding_window_causal_mask)
+    assert "is_sliding.index(True)" in source and "sliding_window_causal_mask_function" in source
+    llama4 = transformers.Llama4TextConfig(num_hidden_layers=4, attention_chunk_size=8)
+    assert "chunked_attention" in get_layer_types_and_kwargs(llama4)[0]
+
+
+def test_rotary_embedding_takes_the_layer_type_where_bases_differ():
+    """Gemma 3's ``rotary_emb(x, position_ids, layer_type)``: local and global layers rotate differently."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    model = Gemma3ForCausalLM(Gemma3TextConfig(num_hidden_layers=6, hidden_size=32, intermediate_size=32,
+                                               num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                                               vocab_size=32, sliding_window=4))
+    assert "layer_type" in inspect.signature(compat.rotary_embedding(model).forward).parameters
+    local, full = compat.layer_rotary(model, 0), compat.layer_rotary(model, 5)
+    position = torch.tensor([[7]])
+    assert not torch.allclose(local(torch.zeros(1, 1, 4), position)[0], full(torch.zeros(1, 1, 4), position)[0])
+    llama = make_model("llama-gqa")
+    assert compat.layer_rotary(llama, 0) is compat.rotary_embedding(llama)

@@ -97,17 +97,36 @@ class BufferLayer(CacheLayerMixin):
 
 
 class BufferCache(Cache):
-    """A `Cache` of `BufferLayer`s: the full cache of Force 3 (capacity = prompt + new tokens + a draft)."""
+    """A `Cache` of `BufferLayer`s: the full cache of Force 3 (capacity = prompt + new tokens + a draft).
+
+    ``windows`` (one entry per layer, `compat.layer_windows`): a sliding layer of window ``W`` gets a
+    `WindowLayer` keeping the last ``W - 1 + rollback`` tokens (what the model keeps, plus room to roll back
+    ``rollback`` tokens), whatever this cache keeps for full-attention layers. ``length`` and the coordinates
+    of this cache are those of its first full-attention layer (``reference``), else of its first layer.
+    """
 
     layer_class: type[BufferLayer] = BufferLayer
 
-    def __init__(self, num_layers: int, capacity: int) -> None:
-        super().__init__(layers=[self.layer_class(capacity) for _ in range(num_layers)])
+    def __init__(self, num_layers: int, capacity: int, windows: list[int | None] | None = None,
+                 rollback: int = 0) -> None:
+        from .window import WindowLayer  # window.py subclasses BufferLayer
+
+        windows = list(windows) if windows is not None else [None] * num_layers
+        if len(windows) != num_layers:
+            raise ValueError(f"BufferCache: {len(windows)} layer windows for {num_layers} layers")
+        layers = [
+            self.layer_class(capacity) if window is None
+            else WindowLayer(window, window - 1 + rollback, window - 1 + rollback + max(64, rollback + 1))
+            for window in windows
+        ]
+        super().__init__(layers=layers)
         self.capacity = capacity
+        self.windows = windows
+        self.reference = next((i for i, window in enumerate(windows) if window is None), 0)
 
     @property
     def length(self) -> int:
-        return self.layers[0].length
+        return self.layers[self.reference].length
 
     def rollback(self, length: int) -> None:
         """Keep the first ``length`` entries of every layer."""
@@ -124,16 +143,32 @@ def copy_prefix(source: Cache, target: BufferCache) -> int:
     if len(source.layers) != len(target.layers):
         raise ValueError(f"cache=: it has {len(source.layers)} layers, the model has {len(target.layers)}")
     lengths = set()
-    for index, layer in enumerate(source.layers):
-        if getattr(layer, "is_sliding", False) or not isinstance(layer, CacheLayerMixin):
+    for index, (layer, into) in enumerate(zip(source.layers, target.layers)):
+        sliding = bool(getattr(layer, "is_sliding", False))
+        if not isinstance(layer, CacheLayerMixin) or sliding != bool(getattr(into, "is_sliding", False)):
+            kind = "a sliding-window" if getattr(into, "is_sliding", False) else "a full-attention"
             raise ValueError(
-                f"cache=: layer {index} is a {type(layer).__name__}; TriForce needs full-attention cache layers "
-                "(DynamicCache or StaticCache)"
+                f"cache=: layer {index} is a {type(layer).__name__}; the model's layer {index} is {kind} layer "
+                "(pass the DynamicCache/StaticCache built for this model, or a cache TriForce returned)"
             )
         n = int(layer.get_seq_length())
         lengths.add(n)
-        if n:
-            target.layers[index].write(layer.keys[:, :, :n], layer.values[:, :, :n])
+        if not n:
+            continue
+        if sliding:  # it holds the last entries only: place them at their absolute positions
+            keys, values = layer.keys, layer.values
+            # ours (a cache TriForce returned) says what it holds; a DynamicSlidingWindowLayer holds the last W - 1
+            held = layer.held if hasattr(layer, "held") else keys.shape[2]
+            if held < min(n, into.window - 1) or (not hasattr(layer, "held") and held != min(n, into.window - 1)):
+                raise ValueError(f"cache=: sliding layer {index} ({type(layer).__name__}) holds {keys.shape[2]} "
+                                 f"entries for {n} tokens; TriForce reads a DynamicCache's sliding layers (the last "
+                                 f"{min(n, into.window - 1)} tokens) or a cache it returned")
+            kept = min(held, into.keep)
+            into.reset()
+            into.update(keys[:, :, held - kept : held], values[:, :, held - kept : held])
+            into.start, into.length = n - kept, n
+        else:
+            into.write(layer.keys[:, :, :n], layer.values[:, :, :n])
     if len(lengths) > 1:
         raise ValueError(f"cache=: its layers hold different lengths {sorted(lengths)}")
     return lengths.pop() if lengths else 0

@@ -6,6 +6,9 @@ the most recent tokens, and the top-k chunks in between scored against the curre
 for GQA the query heads of a group are summed, so one set of chunks serves the whole group. After each
 Force-3 step the tail of exact (full-cache) entries for newly accepted tokens is copied in, and Force 2's
 own speculative entries are rolled back. Memory depends only on the budget and the tail capacity.
+
+Sliding-window layers (``windows``) are not sparsified: their `WindowLayer` holds the exact last entries the
+model keeps (copied from the full cache's window), so retrieval applies to full-attention layers only.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from .buffer import BufferCache
+from .window import WindowLayer
 
 
 class RetrievalCache(BufferCache):
@@ -22,8 +26,9 @@ class RetrievalCache(BufferCache):
     ``base_length + i`` holds token ``base_upto + i``.
     """
 
-    def __init__(self, num_layers: int, budget: int, chunk_size: int, recent: int, tail_capacity: int) -> None:
-        super().__init__(num_layers, budget + tail_capacity)
+    def __init__(self, num_layers: int, budget: int, chunk_size: int, recent: int, tail_capacity: int,
+                 windows: list[int | None] | None = None) -> None:
+        super().__init__(num_layers, budget + tail_capacity, windows, rollback=tail_capacity)
         self.budget = budget
         self.chunk_size = chunk_size
         self.recent = recent
@@ -39,11 +44,15 @@ class RetrievalCache(BufferCache):
         return self.base_length + seq_len - self.base_upto
 
     def rollback_to_sequence(self, seq_len: int) -> None:
-        """Keep the entries of tokens ``[0, seq_len)``."""
-        self.rollback(self.entries_for(seq_len))
+        """Keep the entries of tokens ``[0, seq_len)`` (window layers count in tokens, the others in entries)."""
+        entries = self.entries_for(seq_len)
+        for layer in self.layers:
+            layer.crop(seq_len if isinstance(layer, WindowLayer) else entries)
 
     def tail_room(self, upto: int) -> int:
-        """Entries still free after syncing up to ``upto``."""
+        """Entries still free after syncing up to ``upto`` (window layers make their own room)."""
+        if isinstance(self.layers[self.reference], WindowLayer):
+            return self.tail_capacity
         return self.capacity - self.entries_for(upto)
 
     def _chunk_summaries(self, layer_idx: int, keys: torch.Tensor, n_chunks: int) -> torch.Tensor:
@@ -68,6 +77,9 @@ class RetrievalCache(BufferCache):
         self.selections += 1
         self.sees_whole_cache = upto <= self.budget
         for layer_idx, (layer, source) in enumerate(zip(self.layers, full.layers)):
+            if isinstance(layer, WindowLayer):
+                layer.copy_from(source, upto)
+                continue
             keys, values = source.keys[:, :, :upto], source.values[:, :, :upto]
             layer.length = 0
             if self.sees_whole_cache:
@@ -78,6 +90,11 @@ class RetrievalCache(BufferCache):
             k = min(n_mid, (self.budget - cs - self.recent) // cs)
             layer.write(keys[:, :, :cs], values[:, :, :cs])
             if k > 0:
+                if layer_idx not in queries:
+                    raise ValueError(
+                        f"RetrievalCache: no query was recorded for layer {layer_idx}: the model's attention does "
+                        "not go through transformers' AttentionInterface, which Force-2 retrieval reads it from"
+                    )
                 summaries = self._chunk_summaries(layer_idx, source.keys, n_mid)  # [b, kv, n_mid, d]
                 query = queries[layer_idx].float()
                 batch, heads, dim = query.shape
@@ -87,12 +104,19 @@ class RetrievalCache(BufferCache):
                 chunks = scores.topk(k, dim=-1).indices.sort(dim=-1).values  # [b, kv, k]
                 layer.write_chunks(source.keys, source.values, 1 + chunks, cs)  # chunk 0 is the sink chunk
             layer.write(keys[:, :, recent_start:], values[:, :, recent_start:])
-        self.base_length = self.layers[0].length
+        self.base_length = self.layers[self.reference].length
         self.base_upto = self.synced = upto
 
     def sync(self, full: BufferCache, upto: int) -> None:
         """Drop speculative entries and copy the exact entries of tokens ``[synced, upto)`` from ``full``."""
         self.rollback_to_sequence(self.synced)
         for layer, source in zip(self.layers, full.layers):
-            layer.write(source.keys[:, :, self.synced : upto], source.values[:, :, self.synced : upto])
+            if not isinstance(layer, WindowLayer):
+                layer.write(source.keys[:, :, self.synced : upto], source.values[:, :, self.synced : upto])
+            elif layer.length == self.synced and getattr(source, "start", 0) <= self.synced:
+                keys, values = source.valid()
+                span = slice(self.synced - getattr(source, "start", 0), upto - getattr(source, "start", 0))
+                layer.write(keys[:, :, span], values[:, :, span])
+            else:
+                layer.copy_from(source, upto)
         self.synced = upto

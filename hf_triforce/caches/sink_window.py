@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
-from ..compat import rotary_embedding
+from ..compat import layer_rotary, rotary_embedding
 from .buffer import BufferCache
 
 Rerotate = Callable[[torch.Tensor, int], torch.Tensor]
@@ -17,30 +17,102 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-def make_rerotate(model) -> Rerotate:
-    """A function moving RoPE-rotated keys by ``delta`` positions, from the model's own rotary embedding.
+def rotate_interleaved(x: torch.Tensor) -> torch.Tensor:
+    """Pairs ``(x0, x1), (x2, x3), ...`` rotated: ``(-x1, x0, -x3, x2, ...)`` (Cohere, GPT-J-style RoPE)."""
+    return torch.stack((-x[..., 1::2], x[..., 0::2]), dim=-1).flatten(-2)
 
-    Works for any model whose decoder has a standard ``rotary_emb`` (Llama, Qwen2, Mistral, Gemma, ...):
-    rotating by ``delta`` composes with the rotation already applied, so keys move without recomputation.
+
+def _same(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
+def _twice(x: torch.Tensor) -> torch.Tensor:
+    return torch.cat((x, x), dim=-1)
+
+
+# (pairing, cos/sin layout): halves (Llama), interleaved pairs (Cohere), halves with one angle per pair (GPT-OSS)
+ROTATIONS = {
+    "half": (rotate_half, _same), "interleaved": (rotate_interleaved, _same), "half-pairs": (rotate_half, _twice),
+}
+
+
+def _rerotation(rotary: Callable, rotate: Callable, layout: Callable = _same) -> Rerotate:
+    """Keys rotated at position ``t`` -> the same keys at ``t + delta``: rotation by ``cos(delta)/cos(0)``, the
+    rotary's own output divided by its attention scaling (``cos(0)``), on its first ``rot_dim`` dims."""
+
+    def rerotate(keys: torch.Tensor, delta: int) -> torch.Tensor:
+        position = torch.tensor([[0, delta]], device=keys.device)
+        cos, sin = rotary(keys.float(), position)  # [1, 2, rot_dim]
+        cos, sin = layout(cos.float()), layout(sin.float())
+        scale = cos[:, :1]
+        cos, sin = (cos[:, 1:] / scale)[:, None], (sin[:, 1:] / scale)[:, None]
+        rot = cos.shape[-1]
+        k = keys.float()
+        k_rot = k[..., :rot] * cos + rotate(k[..., :rot]) * sin
+        return torch.cat((k_rot, k[..., rot:]), dim=-1).to(keys.dtype)
+
+    return rerotate
+
+
+PROBE_DELTA = 5
+
+
+@torch.no_grad()
+def _probe_keys(model, positions: list[int]) -> list[list[torch.Tensor]]:
+    """Per layer, the cached key of one token placed alone at each of ``positions`` (batch rows).
+
+    One token with nothing cached attends to itself only, so every layer's input is the same at any
+    position: the keys differ only by what the layer itself does with the position (its RoPE, or nothing)."""
+    layers = model.config.get_text_config(decoder=True).num_hidden_layers
+    cache = BufferCache(layers, 1)
+    token = torch.ones(len(positions), 1, dtype=torch.long, device=model.device)
+    model(input_ids=token, cache=cache, position_ids=torch.tensor([[p] for p in positions], device=model.device),
+          use_cache=True, logits_to_keep=1)
+    return [[layer.keys[row, :, 0].float() for row in range(len(positions))] for layer in cache.layers]
+
+
+def make_layer_rerotations(model) -> list[Rerotate | None]:
+    """Per decoder layer, the function moving its cached keys by ``delta`` positions (``None``: the layer's keys do
+    not depend on the position — NoPE layers, SmolLM3, Cohere 2's global layers — and stay as they are).
+
+    Read from the model: each layer's rotary embedding (`compat.layer_rotary`: per-layer-type bases, Gemma 3),
+    and a probe — one token at positions 0 and `PROBE_DELTA` — says which layers rotate, and whether by halves
+    (Llama), by interleaved pairs (Cohere) or by halves with one angle per pair (GPT-OSS), partial rotary (Phi,
+    StableLM, GPT-NeoX) included. A layer whose keys move in another way raises a ValueError naming it.
     """
-    rotary = rotary_embedding(model)
-    if rotary is None:
+    if rotary_embedding(model) is None:
         raise ValueError(
             f"draft model {type(model).__name__} has no `rotary_emb` on its decoder: the sink+window cache "
             "re-rotates keys and needs standard rotary position embeddings"
         )
-    scale = float(getattr(rotary, "attention_scaling", 1.0))
+    probed = _probe_keys(model, [0, PROBE_DELTA])
+    rerotations: list[Rerotate | None] = []
+    for index, (at_zero, moved) in enumerate(probed):
+        scale = float(at_zero.abs().max()) + 1e-12
+        if float((moved - at_zero).abs().max()) <= 1e-4 * scale:
+            rerotations.append(None)
+            continue
+        rotary = layer_rotary(model, index)
+        for rotate, layout in ROTATIONS.values():
+            candidate = _rerotation(rotary, rotate, layout)
+            if float((candidate(at_zero[None, :, None], PROBE_DELTA)[0, :, 0] - moved).abs().max()) <= 1e-2 * scale:
+                rerotations.append(candidate)
+                break
+        else:
+            raise ValueError(
+                f"draft model {type(model).__name__}: the keys of decoder layer {index} change with the position "
+                "in a way that is not a rotary embedding of its `rotary_emb` (halves or interleaved pairs); the "
+                "sink+window cache cannot move them"
+            )
+    return rerotations
 
-    def rerotate(keys: torch.Tensor, delta: int) -> torch.Tensor:
-        position = torch.tensor([[delta]], device=keys.device)
-        cos, sin = rotary(keys.float(), position)  # [1, 1, rot_dim]
-        cos, sin = (cos[:, None] / scale).float(), (sin[:, None] / scale).float()
-        rot = cos.shape[-1]
-        k = keys.float()
-        k_rot = k[..., :rot] * cos + rotate_half(k[..., :rot]) * sin
-        return torch.cat((k_rot, k[..., rot:]), dim=-1).to(keys.dtype)
 
-    return rerotate
+def make_rerotate(model, layer_idx: int | None = None) -> Rerotate:
+    """The re-rotation of decoder layer ``layer_idx`` (default: the first layer that rotates its keys)."""
+    rerotations = make_layer_rerotations(model)
+    if layer_idx is None:
+        layer_idx = next((i for i, r in enumerate(rerotations) if r is not None), 0)
+    return rerotations[layer_idx] or (lambda keys, delta: keys)
 
 
 class SinkWindowCache(BufferCache):
@@ -48,14 +120,22 @@ class SinkWindowCache(BufferCache):
 
     Positions are slots: the next token is at position ``length``, so a short-context draft never sees a
     position beyond ``sink_tokens + window``. `make_room` evicts the oldest window entries before a forward
-    and re-rotates the kept keys to their new slots. Memory is independent of the context length.
+    and re-rotates the kept keys to their new slots (each layer with its own rotation; NoPE layers stay as they
+    are). Memory is independent of the context length. Sliding-window layers keep the same layout: the model's
+    sliding mask cuts them at its window in slot coordinates, so with ``window >= sliding_window`` they attend to
+    the last ``sliding_window`` tokens, as the model does (a draft's output law never needs to be the target's).
     """
 
-    def __init__(self, num_layers: int, sink_tokens: int, window: int, rerotate: Rerotate) -> None:
+    def __init__(self, num_layers: int, sink_tokens: int, window: int,
+                 rerotate: Rerotate | Sequence[Rerotate | None]) -> None:
         super().__init__(num_layers, sink_tokens + window)
+        if callable(rerotate):
+            rerotate = [rerotate] * num_layers
+        if len(rerotate) != num_layers:
+            raise ValueError(f"SinkWindowCache: {len(rerotate)} re-rotations for {num_layers} layers")
         self.sink_tokens = sink_tokens
         self.window = window
-        self.rerotate = rerotate
+        self.rerotate = list(rerotate)  # per layer; None: keys that do not depend on the position (NoPE)
         self.evict_block = max(1, window // 16)
 
     def make_room(self, n: int) -> None:
@@ -68,10 +148,10 @@ class SinkWindowCache(BufferCache):
             return
         excess = min(max(excess, self.evict_block), self.length - self.sink_tokens)
         s = self.sink_tokens
-        for layer in self.layers:
+        for layer, rerotate in zip(self.layers, self.rerotate):
             end = layer.length
             kept_keys = layer.keys[:, :, s + excess : end].clone()
-            layer.keys[:, :, s : end - excess] = self.rerotate(kept_keys, -excess)
+            layer.keys[:, :, s : end - excess] = kept_keys if rerotate is None else rerotate(kept_keys, -excess)
             layer.values[:, :, s : end - excess] = layer.values[:, :, s + excess : end].clone()
             layer.length = end - excess
 

@@ -6,7 +6,7 @@ import time
 
 import torch
 
-from ..caches.sink_window import SinkWindowCache, make_rerotate
+from ..caches.sink_window import SinkWindowCache, make_layer_rerotations
 from ..forward import settle
 from ..quantized import drafting_model
 from ..sampling import Sampler, scores_to_probs
@@ -19,7 +19,7 @@ class ModelDrafter:
 
     def __init__(self, model, sink_tokens: int, window: int, processors, do_sample: bool, sampler: Sampler):
         self.model = model
-        self.cache = SinkWindowCache(model.config.num_hidden_layers, sink_tokens, window, make_rerotate(model))
+        self.cache = SinkWindowCache(model.config.num_hidden_layers, sink_tokens, window, make_layer_rerotations(model))
         self.processors = processors
         self.do_sample = do_sample
         self.sampler = sampler
