@@ -16,6 +16,10 @@ and reach anything else through the functions below:
 - the decoder's ``rotary_emb`` module (``forward(x, position_ids) -> (cos, sin)``, ``attention_scaling``);
 - ``GenerateDecoderOnlyOutput`` (the output class TriForce's output extends);
 - ``hf_quantizer.remove_quantization_config`` (a GGUF-loaded model is marked quantized until it is removed).
+
+Other libraries' attributes read here, with the same contract tests:
+
+- bitsandbytes ``Linear8bitLt.state.threshold`` (the LLM.int8 outlier threshold; > 0 mixes rows).
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ __all__ = [
     "ORIGINAL_GENERATE",
     "TESTED_TRANSFORMERS",
     "attention_function",
+    "bnb_outlier_threshold",
     "attention_implementation",
     "install_generate",
     "register_attention",
@@ -96,6 +101,13 @@ def remove_quantization_config(model) -> None:
     """Drop the quantization marker a GGUF load leaves (weights are already dequantized)."""
     if getattr(model, "hf_quantizer", None) is not None:
         model.hf_quantizer.remove_quantization_config(model)
+
+
+def bnb_outlier_threshold(module: torch.nn.Module) -> float | None:
+    """The LLM.int8 outlier threshold of a bitsandbytes ``Linear8bitLt`` (None for any other module)."""
+    if type(module).__name__ != "Linear8bitLt" or not type(module).__module__.startswith("bitsandbytes"):
+        return None
+    return float(module.state.threshold)
 
 
 def install_generate(generate: Callable | None) -> None:

@@ -34,6 +34,7 @@ from .hierarchy import Candidates, Force1Only, Force2
 from .output_head import weight_left_output_layer
 from .policy import AdaptivePolicy, Plan
 from .quantized import drafting_model
+from .row_mixing import RowsApart
 from .sampling import ChainVerifier, Sampler, TorchSampler, scores_to_probs
 from .scoring import process_rows
 from .stats import TriForceStats
@@ -202,7 +203,8 @@ class TriForceDecoder:
 
     def run(self, input_ids: torch.LongTensor, streamer=None, prefix_cache=None, keep_scores: bool = False,
             keep_logits: bool = False) -> DecodeResult:
-        with weight_left_output_layer(self.model) as weight_left:
+        with weight_left_output_layer(self.model) as weight_left, RowsApart(self.model) as rows_apart:
+            self.rows_apart = rows_apart  # enabled after the prefill (plain generate prefills batched too)
             result = self._run(input_ids, streamer, prefix_cache, keep_scores, keep_logits)
         self.stats.weight_left_output_layer = weight_left
         return result
@@ -217,6 +219,7 @@ class TriForceDecoder:
         logits = prefill(self.model, input_ids[:, cached:], full, config.prefill_chunk_size, config.show_progress,
                          recorder, chunks)
         stats.prefill_seconds = time.perf_counter() - start
+        self.rows_apart.enable()
         scores = process_rows(self.processors, input_ids, logits, input_ids.shape[1])
         first = self.sampler.categorical(scores_to_probs(scores)[0]) if self.do_sample else int(scores[0].argmax())
         done = out.commit(first, scores[0], logits[0])

@@ -14,6 +14,12 @@ agreement with the fp32 model (measured on SmolLM2-135M, 1024 tokens of Macbeth,
 sum(min(p, q)): all linears int8 0.57, MLP output projections kept fp32 0.81). It is made once per
 model object and reused: if you change the model's weights afterwards, call `forget_int8_copy`.
 
+Adapters (PEFT LoRA and the like): linears held in a `nn.ModuleDict` — the per-adapter containers
+(``lora_A``/``lora_B``) — stay fp32: they are low-rank, and their owner layers read ``.weight`` from them.
+The adapted base layers are quantized. A copy remembers which adapters were active and merged when it was
+made (`adapter_state`); `set_adapter`, `merge_adapter` or disabling adapters afterwards makes the next
+call build a fresh copy, so the drafting tiers follow the adapter Force 3 runs.
+
 Row independence (exactness): a dynamic-int8 linear quantizes its whole input with one scale, so each output
 row depends on the other rows of the call. When Force 2 verifies Force 1's drafts in one forward, the q of
 row 0 would then depend on the drafts being verified, and the emitted token would no longer be distributed as
@@ -60,8 +66,9 @@ def int8_available() -> bool:
 def int8_copy(model: nn.Module) -> nn.Module:
     """The cached dynamic-int8 copy of ``model`` (an fp32 model on CPU)."""
     cached = _COPIES.get(model)
-    if cached is not None:
-        return cached
+    state = adapter_state(model)
+    if cached is not None and cached[1] == state:
+        return cached[0]
     check_int8_eligible(model)
     shared = {id(t): t for t in itertools.chain(model.parameters(), model.buffers())}
     shared[id(model.config)] = model.config
@@ -75,8 +82,24 @@ def int8_copy(model: nn.Module) -> nn.Module:
         if isinstance(module, torch.ao.nn.quantized.dynamic.Linear):
             _row_independent(module)
     clone.eval()
-    _COPIES[model] = clone
+    _COPIES[model] = (clone, state)
     return clone
+
+
+def adapter_state(model: nn.Module) -> tuple:
+    """Which adapters each adapter-carrying layer runs and whether they are merged (empty without adapters).
+
+    Read from the attributes PEFT's tuner layers expose (``active_adapters``, ``merged_adapters``,
+    ``disable_adapters``); modules without ``active_adapters`` do not contribute.
+    """
+    state = []
+    for name, module in model.named_modules():
+        active = getattr(module, "active_adapters", None)
+        if active is None or callable(active):  # the model's own active_adapters() is a method
+            continue
+        state.append((name, tuple(active), tuple(getattr(module, "merged_adapters", ())),
+                      bool(getattr(module, "disable_adapters", False))))
+    return tuple(state)
 
 
 def check_int8_eligible(model: nn.Module) -> None:
@@ -93,13 +116,17 @@ def check_int8_eligible(model: nn.Module) -> None:
 
 
 def int8_layer_names(model: nn.Module) -> list[str]:
-    """Names of the `nn.Linear` layers the int8 copy quantizes: all but the MLP output projections."""
+    """Names of the `nn.Linear` layers the int8 copy quantizes: all but the MLP output projections and adapters."""
     config = model.config
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     intermediate, hidden = getattr(text, "intermediate_size", None), getattr(text, "hidden_size", None)
+    in_adapter_containers = {
+        id(child) for module in model.modules() if isinstance(module, nn.ModuleDict) for child in module.values()
+    }
     return [
         name for name, module in model.named_modules()
-        if type(module) is nn.Linear and not (module.in_features == intermediate and module.out_features == hidden)
+        if type(module) is nn.Linear and id(module) not in in_adapter_containers
+        and not (module.in_features == intermediate and module.out_features == hidden)
     ]
 
 
