@@ -26,6 +26,7 @@ from transformers import LogitsProcessorList, StoppingCriteriaList
 
 from .attention import QueryRecorder
 from .caches.buffer import BufferCache, copy_prefix
+from .compat import layer_devices
 from .config import TriForceConfig
 from .drafters import DRAFTERS, DraftContext, build_drafter
 from .drafters.registry import MODEL_DRAFTER, spec_of
@@ -212,6 +213,7 @@ class TriForceDecoder:
     def _run(self, input_ids, streamer, prefix_cache, keep_scores, keep_logits) -> DecodeResult:
         config, stats, recorder = self.config, self.stats, QueryRecorder()
         full = BufferCache(self.model.config.num_hidden_layers, self.max_length + config.gamma2 + 2)
+        full.expect_devices(layer_devices(self.model))
         cached = copy_prefix(prefix_cache, full) if prefix_cache is not None else 0
         out = Output(input_ids, self.view, self.criteria, self.max_length, streamer, keep_scores, keep_logits, stats)
 

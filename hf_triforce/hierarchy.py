@@ -20,6 +20,7 @@ from transformers import LogitsProcessorList
 
 from .caches.buffer import BufferCache
 from .caches.retrieval import RetrievalCache
+from .compat import layer_devices
 from .config import TriForceConfig
 from .drafters import Drafter
 from .forward import score_continuation, settle
@@ -48,7 +49,7 @@ class Force2:
         tail = config.refresh_every * (config.gamma2 + 1) + config.gamma1 + config.gamma2 + 2
         self.cache = RetrievalCache(
             model.config.num_hidden_layers, config.retrieval_budget, config.chunk_size, config.recent_tokens, tail
-        )
+        ).expect_devices(layer_devices(model))
         self.steps_since_selection = 0
 
     @property

@@ -22,8 +22,14 @@ class BufferLayer(CacheLayerMixin):
         super().__init__()
         self.capacity = capacity
         self.length = 0
+        self.expected_device: torch.device | None = None  # the layer's execution device, when known
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        if self.expected_device is not None and key_states.device != self.expected_device:
+            raise RuntimeError(
+                f"{type(self).__name__}: entries computed on {key_states.device}, but this layer executes on "
+                f"{self.expected_device} (device_map); the cache is never moved to another device silently"
+            )
         batch, heads, _, k_dim = key_states.shape
         self.keys = key_states.new_zeros((batch, heads, self.capacity, k_dim))
         self.values = value_states.new_zeros((batch, heads, self.capacity, value_states.shape[-1]))
@@ -83,6 +89,19 @@ class BufferCache(Cache):
     @property
     def length(self) -> int:
         return self.layers[0].length
+
+    def expect_devices(self, devices: list[torch.device]) -> BufferCache:
+        """Allocate layer ``i`` on ``devices[i]`` (each decoder layer's execution device, `compat.layer_devices`)
+        and refuse entries computed anywhere else."""
+        if len(devices) != len(self.layers):
+            raise ValueError(f"{len(devices)} layer devices for a cache of {len(self.layers)} layers")
+        for layer, device in zip(self.layers, devices):
+            layer.expected_device = torch.device(device)
+        return self
+
+    def devices(self) -> list[torch.device | None]:
+        """The device each allocated layer lives on (None: not allocated yet)."""
+        return [layer.keys.device if layer.is_initialized else None for layer in self.layers]
 
     def rollback(self, length: int) -> None:
         """Keep the first ``length`` entries of every layer."""
