@@ -26,6 +26,7 @@ from transformers import LogitsProcessorList, StoppingCriteriaList
 
 from .attention import QueryRecorder
 from .caches.buffer import BufferCache, copy_prefix
+from .caches.offloaded import OffloadedBufferCache
 from .compat import layer_devices
 from .config import TriForceConfig
 from .drafters import DRAFTERS, DraftContext, build_drafter
@@ -212,7 +213,8 @@ class TriForceDecoder:
 
     def _run(self, input_ids, streamer, prefix_cache, keep_scores, keep_logits) -> DecodeResult:
         config, stats, recorder = self.config, self.stats, QueryRecorder()
-        full = BufferCache(self.model.config.num_hidden_layers, self.max_length + config.gamma2 + 2)
+        cache_class = OffloadedBufferCache if config.full_cache_device == "cpu" else BufferCache
+        full = cache_class(self.model.config.num_hidden_layers, self.max_length + config.gamma2 + 2)
         full.expect_devices(layer_devices(self.model))
         cached = copy_prefix(prefix_cache, full) if prefix_cache is not None else 0
         out = Output(input_ids, self.view, self.criteria, self.max_length, streamer, keep_scores, keep_logits, stats)
@@ -284,6 +286,9 @@ class TriForceDecoder:
         stats.full_cache_bytes = full.nbytes()
         stats.retrieval_cache_bytes = sum(level.nbytes() for level in self.levels.values())
         stats.draft_cache_bytes = sum(drafter.nbytes() for drafter in self.drafters.values())
+        stats.retrieval_summary_bytes = sum(level.summary_bytes() for level in self.levels.values())
+        stats.device_resident_bytes = (full.resident_bytes() + stats.retrieval_cache_bytes + stats.draft_cache_bytes
+                                       + stats.retrieval_summary_bytes)
         if self.policy is not None:
             stats.plans = self.policy.summary()
         out.result.cache = full

@@ -141,6 +141,9 @@ class Force2:
     def nbytes(self) -> int:
         return self.cache.nbytes()
 
+    def summary_bytes(self) -> int:
+        return self.cache.summary_bytes()
+
 
 class Force1Only:
     """Two levels (``TriForceConfig(levels=2)``): Force 1's drafts go straight to Force 3.
@@ -172,4 +175,7 @@ class Force1Only:
         self.drafter.rollback(sequence.shape[1] - 1)
 
     def nbytes(self) -> int:
+        return 0
+
+    def summary_bytes(self) -> int:
         return 0

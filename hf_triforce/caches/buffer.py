@@ -25,16 +25,22 @@ class BufferLayer(CacheLayerMixin):
         self.expected_device: torch.device | None = None  # the layer's execution device, when known
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Allocate on the layer's execution device when known (entries copied in from an offloaded cache
+        arrive from the host), else where the entries are."""
+        batch, heads, _, k_dim = key_states.shape
+        device = self.expected_device if self.expected_device is not None else key_states.device
+        self.keys = key_states.new_zeros((batch, heads, self.capacity, k_dim), device=device)
+        self.values = value_states.new_zeros((batch, heads, self.capacity, value_states.shape[-1]), device=device)
+        self.device = device
+        self.is_initialized = True
+
+    def check_device(self, key_states: torch.Tensor) -> None:
+        """Entries the model computes must come from this layer's execution device."""
         if self.expected_device is not None and key_states.device != self.expected_device:
             raise RuntimeError(
                 f"{type(self).__name__}: entries computed on {key_states.device}, but this layer executes on "
                 f"{self.expected_device} (device_map); the cache is never moved to another device silently"
             )
-        batch, heads, _, k_dim = key_states.shape
-        self.keys = key_states.new_zeros((batch, heads, self.capacity, k_dim))
-        self.values = value_states.new_zeros((batch, heads, self.capacity, value_states.shape[-1]))
-        self.device = key_states.device
-        self.is_initialized = True
 
     def write(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Append entries after the valid prefix."""
@@ -50,6 +56,7 @@ class BufferLayer(CacheLayerMixin):
         self.length += n
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        self.check_device(key_states)
         self.write(key_states, value_states)
         return self.keys[:, :, : self.length], self.values[:, :, : self.length]
 
@@ -75,6 +82,10 @@ class BufferLayer(CacheLayerMixin):
 
     def nbytes(self) -> int:
         return 0 if not self.is_initialized else self.keys.nbytes + self.values.nbytes
+
+    def resident_bytes(self) -> int:
+        """Bytes this layer keeps on its compute device between forwards."""
+        return self.nbytes()
 
 
 class BufferCache(Cache):
@@ -111,6 +122,10 @@ class BufferCache(Cache):
     def nbytes(self) -> int:
         """Bytes allocated by the buffers."""
         return sum(layer.nbytes() for layer in self.layers)
+
+    def resident_bytes(self) -> int:
+        """Bytes kept on the compute devices between forwards (an offloaded cache keeps its buffers on the host)."""
+        return sum(layer.resident_bytes() for layer in self.layers)
 
 
 def copy_prefix(source: Cache, target: BufferCache) -> int:
