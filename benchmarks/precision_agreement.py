@@ -35,6 +35,7 @@ def main() -> None:
     parser.add_argument("--new", type=int, default=48)
     parser.add_argument("--prompts", type=int, default=4)
     parser.add_argument("--budget", type=int, default=256)
+    parser.add_argument("--first-offset", type=int, default=5000, help="token offset of the first prompt in Hamlet")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
@@ -50,7 +51,7 @@ def main() -> None:
     rows = []
     gen = dict(max_new_tokens=args.new, do_sample=False)
     for index in range(args.prompts):
-        offset = 5000 + index * 7919  # spread over the play
+        offset = args.first_offset + index * 7919  # spread over the play
         ids = text[:, offset : offset + args.context]
         plain16 = model16.generate(ids, **gen)
         plain32 = model32.generate(ids, **gen)

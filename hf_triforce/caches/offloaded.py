@@ -30,9 +30,15 @@ class LayerStream:
         self.staged: dict[int, tuple[torch.Tensor, torch.Tensor, int, object]] = {}
         self.copies = 0  # layer copies to the device (prefetched or not), for tests and statistics
         self.prefetched = 0
+        self.streams: dict[torch.device, object] = {}
 
     def _side_stream(self, device: torch.device):
-        return torch.cuda.Stream(device) if device.type == "cuda" else None
+        """One copy stream per CUDA device (None on the CPU)."""
+        if device.type != "cuda":
+            return None
+        if device not in self.streams:
+            self.streams[device] = torch.cuda.Stream(device)
+        return self.streams[device]
 
     def stage(self, index: int, room: int) -> tuple[torch.Tensor, torch.Tensor, int, object]:
         """Start copying layer ``index``'s valid entries into a fresh device buffer with ``room`` entries
@@ -54,6 +60,9 @@ class LayerStream:
                 values[:, :, :n].copy_(layer.values[:, :, :n], non_blocking=True)
                 event = torch.cuda.Event()
                 event.record(side)
+            # a buffer dropped before use (a stale prefetch) is not reused while the side stream still writes it
+            keys.record_stream(side)
+            values.record_stream(side)
         return keys, values, n, event
 
     def fetch(self, index: int, start: int, key_states: torch.Tensor,
