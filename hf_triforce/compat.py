@@ -128,11 +128,16 @@ def execution_device(module: torch.nn.Module) -> torch.device | None:
     return torch.device(f"cuda:{device}" if isinstance(device, int) else device)
 
 
-def layer_devices(model: torch.nn.Module) -> list[torch.device]:
+def layer_devices(model: torch.nn.Module) -> list[torch.device | None]:
     """The execution device of each decoder layer, in order: its accelerate hook's (``device_map=``; a layer
-    offloaded to disk or CPU runs on its hook's device), else the device of its weights."""
+    offloaded to disk or CPU runs on its hook's device), else the device of its weights. ``None`` for every
+    layer of a decoder that keeps its layers elsewhere than ``.layers`` (a cache layer is then allocated where
+    its entries are computed)."""
+    layers = getattr(model.get_decoder(), "layers", None)
+    if not isinstance(layers, torch.nn.ModuleList) or len(layers) != model.config.num_hidden_layers:
+        return [None] * model.config.num_hidden_layers
     devices = []
-    for index, layer in enumerate(model.get_decoder().layers):
+    for index, layer in enumerate(layers):
         device = execution_device(layer)
         if device is None:
             device = next((p.device for p in layer.parameters() if p.device.type != "meta"), None)

@@ -101,13 +101,13 @@ class BufferCache(Cache):
     def length(self) -> int:
         return self.layers[0].length
 
-    def expect_devices(self, devices: list[torch.device]) -> BufferCache:
+    def expect_devices(self, devices: list[torch.device | None]) -> BufferCache:
         """Allocate layer ``i`` on ``devices[i]`` (each decoder layer's execution device, `compat.layer_devices`)
-        and refuse entries computed anywhere else."""
+        and refuse entries computed anywhere else (``None``: where its entries are computed)."""
         if len(devices) != len(self.layers):
             raise ValueError(f"{len(devices)} layer devices for a cache of {len(self.layers)} layers")
         for layer, device in zip(self.layers, devices):
-            layer.expected_device = torch.device(device)
+            layer.expected_device = None if device is None else torch.device(device)
         return self
 
     def devices(self) -> list[torch.device | None]:

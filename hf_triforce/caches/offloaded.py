@@ -40,11 +40,11 @@ class LayerStream:
             self.streams[device] = torch.cuda.Stream(device)
         return self.streams[device]
 
-    def stage(self, index: int, room: int) -> tuple[torch.Tensor, torch.Tensor, int, object]:
-        """Start copying layer ``index``'s valid entries into a fresh device buffer with ``room`` entries
+    def stage(self, index: int, room: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, int, object]:
+        """Start copying layer ``index``'s valid entries into a fresh buffer on ``device`` with ``room`` entries
         to spare; returns ``(keys, values, staged entries, event)``."""
         layer = self.layers[index]
-        device, n = layer.expected_device, layer.length
+        n = layer.length
         shape = (*layer.keys.shape[:2], n + room)
         keys = torch.empty((*shape, layer.keys.shape[-1]), dtype=layer.keys.dtype, device=device)
         values = torch.empty((*shape, layer.values.shape[-1]), dtype=layer.values.dtype, device=device)
@@ -74,7 +74,7 @@ class LayerStream:
             self.staged.clear()  # a forward starts (an interrupted one may have left a prefetch behind)
         staged = self.staged.pop(index, None)
         if staged is None or staged[2] != start or staged[0].shape[2] < start + n:
-            staged = self.stage(index, n)
+            staged = self.stage(index, n, key_states.device)
         else:
             self.prefetched += 1
         keys, values, _, event = staged
@@ -83,7 +83,8 @@ class LayerStream:
         keys[:, :, start : start + n] = key_states
         values[:, :, start : start + n] = value_states
         if index + 1 < len(self.layers) and self.layers[index + 1].is_initialized:
-            self.staged[index + 1] = self.stage(index + 1, n)
+            following = self.layers[index + 1].expected_device  # its execution device (None: same as this one)
+            self.staged[index + 1] = self.stage(index + 1, n, following or key_states.device)
         return keys[:, :, : start + n], values[:, :, : start + n]
 
 
