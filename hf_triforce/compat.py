@@ -20,6 +20,13 @@ and reach anything else through the functions below:
   from a cache's ``is_sliding`` layers, ``get_mask_sizes`` and ``get_seq_length``;
 - ``GenerateDecoderOnlyOutput`` (the output class TriForce's output extends);
 - ``hf_quantizer.remove_quantization_config`` (a GGUF-loaded model is marked quantized until it is removed).
+
+Other libraries' attributes read here, with the same contract tests:
+
+- bitsandbytes ``Linear8bitLt.state.threshold`` (the LLM.int8 outlier threshold; > 0 mixes rows);
+- accelerate's dispatch hooks (``device_map=`` / ``offload_folder=``): ``_hf_hook`` with its
+  ``execution_device``, ``weights_map`` and ``tied_params_map``, ``_old_forward`` (the forward a hook wraps),
+  and the public ``align_module_device`` / ``has_offloaded_params``.
 """
 
 from __future__ import annotations
@@ -28,7 +35,7 @@ import inspect
 import sys
 import weakref
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 
 import torch
 from transformers import AttentionInterface, GenerationMixin
@@ -47,6 +54,13 @@ __all__ = [
     "ORIGINAL_GENERATE",
     "TESTED_TRANSFORMERS",
     "attention_function",
+    "bnb_outlier_threshold",
+    "execution_device",
+    "layer_devices",
+    "hook_state",
+    "materialized",
+    "offloaded_modules",
+    "strip_hooks",
     "attention_implementation",
     "install_generate",
     "layer_rotary",
@@ -165,6 +179,82 @@ def remove_quantization_config(model) -> None:
     """Drop the quantization marker a GGUF load leaves (weights are already dequantized)."""
     if getattr(model, "hf_quantizer", None) is not None:
         model.hf_quantizer.remove_quantization_config(model)
+
+
+def bnb_outlier_threshold(module: torch.nn.Module) -> float | None:
+    """The LLM.int8 outlier threshold of a bitsandbytes ``Linear8bitLt`` (None for any other module)."""
+    if type(module).__name__ != "Linear8bitLt" or not type(module).__module__.startswith("bitsandbytes"):
+        return None
+    return float(module.state.threshold)
+
+
+def execution_device(module: torch.nn.Module) -> torch.device | None:
+    """The device an accelerate hook runs ``module`` on (None: no hook; the module runs where its weights are)."""
+    hook = getattr(module, "_hf_hook", None)
+    device = getattr(hook, "execution_device", None)
+    if device is None:
+        return None
+    return torch.device(f"cuda:{device}" if isinstance(device, int) else device)
+
+
+def layer_devices(model: torch.nn.Module) -> list[torch.device | None]:
+    """The execution device of each decoder layer, in order: its accelerate hook's (``device_map=``; a layer
+    offloaded to disk or CPU runs on its hook's device), else the device of its weights. ``None`` for every
+    layer of a decoder that keeps its layers elsewhere than ``.layers`` (a cache layer is then allocated where
+    its entries are computed)."""
+    layers = getattr(model.get_decoder(), "layers", None)
+    if not isinstance(layers, torch.nn.ModuleList) or len(layers) != model.config.num_hidden_layers:
+        return [None] * model.config.num_hidden_layers
+    devices = []
+    for index, layer in enumerate(layers):
+        device = execution_device(layer)
+        if device is None:
+            device = next((p.device for p in layer.parameters() if p.device.type != "meta"), None)
+        if device is None:
+            raise ValueError(f"decoder layer {index} has neither an accelerate hook nor loaded weights")
+        devices.append(device)
+    return devices
+
+
+def offloaded_modules(model: torch.nn.Module) -> list[str]:
+    """Names of the modules whose weights accelerate keeps offloaded (CPU or disk) and loads per forward."""
+    from accelerate.utils import has_offloaded_params
+
+    return [name for name, module in model.named_modules() if has_offloaded_params(module)]
+
+
+@contextmanager
+def materialized(model: torch.nn.Module) -> Iterator[None]:
+    """Within the block, every offloaded module of ``model`` holds its real weights on its execution device."""
+    from accelerate.utils import align_module_device
+
+    with ExitStack() as stack:
+        for name in offloaded_modules(model):
+            stack.enter_context(align_module_device(model.get_submodule(name)))
+        yield
+
+
+def hook_state(model: torch.nn.Module) -> dict[int, object]:
+    """Objects a copy of ``model`` must share rather than duplicate: each hook's weights map (offloaded weights)
+    and tied-parameter map, keyed by ``id`` (a ``copy.deepcopy`` memo)."""
+    shared = {}
+    for module in model.modules():
+        hook = getattr(module, "_hf_hook", None)
+        for attribute in ("weights_map", "tied_params_map"):
+            value = getattr(hook, attribute, None)
+            if value is not None:
+                shared[id(value)] = value
+    return shared
+
+
+def strip_hooks(model: torch.nn.Module) -> None:
+    """Remove accelerate hooks from ``model`` (a private copy) without moving or reloading any weight."""
+    for module in model.modules():
+        if "_hf_hook" in module.__dict__:
+            del module._hf_hook
+        if "_old_forward" in module.__dict__:
+            module.forward = module._old_forward
+            del module._old_forward
 
 
 def install_generate(generate: Callable | None) -> None:

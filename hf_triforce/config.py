@@ -9,6 +9,7 @@ from .drafters import drafter_names
 from .quantized import ROW_INDEPENDENT_MAX_ROWS
 
 DRAFT_PRECISIONS = ("model", "int8")
+FULL_CACHE_DEVICES = (None, "cpu")
 POLICIES = ("auto", "fixed")
 
 
@@ -47,6 +48,10 @@ class TriForceConfig:
         plain one-token decoding, the drafter (or free n-gram lookup) verified by Force 3, or all three
         levels — with gammas up to ``gamma1`` / ``gamma2`` (`hf_triforce.policy`). ``"fixed"``: every step
         runs ``levels`` with ``gamma1`` / ``gamma2``. Either way the output is exact.
+    full_cache_device: where Force 3's full cache lives: ``None`` (default: each layer's entries on that
+        layer's execution device, next to the model) or ``"cpu"`` (TriForce's offloading mode: host memory,
+        pinned for a GPU, streamed to the compute device layer by layer during verification with the next
+        layer prefetched; the retrieval and draft caches stay on the device). Output is identical either way.
     explore_every: under ``policy="auto"``, steps between tries of the best plan other than the current
         one (doubling, up to 16x, while such tries do not pay).
     """
@@ -69,6 +74,7 @@ class TriForceConfig:
     draft_precision: str = "model"
     policy: str = "auto"
     explore_every: int = 16
+    full_cache_device: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.draft, str):
@@ -139,6 +145,10 @@ class TriForceConfig:
                 f"TriForceConfig.gamma1 must be at most {ROW_INDEPENDENT_MAX_ROWS - 1} with draft_precision='int8' "
                 f"(Force 2 verifies gamma1 + 1 rows, each quantized on its own up to {ROW_INDEPENDENT_MAX_ROWS}), "
                 f"got {self.gamma1}"
+            )
+        if self.full_cache_device not in FULL_CACHE_DEVICES:
+            raise ValueError(
+                f"TriForceConfig.full_cache_device must be one of {FULL_CACHE_DEVICES}, got {self.full_cache_device!r}"
             )
         if self.policy not in POLICIES:
             raise ValueError(f"TriForceConfig.policy must be one of {POLICIES}, got {self.policy!r}")

@@ -27,6 +27,8 @@ from transformers import LogitsProcessorList, StoppingCriteriaList
 from . import compat
 from .attention import QueryRecorder
 from .caches.buffer import BufferCache, copy_prefix
+from .caches.offloaded import OffloadedBufferCache
+from .compat import layer_devices
 from .config import TriForceConfig
 from .drafters import DRAFTERS, DraftContext, build_drafter
 from .drafters.registry import MODEL_DRAFTER, spec_of
@@ -35,6 +37,7 @@ from .hierarchy import Candidates, Force1Only, Force2
 from .output_head import weight_left_output_layer
 from .policy import AdaptivePolicy, Plan
 from .quantized import drafting_model
+from .row_mixing import RowsApart
 from .sampling import ChainVerifier, Sampler, TorchSampler, scores_to_probs
 from .scoring import process_rows
 from .stats import TriForceStats
@@ -207,16 +210,19 @@ class TriForceDecoder:
 
     def run(self, input_ids: torch.LongTensor, streamer=None, prefix_cache=None, keep_scores: bool = False,
             keep_logits: bool = False) -> DecodeResult:
-        with weight_left_output_layer(self.model) as weight_left:
+        with weight_left_output_layer(self.model) as weight_left, RowsApart(self.model) as rows_apart:
+            self.rows_apart = rows_apart  # enabled after the prefill (plain generate prefills batched too)
             result = self._run(input_ids, streamer, prefix_cache, keep_scores, keep_logits)
         self.stats.weight_left_output_layer = weight_left
         return result
 
     def _run(self, input_ids, streamer, prefix_cache, keep_scores, keep_logits) -> DecodeResult:
         config, stats, recorder = self.config, self.stats, QueryRecorder()
+        cache_class = OffloadedBufferCache if config.full_cache_device == "cpu" else BufferCache
         # sliding-window layers keep their window plus room for the deepest rollback (a rejected chain, a stop)
-        full = BufferCache(self.model.config.num_hidden_layers, self.max_length + config.gamma2 + 2,
+        full = cache_class(self.model.config.num_hidden_layers, self.max_length + config.gamma2 + 2,
                            compat.layer_windows(self.model.config), rollback=config.gamma2 + 2)
+        full.expect_devices(layer_devices(self.model))
         cached = copy_prefix(prefix_cache, full) if prefix_cache is not None else 0
         out = Output(input_ids, self.view, self.criteria, self.max_length, streamer, keep_scores, keep_logits, stats)
 
@@ -224,6 +230,7 @@ class TriForceDecoder:
         logits = prefill(self.model, input_ids[:, cached:], full, config.prefill_chunk_size, config.show_progress,
                          recorder, chunks)
         stats.prefill_seconds = time.perf_counter() - start
+        self.rows_apart.enable()
         scores = process_rows(self.processors, input_ids, logits, input_ids.shape[1])
         first = self.sampler.categorical(scores_to_probs(scores)[0]) if self.do_sample else int(scores[0].argmax())
         done = out.commit(first, scores[0], logits[0])
@@ -286,6 +293,9 @@ class TriForceDecoder:
         stats.full_cache_bytes = full.nbytes()
         stats.retrieval_cache_bytes = sum(level.nbytes() for level in self.levels.values())
         stats.draft_cache_bytes = sum(drafter.nbytes() for drafter in self.drafters.values())
+        stats.retrieval_summary_bytes = sum(level.summary_bytes() for level in self.levels.values())
+        stats.device_resident_bytes = (full.resident_bytes() + stats.retrieval_cache_bytes + stats.draft_cache_bytes
+                                       + stats.retrieval_summary_bytes)
         if self.policy is not None:
             stats.plans = self.policy.summary()
         out.result.cache = full

@@ -21,6 +21,7 @@ from transformers import LogitsProcessorList
 from . import compat
 from .caches.buffer import BufferCache
 from .caches.retrieval import RetrievalCache
+from .compat import layer_devices
 from .config import TriForceConfig
 from .drafters import Drafter
 from .forward import score_continuation, settle
@@ -50,7 +51,7 @@ class Force2:
         self.cache = RetrievalCache(
             model.config.num_hidden_layers, config.retrieval_budget, config.chunk_size, config.recent_tokens, tail,
             compat.layer_windows(model.config),
-        )
+        ).expect_devices(layer_devices(model))
         self.steps_since_selection = 0
 
     @property
@@ -142,6 +143,9 @@ class Force2:
     def nbytes(self) -> int:
         return self.cache.nbytes()
 
+    def summary_bytes(self) -> int:
+        return self.cache.summary_bytes()
+
 
 class Force1Only:
     """Two levels (``TriForceConfig(levels=2)``): Force 1's drafts go straight to Force 3.
@@ -173,4 +177,7 @@ class Force1Only:
         self.drafter.rollback(sequence.shape[1] - 1)
 
     def nbytes(self) -> int:
+        return 0
+
+    def summary_bytes(self) -> int:
         return 0

@@ -14,6 +14,17 @@ agreement with the fp32 model (measured on SmolLM2-135M, 1024 tokens of Macbeth,
 sum(min(p, q)): all linears int8 0.57, MLP output projections kept fp32 0.81). It is made once per
 model object and reused: if you change the model's weights afterwards, call `forget_int8_copy`.
 
+Device maps (accelerate ``device_map=``, ``offload_folder=``): every execution device must be the CPU. The
+copy is made once from the loaded weights (offloaded layers are read from CPU or disk for it) and holds them
+in CPU memory: int8 for the quantized linears, fp32 for the MLP output projections, norms and embeddings of
+offloaded layers (shared with the model where they are resident). `int8_copy_bytes` reports its size.
+
+Adapters (PEFT LoRA and the like): linears held in a `nn.ModuleDict` — the per-adapter containers
+(``lora_A``/``lora_B``) — stay fp32: they are low-rank, and their owner layers read ``.weight`` from them.
+The adapted base layers are quantized. A copy remembers which adapters were active and merged when it was
+made (`adapter_state`); `set_adapter`, `merge_adapter` or disabling adapters afterwards makes the next
+call build a fresh copy, so the drafting tiers follow the adapter Force 3 runs.
+
 Row independence (exactness): a dynamic-int8 linear quantizes its whole input with one scale, so each output
 row depends on the other rows of the call. When Force 2 verifies Force 1's drafts in one forward, the q of
 row 0 would then depend on the drafts being verified, and the emitted token would no longer be distributed as
@@ -32,6 +43,8 @@ import weakref
 
 import torch
 from torch import nn
+
+from .compat import execution_device, hook_state, materialized, strip_hooks
 
 _COPIES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 ROW_INDEPENDENT_MAX_ROWS = 64  # >= gamma1 + 1 (checked by TriForceConfig)
@@ -60,30 +73,71 @@ def int8_available() -> bool:
 def int8_copy(model: nn.Module) -> nn.Module:
     """The cached dynamic-int8 copy of ``model`` (an fp32 model on CPU)."""
     cached = _COPIES.get(model)
-    if cached is not None:
-        return cached
+    state = adapter_state(model)
+    if cached is not None and cached[1] == state:
+        return cached[0]
     check_int8_eligible(model)
-    shared = {id(t): t for t in itertools.chain(model.parameters(), model.buffers())}
-    shared[id(model.config)] = model.config
-    clone = copy.deepcopy(model, shared)  # new modules, the same tensors
-    spec = {name: torch.ao.quantization.per_channel_dynamic_qconfig for name in int8_layer_names(clone)}
-    with warnings.catch_warnings():  # torch marks torch.ao as deprecated in favour of torchao; still shipped
-        warnings.filterwarnings("ignore", category=DeprecationWarning, module=r"torch\.ao")
-        warnings.filterwarnings("ignore", message=r".*quantize_per_(tensor|channel).*", category=UserWarning)
-        torch.ao.quantization.quantize_dynamic(clone, spec, dtype=torch.qint8, inplace=True)
+    with materialized(model):  # offloaded weights loaded for the copy's own use (quantized, or shared fp32)
+        shared = {id(t): t for t in itertools.chain(model.parameters(), model.buffers())}
+        shared[id(model.config)] = model.config
+        shared.update(hook_state(model))
+        clone = copy.deepcopy(model, shared)  # new modules, the same tensors
+        strip_hooks(clone)  # every execution device is the CPU (checked): the copy needs no device hooks
+        spec = {name: torch.ao.quantization.per_channel_dynamic_qconfig for name in int8_layer_names(clone)}
+        with warnings.catch_warnings():  # torch marks torch.ao as deprecated in favour of torchao; still shipped
+            warnings.filterwarnings("ignore", category=DeprecationWarning, module=r"torch\.ao")
+            warnings.filterwarnings("ignore", message=r".*quantize_per_(tensor|channel).*", category=UserWarning)
+            torch.ao.quantization.quantize_dynamic(clone, spec, dtype=torch.qint8, inplace=True)
     for module in clone.modules():
         if isinstance(module, torch.ao.nn.quantized.dynamic.Linear):
             _row_independent(module)
     clone.eval()
-    _COPIES[model] = clone
+    _COPIES[model] = (clone, state)
     return clone
+
+
+def int8_copy_bytes(model: nn.Module) -> int:
+    """Bytes the cached int8 copy of ``model`` holds beyond the model's resident tensors (0: no copy)."""
+    cached = _COPIES.get(model)
+    if cached is None:
+        return 0
+    own = {t.data_ptr() for t in itertools.chain(model.parameters(), model.buffers())}
+    total = 0
+    for module in cached[0].modules():
+        if isinstance(module, torch.ao.nn.quantized.dynamic.Linear):
+            weight, bias = module.weight(), module.bias()
+            total += weight.numel() * weight.element_size() + (bias.nbytes if bias is not None else 0)
+        for tensor in itertools.chain(module.parameters(recurse=False), module.buffers(recurse=False)):
+            if tensor.data_ptr() not in own:
+                total += tensor.nbytes
+    return total
+
+
+def adapter_state(model: nn.Module) -> tuple:
+    """Which adapters each adapter-carrying layer runs and whether they are merged (empty without adapters).
+
+    Read from the attributes PEFT's tuner layers expose (``active_adapters``, ``merged_adapters``,
+    ``disable_adapters``); modules without ``active_adapters`` do not contribute.
+    """
+    state = []
+    for name, module in model.named_modules():
+        active = getattr(module, "active_adapters", None)
+        if active is None or callable(active):  # the model's own active_adapters() is a method
+            continue
+        state.append((name, tuple(active), tuple(getattr(module, "merged_adapters", ())),
+                      bool(getattr(module, "disable_adapters", False))))
+    return tuple(state)
 
 
 def check_int8_eligible(model: nn.Module) -> None:
     """Raise the error `int8_copy` would raise for ``model`` (checked before a long prefill)."""
-    device = next(model.parameters()).device
-    if device.type != "cpu":
-        raise ValueError(f"TriForceConfig.draft_precision='int8' runs on CPU only; the model is on {device}")
+    for name, module in model.named_modules():
+        device = execution_device(module)
+        if device is None:  # no hook: where its weights are (offloaded weights sit on "meta" between forwards)
+            device = next((p.device for p in module.parameters(recurse=False) if p.device.type != "meta"), None)
+        if device is not None and device.type != "cpu":
+            raise ValueError(f"TriForceConfig.draft_precision='int8' runs on CPU only; module {name or 'model'!r} "
+                             f"runs on {device} (use draft_precision='model' there)")
     if next(model.parameters()).dtype != torch.float32:
         raise ValueError("TriForceConfig.draft_precision='int8' quantizes an fp32 model; this one is "
                          f"{next(model.parameters()).dtype}")
@@ -93,13 +147,17 @@ def check_int8_eligible(model: nn.Module) -> None:
 
 
 def int8_layer_names(model: nn.Module) -> list[str]:
-    """Names of the `nn.Linear` layers the int8 copy quantizes: all but the MLP output projections."""
+    """Names of the `nn.Linear` layers the int8 copy quantizes: all but the MLP output projections and adapters."""
     config = model.config
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     intermediate, hidden = getattr(text, "intermediate_size", None), getattr(text, "hidden_size", None)
+    in_adapter_containers = {
+        id(child) for module in model.modules() if isinstance(module, nn.ModuleDict) for child in module.values()
+    }
     return [
         name for name, module in model.named_modules()
-        if type(module) is nn.Linear and not (module.in_features == intermediate and module.out_features == hidden)
+        if type(module) is nn.Linear and id(module) not in in_adapter_containers
+        and not (module.in_features == intermediate and module.out_features == hidden)
     ]
 
 

@@ -29,6 +29,10 @@ class TriForceStats:
     full_cache_bytes: int = 0
     retrieval_cache_bytes: int = 0
     draft_cache_bytes: int = 0
+    # bytes kept on the compute device between forwards: the caches' buffers except an offloaded full cache's,
+    # plus the retrieval chunk summaries (one mean key per chunk: they grow with context / chunk_size)
+    device_resident_bytes: int = 0
+    retrieval_summary_bytes: int = 0
     plan_steps: dict = field(default_factory=dict)  # Force-3 steps by plan levels (1 plain, 2, 3)
     plans: dict = field(default_factory=dict)  # policy="auto": per plan, steps, predicted and measured tokens/s
 

@@ -109,3 +109,8 @@ def test_cuda_sampling_is_seeded_and_runs():
         runs.append(model.generate(prompt, max_new_tokens=32, do_sample=True, temperature=0.8, top_p=0.9,
                                    triforce_config=config))
     assert runs[0].shape == (1, 432) and torch.equal(runs[0], runs[1])
+
+
+# the offloaded full cache on a GPU (pinned host buffers, side-stream prefetch), collected here too so that the
+# prepared GPU check (which runs this file) exercises it
+from .test_offloaded_cache import test_cuda_offloaded_cache_streams_from_pinned_memory  # noqa: E402, F401

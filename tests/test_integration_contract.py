@@ -173,3 +173,46 @@ def test_rotary_embedding_takes_the_layer_type_where_bases_differ():
     assert not torch.allclose(local(torch.zeros(1, 1, 4), position)[0], full(torch.zeros(1, 1, 4), position)[0])
     llama = make_model("llama-gqa")
     assert compat.layer_rotary(llama, 0) is compat.rotary_embedding(llama)
+
+def test_bitsandbytes_outlier_threshold_contract(tmp_path):
+    """``Linear8bitLt.state.threshold`` is the LLM.int8 outlier threshold set by ``llm_int8_threshold``."""
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    make_model("llama-gqa").save_pretrained(tmp_path)
+    for threshold in (6.0, 0.0):
+        model = AutoModelForCausalLM.from_pretrained(
+            tmp_path, device_map="cpu", quantization_config=BitsAndBytesConfig(load_in_8bit=True,
+                                                                              llm_int8_threshold=threshold))
+        assert compat.bnb_outlier_threshold(model.model.layers[0].self_attn.q_proj) == threshold
+        assert compat.bnb_outlier_threshold(model.model.layers[0].input_layernorm) is None
+
+
+def test_accelerate_dispatch_hook_contract(tmp_path):
+    """Hooks of a dispatched model: execution devices, offloaded modules loaded by ``materialized``, the
+    shared weight maps, and ``strip_hooks`` restoring the wrapped forward on a copy."""
+    import copy
+
+    from transformers import AutoModelForCausalLM
+
+    make_model("llama-gqa").save_pretrained(tmp_path / "model")
+    device_map = {"model.embed_tokens": "cpu", "model.layers.0": "cpu", "model.layers.1": "disk",
+                  "model.norm": "cpu", "model.rotary_emb": "cpu", "lm_head": "cpu"}
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "model", device_map=device_map,
+                                                 offload_folder=tmp_path / "offload")
+    assert compat.execution_device(model.model.layers[1]) == torch.device("cpu")
+    assert compat.execution_device(torch.nn.Linear(2, 2)) is None
+    assert compat.layer_devices(model) == [torch.device("cpu")] * 2
+    offloaded = compat.offloaded_modules(model)
+    assert offloaded and all(name.startswith("model.layers.1") for name in offloaded)
+    weight = model.model.layers[1].self_attn.q_proj
+    assert weight.weight.device.type == "meta"
+    with compat.materialized(model):
+        assert weight.weight.device.type == "cpu" and float(weight.weight.detach().abs().sum()) > 0
+        shared = compat.hook_state(model)
+        assert shared
+        clone = copy.deepcopy(model, shared)
+    assert weight.weight.device.type == "meta"
+    compat.strip_hooks(clone)
+    assert not any(hasattr(module, "_hf_hook") for module in clone.modules())
+    ids = torch.arange(5)[None]
+    assert torch.equal(clone(ids).logits, model(ids).logits)

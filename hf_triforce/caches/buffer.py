@@ -22,13 +22,25 @@ class BufferLayer(CacheLayerMixin):
         super().__init__()
         self.capacity = capacity
         self.length = 0
+        self.expected_device: torch.device | None = None  # the layer's execution device, when known
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Allocate on the layer's execution device when known (entries copied in from an offloaded cache
+        arrive from the host), else where the entries are."""
         batch, heads, _, k_dim = key_states.shape
-        self.keys = key_states.new_zeros((batch, heads, self.capacity, k_dim))
-        self.values = value_states.new_zeros((batch, heads, self.capacity, value_states.shape[-1]))
-        self.device = key_states.device
+        device = self.expected_device if self.expected_device is not None else key_states.device
+        self.keys = key_states.new_zeros((batch, heads, self.capacity, k_dim), device=device)
+        self.values = value_states.new_zeros((batch, heads, self.capacity, value_states.shape[-1]), device=device)
+        self.device = device
         self.is_initialized = True
+
+    def check_device(self, key_states: torch.Tensor) -> None:
+        """Entries the model computes must come from this layer's execution device."""
+        if self.expected_device is not None and key_states.device != self.expected_device:
+            raise RuntimeError(
+                f"{type(self).__name__}: entries computed on {key_states.device}, but this layer executes on "
+                f"{self.expected_device} (device_map); the cache is never moved to another device silently"
+            )
 
     def write(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Append entries after the valid prefix."""
@@ -65,10 +77,15 @@ class BufferLayer(CacheLayerMixin):
                 for source, target in ((keys, self.keys), (values, self.values)):
                     rows = source[b, h, :whole].view(whole // chunk_size, chunk_size * source.shape[-1])
                     out = target[b, h, self.length : end].view(-1, chunk_size * source.shape[-1])
-                    torch.index_select(rows, 0, chunks[b, h], out=out)
+                    index = chunks[b, h].to(rows.device)
+                    if rows.device == out.device:
+                        torch.index_select(rows, 0, index, out=out)
+                    else:  # an offloaded full cache: gather where it lives, then copy to this layer's device
+                        out.copy_(torch.index_select(rows, 0, index))
         self.length = end
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        self.check_device(key_states)
         self.write(key_states, value_states)
         return self.keys[:, :, : self.length], self.values[:, :, : self.length]
 
@@ -94,6 +111,10 @@ class BufferLayer(CacheLayerMixin):
 
     def nbytes(self) -> int:
         return 0 if not self.is_initialized else self.keys.nbytes + self.values.nbytes
+
+    def resident_bytes(self) -> int:
+        """Bytes this layer keeps on its compute device between forwards."""
+        return self.nbytes()
 
 
 class BufferCache(Cache):
@@ -128,6 +149,19 @@ class BufferCache(Cache):
     def length(self) -> int:
         return self.layers[self.reference].length
 
+    def expect_devices(self, devices: list[torch.device | None]) -> BufferCache:
+        """Allocate layer ``i`` on ``devices[i]`` (each decoder layer's execution device, `compat.layer_devices`)
+        and refuse entries computed anywhere else (``None``: where its entries are computed)."""
+        if len(devices) != len(self.layers):
+            raise ValueError(f"{len(devices)} layer devices for a cache of {len(self.layers)} layers")
+        for layer, device in zip(self.layers, devices):
+            layer.expected_device = None if device is None else torch.device(device)
+        return self
+
+    def devices(self) -> list[torch.device | None]:
+        """The device each allocated layer lives on (None: not allocated yet)."""
+        return [layer.keys.device if layer.is_initialized else None for layer in self.layers]
+
     def rollback(self, length: int) -> None:
         """Keep the first ``length`` entries of every layer."""
         for layer in self.layers:
@@ -136,6 +170,10 @@ class BufferCache(Cache):
     def nbytes(self) -> int:
         """Bytes allocated by the buffers."""
         return sum(layer.nbytes() for layer in self.layers)
+
+    def resident_bytes(self) -> int:
+        """Bytes kept on the compute devices between forwards (an offloaded cache keeps its buffers on the host)."""
+        return sum(layer.resident_bytes() for layer in self.layers)
 
 
 def copy_prefix(source: Cache, target: BufferCache) -> int:

@@ -55,17 +55,22 @@ class RetrievalCache(BufferCache):
             return self.tail_capacity
         return self.capacity - self.entries_for(upto)
 
-    def _chunk_summaries(self, layer_idx: int, keys: torch.Tensor, n_chunks: int) -> torch.Tensor:
-        """Mean key per chunk and KV head for chunks ``1..n_chunks`` (cached; chunks never change)."""
+    def _chunk_summaries(self, layer_idx: int, keys: torch.Tensor, n_chunks: int, device: torch.device) -> torch.Tensor:
+        """Mean key per chunk and KV head for chunks ``1..n_chunks`` (cached; chunks never change), kept on
+        ``device`` (the query's): an offloaded full cache is read only for the chunks completed since."""
         cs = self.chunk_size
         done = self._summaries[layer_idx]
         have = 0 if done is None else done.shape[2]
         if have < n_chunks:
-            fresh = keys[:, :, cs * (1 + have) : cs * (1 + n_chunks)].float()
+            fresh = keys[:, :, cs * (1 + have) : cs * (1 + n_chunks)].to(device).float()
             fresh = fresh.reshape(keys.shape[0], keys.shape[1], n_chunks - have, cs, keys.shape[-1]).mean(3)
             done = fresh if done is None else torch.cat((done, fresh), dim=2)
             self._summaries[layer_idx] = done
         return done[:, :, :n_chunks]
+
+    def summary_bytes(self) -> int:
+        """Bytes of the chunk summaries (one mean key per chunk, KV head and layer: context / chunk_size)."""
+        return sum(t.nbytes for t in self._summaries if t is not None)
 
     @torch.no_grad()
     def select(self, full: BufferCache, upto: int, queries: dict[int, torch.Tensor]) -> None:
@@ -95,8 +100,8 @@ class RetrievalCache(BufferCache):
                         f"RetrievalCache: no query was recorded for layer {layer_idx}: the model's attention does "
                         "not go through transformers' AttentionInterface, which Force-2 retrieval reads it from"
                     )
-                summaries = self._chunk_summaries(layer_idx, source.keys, n_mid)  # [b, kv, n_mid, d]
                 query = queries[layer_idx].float()
+                summaries = self._chunk_summaries(layer_idx, source.keys, n_mid, query.device)  # [b, kv, n_mid, d]
                 batch, heads, dim = query.shape
                 kv_heads = keys.shape[1]
                 grouped = query.reshape(batch, kv_heads, heads // kv_heads, dim).sum(2)
