@@ -29,6 +29,8 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=4096)
     parser.add_argument("--new", type=int, default=64)
     parser.add_argument("--budget", type=int, default=1024)
+    parser.add_argument("--config", choices=["fixed-self", "default"], default="fixed-self",
+                        help="fixed-self: three levels every step (--budget, window 512); default: TriForceConfig()")
     parser.add_argument("--text", type=Path, default=Path(torch.__file__).parent.parent / "torch" / "nn" / "modules")
     args = parser.parse_args()
     if sha256_of(args.gguf) != SHA256:
@@ -46,13 +48,15 @@ def main() -> None:
         start = time.perf_counter()
         expected = model.generate(ids, **gen)
         plain = time.perf_counter() - start
-        config = TriForceConfig(draft="self", policy="fixed", retrieval_budget=args.budget, window=512, sink_tokens=4)
+        config = TriForceConfig() if args.config == "default" else TriForceConfig(
+            draft="self", policy="fixed", retrieval_budget=args.budget, window=512, sink_tokens=4)
         start = time.perf_counter()
         out = model.generate(ids, triforce_config=config, return_dict_in_generate=True, **gen)
         triforce = time.perf_counter() - start
     stats = out.triforce_stats
     print(json.dumps({
-        "context": ids.shape[1], "new": args.new, "identical": bool(torch.equal(out.sequences, expected)),
+        "config": args.config, "context": ids.shape[1], "new": args.new,
+        "identical": bool(torch.equal(out.sequences, expected)),
         "sliding_layers": sum(w is not None for w in windows), "full_layers": sum(w is None for w in windows),
         "window": next(w for w in windows if w is not None),
         "force2_acceptance": stats.force2_accepted / max(1, stats.force1_proposed),
