@@ -25,7 +25,8 @@ from . import compat
 from .attention import wrapped_name
 from .config import TriForceConfig
 from .decoder import TriForceDecoder
-from .quantized import check_int8_eligible
+from .quantized import ROW_INDEPENDENT_MAX_ROWS, check_int8_eligible
+from .row_mixing import row_mixing_layers
 from .stats import TriForceStats
 
 TESTED_TRANSFORMERS = compat.TESTED_TRANSFORMERS
@@ -73,6 +74,13 @@ def _check_request(model, input_ids: torch.Tensor, config: TriForceConfig, gener
     # per-layer attention types as plain generate's cache reads them: full and sliding-window layers are
     # supported (sliding layers keep their window in every tier); any other type is refused here, by name
     compat.layer_windows(model.config)
+    if row_mixing_layers(model) and max(config.gamma1, config.gamma2) + 1 > ROW_INDEPENDENT_MAX_ROWS:
+        raise ValueError(
+            f"triforce_config=: the model has layers whose rows depend on each other (bitsandbytes LLM.int8 with "
+            f"llm_int8_threshold > 0), which TriForce runs one row at a time in calls of up to "
+            f"{ROW_INDEPENDENT_MAX_ROWS} rows: gamma1 + 1 and gamma2 + 1 must be at most {ROW_INDEPENDENT_MAX_ROWS} "
+            f"(got gamma1={config.gamma1}, gamma2={config.gamma2})"
+        )
     if config.draft_precision == "int8":
         check_int8_eligible(model)
         if not isinstance(config.draft, str):

@@ -63,6 +63,13 @@ def test_bnb_8bit_with_outlier_threshold(checkpoint, monkeypatch):
     assert any(diverged)
 
 
+def test_bnb_8bit_with_outlier_threshold_refuses_chains_longer_than_rows_apart_covers(checkpoint):
+    model = _load(checkpoint, BitsAndBytesConfig(load_in_8bit=True))
+    too_long = TriForceConfig(draft="ngram", policy="fixed", retrieval_budget=64, chunk_size=8, gamma1=2, gamma2=64)
+    with pytest.raises(ValueError, match="gamma2 \\+ 1 must be at most 64"):
+        model.generate(random_prompt(100, period=37, seed=1), triforce_config=too_long, **GEN)
+
+
 def test_bnb_8bit_without_outlier_threshold(checkpoint):
     model = _load(checkpoint, BitsAndBytesConfig(load_in_8bit=True, llm_int8_threshold=0.0))
     assert not row_mixing_layers(model)

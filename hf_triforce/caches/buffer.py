@@ -72,12 +72,13 @@ class BufferLayer(CacheLayerMixin):
             )
         whole = keys.shape[2] // chunk_size * chunk_size
         end = self.length + m
+        chunks = chunks.to(keys.device)  # once: the source may be an offloaded cache in host memory
         for b in range(chunks.shape[0]):
             for h in range(chunks.shape[1]):
                 for source, target in ((keys, self.keys), (values, self.values)):
                     rows = source[b, h, :whole].view(whole // chunk_size, chunk_size * source.shape[-1])
                     out = target[b, h, self.length : end].view(-1, chunk_size * source.shape[-1])
-                    index = chunks[b, h].to(rows.device)
+                    index = chunks[b, h]
                     if rows.device == out.device:
                         torch.index_select(rows, 0, index, out=out)
                     else:  # an offloaded full cache: gather where it lives, then copy to this layer's device

@@ -47,6 +47,7 @@ class WindowLayer(BufferLayer):
         return self.length
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        self.check_device(key_states)
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         n, drop, held = key_states.shape[-2], self._drop(key_states.shape[-2]), self.held
