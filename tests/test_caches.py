@@ -7,7 +7,7 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from hf_triforce import TriForceConfig
 from hf_triforce.caches import BufferCache, RetrievalCache, SinkWindowCache
-from hf_triforce.caches.sink_window import make_rerotate
+from hf_triforce.caches.sink_window import make_layer_rerotations
 
 from .conftest import make_model, random_prompt
 
@@ -21,7 +21,7 @@ def test_rerotation_equals_rotation_at_the_new_position():
     rotated, _ = apply_rotary_pos_emb(keys, keys, cos, sin)
     cos2, sin2 = rotary(keys, positions - 37)
     expected, _ = apply_rotary_pos_emb(keys, keys, cos2, sin2)
-    torch.testing.assert_close(make_rerotate(model)(rotated, -37), expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(make_layer_rerotations(model)[0](rotated, -37), expected, rtol=1e-5, atol=1e-5)
 
 
 def _stats(model, length, **cfg):

@@ -107,14 +107,6 @@ def make_layer_rerotations(model) -> list[Rerotate | None]:
     return rerotations
 
 
-def make_rerotate(model, layer_idx: int | None = None) -> Rerotate:
-    """The re-rotation of decoder layer ``layer_idx`` (default: the first layer that rotates its keys)."""
-    rerotations = make_layer_rerotations(model)
-    if layer_idx is None:
-        layer_idx = next((i for i, r in enumerate(rerotations) if r is not None), 0)
-    return rerotations[layer_idx] or (lambda keys, delta: keys)
-
-
 class SinkWindowCache(BufferCache):
     """``sink_tokens`` first entries + the last ``window`` entries, at in-cache positions.
 

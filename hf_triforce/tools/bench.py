@@ -97,7 +97,7 @@ def measure(model, ids, prefix, method: str, new_tokens: int, budget: int, run: 
     """One timed run (greedy, or ``sampling`` kwargs seeded with ``seed``); ``lookup`` and ``assisted``
     prefill the prompt themselves, so the shared prefill time is subtracted from theirs. Methods of another
     engine run on ``engines[method]`` (prefilled already)."""
-    if method_named(method).engine != "transformers":
+    if method_named(method).other_engine:
         seconds, sequences = engines[method].decode(ids, new_tokens, sampling, seed)
         run.seconds.append(seconds)
         run.new_tokens, run.sequences = sequences.shape[1] - ids.shape[1], sequences
@@ -134,7 +134,7 @@ def compare(model, ids, methods, new_tokens: int, repeats: int, budget: int | li
     needs_draft = [m for m in methods if METHODS[m].needs_draft_model]
     if draft_model is None and needs_draft:
         raise ValueError(f"methods {needs_draft} need a draft model (draft_model=...)")
-    no_engine = [m for m in methods if METHODS[m].engine != "transformers" and m not in (engines or {})]
+    no_engine = [m for m in methods if METHODS[m].other_engine and m not in (engines or {})]
     if no_engine:
         raise ValueError(f"methods {no_engine} run another engine: pass it in engines={{method: engine}}")
     budgets = [budget] if isinstance(budget, int) else list(budget)
@@ -175,7 +175,7 @@ def table(runs: list[Run], sampled: bool = False) -> str:
 
 def identity(run: Run, base: Run) -> str:
     """"yes"/"NO" against plain `generate`; for another engine, how many leading new tokens match."""
-    if method_named(run.method).engine == "transformers":
+    if not method_named(run.method).other_engine:
         return "yes" if torch.equal(run.sequences, base.sequences) else "NO"
     new, reference = run.sequences[0, -run.new_tokens:], base.sequences[0, -base.new_tokens:]
     differs = (new != reference[: new.shape[0]]).nonzero()

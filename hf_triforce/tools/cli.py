@@ -170,7 +170,7 @@ def _bench(args) -> int:
     if bundled:  # checked before the (slow) load
         limit = 8192 if args.rope_factor is None else int(8192 * args.rope_factor)
         _check_contexts(args, limit)
-    engine_methods = [m for m in methods if METHODS[m].engine != "transformers"]
+    engine_methods = [m for m in methods if METHODS[m].other_engine]
     if engine_methods:
         from .llama_cpp_engine import llama_cpp_available
 

@@ -45,6 +45,11 @@ class Method:
         return self.name == "assisted" or self.drafter == "draft"
 
     @property
+    def other_engine(self) -> bool:
+        """Runs on another engine than transformers (llama.cpp), not through ``generate``."""
+        return self.engine != "transformers"
+
+    @property
     def kind(self) -> str:
         """The drafter's kind ("model" or "lookup"), which picks the tuned gammas."""
         return DRAFTERS[MODEL_DRAFTER if self.drafter == "draft" else self.drafter].kind
