@@ -25,6 +25,7 @@ from . import compat
 from .attention import wrapped_name
 from .config import TriForceConfig
 from .decoder import TriForceDecoder
+from .preflight import check_model
 from .quantized import ROW_INDEPENDENT_MAX_ROWS, check_int8_eligible
 from .row_mixing import row_mixing_layers
 from .stats import TriForceStats
@@ -151,6 +152,7 @@ def triforce_generate(
                               max_length=generation_config.max_length - pad,
                               do_sample=bool(generation_config.do_sample), padding=input_ids[:, :pad])
     with recording_attention(model):
+        check_model(model, config, ids[:, :1])  # before the prefill: what would fail after it fails now
         result = decoder.run(ids, streamer=triforce_streamer, prefix_cache=prefix,
                              keep_scores=bool(generation_config.output_scores),
                              keep_logits=bool(generation_config.output_logits))

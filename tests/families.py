@@ -73,6 +73,18 @@ FAMILIES: dict[str, tuple[type, type, dict, str]] = {
     "granite": (T.GraniteConfig, T.GraniteForCausalLM, dict(num_hidden_layers=2, **HEADS), "scaled residuals"),
     "exaone4": (T.Exaone4Config, T.Exaone4ForCausalLM, dict(num_hidden_layers=4, **HEADS, sliding_window=WINDOW),
                 "3 sliding : 1 full (global layers NoPE), qk-norm"),
+    "ernie4_5": (T.Ernie4_5Config, T.Ernie4_5ForCausalLM, dict(num_hidden_layers=2, **HEADS, head_dim=16),
+                 "interleaved RoPE pairs taking the first half of the angles"),
+    "helium": (T.HeliumConfig, T.HeliumForCausalLM, dict(num_hidden_layers=2, **HEADS, head_dim=16),
+               "interleaved RoPE pairs taking the first half of the angles"),
+    "nanochat": (T.NanoChatConfig, T.NanoChatForCausalLM, dict(num_hidden_layers=2, **HEADS, head_dim=16),
+                 "RoPE halves rotated the other way, qk-norm"),
+    "deepseek-v3": (T.DeepseekV3Config, T.DeepseekV3ForCausalLM,
+                    dict(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, head_dim=8,
+                         qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, kv_lora_rank=16, q_lora_rank=16,
+                         n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1,
+                         moe_intermediate_size=32, first_k_dense_replace=1),
+                    "multi-head latent attention (keys wider than values), MoE"),
 }
 
 HYBRID = [name for name, (_, _, kwargs, _) in FAMILIES.items() if kwargs.get("sliding_window")]

@@ -130,9 +130,11 @@ def test_window_layer_rolls_back_only_within_what_it_keeps():
 
 def test_each_layer_is_moved_by_its_own_rotation():
     """Gemma 3's local and global layers use different RoPE bases; Cohere 2's global layers have none (NoPE) and
-    its local ones rotate interleaved pairs; GPT-OSS rotates halves with one angle per pair. A cached key moved by
+    its local ones rotate interleaved pairs; GPT-OSS rotates halves with one angle per pair; Ernie 4.5 and Helium
+    interleaved pairs with the first half of the angles; NanoChat halves the other way; DeepSeek-V3 (MLA) only its
+    rotary part. A cached key moved by
     `delta` equals the key computed at the moved position, layer by layer."""
-    for family in ("gemma3", "cohere2", "gpt-oss", "smollm3", "phi"):
+    for family in ("gemma3", "cohere2", "gpt-oss", "smollm3", "phi", "ernie4_5", "helium", "nanochat", "deepseek-v3"):
         model = make_family(family)
         rerotations = make_layer_rerotations(model)
         from hf_triforce.caches.sink_window import _probe_keys
@@ -185,3 +187,55 @@ def test_sampled_distribution_of_a_hybrid_model(runs=400, new=4):
     assert sum(s.force3_accepted for s in stats) < sum(s.force2_proposed for s in stats)
     assert 0 < sum(s.force2_accepted for s in stats) < sum(s.force1_proposed for s in stats)
     assert chi_square_pvalue(observed, expected) > 1e-3
+
+
+# --- Force 2's masks on a sparse retrieval cache of a hybrid model -------------------------------------------
+
+
+def _force2_block_and_rows(model, new=5):
+    """Force 2's logits for ``new`` tokens after a 150-token prompt on a 32-entry retrieval selection: one block
+    forward, and one forward per token (a one-row forward sees every entry, so no mask can be offset there)."""
+    import copy
+
+    from hf_triforce import compat
+    from hf_triforce.attention import QueryRecorder, wrapped_name
+    from hf_triforce.caches.buffer import BufferCache
+    from hf_triforce.caches.retrieval import RetrievalCache
+    from hf_triforce.forward import forward_logits
+
+    ids = random_prompt(PROMPT + new, VOCAB, period=37)
+    windows = layer_windows(model.config)
+    with compat.attention_implementation(model, wrapped_name(compat.current_attention_implementation(model))), \
+            torch.no_grad():
+        full = BufferCache(model.config.num_hidden_layers, PROMPT + 64, windows, rollback=8)
+        recorder = QueryRecorder()
+        forward_logits(model, ids[:, :PROMPT], full, 0, 1, recorder)
+        retrieval = RetrievalCache(model.config.num_hidden_layers, BUDGET, 8, 8, 40, windows)
+        retrieval.select(full, PROMPT, recorder.at(-1))
+        assert not retrieval.sees_whole_cache
+        block = forward_logits(model, ids[:, PROMPT:], copy.deepcopy(retrieval), PROMPT, new)
+        rows_cache = copy.deepcopy(retrieval)
+        rows = torch.cat([forward_logits(model, ids[:, PROMPT + i : PROMPT + i + 1], rows_cache, PROMPT + i, 1)
+                          for i in range(new)])
+    return block, rows
+
+
+SPARSE_HYBRID = [name for name in HYBRID if None in layer_windows(make_family(name).config)]
+
+
+@pytest.mark.parametrize("family", SPARSE_HYBRID)
+def test_force2_block_masks_on_a_hybrid_retrieval_cache(family):
+    """Sliding layers count absolute tokens, full layers count selected entries: transformers builds each mask from
+    the first layer of its kind, so a block of drafts sees exactly what token-by-token Force 2 sees."""
+    block, rows = _force2_block_and_rows(make_family(family))
+    torch.testing.assert_close(block, rows, rtol=1e-5, atol=1e-5)
+
+
+def test_force2_block_mask_check_catches_an_offset(monkeypatch):
+    """The comparison above fails when the full layers' mask is offset by the tokens the selection left out."""
+    from hf_triforce.caches.buffer import BufferLayer
+
+    real = BufferLayer.get_mask_sizes
+    monkeypatch.setattr(BufferLayer, "get_mask_sizes", lambda self, q: (real(self, q)[0], 3))
+    block, rows = _force2_block_and_rows(make_family("gemma3"))
+    assert not torch.allclose(block, rows, rtol=1e-5, atol=1e-5)

@@ -22,6 +22,11 @@ def rotate_interleaved(x: torch.Tensor) -> torch.Tensor:
     return torch.stack((-x[..., 1::2], x[..., 0::2]), dim=-1).flatten(-2)
 
 
+def rotate_half_flipped(x: torch.Tensor) -> torch.Tensor:
+    """`rotate_half` with the opposite sign (NanoChat rotates by minus the angle)."""
+    return -rotate_half(x)
+
+
 def _same(x: torch.Tensor) -> torch.Tensor:
     return x
 
@@ -30,9 +35,16 @@ def _twice(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((x, x), dim=-1)
 
 
-# (pairing, cos/sin layout): halves (Llama), interleaved pairs (Cohere), halves with one angle per pair (GPT-OSS)
+def _first_half_per_pair(x: torch.Tensor) -> torch.Tensor:
+    """The rotary's ``cat(freqs, freqs)`` read as one angle per interleaved pair (Ernie 4.5, Helium)."""
+    return x[..., : x.shape[-1] // 2].repeat_interleave(2, dim=-1)
+
+
+# (pairing, cos/sin layout): halves (Llama), interleaved pairs (Cohere), halves with one angle per pair (GPT-OSS),
+# interleaved pairs taking the first half of the angles (Ernie 4.5, Helium), halves rotated the other way (NanoChat)
 ROTATIONS = {
     "half": (rotate_half, _same), "interleaved": (rotate_interleaved, _same), "half-pairs": (rotate_half, _twice),
+    "interleaved-half-angles": (rotate_interleaved, _first_half_per_pair), "half-flipped": (rotate_half_flipped, _same),
 }
 
 
@@ -47,11 +59,17 @@ def _rerotation(rotary: Callable, rotate: Callable, layout: Callable = _same) ->
         scale = cos[:, :1]
         cos, sin = (cos[:, 1:] / scale)[:, None], (sin[:, 1:] / scale)[:, None]
         rot = cos.shape[-1]
+        if rot > keys.shape[-1]:
+            raise _LayoutMismatch(f"{rot} rotary dims for keys of {keys.shape[-1]}")
         k = keys.float()
         k_rot = k[..., :rot] * cos + rotate(k[..., :rot]) * sin
         return torch.cat((k_rot, k[..., rot:]), dim=-1).to(keys.dtype)
 
     return rerotate
+
+
+class _LayoutMismatch(ValueError):
+    """A candidate cos/sin layout wider than the keys: not this layer's rotation."""
 
 
 PROBE_DELTA = 5
@@ -82,8 +100,9 @@ def make_layer_rerotations(model) -> list[Rerotate | None]:
     """
     if rotary_embedding(model) is None:
         raise ValueError(
-            f"draft model {type(model).__name__} has no `rotary_emb` on its decoder: the sink+window cache "
-            "re-rotates keys and needs standard rotary position embeddings"
+            f"{type(model).__name__} has no `rotary_emb` on its decoder: a model drafter (draft='self' or a draft "
+            "model) runs on a sink+window cache, which re-rotates keys and needs rotary position embeddings; use "
+            "draft='ngram' or draft='suffix' with this model"
         )
     probed = _probe_keys(model, [0, PROBE_DELTA])
     rerotations: list[Rerotate | None] = []
@@ -95,14 +114,18 @@ def make_layer_rerotations(model) -> list[Rerotate | None]:
         rotary = layer_rotary(model, index)
         for rotate, layout in ROTATIONS.values():
             candidate = _rerotation(rotary, rotate, layout)
-            if float((candidate(at_zero[None, :, None], PROBE_DELTA)[0, :, 0] - moved).abs().max()) <= 1e-2 * scale:
+            try:
+                error = float((candidate(at_zero[None, :, None], PROBE_DELTA)[0, :, 0] - moved).abs().max())
+            except _LayoutMismatch:
+                continue
+            if error <= 1e-2 * scale:
                 rerotations.append(candidate)
                 break
         else:
             raise ValueError(
-                f"draft model {type(model).__name__}: the keys of decoder layer {index} change with the position "
+                f"{type(model).__name__} as a drafter: the keys of decoder layer {index} change with the position "
                 "in a way that is not a rotary embedding of its `rotary_emb` (halves or interleaved pairs); the "
-                "sink+window cache cannot move them"
+                "sink+window cache cannot move them; use draft='ngram' or draft='suffix' with this model"
             )
     return rerotations
 

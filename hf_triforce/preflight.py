@@ -1,0 +1,65 @@
+"""Before the prefill: can this model run on TriForce's caches? One probe forward of one token says.
+
+A long prompt's prefill can take minutes, so whatever would fail after it is asked of the model first, on a
+one-token forward through the same cache class and attention wrapper the tiers use:
+
+- every decoder layer stores exactly one key/value entry per input token in its own cache layer (a model that
+  writes extra entries — CPM-Ant prepends its prompt embeddings — or that shares one layer's entries with
+  another cannot be rolled back by a length);
+- with three levels, every layer's attention goes through transformers' ``AttentionInterface``, where the
+  wrapper records the query Force-2 retrieval scores chunks with;
+- a model drafter (``draft="self"`` or a draft model) can re-rotate its keys (`make_layer_rerotations`).
+
+Each failure is a ValueError naming the model, the layer and the option that avoids it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import compat
+from .attention import QueryRecorder
+from .caches.buffer import BufferCache
+from .caches.sink_window import make_layer_rerotations
+from .config import TriForceConfig
+from .drafters.registry import spec_of
+from .forward import forward_logits
+
+PROBE_CAPACITY = 256
+
+
+@torch.no_grad()
+def _probe(model, token: torch.Tensor) -> tuple[list[int], set[int]]:
+    """One token at position 0 on an empty `BufferCache`: entries stored per layer, layers that recorded a query."""
+    config = model.config.get_text_config(decoder=True)
+    # room for models that write more than one entry per token (counted below, not an overflow error)
+    cache = BufferCache(config.num_hidden_layers, PROBE_CAPACITY, compat.layer_windows(model.config), rollback=1)
+    recorder = QueryRecorder()
+    forward_logits(model, token.to(model.device), cache, 0, 1, recorder)
+    return [layer.length for layer in cache.layers], set(recorder.queries)
+
+
+def check_model(model, config: TriForceConfig, token: torch.Tensor) -> None:
+    """Raise a ValueError, before any prefill, if ``model`` (or ``config``'s draft) cannot run on the tiers.
+
+    ``token`` is ``[1, 1]``: a token of the prompt. Call with the model switched to the recording attention.
+    """
+    entries, recorded = _probe(model, token)
+    name = type(model).__name__
+    odd = {index: n for index, n in enumerate(entries) if n != 1}
+    if odd:
+        raise ValueError(
+            f"triforce_config=: {name} stores {sorted(set(odd.values()))} cache entries per input token in decoder "
+            f"layers {sorted(odd)} (one per token is what TriForce's caches roll back by length); this model is not "
+            "supported"
+        )
+    missing = sorted(set(range(len(entries))) - recorded)
+    if config.levels == 3 and missing:
+        raise ValueError(
+            f"triforce_config=: the attention of {name}'s decoder layers {missing} does not go through "
+            "transformers' AttentionInterface, where TriForce records the query Force-2 retrieval needs; use "
+            "TriForceConfig(levels=2) with this model"
+        )
+    if spec_of(config.draft).kind == "model":
+        draft = model if isinstance(config.draft, str) else config.draft
+        make_layer_rerotations(draft)  # a ValueError naming the layer whose keys cannot be moved

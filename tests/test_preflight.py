@@ -1,0 +1,85 @@
+"""Models that cannot run on the tiers are refused before the prefill, with what is unsupported and what to use.
+
+Found by sweeping transformers' decoder-only list (`benchmarks/family_sweep.py`, docs/families.md): CPM-Ant writes
+extra cache entries per token, Falcon's and GPT-NeoX-Japanese's attention bypasses the ``AttentionInterface``
+(no query for Force-2 retrieval), GPT-2-style absolute positions leave nothing for the sink+window cache to
+re-rotate. Each is refused by name, before a long prefill, and the alternative it names works.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers as T
+
+import hf_triforce.decoder
+from hf_triforce import TriForceConfig
+
+from .conftest import random_prompt
+
+TINY = dict(vocab_size=96, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+
+
+def _config(**kw):
+    base = dict(policy="fixed", retrieval_budget=32, chunk_size=8, retrieval_recent=8, sink_tokens=4, window=24,
+                gamma1=2, gamma2=4)
+    return TriForceConfig(**{**base, **kw})
+
+
+@pytest.fixture
+def no_prefill(monkeypatch):
+    """Fail the test if the decoder starts its prefill: refusals must come first."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("the prefill started before the refusal")
+
+    monkeypatch.setattr(hf_triforce.decoder, "prefill", refuse)
+
+
+def _model(config_cls, model_cls, **kw):
+    torch.manual_seed(0)
+    return model_cls(config_cls(**{**TINY, **kw})).eval()
+
+
+def cpmant():
+    return _model(T.CpmAntConfig, T.CpmAntForCausalLM, hidden_size=64, num_attention_heads=4, dim_head=16,
+                  dim_ff=96, num_hidden_layers=2, prompt_length=8)
+
+
+def falcon():
+    return _model(T.FalconConfig, T.FalconForCausalLM, hidden_size=64, num_attention_heads=4, num_hidden_layers=2)
+
+
+def gpt2():
+    return _model(T.GPT2Config, T.GPT2LMHeadModel, n_embd=64, n_head=4, n_layer=2, n_positions=512)
+
+
+def test_extra_cache_entries_per_token_are_refused_before_the_prefill(no_prefill):
+    with pytest.raises(ValueError, match=r"CpmAntForCausalLM stores \[9\] cache entries per input token"):
+        cpmant().generate(random_prompt(40), max_new_tokens=4, triforce_config=_config(draft="ngram"))
+
+
+def test_attention_outside_the_interface_is_refused_for_three_levels_and_runs_on_two(no_prefill):
+    prompt = random_prompt(80, period=17)
+    with pytest.raises(ValueError, match=r"does not go through transformers' AttentionInterface.*levels=2"):
+        falcon().generate(prompt, max_new_tokens=4, triforce_config=_config(draft="ngram"))
+
+
+def test_two_levels_on_a_model_whose_attention_records_nothing():
+    model, prompt = falcon(), random_prompt(80, period=17)
+    expected = model.generate(prompt, max_new_tokens=16, do_sample=False)
+    out = model.generate(prompt, max_new_tokens=16, do_sample=False, triforce_config=_config(draft="ngram", levels=2))
+    assert torch.equal(out, expected)
+
+
+def test_a_model_drafter_without_rotary_embeddings_is_refused_before_the_prefill(no_prefill):
+    with pytest.raises(ValueError, match=r"GPT2LMHeadModel has no `rotary_emb`.*draft='ngram' or draft='suffix'"):
+        gpt2().generate(random_prompt(80), max_new_tokens=4, triforce_config=_config(draft="self"))
+
+
+def test_absolute_position_models_run_three_levels_with_a_lookup_drafter():
+    model, prompt = gpt2(), random_prompt(120, period=17)
+    expected = model.generate(prompt, max_new_tokens=24, do_sample=False)
+    out = model.generate(prompt, max_new_tokens=24, do_sample=False, triforce_config=_config(draft="ngram"),
+                         return_dict_in_generate=True)
+    assert torch.equal(out.sequences, expected)
+    assert out.triforce_stats.force2_steps > 0 and not out.triforce_stats.force2_sees_whole_cache
