@@ -9,7 +9,8 @@ three-level TriForce (``--draft``, 32-entry retrieval budget, 80-token prompt, 1
 - ``refused``: a ValueError from TriForce naming what is unsupported (the message is kept);
 - ``crash``: any other exception from TriForce (a bug: a TypeError/AttributeError must never reach a user);
 - ``not built`` / ``plain fails``: the generic shrink does not give a working tiny model of this entry (its own
-  config validation, or plain ``generate`` failing on it): not a TriForce outcome.
+  config validation, or plain ``generate`` failing on it): not a TriForce outcome; ``static`` then says what
+  TriForce's layer-type check makes of the entry's default config (refused by name, or supported).
 
 Usage: ``python benchmarks/family_sweep.py --draft self --out sweep-self.json [model_type ...]``. Runs under a
 12 GiB address-space limit so that an entry whose shrink fails cannot exhaust the machine.
@@ -31,6 +32,7 @@ from transformers import CONFIG_MAPPING
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from hf_triforce import TriForceConfig
+from hf_triforce.compat import layer_windows
 
 SHRINK = dict(
     num_hidden_layers=2, n_layer=2, num_layers=2, n_layers=2, decoder_layers=2,
@@ -80,12 +82,24 @@ def build(model_type: str):
     return model_class(config).eval()
 
 
+def static_check(model_type: str) -> str:
+    """What TriForce's layer-type check says of the entry's default (full-size) config, without building it."""
+    try:
+        layer_windows(CONFIG_MAPPING[model_type]())
+    except ValueError as error:
+        return f"refused: {str(error)[:200]}"
+    except Exception as error:  # noqa: BLE001 - the config itself does not say
+        return f"unknown ({type(error).__name__})"
+    return "layer types supported"
+
+
 def outcome(model_type: str, draft: str) -> dict:
     record = {"class": MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type]}
     try:
         model = build(model_type)
     except Exception as error:  # noqa: BLE001 - reported as the entry's outcome
-        return {**record, "status": "not built", "error": f"{type(error).__name__}: {str(error)[:200]}"}
+        return {**record, "status": "not built", "error": f"{type(error).__name__}: {str(error)[:200]}",
+                "static": static_check(model_type)}
     embeddings = model.get_output_embeddings()
     vocab = min(96, embeddings.weight.shape[0]) if embeddings is not None else 96
     prompt = torch.randint(3, vocab, (1, 80), generator=torch.Generator().manual_seed(1))
@@ -93,7 +107,8 @@ def outcome(model_type: str, draft: str) -> dict:
         with torch.no_grad():
             expected = model.generate(prompt, max_new_tokens=12, do_sample=False)
     except Exception as error:  # noqa: BLE001
-        return {**record, "status": "plain fails", "error": f"{type(error).__name__}: {str(error)[:200]}"}
+        return {**record, "status": "plain fails", "error": f"{type(error).__name__}: {str(error)[:200]}",
+                "static": static_check(model_type)}
     config = TriForceConfig(draft=draft, retrieval_budget=32, chunk_size=8, retrieval_recent=8, sink_tokens=4,
                             window=16, gamma1=2, gamma2=4, policy="fixed")
     try:

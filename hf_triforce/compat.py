@@ -54,6 +54,7 @@ __all__ = [
     "ORIGINAL_GENERATE",
     "TESTED_TRANSFORMERS",
     "attention_function",
+    "builds_sliding_masks",
     "bnb_outlier_threshold",
     "execution_device",
     "layer_devices",
@@ -139,6 +140,14 @@ def layer_windows(config) -> list[int | None]:
         raise ValueError(f"triforce_config=: sliding layers with windows {sorted(distinct)}; transformers masks them "
                          f"with config.sliding_window={getattr(config, 'sliding_window', None)}, TriForce needs one")
     return windows
+
+
+def builds_sliding_masks(model) -> bool:
+    """Whether the decoder's ``forward`` builds sliding-window masks (transformers' hybrid models name them in the
+    code: ``create_sliding_window_causal_mask`` / ``"sliding_attention"``). Moshi's config declares sliding layers
+    but its decoder masks them as full layers: its attention then sees whatever its cache keeps, which differs
+    between the prefill (everything) and decoding (the last ``W - 1`` tokens)."""
+    return "sliding" in inspect.getsource(type(model.get_decoder()).forward)
 
 
 _MODULE_WINDOWS: weakref.WeakKeyDictionary[torch.nn.Module, int | None] = weakref.WeakKeyDictionary()

@@ -31,7 +31,7 @@ def forward_logits(model, tokens: torch.Tensor, cache, start: int, keep: int,
     extra = {RECORDER_KWARG: recorder} if recorder is not None else {}
     with recording(recorder):
         out = model(input_ids=tokens, cache=cache, position_ids=positions, use_cache=True, logits_to_keep=keep, **extra)
-    return out.logits[0]
+    return out.logits[0, -keep:]  # the last rows also where a model ignores logits_to_keep (Whisper's decoder)
 
 
 def score_continuation(model, cache, cached: int, extended: torch.Tensor, prefix: int,

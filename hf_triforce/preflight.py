@@ -3,6 +3,8 @@
 A long prompt's prefill can take minutes, so whatever would fail after it is asked of the model first, on a
 one-token forward through the same cache class and attention wrapper the tiers use:
 
+- a model whose config declares sliding-window layers builds sliding-window masks for them (`compat.
+  builds_sliding_masks`; Moshi does not: its window is only its cache's truncation);
 - every decoder layer stores exactly one key/value entry per input token in its own cache layer (a model that
   writes extra entries — CPM-Ant prepends its prompt embeddings — or that shares one layer's entries with
   another cannot be rolled back by a length);
@@ -44,8 +46,23 @@ def check_model(model, config: TriForceConfig, token: torch.Tensor) -> None:
 
     ``token`` is ``[1, 1]``: a token of the prompt. Call with the model switched to the recording attention.
     """
-    entries, recorded = _probe(model, token)
     name = type(model).__name__
+    layers = getattr(model.get_decoder(), "layers", None)
+    declared = model.config.get_text_config(decoder=True).num_hidden_layers
+    if isinstance(layers, torch.nn.ModuleList) and len(layers) != declared:
+        raise ValueError(
+            f"triforce_config=: {name}'s decoder has {len(layers)} layers but its config's num_hidden_layers is "
+            f"{declared} (Whisper maps it to the encoder's layers); TriForce sizes its caches by num_hidden_layers: "
+            "this model is not supported"
+        )
+    windows = compat.layer_windows(model.config)
+    if any(w is not None for w in windows) and not compat.builds_sliding_masks(model):
+        raise ValueError(
+            f"triforce_config=: {name}'s config declares sliding-window layers, but its decoder masks them as full "
+            "attention (its attention sees whatever its cache keeps, all of it in the prefill, the last window when "
+            "decoding); TriForce cannot reproduce that exactly: this model is not supported"
+        )
+    entries, recorded = _probe(model, token)
     odd = {index: n for index, n in enumerate(entries) if n != 1}
     if odd:
         raise ValueError(

@@ -152,11 +152,22 @@ def test_each_layer_is_moved_by_its_own_rotation():
 ENUM_VOCAB = 4
 
 
-def test_enumerated_law_of_a_hybrid_model_equals_the_target_law():
-    """Exact: every random path of one decode of a sliding(3)+full model (Gemma 2: softcapping, eager attention)
-    vs the target's sequence law, through the library's own loop, levels and caches."""
-    model = make_family("gemma2", vocab_size=ENUM_VOCAB, seed=3, initializer_range=0.3, sliding_window=3,
-                        final_logit_softcapping=None)
+# family -> overrides: Gemma 2 (sliding 3 + full, attention softcapping, eager attention), Mixtral (MoE, sliding),
+# Qwen3 (qk-norm), Gemma 3's text decoder (the VLM's language model, per-layer-type RoPE), DeepSeek-V3 (MLA, MoE)
+ENUMERATED_FAMILIES = {
+    "gemma2": dict(sliding_window=3, final_logit_softcapping=None),
+    "mixtral": dict(sliding_window=3),
+    "qwen3": {},
+    "gemma3": dict(sliding_window=3),
+    "deepseek-v3": {},
+}
+
+
+@pytest.mark.parametrize("family", list(ENUMERATED_FAMILIES))
+def test_enumerated_law_of_a_hybrid_model_equals_the_target_law(family):
+    """Exact: every random path of one decode vs the target's sequence law, through the library's own loop, levels
+    and caches."""
+    model = make_family(family, vocab_size=ENUM_VOCAB, seed=3, initializer_range=0.3, **ENUMERATED_FAMILIES[family])
     prompt = random_prompt(40, vocab_size=ENUM_VOCAB, seed=4, period=13)
     processors = LogitsProcessorList([TopKLogitsWarper(2)])
     config = TriForceConfig(draft="self", policy="fixed", retrieval_budget=16, chunk_size=4, retrieval_recent=4,

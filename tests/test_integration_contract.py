@@ -216,3 +216,15 @@ def test_accelerate_dispatch_hook_contract(tmp_path):
     assert not any(hasattr(module, "_hf_hook") for module in clone.modules())
     ids = torch.arange(5)[None]
     assert torch.equal(clone(ids).logits, model(ids).logits)
+
+
+def test_hybrid_decoders_name_their_sliding_masks():
+    """`compat.builds_sliding_masks` reads the decoder's source: hybrid models build their sliding-window masks by
+    name in ``forward``; Moshi (sliding layers in its config, full masks in its decoder) does not."""
+    from .families import HYBRID, make_family
+
+    assert all(compat.builds_sliding_masks(make_family(name)) for name in HYBRID)
+    moshi = transformers.MoshiForCausalLM(transformers.MoshiConfig(
+        hidden_size=64, num_attention_heads=4, num_key_value_heads=4, num_hidden_layers=2, intermediate_size=96,
+        vocab_size=96, sliding_window=16))
+    assert not compat.builds_sliding_masks(moshi)

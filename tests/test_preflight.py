@@ -83,3 +83,35 @@ def test_absolute_position_models_run_three_levels_with_a_lookup_drafter():
                          return_dict_in_generate=True)
     assert torch.equal(out.sequences, expected)
     assert out.triforce_stats.force2_steps > 0 and not out.triforce_stats.force2_sees_whole_cache
+
+
+def moshi(**kw):
+    return _model(T.MoshiConfig, T.MoshiForCausalLM, hidden_size=64, num_attention_heads=4, num_key_value_heads=4,
+                  num_hidden_layers=2, intermediate_size=96, sliding_window=16, **kw)
+
+
+def test_sliding_layers_the_decoder_does_not_mask_are_refused_before_the_prefill(no_prefill):
+    """Moshi's plain `generate` attends to everything in its prefill and to its cache's last window when decoding
+    (it differs from its own no-cache forward); no tier can reproduce that exactly."""
+    with pytest.raises(ValueError, match=r"MoshiForCausalLM's config declares sliding-window layers"):
+        moshi().generate(random_prompt(40), max_new_tokens=4, triforce_config=_config(draft="ngram"))
+
+
+def test_logits_of_a_model_that_ignores_logits_to_keep_are_the_last_rows():
+    """Whisper's decoder returns logits for every input row whatever ``logits_to_keep`` says: the prefill's first
+    token came from the prompt's first row before `forward_logits` kept the last rows."""
+    model = _model(T.WhisperConfig, T.WhisperForCausalLM, d_model=64, decoder_layers=2, decoder_attention_heads=4,
+                   decoder_ffn_dim=96, encoder_layers=2, encoder_attention_heads=4, encoder_ffn_dim=96,
+                   max_target_positions=512, decoder_start_token_id=1, begin_suppress_tokens=None)
+    prompt = random_prompt(80, period=17)
+    expected = model.generate(prompt, max_new_tokens=16, do_sample=False)
+    out = model.generate(prompt, max_new_tokens=16, do_sample=False, triforce_config=_config(draft="ngram"))
+    assert torch.equal(out, expected)
+
+
+def test_a_decoder_with_more_layers_than_its_config_declares_is_refused(no_prefill):
+    model = _model(T.WhisperConfig, T.WhisperForCausalLM, d_model=64, decoder_layers=2, decoder_attention_heads=4,
+                   decoder_ffn_dim=96, encoder_layers=1, encoder_attention_heads=4, encoder_ffn_dim=96,
+                   max_target_positions=512, decoder_start_token_id=1, begin_suppress_tokens=None)
+    with pytest.raises(ValueError, match=r"decoder has 2 layers but its config's num_hidden_layers is 1"):
+        model.generate(random_prompt(40), max_new_tokens=4, triforce_config=_config(draft="ngram"))
