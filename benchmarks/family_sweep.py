@@ -28,7 +28,7 @@ from collections import Counter
 import torch
 import transformers as T
 from tqdm.auto import tqdm
-from transformers import CONFIG_MAPPING
+from transformers import CONFIG_MAPPING, PretrainedConfig
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from hf_triforce import TriForceConfig
@@ -51,7 +51,12 @@ MAX_PARAMETERS = 20_000_000  # a shrink that leaves more than this did not reach
 def tiny_config(model_type: str):
     config = CONFIG_MAPPING[model_type]()
     text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
-    for target in {id(config): config, id(text): text}.values():
+    nested = [value for value in vars(config).values() if isinstance(value, PretrainedConfig)]  # vision, audio
+    for sub in nested:
+        for name, value in dict(image_size=32, patch_size=8).items():
+            if isinstance(getattr(sub, name, None), int):
+                setattr(sub, name, value)
+    for target in {id(c): c for c in (config, text, *nested)}.values():
         for name, value in SHRINK.items():
             current = getattr(target, name, None)
             if current is not None and not isinstance(current, (list, dict)):

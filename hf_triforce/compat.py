@@ -67,6 +67,7 @@ __all__ = [
     "layer_rotary",
     "layer_windows",
     "module_window",
+    "num_layers",
     "register_attention",
     "remove_quantization_config",
     "rotary_embedding",
@@ -117,6 +118,12 @@ def rotary_embedding(model) -> torch.nn.Module | None:
 
 
 SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+def num_layers(config) -> int:
+    """Decoder layers of the text model (a multimodal model's config nests it: ``get_text_config``)."""
+    config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    return config.num_hidden_layers
 
 
 def layer_windows(config) -> list[int | None]:
@@ -212,8 +219,8 @@ def layer_devices(model: torch.nn.Module) -> list[torch.device | None]:
     layer of a decoder that keeps its layers elsewhere than ``.layers`` (a cache layer is then allocated where
     its entries are computed)."""
     layers = getattr(model.get_decoder(), "layers", None)
-    if not isinstance(layers, torch.nn.ModuleList) or len(layers) != model.config.num_hidden_layers:
-        return [None] * model.config.num_hidden_layers
+    if not isinstance(layers, torch.nn.ModuleList) or len(layers) != num_layers(model.config):
+        return [None] * num_layers(model.config)
     devices = []
     for index, layer in enumerate(layers):
         device = execution_device(layer)

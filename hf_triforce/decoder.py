@@ -220,7 +220,7 @@ class TriForceDecoder:
         config, stats, recorder = self.config, self.stats, QueryRecorder()
         cache_class = OffloadedBufferCache if config.full_cache_device == "cpu" else BufferCache
         # sliding-window layers keep their window plus room for the deepest rollback (a rejected chain, a stop)
-        full = cache_class(self.model.config.num_hidden_layers, self.max_length + config.gamma2 + 2,
+        full = cache_class(compat.num_layers(self.model.config), self.max_length + config.gamma2 + 2,
                            compat.layer_windows(self.model.config), rollback=config.gamma2 + 2)
         full.expect_devices(layer_devices(self.model))
         cached = copy_prefix(prefix_cache, full) if prefix_cache is not None else 0

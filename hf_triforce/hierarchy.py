@@ -49,7 +49,7 @@ class Force2:
         self.rejections = 0  # Force-2 verifications that rejected a draft
         tail = config.refresh_every * (config.gamma2 + 1) + config.gamma1 + config.gamma2 + 2
         self.cache = RetrievalCache(
-            model.config.num_hidden_layers, config.retrieval_budget, config.chunk_size, config.recent_tokens, tail,
+            compat.num_layers(model.config), config.retrieval_budget, config.chunk_size, config.recent_tokens, tail,
             compat.layer_windows(model.config),
         ).expect_devices(layer_devices(model))
         self.steps_since_selection = 0

@@ -69,7 +69,11 @@ def _check_request(model, input_ids: torch.Tensor, config: TriForceConfig, gener
     for flag in ("output_attentions", "output_hidden_states"):
         if getattr(generation_config, flag, False):
             raise ValueError(f"triforce_config= does not support {flag}=True")
-    unknown = sorted(k for k, v in model_kwargs.items() if v is not None and k not in _HANDLED_MODEL_KWARGS)
+    if model_kwargs.get("mm_encoder_outputs"):  # generate passes {} to a multimodal model given text only
+        raise ValueError(f"triforce_config= supports text-only prompts on multimodal models; got "
+                         f"{sorted(model_kwargs['mm_encoder_outputs'])} inputs")
+    unknown = sorted(k for k, v in model_kwargs.items()
+                     if v is not None and k not in _HANDLED_MODEL_KWARGS and not (k == "mm_encoder_outputs" and not v))
     if unknown:
         raise ValueError(f"triforce_config= does not support the model kwargs {unknown}")
     # per-layer attention types as plain generate's cache reads them: full and sliding-window layers are

@@ -33,9 +33,8 @@ PROBE_CAPACITY = 256
 @torch.no_grad()
 def _probe(model, token: torch.Tensor) -> tuple[list[int], set[int]]:
     """One token at position 0 on an empty `BufferCache`: entries stored per layer, layers that recorded a query."""
-    config = model.config.get_text_config(decoder=True)
     # room for models that write more than one entry per token (counted below, not an overflow error)
-    cache = BufferCache(config.num_hidden_layers, PROBE_CAPACITY, compat.layer_windows(model.config), rollback=1)
+    cache = BufferCache(compat.num_layers(model.config), PROBE_CAPACITY, compat.layer_windows(model.config), rollback=1)
     recorder = QueryRecorder()
     forward_logits(model, token.to(model.device), cache, 0, 1, recorder)
     return [layer.length for layer in cache.layers], set(recorder.queries)
@@ -48,7 +47,7 @@ def check_model(model, config: TriForceConfig, token: torch.Tensor) -> None:
     """
     name = type(model).__name__
     layers = getattr(model.get_decoder(), "layers", None)
-    declared = model.config.get_text_config(decoder=True).num_hidden_layers
+    declared = compat.num_layers(model.config)
     if isinstance(layers, torch.nn.ModuleList) and len(layers) != declared:
         raise ValueError(
             f"triforce_config=: {name}'s decoder has {len(layers)} layers but its config's num_hidden_layers is "

@@ -115,3 +115,25 @@ def test_a_decoder_with_more_layers_than_its_config_declares_is_refused(no_prefi
                    max_target_positions=512, decoder_start_token_id=1, begin_suppress_tokens=None)
     with pytest.raises(ValueError, match=r"decoder has 2 layers but its config's num_hidden_layers is 1"):
         model.generate(random_prompt(40), max_new_tokens=4, triforce_config=_config(draft="ngram"))
+
+
+def test_a_multimodal_model_given_text_only_runs_three_levels():
+    """Gemma 3's vision-language model: ``generate`` hands a text-only prompt an empty ``mm_encoder_outputs``, and
+    every config read goes through the nested text config (the composite config has no ``num_hidden_layers``)."""
+    torch.manual_seed(0)
+    config = T.Gemma3Config(
+        text_config=dict(hidden_size=64, intermediate_size=96, num_hidden_layers=6, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=16, vocab_size=96, sliding_window=16,
+                         max_position_embeddings=2048, bos_token_id=None, eos_token_id=None, pad_token_id=None),
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                           image_size=32, patch_size=8),
+        mm_tokens_per_image=4, image_token_index=95, boi_token_index=93, eoi_token_index=94,
+    )
+    model = T.Gemma3ForConditionalGeneration(config).eval()
+    assert not hasattr(model.config, "num_hidden_layers")
+    prompt = random_prompt(120, vocab_size=90, period=17)
+    expected = model.generate(prompt, max_new_tokens=16, do_sample=False)
+    out = model.generate(prompt, max_new_tokens=16, do_sample=False, triforce_config=_config(draft="self"),
+                         return_dict_in_generate=True)
+    assert torch.equal(out.sequences, expected)
+    assert out.triforce_stats.force2_steps > 0 and not out.triforce_stats.force2_sees_whole_cache

@@ -7,7 +7,7 @@ import time
 import torch
 
 from ..caches.sink_window import SinkWindowCache, make_layer_rerotations
-from ..compat import layer_devices
+from ..compat import layer_devices, num_layers
 from ..forward import settle
 from ..quantized import drafting_model
 from ..sampling import Sampler, scores_to_probs
@@ -20,7 +20,7 @@ class ModelDrafter:
 
     def __init__(self, model, sink_tokens: int, window: int, processors, do_sample: bool, sampler: Sampler):
         self.model = model
-        self.cache = SinkWindowCache(model.config.num_hidden_layers, sink_tokens, window, make_layer_rerotations(model))
+        self.cache = SinkWindowCache(num_layers(model.config), sink_tokens, window, make_layer_rerotations(model))
         self.cache.expect_devices(layer_devices(model))
         self.processors = processors
         self.do_sample = do_sample
