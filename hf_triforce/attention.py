@@ -216,6 +216,7 @@ def _wants_split_kv(query, key, dropout, module) -> bool:
     cached = key.shape[2] - query.shape[2]
     return (
         query.device.type == "cpu"
+        and query.shape[0] == 1  # batches (`hf_triforce.batch`) carry per-row masks that only gqa_sdpa reads
         and query.shape[2] <= SPLIT_KV_MAX_QUERY
         and cached >= max(SPLIT_KV_MIN_CACHED, 16 * max(2, torch.get_num_threads()))
         and not (dropout and module.training)
