@@ -190,3 +190,39 @@ def test_a_wrong_top_level_rule_is_caught(enum_setup):
     law, _, _ = joint_law(model, prompts, config, processors, mutate=top_resamples_from_p)
     exact = product_law(model, prompts, processors)
     assert max(abs(law.get(k, 0.0) - exact[k]) for k in exact) > 1e-3
+
+
+def test_ragged_cache_rows_and_mask():
+    from hf_triforce.caches.ragged import RaggedBufferCache, ragged_causal_mask
+
+    cache = RaggedBufferCache(num_layers=1, batch=2, capacity=8)
+    row = cache.row(1)
+    keys = torch.arange(3.0).reshape(1, 1, 3, 1)
+    row.layers[0].update(keys, keys)  # a row prefill through the view allocates the batch and writes row 1 only
+    assert cache.lengths == [0, 3] and row.length == 3
+    assert torch.equal(cache.layers[0].keys[1, 0, :3, 0], torch.arange(3.0))
+    new = torch.full((2, 1, 2, 1), 9.0)
+    out_keys, _ = cache.layers[0].update(new, new)  # row 0 writes at 0, row 1 after its 3 entries
+    assert out_keys.shape[2] == 5 and cache.lengths == [2, 5]
+    assert torch.equal(cache.layers[0].keys[1, 0, :5, 0], torch.tensor([0.0, 1, 2, 9, 9]))
+    cache.set_length(1, 4)
+    assert row.length == 4
+    mask = ragged_causal_mask([2, 4], 2, torch.float32, torch.device("cpu"), additive=False)
+    assert mask.shape == (2, 1, 2, 6)
+    assert mask[0, 0].tolist() == [[True, True, True, False, False, False], [True, True, True, True, False, False]]
+    assert mask[1, 0].tolist() == [[True] * 5 + [False], [True] * 6]
+    additive = ragged_causal_mask([2, 4], 2, torch.float32, torch.device("cpu"), additive=True)
+    assert torch.equal(additive == 0, mask)
+    with pytest.raises(ValueError, match="cannot extend"):
+        cache.set_length(0, 3)
+
+
+def test_eager_attention_takes_the_additive_mask():
+    model = make_model("qwen2")
+    model.set_attn_implementation("eager")
+    ids, mask = left_padded(PROMPTS[1:])
+    gen = dict(max_new_tokens=20, do_sample=False, pad_token_id=0)
+    out = model.generate(ids, attention_mask=mask, triforce_config=_config("ngram", 2), **gen)
+    for row, prompt in enumerate(PROMPTS[1:]):
+        alone = model.generate(prompt, max_new_tokens=20, do_sample=False)[0, prompt.shape[1]:]
+        assert torch.equal(out[row, ids.shape[1]:], alone)
