@@ -47,7 +47,7 @@ class TriForceGenerateOutput(compat.GenerateDecoderOnlyOutput):
     """`GenerateDecoderOnlyOutput` plus ``triforce_stats``."""
 
     triforce_stats: TriForceStats | None = None
-    triforce_row_stats: list[TriForceStats] | None = None  # per row (batch size > 1; the batch's: triforce_stats)
+    triforce_row_stats: list[TriForceStats] | None = None  # per row (batch size 1: [triforce_stats])
 
 
 def recording_attention(model):
@@ -138,11 +138,14 @@ def _generate_batch(model, input_ids, logits_processor, stopping_criteria, gener
     rows_out = [torch.cat((input_ids[b : b + 1, :pad], seq), dim=1) for b, (pad, seq) in
                 enumerate(zip(pads, result.sequences))]
     width = max(row.shape[1] for row in rows_out)
+    # plain generate pads stopped rows with pad_token_id, else with the first eos_token_id
     pad_token = generation_config.pad_token_id
+    if pad_token is None:
+        pad_token = generation_config.eos_token_id
     if any(row.shape[1] < width for row in rows_out):
         if pad_token is None:
-            raise ValueError("triforce_config=: rows stopped at different lengths and generation_config.pad_token_id "
-                             "is None; set pad_token_id (plain generate needs it too)")
+            raise ValueError("triforce_config=: rows stopped at different lengths and neither pad_token_id nor "
+                             "eos_token_id is set to pad them with")
         pad_token = int(pad_token[0] if isinstance(pad_token, (list, tuple)) else pad_token)
     sequences = torch.cat([torch.nn.functional.pad(row, (0, width - row.shape[1]), value=pad_token or 0)
                            for row in rows_out])
@@ -201,6 +204,7 @@ def triforce_generate(
         logits=tuple(result.logits) if generation_config.output_logits else None,
         cache=result.cache,
         triforce_stats=result.stats,
+        triforce_row_stats=[result.stats],
     )
 
 

@@ -226,3 +226,12 @@ def test_eager_attention_takes_the_additive_mask():
     for row, prompt in enumerate(PROMPTS[1:]):
         alone = model.generate(prompt, max_new_tokens=20, do_sample=False)[0, prompt.shape[1]:]
         assert torch.equal(out[row, ids.shape[1]:], alone)
+
+
+def test_stopped_rows_padded_with_eos_when_no_pad_token(model):
+    ids, mask = left_padded(PROMPTS)
+    free = model.generate(ids, attention_mask=mask, max_new_tokens=20, do_sample=False, pad_token_id=0)
+    eos = int(free[0, ids.shape[1] + 4])
+    gen = dict(max_new_tokens=20, do_sample=False, eos_token_id=eos)  # no pad_token_id: plain pads with eos
+    assert torch.equal(model.generate(ids, attention_mask=mask, triforce_config=_config(), **gen),
+                       model.generate(ids, attention_mask=mask, **gen))
