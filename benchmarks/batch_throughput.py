@@ -6,9 +6,9 @@ context ``context - 96 * i`` tokens, left-padded: rows of different lengths. Eve
 ``new_tokens`` per row (``min_new_tokens`` too). For each batch size, mode and round the methods run one after
 the other on the same batch. Reported per method: decode tokens/s of the batch (``batch * new_tokens`` over
 the call's seconds minus its prefill: TriForce's own ``prefill_seconds``; for the baselines the seconds of
-the same call with ``max_new_tokens=1``, measured in the same round — an approximation), end-to-end tokens/s,
+plain's call with ``max_new_tokens=1`` on the same batch — an approximation), end-to-end tokens/s,
 decode tokens per CPU-second of this process (the machine is shared: CPU time is what contention disturbs
-least; TriForce's prefill CPU time is taken as its wall time times the threads), and for greedy whether each
+least; TriForce's prefill CPU time is measured around its prefill calls), and for greedy whether each
 row equals plain batched ``generate``'s row and, at the largest batch, the row decoded alone by plain
 ``generate``.
 
@@ -61,7 +61,26 @@ def call(model, ids, mask, new: int, gen: dict, seed: int, **kw):
 
 
 CPU_SECONDS: list[float] = []  # of the last calls (contention shows in wall time, much less in CPU time)
-PREFILLS: dict = {}  # (context, batch, method) -> (wall, cpu) seconds of the 1-token call, reused across modes
+PREFILL_CPU_SECONDS: list[float] = []  # TriForce's prefills inside a call (`cpu_timed_prefill`)
+
+
+def cpu_timed_prefill() -> None:
+    """Wrap the prefill TriForce's decoders call so that its CPU seconds are measured, not estimated."""
+    from hf_triforce import batch as batch_module
+    from hf_triforce import decoder as decoder_module
+
+    for module in (batch_module, decoder_module):
+        original = module.prefill
+
+        def timed(*args, _original=original, **kwargs):
+            start = time.process_time()
+            try:
+                return _original(*args, **kwargs)
+            finally:
+                PREFILL_CPU_SECONDS.append(time.process_time() - start)
+
+        module.prefill = timed
+PREFILLS: dict = {}  # (context, batch) -> (wall, cpu) seconds of plain's 1-token call, reused across modes
 
 
 def run(model, tokenizer, text, context, batch, mode, args, rounds: list) -> dict:
@@ -77,17 +96,18 @@ def run(model, tokenizer, text, context, batch, mode, args, rounds: list) -> dic
                 kw = {"cache_implementation": "static"} if name == "static" else {}
                 out, seconds = call(model, ids, mask, args.new_tokens, gen, seed, **kw)
                 cpu = CPU_SECONDS[-1]
-                key = (context, batch, name)
+                key = (context, batch)  # plain's prefill stands for static's too (the same forward)
                 if key not in PREFILLS:
-                    PREFILLS[key] = (call(model, ids, mask, 1, gen, seed, **kw)[1], CPU_SECONDS[-1])
+                    PREFILLS[key] = (call(model, ids, mask, 1, gen, seed)[1], CPU_SECONDS[-1])
                 prefill, cpu_prefill = PREFILLS[key]
                 sequences, stats = out, None
             else:
                 config = TriForceConfig(**METHODS[name])
+                PREFILL_CPU_SECONDS.clear()
                 out, seconds = call(model, ids, mask, args.new_tokens, gen, seed, triforce_config=config,
                                     return_dict_in_generate=True)
                 sequences, prefill = out.sequences, out.triforce_stats.prefill_seconds
-                cpu, cpu_prefill = CPU_SECONDS[-1], prefill * args.threads  # prefill: full occupancy assumed
+                cpu, cpu_prefill = CPU_SECONDS[-1], sum(PREFILL_CPU_SECONDS)
                 stats = out.triforce_stats
             entry = results.setdefault(name, {"decode_seconds": [], "total_seconds": [], "decode_cpu_seconds": []})
             entry["decode_seconds"].append(seconds - prefill)
@@ -114,6 +134,7 @@ def run(model, tokenizer, text, context, batch, mode, args, rounds: list) -> dic
             row["identical_to_plain_batched"] = same
             if "plain_batched_equals_alone" in summary:
                 row["identical_to_alone"] = [bool(torch.equal(entry["sequences"][i], alone[i])) for i in range(batch)]
+        row["sequences"] = entry["sequences"].tolist()
         for key in ("stats", "row_acceptance", "tokens_per_force3_step"):
             if key in entry:
                 row[key] = entry[key]
@@ -139,6 +160,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    cpu_timed_prefill()
     overrides = assets.yarn_rope(args.rope_factor) if args.rope_factor else {}
     model, tokenizer = assets.load_smollm2(**overrides)
     if tokenizer.pad_token_id is None:

@@ -147,9 +147,10 @@ class BatchDecoder:
                 full.copy_row(done[key], b)
                 logits[b], queries[b] = logits[done[key]], queries[done[key]]
                 continue
-            recorder = QueryRecorder()
+            recorder, began = QueryRecorder(), time.perf_counter()
             logits[b] = prefill(self.model, ids, full.row(b), self.config.prefill_chunk_size,
                                 self.config.show_progress, recorder)
+            self.stats[b].prefill_seconds = time.perf_counter() - began  # copies: 0
             queries[b] = recorder.at(-1)
             done[key] = b
         return logits, queries, time.perf_counter() - start
