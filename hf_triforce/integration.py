@@ -23,6 +23,7 @@ from transformers import (
 
 from . import compat
 from .attention import wrapped_name
+from .batch import BatchDecoder, check_batch_request
 from .config import TriForceConfig
 from .decoder import TriForceDecoder
 from .preflight import check_model
@@ -47,6 +48,7 @@ class TriForceGenerateOutput(compat.GenerateDecoderOnlyOutput):
     """`GenerateDecoderOnlyOutput` plus ``triforce_stats``."""
 
     triforce_stats: TriForceStats | None = None
+    triforce_row_stats: list[TriForceStats] | None = None  # per row (batch size 1: [triforce_stats])
 
 
 def recording_attention(model):
@@ -60,10 +62,6 @@ def _check_request(model, input_ids: torch.Tensor, config: TriForceConfig, gener
         raise ValueError("triforce_config= needs a decoder-only causal LM; this model is encoder-decoder or non-causal")
     if generation_config.num_beams != 1:
         raise ValueError(f"triforce_config= supports num_beams=1 only (got {generation_config.num_beams})")
-    if generation_config.num_return_sequences != 1:
-        raise ValueError("triforce_config= supports num_return_sequences=1 only")
-    if input_ids.shape[0] != 1:
-        raise ValueError(f"triforce_config= supports batch size 1 (got input of batch size {input_ids.shape[0]})")
     if generation_config.use_cache is False:
         raise ValueError("triforce_config= needs use_cache=True: every tier decodes on a cache")
     for flag in ("output_attentions", "output_hidden_states"):
@@ -111,7 +109,7 @@ def _check_request(model, input_ids: torch.Tensor, config: TriForceConfig, gener
 
 
 def _strip_padding(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> tuple[torch.Tensor, int]:
-    """Drop left padding (batch 1); any other masked position is an error."""
+    """Drop left padding (one row, ``[1, n]``); any other masked position is an error."""
     if attention_mask is None or bool(attention_mask.all()):
         return input_ids, 0
     if attention_mask.shape != input_ids.shape:
@@ -119,7 +117,47 @@ def _strip_padding(input_ids: torch.Tensor, attention_mask: torch.Tensor | None)
     pad = int((attention_mask[0].cumsum(0) == 0).sum())
     if not bool(attention_mask[0, pad:].all()):
         raise ValueError("triforce_config= supports left padding only in attention_mask")
+    if pad == input_ids.shape[1]:
+        raise ValueError("triforce_config=: a row of attention_mask is all padding (an empty prompt)")
     return input_ids[:, pad:], pad
+
+
+def _generate_batch(model, input_ids, logits_processor, stopping_criteria, generation_config, config, streamer,
+                    model_kwargs):
+    """Batch size > 1 (`hf_triforce.batch`): rows padded on the right like plain ``generate`` pads stopped rows."""
+    mask = model_kwargs.get("attention_mask")
+    prefix = model_kwargs.get("cache")
+    prefix = prefix if prefix is not None and prefix.get_seq_length() > 0 else None
+    check_batch_request(model, config, generation_config, streamer, prefix)
+    rows, pads = [], []
+    for b in range(input_ids.shape[0]):
+        ids, pad = _strip_padding(input_ids[b : b + 1], None if mask is None else mask[b : b + 1])
+        rows.append(ids)
+        pads.append(pad)
+    decoder = BatchDecoder(model, config, logits_processor, stopping_criteria,
+                           max_lengths=[generation_config.max_length - pad for pad in pads],
+                           do_sample=bool(generation_config.do_sample),
+                           paddings=[input_ids[b : b + 1, :pad] for b, pad in enumerate(pads)])
+    with recording_attention(model):
+        result = decoder.run(rows)
+    rows_out = [torch.cat((input_ids[b : b + 1, :pad], seq), dim=1) for b, (pad, seq) in
+                enumerate(zip(pads, result.sequences))]
+    width = max(row.shape[1] for row in rows_out)
+    # plain generate pads stopped rows with pad_token_id, else with the first eos_token_id
+    pad_token = generation_config.pad_token_id
+    if pad_token is None:
+        pad_token = generation_config.eos_token_id
+    if any(row.shape[1] < width for row in rows_out):
+        if pad_token is None:
+            raise ValueError("triforce_config=: rows stopped at different lengths and neither pad_token_id nor "
+                             "eos_token_id is set to pad them with")
+        pad_token = int(pad_token[0] if isinstance(pad_token, (list, tuple)) else pad_token)
+    sequences = torch.cat([torch.nn.functional.pad(row, (0, width - row.shape[1]), value=pad_token or 0)
+                           for row in rows_out])
+    if not generation_config.return_dict_in_generate:
+        return sequences
+    return TriForceGenerateOutput(sequences=sequences, triforce_stats=result.stats,
+                                  triforce_row_stats=result.row_stats)
 
 
 def triforce_generate(
@@ -142,6 +180,9 @@ def triforce_generate(
         raise TypeError(f"triforce_config must be a TriForceConfig, got {type(config).__name__}")
     generation_config = generation_config if generation_config is not None else model.generation_config
     _check_request(model, input_ids, config, generation_config, model_kwargs, logits_processor)
+    if input_ids.shape[0] > 1:
+        return _generate_batch(model, input_ids, logits_processor, stopping_criteria, generation_config, config,
+                               triforce_streamer, model_kwargs)
     ids, pad = _strip_padding(input_ids, model_kwargs.get("attention_mask"))
     prefix = model_kwargs.get("cache")
     if prefix is not None and prefix.get_seq_length() == 0:
@@ -169,6 +210,7 @@ def triforce_generate(
         logits=tuple(result.logits) if generation_config.output_logits else None,
         cache=result.cache,
         triforce_stats=result.stats,
+        triforce_row_stats=[result.stats],
     )
 
 

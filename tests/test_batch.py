@@ -1,0 +1,237 @@
+"""Batches (`hf_triforce.batch`): each row of a left-padded batch is exactly what it would be alone.
+
+Greedy: every row is token-identical to plain ``generate`` of that row alone, rows stopping at EOS at different
+steps are padded like plain ``generate`` pads them. Sampled: the joint law of a batch's rows, enumerated
+exactly with a `ReplaySampler` over every path of the batched decoder's random choices, is the product of
+each row's target law; a wrong top-level rule is caught.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from transformers import LogitsProcessorList, TopKLogitsWarper, pipeline
+
+from hf_triforce import TriForceConfig
+from hf_triforce import forward as forward_module
+from hf_triforce.batch import BatchDecoder
+from hf_triforce.integration import recording_attention
+
+from .conftest import make_model, random_prompt
+from .enumeration_util import enumerate_outcomes
+from .test_exact_enumeration import target_law
+from .tokenizer_util import text_of, word_tokenizer
+
+
+def _config(draft="self", levels=3, **kw):
+    base = dict(draft=draft, policy="fixed", levels=levels, retrieval_budget=64, chunk_size=8, sink_tokens=4,
+                window=24, gamma1=2, gamma2=4)
+    return TriForceConfig(**{**base, **kw})
+
+
+def left_padded(prompts: list[torch.Tensor], pad: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(p.shape[-1] for p in prompts)
+    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+    mask = torch.zeros(len(prompts), width, dtype=torch.long)
+    for row, p in enumerate(prompts):
+        ids[row, width - p.shape[-1]:] = p.reshape(-1)
+        mask[row, width - p.shape[-1]:] = 1
+    return ids, mask
+
+
+PROMPTS = [random_prompt(150, period=37, seed=1), random_prompt(97, period=29, seed=2), random_prompt(120, seed=3)]
+
+
+@pytest.mark.parametrize("family,draft,levels", [
+    ("llama-gqa", "self", 3), ("llama-mha", "self", 3), ("qwen2", "self", 3), ("gemma", "self", 2),
+    ("llama-gqa", "ngram", 2), ("llama-gqa", "self", 2),
+])
+def test_greedy_rows_equal_each_row_alone(family, draft, levels):
+    model = make_model(family)
+    ids, mask = left_padded(PROMPTS)
+    gen = dict(max_new_tokens=40, do_sample=False, pad_token_id=0)
+    out = model.generate(ids, attention_mask=mask, triforce_config=_config(draft, levels), return_dict_in_generate=True,
+                         **gen)
+    for row, prompt in enumerate(PROMPTS):
+        alone = model.generate(prompt, max_new_tokens=40, do_sample=False)[0, prompt.shape[1]:]
+        assert torch.equal(out.sequences[row, ids.shape[1]:], alone), row
+    assert torch.equal(out.sequences[:, : ids.shape[1]], ids)
+    rows = out.triforce_row_stats
+    assert len(rows) == 3 and all(s.new_tokens == 40 and s.force3_steps > 0 for s in rows)
+    assert out.triforce_stats.new_tokens == 120
+    assert out.triforce_stats.force3_accepted == sum(s.force3_accepted for s in rows)
+    assert out.triforce_stats.force3_steps == max(s.force3_steps for s in rows)
+    # rows accept different numbers of tokens per step: the ragged case is exercised (the tiny random Gemma
+    # repeats one token in every row, so each row accepts everything: identity there is the aligned case)
+    assert family == "gemma" or len({(s.force3_steps, s.force3_accepted) for s in rows}) > 1
+
+
+def test_rows_stopping_at_different_steps_are_padded_like_plain_generate(model):
+    ids, mask = left_padded(PROMPTS)
+    free = model.generate(ids, attention_mask=mask, max_new_tokens=30, do_sample=False, pad_token_id=0)
+    new = free[:, ids.shape[1]:]
+    # an EOS that row 0 emits early and the other rows later or never
+    eos = next(int(t) for t in new[0, 3:] if all(int(t) not in new[r, :8].tolist() for r in (1, 2)))
+    gen = dict(max_new_tokens=30, do_sample=False, eos_token_id=eos, pad_token_id=5)
+    expected = model.generate(ids, attention_mask=mask, **gen)
+    out = model.generate(ids, attention_mask=mask, triforce_config=_config(), **gen)
+    assert torch.equal(out, expected)
+    assert (expected == 5).any() and expected.shape[1] > ids.shape[1] + 4
+
+
+@pytest.mark.parametrize("new", [1, 2, 5])
+def test_short_requests(model, new):
+    ids, mask = left_padded([random_prompt(3, seed=7), random_prompt(60, period=11)])
+    gen = dict(max_new_tokens=new, do_sample=False, pad_token_id=0)
+    assert torch.equal(model.generate(ids, attention_mask=mask, triforce_config=_config("ngram"), **gen),
+                       model.generate(ids, attention_mask=mask, **gen))
+
+
+def test_num_return_sequences_prefills_each_prompt_once(model, monkeypatch):
+    ids, mask = left_padded(PROMPTS[:2])
+    calls = []
+    real = forward_module.prefill
+    monkeypatch.setattr("hf_triforce.batch.prefill", lambda *a, **k: calls.append(1) or real(*a, **k))
+    gen = dict(max_new_tokens=20, do_sample=True, pad_token_id=0, num_return_sequences=3)  # sampling only
+    torch.manual_seed(0)
+    sampled = model.generate(ids, attention_mask=mask, triforce_config=_config(), **gen)
+    assert sampled.shape[0] == 6 and len(calls) == 2  # each prompt prefilled once, its copies share the entries
+    assert torch.equal(sampled[:, : ids.shape[1]], ids.repeat_interleave(3, dim=0))
+    assert len({tuple(r.tolist()) for r in sampled}) == 6  # the copies draw independently
+
+
+def test_pipeline_batch_size(model):
+    tokenizer = word_tokenizer()
+    tokenizer.padding_side = "left"
+    texts = [text_of(p[0].tolist()) for p in PROMPTS]
+    generator = pipeline("text-generation", model=model, tokenizer=tokenizer)
+    plain = generator(texts, max_new_tokens=12, do_sample=False, batch_size=3)
+    mine = generator(texts, max_new_tokens=12, do_sample=False, batch_size=3, triforce_config=_config())
+    assert mine == plain
+
+
+def test_batch_refusals_name_the_parameter(model):
+    ids, mask = left_padded(PROMPTS[:2])
+    with pytest.raises(ValueError, match="policy='fixed'"):
+        model.generate(ids, attention_mask=mask, max_new_tokens=3, triforce_config=TriForceConfig(policy="auto"))
+    with pytest.raises(ValueError, match="full_cache_device"):
+        model.generate(ids, attention_mask=mask, max_new_tokens=3, triforce_config=_config(full_cache_device="cpu"))
+    with pytest.raises(ValueError, match="output_scores"):
+        model.generate(ids, attention_mask=mask, max_new_tokens=3, output_scores=True, return_dict_in_generate=True,
+                       triforce_config=_config())
+    sliding = make_model("mistral", sliding_window=16)
+    with pytest.raises(ValueError, match="sliding-window"):
+        sliding.generate(ids, attention_mask=mask, max_new_tokens=3, triforce_config=_config())
+    mask[1] = 0
+    with pytest.raises(ValueError, match="all padding"):
+        model.generate(ids, attention_mask=mask, max_new_tokens=3, triforce_config=_config())
+
+
+VOCAB, NEW = 4, 3
+ENUM_CONFIG = dict(policy="fixed", retrieval_budget=16, chunk_size=4, retrieval_recent=4, sink_tokens=2, window=8,
+                   gamma1=2, gamma2=2)
+
+
+def joint_law(model, prompts, config, processors, mutate=None):
+    """The exact joint law of the rows' continuations, over every path of the batched decoder's choices."""
+    ids, mask = left_padded(prompts)
+    pads = [ids.shape[1] - p.shape[1] for p in prompts]
+    stats = []
+
+    def run(sampler):
+        decoder = BatchDecoder(model, config, processors, None, [ids.shape[1] - pad + NEW for pad in pads], True,
+                               [ids[r : r + 1, :pad] for r, pad in enumerate(pads)], sampler=sampler)
+        if mutate is not None:
+            mutate(decoder)
+        with torch.no_grad(), recording_attention(model):
+            result = decoder.run([p.reshape(1, -1) for p in prompts])
+        stats.append(result.stats)
+        return tuple(tuple(seq[0, p.shape[1]:].tolist()) for seq, p in zip(result.sequences, prompts))
+
+    law, paths = enumerate_outcomes(run, max_paths=50000)
+    return law, paths, stats
+
+
+def product_law(model, prompts, processors):
+    marginals = [target_law(model, p, processors, NEW) for p in prompts]
+    return {keys: marginals[0][keys[0]] * marginals[1][keys[1]]
+            for keys in itertools.product(*(sorted(m) for m in marginals))}
+
+
+@pytest.fixture(scope="module")
+def enum_setup():
+    model = make_model("llama-gqa", vocab_size=VOCAB, seed=3, initializer_range=0.3, num_hidden_layers=1)
+    prompts = [random_prompt(40, vocab_size=VOCAB, seed=4, period=13), random_prompt(29, vocab_size=VOCAB, seed=6)]
+    return model, prompts
+
+
+@pytest.mark.parametrize("draft,levels", [("self", 3), ("ngram", 2)])
+def test_enumerated_joint_law_is_the_product_of_row_target_laws(enum_setup, draft, levels):
+    model, prompts = enum_setup
+    processors = LogitsProcessorList([TopKLogitsWarper(2)])
+    config = TriForceConfig(draft=draft, levels=levels, **ENUM_CONFIG)
+    law, paths, stats = joint_law(model, prompts, config, processors)
+    exact = product_law(model, prompts, processors)
+    assert abs(sum(law.values()) - 1.0) < 1e-6 and paths > 50
+    assert any(0 < s.force3_accepted < s.force2_proposed for s in stats)
+    assert max(abs(law.get(k, 0.0) - exact[k]) for k in exact) < 1e-5
+
+
+def test_a_wrong_top_level_rule_is_caught(enum_setup):
+    model, prompts = enum_setup
+    processors = LogitsProcessorList([TopKLogitsWarper(2)])
+    config = TriForceConfig(draft="self", levels=3, **ENUM_CONFIG)
+
+    def top_resamples_from_p(decoder):
+        decoder.force3_verifier.resample = lambda target, proposal: target
+
+    law, _, _ = joint_law(model, prompts, config, processors, mutate=top_resamples_from_p)
+    exact = product_law(model, prompts, processors)
+    assert max(abs(law.get(k, 0.0) - exact[k]) for k in exact) > 1e-3
+
+
+def test_ragged_cache_rows_and_mask():
+    from hf_triforce.caches.ragged import RaggedBufferCache, ragged_causal_mask
+
+    cache = RaggedBufferCache(num_layers=1, batch=2, capacity=8)
+    row = cache.row(1)
+    keys = torch.arange(3.0).reshape(1, 1, 3, 1)
+    row.layers[0].update(keys, keys)  # a row prefill through the view allocates the batch and writes row 1 only
+    assert cache.lengths == [0, 3] and row.length == 3
+    assert torch.equal(cache.layers[0].keys[1, 0, :3, 0], torch.arange(3.0))
+    new = torch.full((2, 1, 2, 1), 9.0)
+    out_keys, _ = cache.layers[0].update(new, new)  # row 0 writes at 0, row 1 after its 3 entries
+    assert out_keys.shape[2] == 5 and cache.lengths == [2, 5]
+    assert torch.equal(cache.layers[0].keys[1, 0, :5, 0], torch.tensor([0.0, 1, 2, 9, 9]))
+    cache.set_length(1, 4)
+    assert row.length == 4
+    mask = ragged_causal_mask([2, 4], 2, torch.float32, torch.device("cpu"), additive=False)
+    assert mask.shape == (2, 1, 2, 6)
+    assert mask[0, 0].tolist() == [[True, True, True, False, False, False], [True, True, True, True, False, False]]
+    assert mask[1, 0].tolist() == [[True] * 5 + [False], [True] * 6]
+    additive = ragged_causal_mask([2, 4], 2, torch.float32, torch.device("cpu"), additive=True)
+    assert torch.equal(additive == 0, mask)
+    with pytest.raises(ValueError, match="cannot extend"):
+        cache.set_length(0, 3)
+
+
+def test_eager_attention_takes_the_additive_mask():
+    model = make_model("qwen2")
+    model.set_attn_implementation("eager")
+    ids, mask = left_padded(PROMPTS[1:])
+    gen = dict(max_new_tokens=20, do_sample=False, pad_token_id=0)
+    out = model.generate(ids, attention_mask=mask, triforce_config=_config("ngram", 2), **gen)
+    for row, prompt in enumerate(PROMPTS[1:]):
+        alone = model.generate(prompt, max_new_tokens=20, do_sample=False)[0, prompt.shape[1]:]
+        assert torch.equal(out[row, ids.shape[1]:], alone)
+
+
+def test_stopped_rows_padded_with_eos_when_no_pad_token(model):
+    ids, mask = left_padded(PROMPTS)
+    free = model.generate(ids, attention_mask=mask, max_new_tokens=20, do_sample=False, pad_token_id=0)
+    eos = int(free[0, ids.shape[1] + 4])
+    gen = dict(max_new_tokens=20, do_sample=False, eos_token_id=eos)  # no pad_token_id: plain pads with eos
+    assert torch.equal(model.generate(ids, attention_mask=mask, triforce_config=_config(), **gen),
+                       model.generate(ids, attention_mask=mask, **gen))
