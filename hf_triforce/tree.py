@@ -119,3 +119,39 @@ def draw_siblings(law: torch.Tensor, count: int, sampler) -> tuple[list[int], li
         tokens.append(sampler.categorical(current))
         laws.append(current)
     return tokens, laws
+
+
+class TreeBuilder:
+    """Grows a `DraftTree` within a budget: at most ``nodes`` nodes, ``branch`` children per node."""
+
+    def __init__(self, nodes: int, branch: int) -> None:
+        self.nodes, self.branch = nodes, branch
+        self.tokens: list[int] = []
+        self.parents: list[int] = []
+        self.laws: list[torch.Tensor | None] = []
+
+    def child(self, parent: int, token: int) -> int | None:
+        """The existing child of ``parent`` (``-1``: the root) proposing ``token``, if any."""
+        return next((i for i, (t, p) in enumerate(zip(self.tokens, self.parents)) if p == parent and t == token), None)
+
+    def add_child(self, parent: int, token: int, law: torch.Tensor | None = None) -> int | None:
+        """Append a child (after its earlier siblings); None when the budget or the branching is exhausted."""
+        if len(self.tokens) >= self.nodes or self.parents.count(parent) >= self.branch:
+            return None
+        self.tokens.append(token)
+        self.parents.append(parent)
+        self.laws.append(law)
+        return len(self.tokens) - 1
+
+    def add_path(self, tokens: list[int]) -> None:
+        """Insert a deterministic continuation (point masses), sharing its existing prefix, as far as the budget
+        allows."""
+        node = -1
+        for token in tokens:
+            existing = self.child(node, token)
+            node = existing if existing is not None else self.add_child(node, token)
+            if node is None:
+                return
+
+    def tree(self) -> DraftTree:
+        return DraftTree(list(self.tokens), list(self.parents), list(self.laws))
