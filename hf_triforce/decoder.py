@@ -277,6 +277,7 @@ class TriForceDecoder:
                 settle(p_scores)
                 path, next_token = self.force3_tree_verifier.verify(tree, p_scores)
                 full.keep_rows(length, path)
+                stats.tree_side_accepts += tree.side_nodes(path)
                 proposals, accepted = [tree.tokens[node] for node in path], len(path)
                 rows = [0] + [node + 1 for node in path]
                 logits, p_scores = logits[rows], p_scores[rows]

@@ -121,6 +121,7 @@ class Force2:
         path, next_token = self.tree_verifier.verify(tree, q_scores)
         self.cache.keep_rows(first, path)
         self.stats.tree_nodes += len(tree)
+        self.stats.tree_side_accepts += tree.side_nodes(path)
         rows = [0] + [node + 1 for node in path]
         depth = max(tree.depths(), default=0)
         return [tree.tokens[node] for node in path], None, len(path), next_token, q_scores[rows], depth

@@ -71,6 +71,10 @@ class DraftTree:
     def path_tokens(self, node: int) -> list[int]:
         return [self.tokens[i] for i in self.path(node)]
 
+    def side_nodes(self, path: list[int]) -> int:
+        """Nodes of ``path`` that are not their parent's first child: what the tree gained over its first chain."""
+        return sum(1 for node in path if self.children(self.parents[node])[0] != node)
+
     def leaves(self) -> list[int]:
         parents = set(self.parents)
         return [i for i in range(len(self)) if i not in parents]

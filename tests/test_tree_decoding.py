@@ -30,10 +30,13 @@ def test_greedy_identity_with_trees(family, draft, levels):
 
 @pytest.mark.parametrize("nodes, branch", [(1, 2), (4, 2), (16, 4), (32, 8)])
 def test_greedy_identity_for_budgets(gqa_model, nodes, branch):
+    side = 0
     for levels in (2, 3):
-        assert_identical(gqa_model, random_prompt(120, period=17), _config("ngram", levels, nodes, branch,
-                                                                           gamma1=4, gamma2=6))
-        assert_identical(gqa_model, random_prompt(120), _config("self", levels, nodes, branch))
+        ngram = _config("ngram", levels, nodes, branch, gamma1=4, gamma2=6)
+        side += assert_identical(gqa_model, random_prompt(120, period=17), ngram).tree_side_accepts
+        own = _config("self", levels, nodes, branch)
+        side += assert_identical(gqa_model, random_prompt(120), own).tree_side_accepts
+    assert side > 0 or nodes == 1  # siblings beyond the chain were accepted (trees did something)
 
 
 def test_draft_model_trees():
