@@ -67,3 +67,37 @@ def test_ngram_tree_holds_distinct_continuations():
     chain, _ = NgramDrafter(3, 1).propose(sequence, 3)
     assert tree.path_tokens(2) == chain == [5, 7, 1]  # the first path is the chain
     assert sorted(tree.tokens[c] for c in tree.children(-1)) == [3, 4, 5]
+
+
+class Argmax:
+    """A sampler that always takes the most likely token (the drafter then returns its laws)."""
+
+    def categorical(self, probs):
+        return int(probs.argmax())
+
+
+def test_model_drafter_forgets_its_chain_past_an_accepted_side_node():
+    """After a side node (not the drafted chain's token) is committed, the draft cache must hold the committed
+    token's entries, not the chain's: the next laws equal a fresh drafter's on the committed sequence."""
+    from transformers import LogitsProcessorList
+
+    from hf_triforce.drafters.model import ModelDrafter
+
+    model = make_model("llama-gqa")
+    sequence = random_prompt(30, seed=3)
+
+    def drafter():
+        return ModelDrafter(model, 4, 64, LogitsProcessorList(), True, Argmax())
+
+    with torch.no_grad():
+        used = drafter()
+        used.prefill(sequence)
+        tree = used.propose_tree(sequence, 3, 6, 2)
+        side = next(node for node in tree.children(-1) if node != tree.children(-1)[0])
+        committed = torch.cat((sequence, sequence.new_tensor([[tree.tokens[side], 7]])), dim=1)
+        used.rollback(committed.shape[1] - 1)
+        _, laws = used.propose(committed, 3)
+        fresh = drafter()
+        fresh.prefill(committed)
+        _, expected = fresh.propose(committed, 3)
+    torch.testing.assert_close(laws, expected, rtol=1e-5, atol=1e-6)

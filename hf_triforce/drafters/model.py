@@ -27,6 +27,7 @@ class ModelDrafter:
         self.do_sample = do_sample
         self.sampler = sampler
         self.seen = 0  # tokens of the sequence whose entries the cache holds (or has evicted)
+        self.drafted: tuple[int, list[int]] | None = None  # (position, chain) of the last tree's cached chain
         self.seconds = 0.0
         self.forwards = 0
 
@@ -58,6 +59,14 @@ class ModelDrafter:
 
     def _draft(self, sequence: torch.Tensor, n: int) -> tuple[list[int], list[torch.Tensor], list[torch.Tensor]]:
         """``n`` drafted tokens, each row's processed scores, and (sampling) the law each token was drawn from."""
+        if self.drafted is not None:  # a tree's side node may have been accepted: keep only what still agrees
+            start, drafted = self.drafted
+            agree = 0
+            while agree < len(drafted) and start + agree < sequence.shape[1] \
+                    and int(sequence[0, start + agree]) == drafted[agree]:
+                agree += 1
+            self.rollback(start + agree)
+            self.drafted = None
         if sequence.shape[1] - self.seen > self.cache.window // 2:  # far behind (steps ran without it)
             self.prefill(sequence)
         tokens: list[int] = []
@@ -85,6 +94,8 @@ class ModelDrafter:
         Exact for sampled verification: each alternative is a deterministic function of the path and the
         sampled sibling before it (a point mass given them), never of anything drawn deeper."""
         tokens, rows, probs = self._draft(sequence, min(depth, nodes))
+        # the cache holds the chain's entries; the committed path may leave it at a side node (checked next time)
+        self.drafted = (sequence.shape[1], tokens)
         builder = TreeBuilder(nodes, branch)
         parent = -1
         chain = []
