@@ -56,6 +56,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--temperature", type=float, default=0.6)
     parser.add_argument("--top-p", type=float, default=0.9)
+    parser.add_argument("--only", default=None, help="run only the configs whose name contains this")
     parser.add_argument("--out", default=None, help="write the rows as JSON here")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -69,7 +70,8 @@ def main() -> None:
         do_sample=True, temperature=args.temperature, top_p=args.top_p)}
     rows = []
     for mode, sampling in modes.items():
-        runs = {name: Run(name) for name in ["plain", "static", *CONFIGS]}
+        chosen = [name for name in CONFIGS if args.only is None or args.only in name]
+        runs = {name: Run(name) for name in ["plain", "static", *chosen]}
         for seed in range(args.repeats):
             for name, run in runs.items():
                 if name in ("plain", "static"):
