@@ -101,3 +101,9 @@ def test_model_drafter_forgets_its_chain_past_an_accepted_side_node():
         fresh.prefill(committed)
         _, expected = fresh.propose(committed, 3)
     torch.testing.assert_close(laws, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_offloaded_full_cache_with_trees(gqa_model):
+    """The full cache in host memory (`full_cache_device="cpu"`): compaction moves the host entries."""
+    assert_identical(gqa_model, random_prompt(120, period=17), _config("ngram", 2, full_cache_device="cpu"))
+    assert_identical(gqa_model, random_prompt(120), _config("self", 3, full_cache_device="cpu"))
