@@ -110,6 +110,13 @@ class Force2:
         config = self.config
         tree = self.drafter.propose_tree(sequence, depth, config.tree_nodes, config.tree_branch) if depth > 0 \
             else DraftTree([], [])
+        chain = tree.as_chain()
+        if chain is not None:  # no branching this step (or nothing proposed): the cheaper chain path
+            proposals, proposal_probs = chain
+            q_scores = self.scores(sequence, proposals)
+            accepted, next_token = self.verifier.verify(proposals, proposal_probs, q_scores)
+            self.stats.tree_nodes += len(tree)
+            return proposals, proposal_probs, accepted, next_token, q_scores[: accepted + 1], len(proposals)
         first = self.cache.length + sequence.shape[1] - self.seen  # cache coordinates of the first node
         start = time.perf_counter()
         _, q_scores = score_tree(self.model, self.cache, self.seen, sequence, tree, self.processors)
@@ -210,7 +217,8 @@ class Force1Only:
             self.stats.force1_proposed += depth
             self.stats.force2_proposed += depth
             self.stats.tree_nodes += len(tree)
-            return Candidates([], None, tree)
+            chain = tree.as_chain()  # no branching this step (or nothing proposed): the cheaper chain path
+            return Candidates(*chain) if chain is not None else Candidates([], None, tree)
         proposals, probs = self.drafter.propose(sequence, wanted)
         self.stats.force1_proposed += len(proposals)
         self.stats.force2_proposed += len(proposals)

@@ -75,6 +75,17 @@ class DraftTree:
         """Nodes of ``path`` that are not their parent's first child: what the tree gained over its first chain."""
         return sum(1 for node in path if self.children(self.parents[node])[0] != node)
 
+    def as_chain(self) -> tuple[list[int], torch.Tensor | None] | None:
+        """``(tokens, probs)`` when this tree is a chain whose laws are all point masses (``probs`` None) or all
+        distributions (stacked), so that it can take the cheaper chain path; else None."""
+        if not self.is_chain():
+            return None
+        if all(law is None for law in self.laws):
+            return list(self.tokens), None
+        if all(law is not None for law in self.laws):
+            return list(self.tokens), torch.stack(self.laws)
+        return None
+
     def leaves(self) -> list[int]:
         parents = set(self.parents)
         return [i for i in range(len(self)) if i not in parents]

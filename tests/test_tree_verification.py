@@ -228,5 +228,6 @@ def test_tree_structure():
                                           [True, False, True, False], [True, False, True, True]]
     assert DraftTree.chain([1, 2, 3]).is_chain() and not tree.is_chain()
     assert tree.side_nodes([0, 2, 3]) == 0 and tree.side_nodes([1]) == 1
+    assert tree.as_chain() is None and DraftTree.chain([4, 5]).as_chain() == ([4, 5], None)
     with pytest.raises(ValueError, match="parents must be listed first"):
         DraftTree([1, 2], [1, -1])
