@@ -29,6 +29,7 @@ import functools
 import torch
 
 from . import compat
+from .tree_attention import active_tree, tree_attention
 
 PREFIX = "triforce_"
 RECORDER_KWARG = "triforce_recorder"
@@ -234,6 +235,9 @@ def _make_wrapper(base: str):
             recorder.record(module.layer_idx, query)
         # a sliding-window layer's mask cuts each row at its own window: only paths that read the mask
         windowed = compat.module_window(module, kwargs) is not None
+        tree = active_tree()
+        if tree is not None:  # a candidate tree's forward (tree_attention.py): the tree mask replaces the causal one
+            return tree_attention(module, query, key, value, tree, windowed, **kwargs)
         if base == "sdpa" and not windowed and _wants_flash(query, kwargs):
             return flash_verify(module, query, key, value, attention_mask, **kwargs)
         if _wants_one_row(base, query, attention_mask, kwargs) and (attention_mask is None or not windowed):

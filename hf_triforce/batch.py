@@ -52,6 +52,9 @@ def check_batch_request(model, config: TriForceConfig, generation_config, stream
     if config.policy != "fixed":
         raise ValueError(f"triforce_config=: batch size > 1 supports TriForceConfig.policy='fixed' only "
                          f"(got {config.policy!r}); set policy='fixed'")
+    if config.tree_nodes:
+        raise ValueError(f"triforce_config=: batch size > 1 supports TriForceConfig.tree_nodes=0 only (chains; got "
+                         f"{config.tree_nodes})")
     if config.full_cache_device is not None:
         raise ValueError(f"triforce_config=: batch size > 1 supports TriForceConfig.full_cache_device=None only "
                          f"(got {config.full_cache_device!r})")
@@ -168,7 +171,7 @@ class BatchDecoder:
     def _run(self, rows: list[torch.LongTensor]) -> BatchResult:
         config, batch = self.config, len(rows)
         longest = max(self.max_lengths)
-        full = RaggedBufferCache(self.model.config.num_hidden_layers, batch, longest + config.gamma2 + 2)
+        full = RaggedBufferCache(compat.num_layers(self.model.config), batch, longest + config.gamma2 + 2)
         full.expect_devices(layer_devices(self.model))
         outs = [Output(ids, self.views[b], self.criteria, self.max_lengths[b], None, False, False, self.stats[b])
                 for b, ids in enumerate(rows)]

@@ -52,6 +52,13 @@ class TriForceConfig:
         layer's execution device, next to the model) or ``"cpu"`` (TriForce's offloading mode: host memory,
         pinned for a GPU, streamed to the compute device layer by layer during verification with the next
         layer prefetched; the retrieval and draft caches stay on the device). Output is identical either way.
+    tree_nodes: 0 (default): every level proposes a chain. ``> 0``: the drafter proposes a candidate tree of at
+        most this many nodes (depth at most the level's gamma), verified exactly in one forward with tree
+        attention (`hf_triforce.tree_verification`); drafters ``"ngram"`` (several matches of the suffix:
+        distinct continuations) and model drafters (``"self"``, a draft model: their chain plus the draft's
+        next most likely tokens as alternatives at the shallowest positions). Needs ``policy="fixed"`` and a
+        model without sliding-window layers.
+    tree_branch: at most this many children per tree node (with ``tree_nodes > 0``).
     explore_every: under ``policy="auto"``, steps between tries of the best plan other than the current
         one (doubling, up to 16x, while such tries do not pay).
     """
@@ -74,6 +81,8 @@ class TriForceConfig:
     draft_precision: str = "model"
     policy: str = "auto"
     explore_every: int = 16
+    tree_nodes: int = 0
+    tree_branch: int = 2
     full_cache_device: str | None = None
 
     def __post_init__(self) -> None:
@@ -99,6 +108,8 @@ class TriForceConfig:
             ("ngram_min", 1),
             ("prefill_chunk_size", 1),
             ("explore_every", 1),
+            ("tree_nodes", 0),
+            ("tree_branch", 1),
         ):
             _check_int(name, getattr(self, name), minimum)
         if self.retrieval_budget % self.chunk_size:
@@ -146,6 +157,15 @@ class TriForceConfig:
                 f"(Force 2 verifies gamma1 + 1 rows, each quantized on its own up to {ROW_INDEPENDENT_MAX_ROWS}), "
                 f"got {self.gamma1}"
             )
+        if self.tree_nodes > ROW_INDEPENDENT_MAX_ROWS - 1:
+            raise ValueError(f"TriForceConfig.tree_nodes must be at most {ROW_INDEPENDENT_MAX_ROWS - 1} (a tree's rows "
+                             f"are verified in one forward), got {self.tree_nodes}")
+        if self.tree_nodes and self.policy != "fixed":
+            raise ValueError("TriForceConfig.tree_nodes > 0 needs policy='fixed' (the adaptive policy's cost model "
+                             f"prices chains), got policy={self.policy!r}")
+        if self.tree_nodes and self.draft == "suffix":
+            raise ValueError("TriForceConfig.tree_nodes > 0: the 'suffix' drafter proposes chains only; use 'ngram', "
+                             "'self' or a draft model")
         if self.full_cache_device not in FULL_CACHE_DEVICES:
             raise ValueError(
                 f"TriForceConfig.full_cache_device must be one of {FULL_CACHE_DEVICES}, got {self.full_cache_device!r}"
@@ -154,6 +174,11 @@ class TriForceConfig:
             raise ValueError(f"TriForceConfig.policy must be one of {POLICIES}, got {self.policy!r}")
         if not isinstance(self.show_progress, bool):
             raise ValueError(f"TriForceConfig.show_progress must be a bool, got {self.show_progress!r}")
+
+    @property
+    def proposal_rows(self) -> int:
+        """Most rows Force 1 proposes for one Force-2 verification: ``gamma1``, or a tree's ``tree_nodes``."""
+        return max(self.gamma1, self.tree_nodes)
 
     @property
     def recent_tokens(self) -> int:

@@ -41,6 +41,8 @@ from .row_mixing import RowsApart
 from .sampling import ChainVerifier, Sampler, TorchSampler, scores_to_probs
 from .scoring import process_rows
 from .stats import TriForceStats
+from .tree_forward import score_tree
+from .tree_verification import TreeVerifier
 
 
 @dataclass
@@ -121,6 +123,11 @@ class TriForceDecoder:
         # one verification rule per level (the same exact rule; separate objects so a test can alter one level)
         self.force2_verifier = ChainVerifier(do_sample, self.sampler)
         self.force3_verifier = ChainVerifier(do_sample, self.sampler)
+        self.force2_tree_verifier = TreeVerifier(do_sample, self.sampler)  # TriForceConfig.tree_nodes > 0
+        self.force3_tree_verifier = TreeVerifier(do_sample, self.sampler)
+        if config.tree_nodes and any(window is not None for window in compat.layer_windows(model.config)):
+            raise ValueError("TriForceConfig.tree_nodes > 0: candidate trees are not supported on models with "
+                             "sliding-window layers; use tree_nodes=0")
         self.draft_name = config.draft if isinstance(config.draft, str) else MODEL_DRAFTER
         self.drafters: dict[str, object] = {}
         self.levels: dict[tuple[int, str], object] = {}
@@ -148,7 +155,7 @@ class TriForceDecoder:
                 drafting_target = drafting_model(self.model, self.config.draft_precision)
                 timed = self.policy.observe_forward if self.policy is not None else None
                 self.levels[key] = Force2(drafting_target, drafter, self.config, self.processors,
-                                          self.force2_verifier, full, self.stats, timed)
+                                          self.force2_verifier, full, self.stats, timed, self.force2_tree_verifier)
         return self.levels[key]
 
     def make_policy(self) -> AdaptivePolicy | None:
@@ -220,7 +227,8 @@ class TriForceDecoder:
         config, stats, recorder = self.config, self.stats, QueryRecorder()
         cache_class = OffloadedBufferCache if config.full_cache_device == "cpu" else BufferCache
         # sliding-window layers keep their window plus room for the deepest rollback (a rejected chain, a stop)
-        full = cache_class(compat.num_layers(self.model.config), self.max_length + config.gamma2 + 2,
+        room = max(config.gamma2, config.tree_nodes)  # a verification's proposals: a chain or a tree
+        full = cache_class(compat.num_layers(self.model.config), self.max_length + room + 2,
                            compat.layer_windows(self.model.config), rollback=config.gamma2 + 2)
         full.expect_devices(layer_devices(self.model))
         cached = copy_prefix(prefix_cache, full) if prefix_cache is not None else 0
@@ -260,15 +268,29 @@ class TriForceDecoder:
             else:
                 candidates = Candidates([], None)
             proposals = candidates.tokens
-            extended = torch.cat((out.sequence, out.sequence.new_tensor([proposals])), dim=1)
             uncached = length - full.length
             begin = time.perf_counter()
-            logits, p_scores = score_continuation(self.model, full, full.length, extended, length, self.processors,
-                                                  recorder)
-            settle(p_scores)
+            if candidates.tree is not None:  # one tree forward; the accepted path's entries compacted into place
+                tree = candidates.tree
+                logits, p_scores = score_tree(self.model, full, full.length, out.sequence, tree, self.processors,
+                                              recorder)
+                settle(p_scores)
+                path, next_token = self.force3_tree_verifier.verify(tree, p_scores)
+                full.keep_rows(length, path)
+                stats.tree_side_accepts += tree.side_nodes(path)
+                proposals, accepted = [tree.tokens[node] for node in path], len(path)
+                rows = [0] + [node + 1 for node in path]
+                logits, p_scores = logits[rows], p_scores[rows]
+                last_row = uncached + path[-1] if path else uncached - 1  # the recorder's row of the last token
+            else:
+                extended = torch.cat((out.sequence, out.sequence.new_tensor([proposals])), dim=1)
+                logits, p_scores = score_continuation(self.model, full, full.length, extended, length,
+                                                      self.processors, recorder)
+                settle(p_scores)
+                accepted, next_token = self.force3_verifier.verify(proposals, candidates.probs, p_scores)
+                last_row = uncached - 1 + accepted
             force3_seconds = time.perf_counter() - begin
             stats.force3_seconds += force3_seconds
-            accepted, next_token = self.force3_verifier.verify(proposals, candidates.probs, p_scores)
             full.rollback(length + accepted)
             stats.force3_steps += 1
             stats.force3_accepted += accepted
@@ -280,9 +302,10 @@ class TriForceDecoder:
                 done = out.commit(token, p_scores[index], logits[index])
                 if done:
                     break
-            queries = recorder.at(uncached - 1 + accepted)
+            queries = recorder.at(last_row)
             if not done and level is not None:
-                level.commit(out.sequence, accepted, len(proposals), queries)
+                proposed = len(proposals) if candidates.tree is None else max(candidates.tree.depths(), default=0)
+                level.commit(out.sequence, accepted, proposed, queries)
             if self.policy is not None:
                 self._observe(plan, level, candidates, accepted, p_scores[0], counterfactual, force3_seconds,
                               before, drafted_before, time.perf_counter() - step_start, committed)

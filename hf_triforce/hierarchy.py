@@ -27,27 +27,34 @@ from .drafters import Drafter
 from .forward import score_continuation, settle
 from .sampling import ChainVerifier, scores_to_probs
 from .stats import TriForceStats
+from .tree import DraftTree
+from .tree_forward import score_tree
+from .tree_verification import TreeVerifier
 
 
 @dataclass
 class Candidates:
-    """Proposed tokens and the distribution each was drawn from (``[n, vocab]``, or ``None``)."""
+    """Proposed tokens and the distribution each was drawn from (``[n, vocab]``, or ``None``); or a candidate
+    ``tree`` (``TriForceConfig.tree_nodes``: then ``tokens`` is empty and Force 3 verifies the tree)."""
 
     tokens: list[int]
     probs: torch.Tensor | None
+    tree: DraftTree | None = None
 
 
 class Force2:
     """The target (or its int8 copy) on a `RetrievalCache`: verifies Force 1, hands its tokens up with q."""
 
     def __init__(self, model, drafter: Drafter, config: TriForceConfig, processors: LogitsProcessorList,
-                 verifier: ChainVerifier, full: BufferCache, stats: TriForceStats, timed=None) -> None:
+                 verifier: ChainVerifier, full: BufferCache, stats: TriForceStats, timed=None,
+                 tree_verifier: TreeVerifier | None = None) -> None:
         self.model, self.drafter, self.config = model, drafter, config
+        self.tree_verifier = tree_verifier  # verifies Force 1's trees (TriForceConfig.tree_nodes)
         self.processors, self.verifier, self.full, self.stats = processors, verifier, full, stats
         self.timed = timed  # optional callback (tier, rows, seconds) for the adaptive policy's cost model
         self.started = False
         self.rejections = 0  # Force-2 verifications that rejected a draft
-        tail = config.refresh_every * (config.gamma2 + 1) + config.gamma1 + config.gamma2 + 2
+        tail = config.refresh_every * (config.gamma2 + 1) + config.proposal_rows + config.gamma2 + 2
         self.cache = RetrievalCache(
             compat.num_layers(model.config), config.retrieval_budget, config.chunk_size, config.recent_tokens, tail,
             compat.layer_windows(model.config),
@@ -67,7 +74,7 @@ class Force2:
             self.select(queries)
             self.started = True
         elif self.cache.synced != self.full.length:
-            if self.cache.tail_room(self.full.length) >= self.config.gamma1 + self.config.gamma2 + 2:
+            if self.cache.tail_room(self.full.length) >= self.config.proposal_rows + self.config.gamma2 + 2:
                 self.cache.sync(self.full, self.full.length)
             else:
                 self.select(queries)
@@ -95,6 +102,37 @@ class Force2:
             self.timed("force2", extended.shape[1] - self.seen, seconds)
         return scores
 
+    def verify_tree(self, sequence: torch.Tensor, depth: int):
+        """Force 1's tree of depth ``depth`` verified in one tree forward on the retrieval cache; its accepted
+        path's entries are compacted into place. Returns what the chain branch of `get_candidates` has: the
+        accepted path as ``proposals``, ``None`` (their laws: unused past verification), ``accepted``, the next
+        token, the q rows of the root and path, and the tree's depth."""
+        config = self.config
+        tree = self.drafter.propose_tree(sequence, depth, config.tree_nodes, config.tree_branch) if depth > 0 \
+            else DraftTree([], [])
+        chain = tree.as_chain()
+        if chain is not None:  # no branching this step (or nothing proposed): the cheaper chain path
+            proposals, proposal_probs = chain
+            q_scores = self.scores(sequence, proposals)
+            accepted, next_token = self.verifier.verify(proposals, proposal_probs, q_scores)
+            self.stats.tree_nodes += len(tree)
+            return proposals, proposal_probs, accepted, next_token, q_scores[: accepted + 1], len(proposals)
+        first = self.cache.length + sequence.shape[1] - self.seen  # cache coordinates of the first node
+        start = time.perf_counter()
+        _, q_scores = score_tree(self.model, self.cache, self.seen, sequence, tree, self.processors)
+        settle(q_scores)
+        seconds = time.perf_counter() - start
+        self.stats.force2_seconds += seconds
+        if self.timed is not None:
+            self.timed("force2", sequence.shape[1] - self.seen + len(tree), seconds)
+        path, next_token = self.tree_verifier.verify(tree, q_scores)
+        self.cache.keep_rows(first, path)
+        self.stats.tree_nodes += len(tree)
+        self.stats.tree_side_accepts += tree.side_nodes(path)
+        rows = [0] + [node + 1 for node in path]
+        depth = max(tree.depths(), default=0)
+        return [tree.tokens[node] for node in path], None, len(path), next_token, q_scores[rows], depth
+
     def handed_up(self, q_scores: torch.Tensor, proposals: list[int], proposal_probs: torch.Tensor | None,
                   accepted: int) -> torch.Tensor:
         """The scores of the ``accepted + 1`` tokens one Force-2 verification emits: q at each row (an accepted
@@ -111,11 +149,16 @@ class Force2:
         prompt_length, rows = sequence.shape[1], []
         while sequence.shape[1] - prompt_length < wanted:
             still_wanted = wanted - (sequence.shape[1] - prompt_length)
-            proposals, proposal_probs = self.drafter.propose(sequence, min(gamma1, still_wanted - 1))
-            q_scores = self.scores(sequence, proposals)
-            accepted, next_token = self.verifier.verify(proposals, proposal_probs, q_scores)
-            self.rejections += accepted < len(proposals)
-            self.stats.force1_proposed += len(proposals)
+            if self.config.tree_nodes:  # proposed: the tree's depth, so that acceptance compares with chains'
+                proposals, proposal_probs, accepted, next_token, q_scores, proposed = self.verify_tree(
+                    sequence, min(gamma1, still_wanted - 1))
+            else:
+                proposals, proposal_probs = self.drafter.propose(sequence, min(gamma1, still_wanted - 1))
+                q_scores = self.scores(sequence, proposals)
+                accepted, next_token = self.verifier.verify(proposals, proposal_probs, q_scores)
+                proposed = len(proposals)
+            self.rejections += accepted < proposed
+            self.stats.force1_proposed += proposed
             self.stats.force2_accepted += accepted
             self.stats.force2_steps += 1
             sequence = torch.cat((sequence, sequence.new_tensor([proposals[:accepted] + [next_token]])), dim=1)
@@ -136,7 +179,7 @@ class Force2:
         self.cache.sync(self.full, self.full.length)
         self.steps_since_selection += 1
         low = self.config.refresh_below is not None and proposed and accepted / proposed < self.config.refresh_below
-        no_room = self.cache.tail_room(self.full.length) < self.config.gamma1 + self.config.gamma2 + 2
+        no_room = self.cache.tail_room(self.full.length) < self.config.proposal_rows + self.config.gamma2 + 2
         if self.steps_since_selection >= self.config.refresh_every or low or no_room:
             self.select(queries)
 
@@ -168,6 +211,14 @@ class Force1Only:
         wanted = min(self.config.gamma2 if gamma2 is None else gamma2, limit)
         if wanted <= 0:
             return Candidates([], None)
+        if self.config.tree_nodes:  # Force 3 verifies Force 1's tree
+            tree = self.drafter.propose_tree(sequence, wanted, self.config.tree_nodes, self.config.tree_branch)
+            depth = max(tree.depths(), default=0)  # counted like a chain of that length (acceptance comparable)
+            self.stats.force1_proposed += depth
+            self.stats.force2_proposed += depth
+            self.stats.tree_nodes += len(tree)
+            chain = tree.as_chain()  # no branching this step (or nothing proposed): the cheaper chain path
+            return Candidates(*chain) if chain is not None else Candidates([], None, tree)
         proposals, probs = self.drafter.propose(sequence, wanted)
         self.stats.force1_proposed += len(proposals)
         self.stats.force2_proposed += len(proposals)

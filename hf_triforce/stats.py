@@ -18,6 +18,8 @@ class TriForceStats:
     force3_accepted: int = 0
     force3_steps: int = 0
     retrieval_selections: int = 0
+    tree_nodes: int = 0  # nodes of candidate trees verified (TriForceConfig.tree_nodes; proposals count depths)
+    tree_side_accepts: int = 0  # accepted tree nodes that were not their parent's first child (beyond the chain)
     force2_sees_whole_cache: bool = False
     draft_precision: str = "model"  # what Force 1 / Force 2 ran: "model" or "int8"
     weight_left_output_layer: bool = False  # the CPU multi-row output-layer path was used

@@ -84,3 +84,8 @@ def test_two_level_baseline_matches_target_distribution():
 def test_int8_drafting_tiers_match_target_distribution():
     """Force 1 and Force 2 on the int8 copy: q and r change, p (Force 3, fp32) is still what comes out."""
     check("self", dict(temperature=1.3), LogitsProcessorList([TemperatureLogitsWarper(1.3)]), draft_precision="int8")
+
+
+def test_ngram_trees_match_target_distribution():
+    """Force 1 proposes trees (several suffix matches), Force 2 verifies them with tree attention."""
+    check("ngram", dict(top_k=5), LogitsProcessorList([TopKLogitsWarper(5)]), tree_nodes=6, tree_branch=3)

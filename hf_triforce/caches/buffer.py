@@ -93,6 +93,17 @@ class BufferLayer(CacheLayerMixin):
     def valid(self) -> tuple[torch.Tensor, torch.Tensor]:
         return self.keys[:, :, : self.length], self.values[:, :, : self.length]
 
+    def keep_rows(self, first: int, rows: list[int]) -> None:
+        """Of the entries from ``first`` on keep only ``rows`` (increasing offsets from ``first``), moved into
+        place at ``first, first + 1, ...``: a verified candidate tree's accepted path, without a re-forward."""
+        if any(b <= a for a, b in zip(rows, rows[1:])) or (rows and (rows[0] < 0 or first + rows[-1] >= self.length)):
+            raise ValueError(f"keep_rows: offsets {rows} must increase and lie in [0, {self.length - first})")
+        if self.is_initialized and rows != list(range(len(rows))):
+            index = torch.tensor(rows, device=self.keys.device) + first
+            for buffer in (self.keys, self.values):
+                buffer[:, :, first : first + len(rows)] = buffer.index_select(2, index)
+        self.length = min(self.length, first + len(rows))
+
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.length + query_length, 0
 
@@ -167,6 +178,14 @@ class BufferCache(Cache):
         """Keep the first ``length`` entries of every layer."""
         for layer in self.layers:
             layer.crop(length)
+
+    def keep_rows(self, first: int, rows: list[int]) -> None:
+        """`BufferLayer.keep_rows` in every layer (``first`` in this cache's coordinates). Sliding-window layers
+        keep other coordinates and are refused (candidate trees are not supported there)."""
+        if any(window is not None for window in self.windows):
+            raise ValueError("keep_rows: this cache has sliding-window layers; candidate trees are not supported")
+        for layer in self.layers:
+            layer.keep_rows(first, rows)
 
     def nbytes(self) -> int:
         """Bytes allocated by the buffers."""

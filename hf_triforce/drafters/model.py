@@ -12,6 +12,7 @@ from ..forward import settle
 from ..quantized import drafting_model
 from ..sampling import Sampler, scores_to_probs
 from ..scoring import process_rows
+from ..tree import DraftTree, TreeBuilder
 from .registry import MODEL_DRAFTER, DraftContext, register_drafter
 
 
@@ -26,6 +27,7 @@ class ModelDrafter:
         self.do_sample = do_sample
         self.sampler = sampler
         self.seen = 0  # tokens of the sequence whose entries the cache holds (or has evicted)
+        self.drafted: tuple[int, list[int]] | None = None  # (position, chain) of the last tree's cached chain
         self.seconds = 0.0
         self.forwards = 0
 
@@ -52,24 +54,60 @@ class ModelDrafter:
         self.seen = prompt.shape[1] - 1
 
     def propose(self, sequence: torch.Tensor, n: int) -> tuple[list[int], torch.Tensor | None]:
+        tokens, _, probs = self._draft(sequence, n)
+        return tokens, (torch.stack(probs) if probs else None)
+
+    def _draft(self, sequence: torch.Tensor, n: int) -> tuple[list[int], list[torch.Tensor], list[torch.Tensor]]:
+        """``n`` drafted tokens, each row's processed scores, and (sampling) the law each token was drawn from."""
+        if self.drafted is not None:  # a tree's side node may have been accepted: keep only what still agrees
+            start, drafted = self.drafted
+            agree = 0
+            while agree < len(drafted) and start + agree < sequence.shape[1] \
+                    and int(sequence[0, start + agree]) == drafted[agree]:
+                agree += 1
+            self.rollback(start + agree)
+            self.drafted = None
         if sequence.shape[1] - self.seen > self.cache.window // 2:  # far behind (steps ran without it)
             self.prefill(sequence)
         tokens: list[int] = []
-        rows = []
+        rows, probs = [], []
         pending = sequence[:, self.seen :]
         while len(tokens) < n:
             logits = self._forward(pending)
             current = torch.cat((sequence, sequence.new_tensor([tokens])), dim=1) if tokens else sequence
             scores = process_rows(self.processors, current, logits, current.shape[1])
+            rows.append(scores[0])
             if self.do_sample:
-                probs = scores_to_probs(scores)[0]
-                token = self.sampler.categorical(probs)
-                rows.append(probs)
+                law = scores_to_probs(scores)[0]
+                token = self.sampler.categorical(law)
+                probs.append(law)
             else:
                 token = int(scores[0].argmax())
             tokens.append(token)
             pending = sequence.new_tensor([[token]])
-        return tokens, (torch.stack(rows) if rows else None)
+        return tokens, rows, probs
+
+    def propose_tree(self, sequence: torch.Tensor, depth: int, nodes: int, branch: int) -> DraftTree:
+        """The drafted chain (as `propose`), plus at each position from the shallowest down, while ``nodes``
+        allows, up to ``branch - 1`` alternatives: the draft's next most likely tokens there, as leaves.
+
+        Exact for sampled verification: each alternative is a deterministic function of the path and the
+        sampled sibling before it (a point mass given them), never of anything drawn deeper."""
+        tokens, rows, probs = self._draft(sequence, min(depth, nodes))
+        # the cache holds the chain's entries; the committed path may leave it at a side node (checked next time)
+        self.drafted = (sequence.shape[1], tokens)
+        builder = TreeBuilder(nodes, branch)
+        parent = -1
+        chain = []
+        for token, law in zip(tokens, probs if self.do_sample else [None] * len(tokens)):
+            parent = builder.add_child(parent, token, law)
+            chain.append(parent)
+        for parent, token, scores in zip([-1] + chain[:-1], tokens, rows):
+            ranked = scores.argsort(descending=True)[: branch].tolist()
+            for alternative in [t for t in ranked if t != token and scores[t] > -float("inf")][: branch - 1]:
+                if builder.add_child(parent, alternative) is None:
+                    break
+        return builder.tree()
 
     def rollback(self, length: int) -> None:
         if self.seen > length:

@@ -6,7 +6,12 @@ import time
 
 import torch
 
+from ..tree import DraftTree, TreeBuilder
 from .registry import register_drafter
+
+# occurrences of one suffix size a tree looks at, most recent first: bounds the per-occurrence Python work of a
+# common short suffix in a long prompt (a budget, not a tuned value)
+TREE_OCCURRENCES = 64
 
 
 class NgramDrafter:
@@ -32,6 +37,25 @@ class NgramDrafter:
                     begin = int(hits[-1]) + size
                     return seq[begin : begin + n].tolist(), None
             return [], None
+        finally:
+            self.seconds += time.perf_counter() - start
+
+    def propose_tree(self, sequence: torch.Tensor, depth: int, nodes: int, branch: int) -> DraftTree:
+        """Distinct continuations of the suffix's occurrences as one tree: the longest suffix first, each size's
+        occurrences most recent first, so the first path is `propose`'s chain; shorter suffixes add
+        alternatives. Deterministic (point masses), no side effects."""
+        start = time.perf_counter()
+        seq = sequence[0]
+        length = seq.shape[0]
+        builder = TreeBuilder(nodes, branch)
+        try:
+            for size in range(min(self.ngram_max, length - 1), self.ngram_min - 1, -1):
+                windows = seq[: length - 1].unfold(0, size, 1)
+                for hit in (windows == seq[length - size :]).all(1).nonzero()[:, 0].flip(0)[:TREE_OCCURRENCES].tolist():
+                    builder.add_path(seq[hit + size : hit + size + depth].tolist())
+                    if len(builder.tokens) >= nodes:
+                        return builder.tree()
+            return builder.tree()
         finally:
             self.seconds += time.perf_counter() - start
 

@@ -1,0 +1,110 @@
+"""One tree forward equals running each root-to-leaf path as its own chain; the compacted cache equals the chain's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hf_triforce import compat
+from hf_triforce.caches.buffer import BufferCache
+from hf_triforce.forward import forward_logits, prefill
+from hf_triforce.integration import recording_attention
+from hf_triforce.tree import DraftTree
+from hf_triforce.tree_attention import block_visibility
+from hf_triforce.tree_forward import tree_logits
+
+from .conftest import make_model, random_prompt
+
+# the root has three children; node 0 two, node 3 one, node 1 one: paths of depth 1 to 3
+TREE = DraftTree([5, 9, 7, 3, 11, 2, 8], [-1, -1, 0, 0, 1, 3, -1])
+
+
+def filled_cache(model, tokens: torch.Tensor) -> BufferCache:
+    cache = BufferCache(model.config.num_hidden_layers, 512, compat.layer_windows(model.config))
+    if tokens.shape[1]:
+        prefill(model, tokens, cache, 64)
+    return cache
+
+
+def chain(model, sequence: torch.Tensor, cached: int, path: list[int]) -> tuple[torch.Tensor, BufferCache]:
+    """Logits of the root and each path token, run as a plain chain, and the cache after it."""
+    cache = filled_cache(model, sequence[:, :cached])
+    tokens = torch.cat((sequence[:, cached:], sequence.new_tensor([path])), dim=1) if path else sequence[:, cached:]
+    return forward_logits(model, tokens, cache, cached, len(path) + 1), cache
+
+
+@pytest.mark.parametrize("family", ["llama-mha", "llama-gqa", "qwen2", "mistral", "gemma"])
+@pytest.mark.parametrize("prompt_length, uncached", [(20, 1), (300, 1), (300, 3)])
+def test_tree_forward_equals_each_path_as_a_chain(family, prompt_length, uncached):
+    """300 cached entries split the prefix across threads (`prefix_attention`), 20 do not; an uncached tail of
+    3 committed tokens rides along causally before the tree."""
+    model = make_model(family)
+    sequence = random_prompt(prompt_length, seed=7)
+    cached = prompt_length - uncached
+    with torch.no_grad(), recording_attention(model):
+        cache = filled_cache(model, sequence[:, :cached])
+        logits = tree_logits(model, cache, cached, sequence, TREE)
+        assert cache.length == prompt_length + len(TREE)
+        for leaf in TREE.leaves():
+            nodes = TREE.path(leaf)
+            expected, _ = chain(model, sequence, cached, TREE.path_tokens(leaf))
+            got = logits[[0] + [node + 1 for node in nodes]]
+            torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["llama-gqa", "gemma"])
+@pytest.mark.parametrize("path", [[], [1], [0, 3, 5], [0, 2]])
+def test_compacted_cache_equals_the_accepted_chains(family, path):
+    model = make_model(family)
+    sequence = random_prompt(120, seed=8)
+    with torch.no_grad(), recording_attention(model):
+        cache = filled_cache(model, sequence[:, :-1])
+        tree_logits(model, cache, 119, sequence, TREE)
+        cache.keep_rows(120, path)
+        _, expected = chain(model, sequence, 119, [TREE.tokens[node] for node in path])
+    assert cache.length == expected.length == 120 + len(path)
+    for layer, reference in zip(cache.layers, expected.layers):
+        for got, want in zip(layer.valid(), reference.valid()):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_a_wrong_block_mask_is_caught():
+    """The comparison above tells masks apart: a node that also sees its uncle differs from its chain."""
+    import hf_triforce.tree_forward as tree_forward
+
+    model = make_model("llama-gqa")
+    sequence = random_prompt(40, seed=9)
+
+    def leaky(uncached, tree, device=None):
+        visible = block_visibility(uncached, tree, device)
+        visible[uncached + 2, uncached + 1] = True  # node 2 (child of node 0) also sees node 1
+        return visible
+
+    with torch.no_grad(), recording_attention(model):
+        cache = filled_cache(model, sequence[:, :-1])
+        original = tree_forward.block_visibility
+        tree_forward.block_visibility = leaky
+        try:
+            logits = tree_logits(model, cache, 39, sequence, TREE)
+        finally:
+            tree_forward.block_visibility = original
+        expected, _ = chain(model, sequence, 39, TREE.path_tokens(2))
+    assert not torch.allclose(logits[[0, 1, 3]], expected, rtol=1e-5, atol=1e-5)
+
+
+def test_sliding_window_layers_are_refused():
+    model = make_model("mistral", sliding_window=16)
+    sequence = random_prompt(40, seed=9)
+    with torch.no_grad(), recording_attention(model), pytest.raises(ValueError, match="sliding-window"):
+        cache = filled_cache(model, sequence[:, :-1])
+        tree_logits(model, cache, 39, sequence, TREE)
+
+
+def test_keep_rows_refuses_bad_offsets():
+    model = make_model("llama-gqa")
+    with torch.no_grad():
+        cache = filled_cache(model, random_prompt(10, seed=1))
+    with pytest.raises(ValueError, match="must increase"):
+        cache.keep_rows(5, [2, 1])
+    with pytest.raises(ValueError, match="must increase"):
+        cache.keep_rows(5, [7])

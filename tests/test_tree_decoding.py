@@ -1,0 +1,109 @@
+"""Candidate trees end to end: greedy output identical to plain `generate`; sampled output law exactly the target's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hf_triforce import TriForceConfig
+
+from .conftest import FAMILIES, make_model, random_prompt
+from .test_greedy_identity import assert_identical
+
+
+def _config(draft, levels=3, nodes=8, branch=3, **kw):
+    base = dict(draft=draft, policy="fixed", retrieval_budget=64, chunk_size=8, sink_tokens=4, window=24,
+                gamma1=3, gamma2=4, levels=levels, tree_nodes=nodes, tree_branch=branch)
+    base.update(kw)
+    return TriForceConfig(**base)
+
+
+@pytest.mark.parametrize("family", sorted(set(FAMILIES) - {"mistral"}) + ["mistral"])
+@pytest.mark.parametrize("draft", ["self", "ngram"])
+@pytest.mark.parametrize("levels", [2, 3])
+def test_greedy_identity_with_trees(family, draft, levels):
+    model = make_model(family)
+    prompt = random_prompt(150, period=37)
+    stats = assert_identical(model, prompt, _config(draft, levels))
+    assert stats.tree_nodes > stats.force1_proposed  # trees, not chains, were verified
+
+
+@pytest.mark.parametrize("nodes, branch", [(1, 2), (4, 2), (16, 4), (32, 8)])
+def test_greedy_identity_for_budgets(gqa_model, nodes, branch):
+    side = 0
+    for levels in (2, 3):
+        ngram = _config("ngram", levels, nodes, branch, gamma1=4, gamma2=6)
+        side += assert_identical(gqa_model, random_prompt(120, period=17), ngram).tree_side_accepts
+        own = _config("self", levels, nodes, branch)
+        side += assert_identical(gqa_model, random_prompt(120), own).tree_side_accepts
+    assert side > 0 or nodes == 1  # siblings beyond the chain were accepted (trees did something)
+
+
+def test_draft_model_trees():
+    target = make_model("qwen2", num_hidden_layers=3)
+    draft = make_model("qwen2", num_hidden_layers=1, seed=5)
+    assert_identical(target, random_prompt(100), _config(draft, 2))
+
+
+def test_trees_are_refused_where_unsupported():
+    with pytest.raises(ValueError, match="policy='fixed'"):
+        TriForceConfig(tree_nodes=8)
+    with pytest.raises(ValueError, match="suffix"):
+        TriForceConfig(draft="suffix", policy="fixed", tree_nodes=8)
+    with pytest.raises(ValueError, match="tree_nodes must be at most"):
+        TriForceConfig(policy="fixed", tree_nodes=64)
+    with pytest.raises(ValueError, match="tree_branch"):
+        TriForceConfig(policy="fixed", tree_nodes=8, tree_branch=0)
+    model = make_model("mistral", sliding_window=16)
+    with pytest.raises(ValueError, match="sliding-window"):
+        model.generate(random_prompt(40), max_new_tokens=4, triforce_config=_config("ngram"))
+
+
+def test_ngram_tree_holds_distinct_continuations():
+    from hf_triforce.drafters.ngram import NgramDrafter
+
+    sequence = torch.tensor([[1, 2, 3, 9, 1, 2, 4, 8, 1, 2, 5, 7, 1, 2]])
+    tree = NgramDrafter(3, 1).propose_tree(sequence, 3, 16, 4)
+    chain, _ = NgramDrafter(3, 1).propose(sequence, 3)
+    assert tree.path_tokens(2) == chain == [5, 7, 1]  # the first path is the chain
+    assert sorted(tree.tokens[c] for c in tree.children(-1)) == [3, 4, 5]
+
+
+class Argmax:
+    """A sampler that always takes the most likely token (the drafter then returns its laws)."""
+
+    def categorical(self, probs):
+        return int(probs.argmax())
+
+
+def test_model_drafter_forgets_its_chain_past_an_accepted_side_node():
+    """After a side node (not the drafted chain's token) is committed, the draft cache must hold the committed
+    token's entries, not the chain's: the next laws equal a fresh drafter's on the committed sequence."""
+    from transformers import LogitsProcessorList
+
+    from hf_triforce.drafters.model import ModelDrafter
+
+    model = make_model("llama-gqa")
+    sequence = random_prompt(30, seed=3)
+
+    def drafter():
+        return ModelDrafter(model, 4, 64, LogitsProcessorList(), True, Argmax())
+
+    with torch.no_grad():
+        used = drafter()
+        used.prefill(sequence)
+        tree = used.propose_tree(sequence, 3, 6, 2)
+        side = next(node for node in tree.children(-1) if node != tree.children(-1)[0])
+        committed = torch.cat((sequence, sequence.new_tensor([[tree.tokens[side], 7]])), dim=1)
+        used.rollback(committed.shape[1] - 1)
+        _, laws = used.propose(committed, 3)
+        fresh = drafter()
+        fresh.prefill(committed)
+        _, expected = fresh.propose(committed, 3)
+    torch.testing.assert_close(laws, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_offloaded_full_cache_with_trees(gqa_model):
+    """The full cache in host memory (`full_cache_device="cpu"`): compaction moves the host entries."""
+    assert_identical(gqa_model, random_prompt(120, period=17), _config("ngram", 2, full_cache_device="cpu"))
+    assert_identical(gqa_model, random_prompt(120), _config("self", 3, full_cache_device="cpu"))
