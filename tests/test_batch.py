@@ -121,6 +121,8 @@ def test_batch_refusals_name_the_parameter(model):
     with pytest.raises(ValueError, match="output_scores"):
         model.generate(ids, attention_mask=mask, max_new_tokens=3, output_scores=True, return_dict_in_generate=True,
                        triforce_config=_config())
+    with pytest.raises(ValueError, match="tree_nodes=0"):
+        model.generate(ids, attention_mask=mask, max_new_tokens=3, triforce_config=_config(tree_nodes=8))
     sliding = make_model("mistral", sliding_window=16)
     with pytest.raises(ValueError, match="sliding-window"):
         sliding.generate(ids, attention_mask=mask, max_new_tokens=3, triforce_config=_config())
