@@ -32,7 +32,7 @@ def tree_logits(model, cache, cached: int, sequence: torch.Tensor, tree: DraftTr
     with tree_block(visible), recording(recorder):
         out = model(input_ids=tokens, cache=cache, position_ids=positions, use_cache=True,
                     logits_to_keep=len(tree) + 1, **extra)
-    return out.logits[0]
+    return out.logits[0, -(len(tree) + 1) :]  # the last rows also where a model ignores logits_to_keep
 
 
 def process_tree_rows(processors: LogitsProcessorList, sequence: torch.Tensor, tree: DraftTree,
