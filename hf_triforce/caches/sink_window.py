@@ -6,7 +6,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from ..compat import layer_rotary, rotary_embedding
+from ..compat import layer_rotary, num_layers, rotary_embedding
 from .buffer import BufferCache
 
 Rerotate = Callable[[torch.Tensor, int], torch.Tensor]
@@ -81,8 +81,7 @@ def _probe_keys(model, positions: list[int]) -> list[list[torch.Tensor]]:
 
     One token with nothing cached attends to itself only, so every layer's input is the same at any
     position: the keys differ only by what the layer itself does with the position (its RoPE, or nothing)."""
-    layers = model.config.get_text_config(decoder=True).num_hidden_layers
-    cache = BufferCache(layers, 1)
+    cache = BufferCache(num_layers(model.config), 1)
     token = torch.ones(len(positions), 1, dtype=torch.long, device=model.device)
     model(input_ids=token, cache=cache, position_ids=torch.tensor([[p] for p in positions], device=model.device),
           use_cache=True, logits_to_keep=1)
