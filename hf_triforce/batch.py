@@ -240,11 +240,8 @@ class BatchDecoder:
         stats.force3_steps += 1
         stats.force3_accepted += accepted
         stats.plan_steps[self.config.levels] = stats.plan_steps.get(self.config.levels, 0) + 1
-        for index, token in enumerate(proposals[:accepted] + [next_token]):
-            stats.force3_tokens += 1
-            done[b] = out.commit(token, p_scores[index], rows[index])
-            if done[b]:
-                break
+        committed, done[b] = out.commit_verified(proposals[:accepted] + [next_token], p_scores, rows)
+        stats.force3_tokens += committed
         full.set_length(b, out.sequence.shape[1] - 1)  # the committed sequence but its last token
         if not done[b]:
             queries = {layer: q[b : b + 1, :, accepted] for layer, q in recorder.queries.items()}

@@ -103,6 +103,14 @@ class Output:
         stopped = bool(self.criteria(self.view(result.sequences), scores[None]).all()) if self.criteria else False
         return stopped or result.sequences.shape[1] >= self.max_length
 
+    def commit_verified(self, tokens: list[int], scores: torch.Tensor, logits: torch.Tensor) -> tuple[int, bool]:
+        """Commit the tokens one verification emitted (token ``i`` with row ``i`` of ``scores``/``logits``) until a
+        stop; returns how many were committed and whether generation must stop."""
+        for index, token in enumerate(tokens):
+            if self.commit(token, scores[index], logits[index]):
+                return index + 1, True
+        return len(tokens), False
+
     def end(self) -> None:
         if self.streamer is not None:
             self.streamer.end()
@@ -295,13 +303,8 @@ class TriForceDecoder:
             stats.force3_steps += 1
             stats.force3_accepted += accepted
             stats.plan_steps[plan.levels] = stats.plan_steps.get(plan.levels, 0) + 1
-            committed = 0
-            for index, token in enumerate(proposals[:accepted] + [next_token]):
-                stats.force3_tokens += 1
-                committed += 1
-                done = out.commit(token, p_scores[index], logits[index])
-                if done:
-                    break
+            committed, done = out.commit_verified(proposals[:accepted] + [next_token], p_scores, logits)
+            stats.force3_tokens += committed
             queries = recorder.at(last_row)
             if not done and level is not None:
                 proposed = len(proposals) if candidates.tree is None else max(candidates.tree.depths(), default=0)
