@@ -24,9 +24,12 @@ from .caches.retrieval import RetrievalCache
 from .compat import layer_devices
 from .config import TriForceConfig
 from .drafters import Drafter
-from .forward import score_continuation, settle
+from .drafters.registry import proposal_steps
+from .forward import settle
 from .sampling import ChainVerifier, scores_to_probs
+from .scoring import process_rows
 from .stats import TriForceStats
+from .steps import ForwardRequest, Steps, run_inline
 from .tree import DraftTree
 from .tree_forward import score_tree
 from .tree_verification import TreeVerifier
@@ -92,15 +95,17 @@ class Force2:
 
     def scores(self, sequence: torch.Tensor, proposals: list[int]) -> torch.Tensor:
         """Processed Force-2 scores for each proposal's position and the one after."""
+        return run_inline(self.score_steps(sequence, proposals))
+
+    def score_steps(self, sequence: torch.Tensor, proposals: list[int]) -> Steps[torch.Tensor]:
+        """`scores` as a generator of its forward (`hf_triforce.steps`)."""
         extended = torch.cat((sequence, sequence.new_tensor([proposals])), dim=1) if proposals else sequence
-        start = time.perf_counter()
-        _, scores = score_continuation(self.model, self.cache, self.seen, extended, sequence.shape[1], self.processors)
-        settle(scores)
-        seconds = time.perf_counter() - start
-        self.stats.force2_seconds += seconds
+        request = ForwardRequest(self.model, self.cache, extended[:, self.seen :], self.seen, len(proposals) + 1)
+        logits = yield request
+        self.stats.force2_seconds += request.seconds
         if self.timed is not None:
-            self.timed("force2", extended.shape[1] - self.seen, seconds)
-        return scores
+            self.timed("force2", extended.shape[1] - self.seen, request.seconds)
+        return process_rows(self.processors, extended, logits, sequence.shape[1])
 
     def verify_tree(self, sequence: torch.Tensor, depth: int):
         """Force 1's tree of depth ``depth`` verified in one tree forward on the retrieval cache; its accepted
@@ -142,6 +147,11 @@ class Force2:
     def get_candidates(self, sequence: torch.Tensor, limit: int, gamma1: int | None = None,
                        gamma2: int | None = None) -> Candidates:
         """Up to ``min(gamma2, limit)`` tokens (gammas default to the config's)."""
+        return run_inline(self.candidate_steps(sequence, limit, gamma1, gamma2))
+
+    def candidate_steps(self, sequence: torch.Tensor, limit: int, gamma1: int | None = None,
+                        gamma2: int | None = None) -> Steps[Candidates]:
+        """`get_candidates` as a generator of its forwards (`hf_triforce.steps`)."""
         gamma1 = self.config.gamma1 if gamma1 is None else gamma1
         wanted = min(self.config.gamma2 if gamma2 is None else gamma2, limit)
         if wanted <= 0:
@@ -153,8 +163,9 @@ class Force2:
                 proposals, proposal_probs, accepted, next_token, q_scores, proposed = self.verify_tree(
                     sequence, min(gamma1, still_wanted - 1))
             else:
-                proposals, proposal_probs = self.drafter.propose(sequence, min(gamma1, still_wanted - 1))
-                q_scores = self.scores(sequence, proposals)
+                proposals, proposal_probs = yield from proposal_steps(self.drafter, sequence,
+                                                                      min(gamma1, still_wanted - 1))
+                q_scores = yield from self.score_steps(sequence, proposals)
                 accepted, next_token = self.verifier.verify(proposals, proposal_probs, q_scores)
                 proposed = len(proposals)
             self.rejections += accepted < proposed
@@ -208,6 +219,11 @@ class Force1Only:
 
     def get_candidates(self, sequence: torch.Tensor, limit: int, gamma1: int | None = None,
                        gamma2: int | None = None) -> Candidates:
+        return run_inline(self.candidate_steps(sequence, limit, gamma1, gamma2))
+
+    def candidate_steps(self, sequence: torch.Tensor, limit: int, gamma1: int | None = None,
+                        gamma2: int | None = None) -> Steps[Candidates]:
+        """`get_candidates` as a generator of its forwards (`hf_triforce.steps`)."""
         wanted = min(self.config.gamma2 if gamma2 is None else gamma2, limit)
         if wanted <= 0:
             return Candidates([], None)
@@ -219,7 +235,7 @@ class Force1Only:
             self.stats.tree_nodes += len(tree)
             chain = tree.as_chain()  # no branching this step (or nothing proposed): the cheaper chain path
             return Candidates(*chain) if chain is not None else Candidates([], None, tree)
-        proposals, probs = self.drafter.propose(sequence, wanted)
+        proposals, probs = yield from proposal_steps(self.drafter, sequence, wanted)
         self.stats.force1_proposed += len(proposals)
         self.stats.force2_proposed += len(proposals)
         return Candidates(proposals, probs)

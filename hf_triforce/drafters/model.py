@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-import time
-
 import torch
 
 from ..caches.sink_window import SinkWindowCache, make_layer_rerotations
 from ..compat import layer_devices, num_layers
-from ..forward import settle
 from ..quantized import drafting_model
 from ..sampling import Sampler, scores_to_probs
 from ..scoring import process_rows
+from ..steps import ForwardRequest, Steps, run_inline
 from ..tree import DraftTree, TreeBuilder
 from .registry import MODEL_DRAFTER, DraftContext, register_drafter
 
@@ -31,16 +29,15 @@ class ModelDrafter:
         self.seconds = 0.0
         self.forwards = 0
 
-    def _forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def _forward_steps(self, tokens: torch.Tensor) -> Steps[torch.Tensor]:
+        """The last row's logits ``[1, vocab]`` of ``tokens`` fed at the next in-cache positions."""
         self.cache.make_room(tokens.shape[1])
-        positions = self.cache.next_positions(tokens.shape[1], tokens.device)
-        start = time.perf_counter()
-        out = self.model(input_ids=tokens, cache=self.cache, position_ids=positions, use_cache=True, logits_to_keep=1)
-        settle(out.logits)
-        self.seconds += time.perf_counter() - start
+        request = ForwardRequest(self.model, self.cache, tokens, self.cache.length, 1)
+        logits = yield request
+        self.seconds += request.seconds
         self.forwards += 1
         self.seen += tokens.shape[1]
-        return out.logits[0]
+        return logits
 
     def prefill(self, prompt: torch.Tensor) -> None:
         """(Re)fill the cache with the prompt's first ``sink_tokens`` and last ``window`` tokens, except the last."""
@@ -50,14 +47,19 @@ class ModelDrafter:
         if body.shape[1] > sink + window:
             body = torch.cat((body[:, :sink], body[:, -window:]), dim=1)
         if body.shape[1]:
-            self._forward(body)
+            run_inline(self._forward_steps(body))
         self.seen = prompt.shape[1] - 1
 
     def propose(self, sequence: torch.Tensor, n: int) -> tuple[list[int], torch.Tensor | None]:
-        tokens, _, probs = self._draft(sequence, n)
+        return run_inline(self.propose_steps(sequence, n))
+
+    def propose_steps(self, sequence: torch.Tensor, n: int) -> Steps[tuple[list[int], torch.Tensor | None]]:
+        """`propose` as a generator of its forwards (`hf_triforce.steps`): a batch drafts its rows together."""
+        tokens, _, probs = yield from self._draft_steps(sequence, n)
         return tokens, (torch.stack(probs) if probs else None)
 
-    def _draft(self, sequence: torch.Tensor, n: int) -> tuple[list[int], list[torch.Tensor], list[torch.Tensor]]:
+    def _draft_steps(self, sequence: torch.Tensor, n: int) -> Steps[tuple[list[int], list[torch.Tensor],
+                                                                          list[torch.Tensor]]]:
         """``n`` drafted tokens, each row's processed scores, and (sampling) the law each token was drawn from."""
         if self.drafted is not None:  # a tree's side node may have been accepted: keep only what still agrees
             start, drafted = self.drafted
@@ -73,7 +75,7 @@ class ModelDrafter:
         rows, probs = [], []
         pending = sequence[:, self.seen :]
         while len(tokens) < n:
-            logits = self._forward(pending)
+            logits = yield from self._forward_steps(pending)
             current = torch.cat((sequence, sequence.new_tensor([tokens])), dim=1) if tokens else sequence
             scores = process_rows(self.processors, current, logits, current.shape[1])
             rows.append(scores[0])
@@ -93,7 +95,7 @@ class ModelDrafter:
 
         Exact for sampled verification: each alternative is a deterministic function of the path and the
         sampled sibling before it (a point mass given them), never of anything drawn deeper."""
-        tokens, rows, probs = self._draft(sequence, min(depth, nodes))
+        tokens, rows, probs = run_inline(self._draft_steps(sequence, min(depth, nodes)))
         # the cache holds the chain's entries; the committed path may leave it at a side node (checked next time)
         self.drafted = (sequence.shape[1], tokens)
         builder = TreeBuilder(nodes, branch)

@@ -5,7 +5,9 @@ distribution each was drawn from (``None`` for a deterministic proposer: a point
 is called with the length of a committed prefix of the sequence; ``prefill(prompt)`` once, before the first
 proposal. ``seconds`` accumulates the time spent proposing. A ``"lookup"`` drafter's ``propose`` must have no
 side effects and draw no random numbers: the adaptive policy asks it every step what it would propose
-(counterfactual scoring), whether or not the step uses it.
+(counterfactual scoring), whether or not the step uses it. A drafter that runs a model may also offer
+``propose_steps(sequence, n)``, `propose` as a generator of its forwards (`hf_triforce.steps`), so that a
+batch drafts all its rows in one forward per token.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import torch
 from transformers import LogitsProcessorList
 
 from ..sampling import Sampler
+from ..steps import Steps
 
 
 class Drafter(Protocol):
@@ -30,6 +33,15 @@ class Drafter(Protocol):
     def rollback(self, length: int) -> None: ...
 
     def nbytes(self) -> int: ...
+
+
+def proposal_steps(drafter: Drafter, sequence: torch.Tensor, n: int) -> Steps[tuple[list[int], torch.Tensor | None]]:
+    """``drafter.propose(sequence, n)`` as a generator of forward requests (none for a drafter without
+    ``propose_steps``: it proposes directly)."""
+    steps = getattr(drafter, "propose_steps", None)
+    if steps is None:
+        return drafter.propose(sequence, n)
+    return (yield from steps(sequence, n))
 
 
 @dataclass(frozen=True)
