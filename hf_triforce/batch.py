@@ -5,7 +5,8 @@ lengths, or the copies of ``num_return_sequences``)::
 
     prefill each distinct prompt once on its row of a `RaggedBufferCache` (copies share it) -> first tokens
     until every row stopped:
-        per active row: candidates = its own level's get_candidates (its Force 2 / Force 1, batch-1 pieces)
+        every active row's level proposes candidates (its own Force 2 over its own Force 1), the rows in lockstep:
+            the rows' Force-1 forwards run as one batched forward, so do their Force-2 forwards (`Lockstep`)
         one batched Force-3 forward: row b gets [its last token, its candidates, dummies up to the widest row],
             placed after its own cached entries (per-row positions, `ragged_causal_mask`)
         per active row: exact verification against its own p, its cache length set to what it committed,
@@ -14,7 +15,8 @@ lengths, or the copies of ``num_return_sequences``)::
 Exactness per row: row ``b``'s queries attend exactly over its own entries (the mask hides padding, dummies
 and the other rows' longer columns: they contribute exactly zero after the softmax), at its own positions,
 so its p is the target's p for that row up to summation order, as in plain batched ``generate``. Force 2 and
-Force 1 run per row on batch-1 caches (their q/r is what that row drew from); only Force 3 is batched.
+Force 1 keep each row's own caches, selection and acceptance; their forwards are batched across rows the same
+way (`hf_triforce.lockstep`), and each row's q/r is the law that row drew from.
 
 Supported: ``policy="fixed"`` (every row runs ``levels`` with ``gamma1``/``gamma2``), every drafter, levels 2
 and 3, full-attention models with SDPA or eager attention. `check_batch_request` refuses the rest by name.
@@ -35,8 +37,10 @@ from .compat import layer_devices
 from .config import TriForceConfig
 from .decoder import Output, PaddedView
 from .drafters import DraftContext, build_drafter
+from .drafters.model import ModelDrafter
 from .forward import prefill, settle
 from .hierarchy import Candidates, Force1Only, Force2
+from .lockstep import Lockstep
 from .output_head import weight_left_output_layer
 from .quantized import drafting_model
 from .row_mixing import row_mixing_layers
@@ -133,6 +137,16 @@ class BatchDecoder:
         return drafter, Force2(target, drafter, self.config, self.processors[b], self.force2_verifier, full.row(b),
                                self.stats[b])
 
+    def share_caches(self, levels: list) -> Lockstep:
+        """The rows' Force-2 retrieval caches share storage, and so do their model drafters' sink+window caches:
+        each tier then runs one forward for all its rows (`hf_triforce.lockstep`)."""
+        lockstep = Lockstep(len(levels))
+        if self.config.levels == 3:
+            lockstep.share([level.cache for _, level in levels])
+        if all(isinstance(drafter, ModelDrafter) for drafter, _ in levels):
+            lockstep.share([drafter.cache for drafter, _ in levels])
+        return lockstep
+
     def run(self, rows: list[torch.LongTensor]) -> BatchResult:
         with weight_left_output_layer(self.model) as weight_left:
             result = self._run(rows)
@@ -183,17 +197,19 @@ class BatchDecoder:
             self.stats[b].force3_tokens += 1
             done[b] = outs[b].commit(first, scores[0], first_logits[b][0])
         levels = [self.level(b, full) for b in range(batch)]
+        lockstep = self.share_caches(levels)
         started, force3_seconds = [False] * batch, 0.0
         while not all(done):
             active = [b for b in range(batch) if not done[b]]
-            candidates: dict[int, Candidates] = {}
+            steps = {}
             for b in active:
                 sequence, level = outs[b].sequence, levels[b][1]
                 if not started[b]:
                     level.start(sequence, queries[b])
                     started[b] = True
                 room = self.max_lengths[b] - sequence.shape[1] - 1
-                candidates[b] = level.get_candidates(sequence, room, config.gamma1, config.gamma2)
+                steps[b] = level.candidate_steps(sequence, room, config.gamma1, config.gamma2)
+            candidates: dict[int, Candidates] = lockstep.drive(steps)
             n = 1 + max(len(c.tokens) for c in candidates.values())
             tokens = torch.zeros(batch, n, dtype=torch.long, device=rows[0].device)
             for b in active:  # the last committed token, the candidates, dummies (never seen by this row)
@@ -221,6 +237,7 @@ class BatchDecoder:
             stats.draft_cache_bytes = drafter.nbytes()
             stats.retrieval_summary_bytes = level.summary_bytes()
         total = aggregate(self.stats, force3_seconds, prefill_seconds)
+        total.lockstep_forwards, total.lockstep_requests = lockstep.forwards, lockstep.requests
         total.full_cache_bytes = full.nbytes()
         total.device_resident_bytes = (total.full_cache_bytes + total.retrieval_cache_bytes + total.draft_cache_bytes
                                        + total.retrieval_summary_bytes)

@@ -20,6 +20,10 @@ class TriForceStats:
     retrieval_selections: int = 0
     tree_nodes: int = 0  # nodes of candidate trees verified (TriForceConfig.tree_nodes; proposals count depths)
     tree_side_accepts: int = 0  # accepted tree nodes that were not their parent's first child (beyond the chain)
+    # batches: Force-1 / Force-2 forwards run for several rows at once (`hf_triforce.lockstep`), and the rows'
+    # forwards they served (lockstep_requests / lockstep_forwards: rows per lower-tier forward)
+    lockstep_forwards: int = 0
+    lockstep_requests: int = 0
     force2_sees_whole_cache: bool = False
     draft_precision: str = "model"  # what Force 1 / Force 2 ran: "model" or "int8"
     weight_left_output_layer: bool = False  # the CPU multi-row output-layer path was used

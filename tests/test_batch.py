@@ -58,6 +58,9 @@ def test_greedy_rows_equal_each_row_alone(family, draft, levels):
         alone = model.generate(prompt, max_new_tokens=40, do_sample=False)[0, prompt.shape[1]:]
         assert torch.equal(out.sequences[row, ids.shape[1]:], alone), row
     assert torch.equal(out.sequences[:, : ids.shape[1]], ids)
+    if draft == "self" or levels == 3:  # the rows' lower-tier forwards ran together (hf_triforce.lockstep)
+        stats = out.triforce_stats
+        assert stats.lockstep_forwards > 0 and stats.lockstep_requests >= 1.5 * stats.lockstep_forwards
     rows = out.triforce_row_stats
     assert len(rows) == 3 and all(s.new_tokens == 40 and s.force3_steps > 0 for s in rows)
     assert out.triforce_stats.new_tokens == 120

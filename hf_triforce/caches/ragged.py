@@ -15,6 +15,8 @@ sync) read and write a row through it unchanged.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from ..compat import Cache, CacheLayerMixin
@@ -32,6 +34,7 @@ class RaggedLayer(CacheLayerMixin):
         super().__init__()
         self.batch, self.capacity = batch, capacity
         self.lengths = [0] * batch
+        self.counts: list[int] | None = None  # per row, how many of a forward's n entries are real (`writing`)
         self.expected_device: torch.device | None = None
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -45,20 +48,22 @@ class RaggedLayer(CacheLayerMixin):
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        """Write row ``b``'s ``n`` new entries at ``lengths[b]``; return columns ``[0, max(old lengths) + n)``."""
+        """Write row ``b``'s first ``counts[b]`` new entries (all ``n`` unless `writing` said otherwise) at
+        ``lengths[b]``; return columns ``[0, max(new lengths))``."""
         if key_states.shape[0] != self.batch:
             raise RuntimeError(f"RaggedLayer: a forward of batch {key_states.shape[0]} on a cache of batch "
                                f"{self.batch}")
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         n = key_states.shape[-2]
-        width = max(self.lengths) + n
+        counts = self.counts if self.counts is not None else [n] * self.batch
+        width = max(length + count for length, count in zip(self.lengths, counts))
         if width > self.capacity:
             raise RuntimeError(f"RaggedLayer overflow: {width} entries exceed its capacity {self.capacity}")
-        for b, length in enumerate(self.lengths):
-            self.keys[b, :, length : length + n] = key_states[b]
-            self.values[b, :, length : length + n] = value_states[b]
-            self.lengths[b] = length + n
+        for b, (length, count) in enumerate(zip(self.lengths, counts)):
+            self.keys[b, :, length : length + count] = key_states[b, :, :count]
+            self.values[b, :, length : length + count] = value_states[b, :, :count]
+            self.lengths[b] = length + count
         return self.keys[:, :, :width], self.values[:, :, :width]
 
     def get_seq_length(self) -> int:
@@ -89,6 +94,10 @@ class RowLayer(BufferLayer):
 
     def __init__(self, parent: RaggedLayer, row: int) -> None:  # no BufferLayer.__init__: nothing of its own
         self.parent, self.row, self.capacity = parent, row, parent.capacity
+
+    @property
+    def device(self) -> torch.device:
+        return self.parent.device
 
     @property
     def keys(self) -> torch.Tensor:
@@ -161,19 +170,40 @@ class RaggedBufferCache(Cache):
         for layer in self.layers:
             layer.copy_row(source, target)
 
+    @contextlib.contextmanager
+    def writing(self, counts: list[int]):
+        """Within: a forward of ``n`` tokens per row keeps only row ``b``'s first ``counts[b]`` entries (the
+        rest are dummies that pad the batch; ``0``: a row that takes no part in this forward)."""
+        if len(counts) != self.batch:
+            raise ValueError(f"writing: {len(counts)} counts for a batch of {self.batch}")
+        for layer in self.layers:
+            layer.counts = list(counts)
+        try:
+            yield self
+        finally:
+            for layer in self.layers:
+                layer.counts = None
+
     def nbytes(self) -> int:
         return sum(layer.nbytes() for layer in self.layers)
 
 
 def ragged_causal_mask(lengths: list[int], new: int, dtype: torch.dtype, device: torch.device,
-                       additive: bool) -> torch.Tensor:
+                       additive: bool, counts: list[int] | None = None) -> torch.Tensor:
     """The 4-D mask of a batched forward of ``new`` tokens per row after ``lengths[b]`` cached entries:
-    ``[batch, 1, new, max(lengths) + new]``, row ``b``'s query ``i`` sees columns ``[0, lengths[b] + i]``.
+    ``[batch, 1, new, width]``, row ``b``'s query ``i`` sees columns ``[0, lengths[b] + i]``.
 
-    Boolean (True: attend) for SDPA-style attention; ``additive``: 0 / dtype-min, as eager attention adds it.
+    ``counts`` (`RaggedBufferCache.writing`): row ``b`` keeps only its first ``counts[b]`` entries; its
+    later (dummy) queries see what its last real one sees, and the width is ``max(lengths[b] + counts[b])``.
+    Without: every row keeps ``new``, width ``max(lengths) + new``. Boolean (True: attend) for SDPA-style
+    attention; ``additive``: 0 / dtype-min, as eager attention adds it.
     """
-    width = max(lengths) + new
-    last = torch.tensor(lengths, device=device)[:, None] + torch.arange(new, device=device)  # [batch, new]
+    counts = counts if counts is not None else [new] * len(lengths)
+    width = max(length + count for length, count in zip(lengths, counts))
+    offsets = torch.arange(new, device=device)
+    last = torch.tensor(lengths, device=device)[:, None] + torch.minimum(
+        offsets, torch.tensor(counts, device=device)[:, None] - 1).clamp(min=0)  # [batch, new]
+    last = last.clamp(max=width - 1)
     visible = torch.arange(width, device=device) <= last[..., None]
     visible = visible[:, None]
     if not additive:

@@ -1,0 +1,121 @@
+"""Lockstep: the rows of a batch drive their tiers together, and rows that share a cache run one forward.
+
+Each row of a batch has its own Force-2 retrieval cache and its own Force-1 sink+window cache, but `share`
+lays the same cache of every row into one `RaggedBufferCache`: row ``b``'s cache keeps its own class, state
+and single-row code (selection, sync, eviction, rollback) and its layers become views of row ``b`` of the
+shared buffers. `Lockstep.drive` then runs each row's tier generator (`hf_triforce.steps`) and, round after
+round, takes the largest set of pending requests that target the same shared cache and runs them as one
+forward: row ``b``'s tokens at its own positions after its own entries, padded with dummies to the widest
+request, under a per-row mask (`ragged_causal_mask`); only each row's real entries are written. So the
+weights are read once for all rows instead of once per row.
+
+Exactness: row ``b``'s queries attend exactly over its own cache (other rows' columns and all dummies are
+masked, contributing exactly zero), at its own positions, so its logits are those of its batch-1 forward up
+to summation order. Force 1 and Force 2 need no more: a row's q and r are the laws it drew from.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from . import compat
+from .caches.buffer import BufferCache, BufferLayer
+from .caches.ragged import RaggedBufferCache, RowLayer, ragged_causal_mask
+from .forward import settle
+from .steps import ForwardRequest, Steps
+
+
+class Lockstep:
+    """The shared caches of one batch (``batch`` rows) and the driver of its rows' tier generators."""
+
+    def __init__(self, batch: int) -> None:
+        self.batch = batch
+        self.rows: dict[int, tuple[RaggedBufferCache, int]] = {}  # id(row cache) -> (shared cache, row)
+        self.forwards = 0  # batched forwards run
+        self.requests = 0  # requests they served
+
+    def share(self, caches: Sequence[BufferCache]) -> RaggedBufferCache:
+        """Lay row ``b``'s ``caches[b]`` (empty, same layout) into row ``b`` of one new shared cache."""
+        if len(caches) != self.batch:
+            raise ValueError(f"Lockstep.share: {len(caches)} caches for a batch of {self.batch}")
+        first = caches[0]
+        for cache in caches:
+            if len(cache.layers) != len(first.layers) or cache.capacity != first.capacity:
+                raise ValueError("Lockstep.share: the rows' caches differ in layers or capacity")
+            if any(type(layer) is not BufferLayer or layer.is_initialized for layer in cache.layers):
+                raise ValueError("Lockstep.share: only empty caches of plain BufferLayers (no sliding-window "
+                                 "layers) can share storage")
+        shared = RaggedBufferCache(len(first.layers), self.batch, first.capacity)
+        shared.expect_devices([layer.expected_device for layer in first.layers])
+        for b, cache in enumerate(caches):
+            cache.layers = [RowLayer(layer, b) for layer in shared.layers]
+            self.rows[id(cache)] = (shared, b)
+        return shared
+
+    def drive(self, steps: dict[int, Steps[Any]]) -> dict[int, Any]:
+        """Run every row's generator to its end; returns each row's result."""
+        pending: dict[int, ForwardRequest] = {}
+        results: dict[int, Any] = {}
+
+        def advance(b: int, logits: torch.Tensor | None) -> None:
+            try:
+                pending[b] = steps[b].send(logits) if logits is not None else next(steps[b])
+            except StopIteration as done:
+                pending.pop(b, None)
+                results[b] = done.value
+
+        for b in steps:
+            advance(b, None)
+        while pending:
+            groups: dict[int, list[int]] = {}
+            for b, request in pending.items():
+                shared = self.rows.get(id(request.cache))
+                groups.setdefault(id(shared[0]) if shared is not None else -1 - b, []).append(b)
+            rows = max(groups.values(), key=len)
+            if id(pending[rows[0]].cache) not in self.rows:  # a cache of its own: a batch-1 forward
+                advance(rows[0], pending[rows[0]].run())
+                continue
+            logits = self.forward({b: pending[b] for b in rows})
+            for b in rows:
+                advance(b, logits[b])
+        return results
+
+    def forward(self, requests: dict[int, ForwardRequest]) -> dict[int, torch.Tensor]:
+        """One forward of the requests of rows sharing a cache; returns each row's ``[keep, vocab]`` logits."""
+        shared = self.rows[id(next(iter(requests.values())).cache)][0]
+        models = {id(request.model) for request in requests.values()}
+        if len(models) != 1:
+            raise RuntimeError("Lockstep.forward: requests on one shared cache must use one model")
+        model = next(iter(requests.values())).model
+        lengths, n = shared.lengths, max(request.tokens.shape[1] for request in requests.values())
+        counts = [0] * self.batch
+        device = next(iter(requests.values())).tokens.device
+        tokens = torch.zeros(self.batch, n, dtype=torch.long, device=device)
+        positions = torch.tensor(lengths, device=device)[:, None] + torch.arange(n, device=device)
+        for b, request in requests.items():
+            count = counts[b] = request.tokens.shape[1]
+            if lengths[b] + count > shared.capacity:
+                raise RuntimeError(f"{type(request.cache).__name__} overflow: {lengths[b]} + {count} entries exceed "
+                                   f"its capacity {shared.capacity}")
+            tokens[b, :count] = request.tokens[0]
+            tokens[b, count:] = request.tokens[0, -1]
+            positions[b] = request.start + torch.arange(n, device=device)
+        additive = compat.current_attention_implementation(model).removeprefix("triforce_") == "eager"
+        mask = ragged_causal_mask(lengths, n, model.dtype, device, additive, counts)
+        began = time.perf_counter()
+        with shared.writing(counts):
+            out = model(input_ids=tokens, cache=shared, position_ids=positions, attention_mask=mask, use_cache=True,
+                        logits_to_keep=n)
+        logits = settle(out.logits[:, -n:])
+        seconds = (time.perf_counter() - began) / len(requests)
+        self.forwards += 1
+        self.requests += len(requests)
+        result = {}
+        for b, request in requests.items():
+            request.seconds = seconds
+            result[b] = logits[b, counts[b] - request.keep : counts[b]]
+        return result
