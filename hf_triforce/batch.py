@@ -18,14 +18,15 @@ so its p is the target's p for that row up to summation order, as in plain batch
 Force 1 keep each row's own caches, selection and acceptance; their forwards are batched across rows the same
 way (`hf_triforce.lockstep`), and each row's q/r is the law that row drew from.
 
-Supported: ``policy="fixed"`` (every row runs ``levels`` with ``gamma1``/``gamma2``), every drafter, levels 2
+Each step runs one plan for every row: ``policy="fixed"`` the configured one, ``policy="auto"`` the batch's own
+adaptive policy's choice (from the batched forwards' timings and every row's acceptances). Every drafter, levels 2
 and 3, full-attention models with SDPA or eager attention. `check_batch_request` refuses the rest by name.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 import torch
 from transformers import LogitsProcessorList, StoppingCriteriaList
@@ -35,13 +36,15 @@ from .attention import RECORDER_KWARG, QueryRecorder, recording
 from .caches.ragged import RaggedBufferCache, ragged_causal_mask
 from .compat import layer_devices
 from .config import TriForceConfig
-from .decoder import Output, PaddedView
+from .decoder import Output, PaddedView, adaptive_policy
 from .drafters import DraftContext, build_drafter
 from .drafters.model import ModelDrafter
+from .drafters.registry import MODEL_DRAFTER
 from .forward import prefill, settle
 from .hierarchy import Candidates, Force1Only, Force2
 from .lockstep import Lockstep
 from .output_head import weight_left_output_layer
+from .policy import Plan
 from .quantized import drafting_model
 from .row_mixing import row_mixing_layers
 from .sampling import ChainVerifier, Sampler, TorchSampler, scores_to_probs
@@ -53,9 +56,6 @@ BATCH_ATTENTION = ("sdpa", "eager")  # implementations that read the 4-D per-row
 
 def check_batch_request(model, config: TriForceConfig, generation_config, streamer, prefix_cache) -> None:
     """Refuse, by parameter name and allowed values, what batches do not support yet."""
-    if config.policy != "fixed":
-        raise ValueError(f"triforce_config=: batch size > 1 supports TriForceConfig.policy='fixed' only "
-                         f"(got {config.policy!r}); set policy='fixed'")
     if config.tree_nodes:
         raise ValueError(f"triforce_config=: batch size > 1 supports TriForceConfig.tree_nodes=0 only (chains; got "
                          f"{config.tree_nodes})")
@@ -110,8 +110,13 @@ def aggregate(row_stats: list[TriForceStats], force3_seconds: float, prefill_sec
 
 
 class BatchDecoder:
-    """The batched Force-3 loop of one call. Row ``b`` has its own padding view, processors, drafter, level,
-    stats and stop; every random choice goes through ``sampler`` (default: torch's global RNG)."""
+    """The batched Force-3 loop of one call. Row ``b`` has its own padding view, processors, drafters, levels,
+    stats and stop; every random choice goes through ``sampler`` (default: torch's global RNG).
+
+    Each batched step runs one plan for all its rows (`policy.Plan`): ``policy="fixed"`` the configured one,
+    ``policy="auto"`` the one the batch's `AdaptivePolicy` predicts fastest from the batch's own timings (the
+    batched forwards) and every row's acceptances. Each plan's per-row levels (and their shared caches) are
+    built on the plan's first use."""
 
     def __init__(self, model, config: TriForceConfig, processors: LogitsProcessorList | None,
                  stopping_criteria: StoppingCriteriaList | None, max_lengths: list[int], do_sample: bool,
@@ -126,26 +131,41 @@ class BatchDecoder:
         self.force2_verifier = ChainVerifier(do_sample, self.sampler)
         self.force3_verifier = ChainVerifier(do_sample, self.sampler)
         self.additive_mask = compat.current_attention_implementation(model).removeprefix("triforce_") == "eager"
+        self.draft_name = config.draft if isinstance(config.draft, str) else MODEL_DRAFTER
+        self.policy = adaptive_policy(config, self.draft_name, max(max_lengths))
+        self.fixed_plan = Plan(config.levels, self.draft_name, config.gamma1, config.gamma2)
+        self.lockstep = Lockstep(len(paddings))
+        self.drafters: dict[str, list] = {}  # name -> per row
+        self.levels: dict[tuple[int, str], list] = {}  # (levels, drafter) -> per row
 
-    def level(self, b: int, full: RaggedBufferCache):
-        """Row ``b``'s proposing level: `Force1Only` or `Force2` over its own drafter and a view of its row."""
-        context = DraftContext(self.model, self.config, self.processors[b], self.do_sample, self.sampler)
-        drafter = build_drafter(context)
-        if self.config.levels == 2:
-            return drafter, Force1Only(drafter, self.config, self.stats[b])
-        target = drafting_model(self.model, self.config.draft_precision)
-        return drafter, Force2(target, drafter, self.config, self.processors[b], self.force2_verifier, full.row(b),
-                               self.stats[b])
+    def drafter(self, b: int, name: str):
+        """Row ``b``'s drafter ``name``; every row's is built at once, model drafters' caches shared."""
+        if name not in self.drafters:
+            config = self.config if name == self.draft_name else replace(self.config, draft=name)
+            rows = [build_drafter(DraftContext(self.model, config, processors, self.do_sample, self.sampler))
+                    for processors in self.processors]
+            if all(isinstance(drafter, ModelDrafter) for drafter in rows):
+                self.lockstep.share([drafter.cache for drafter in rows], f"draft:{name}")
+            self.drafters[name] = rows
+        return self.drafters[name][b]
 
-    def share_caches(self, levels: list) -> Lockstep:
-        """The rows' Force-2 retrieval caches share storage, and so do their model drafters' sink+window caches:
-        each tier then runs one forward for all its rows (`hf_triforce.lockstep`)."""
-        lockstep = Lockstep(len(levels))
-        if self.config.levels == 3:
-            lockstep.share([level.cache for _, level in levels])
-        if all(isinstance(drafter, ModelDrafter) for drafter, _ in levels):
-            lockstep.share([drafter.cache for drafter, _ in levels])
-        return lockstep
+    def level(self, b: int, plan: Plan, full: RaggedBufferCache):
+        """Row ``b``'s level for ``plan``: None (plain), `Force1Only` or `Force2` (its Force-2 retrieval cache a
+        row of a cache shared by every row's)."""
+        if plan.levels == 1:
+            return None
+        key = (plan.levels, plan.drafter)
+        if key not in self.levels:
+            timed = self.policy.observe_forward if self.policy is not None else None
+            target = drafting_model(self.model, self.config.draft_precision)
+            rows = [Force1Only(self.drafter(r, plan.drafter), self.config, self.stats[r]) if plan.levels == 2
+                    else Force2(target, self.drafter(r, plan.drafter), self.config, self.processors[r],
+                                self.force2_verifier, full.row(r), self.stats[r], timed)
+                    for r in range(len(self.stats))]
+            if plan.levels == 3:
+                self.lockstep.share([level.cache for level in rows], "force2")
+            self.levels[key] = rows
+        return self.levels[key][b]
 
     def run(self, rows: list[torch.LongTensor]) -> BatchResult:
         with weight_left_output_layer(self.model) as weight_left:
@@ -183,7 +203,7 @@ class BatchDecoder:
         return out.logits
 
     def _run(self, rows: list[torch.LongTensor]) -> BatchResult:
-        config, batch = self.config, len(rows)
+        config, batch, policy = self.config, len(rows), self.policy
         longest = max(self.max_lengths)
         full = RaggedBufferCache(compat.num_layers(self.model.config), batch, longest + config.gamma2 + 2)
         full.expect_devices(layer_devices(self.model))
@@ -196,20 +216,30 @@ class BatchDecoder:
             first = self.sampler.categorical(scores_to_probs(scores)[0]) if self.do_sample else int(scores[0].argmax())
             self.stats[b].force3_tokens += 1
             done[b] = outs[b].commit(first, scores[0], first_logits[b][0])
-        levels = [self.level(b, full) for b in range(batch)]
-        lockstep = self.share_caches(levels)
-        started, force3_seconds = [False] * batch, 0.0
+        if policy is not None:  # a model drafter's cache fill: priced by the policy's fallback (rows prefill apart)
+            policy.setup_seconds = {name: None for name, kind in policy.drafters.items() if kind == "model"}
+        lookups = [name for name, kind in (policy.drafters.items() if policy else []) if kind == "lookup"]
+        force3_seconds = 0.0
         while not all(done):
             active = [b for b in range(batch) if not done[b]]
-            steps = {}
+            plan = policy.choose(max(self.max_lengths[b] - outs[b].sequence.shape[1] for b in active)) \
+                if policy is not None else self.fixed_plan
+            levels = {b: self.level(b, plan, full) for b in active}
+            for b, level in levels.items():  # one-time set-up (a draft cache's fill, a selection): not the step's
+                if level is not None:
+                    level.start(outs[b].sequence, queries[b])
+            if policy is not None and plan.levels > 1:
+                policy.started(plan.drafter)
+            # what each free lookup would propose next, scored against Force 3 below (no state, no randomness)
+            counterfactual = {b: {name: self.drafter(b, name).propose(outs[b].sequence, 1)[0] for name in lookups}
+                              for b in active}
+            step_start, before = time.perf_counter(), self._counters(levels)
+            steps = {b: level.candidate_steps(outs[b].sequence, self.max_lengths[b] - outs[b].sequence.shape[1] - 1,
+                                              plan.gamma1, plan.gamma2)
+                     for b, level in levels.items() if level is not None}
+            candidates: dict[int, Candidates] = self.lockstep.drive(steps)
             for b in active:
-                sequence, level = outs[b].sequence, levels[b][1]
-                if not started[b]:
-                    level.start(sequence, queries[b])
-                    started[b] = True
-                room = self.max_lengths[b] - sequence.shape[1] - 1
-                steps[b] = level.candidate_steps(sequence, room, config.gamma1, config.gamma2)
-            candidates: dict[int, Candidates] = lockstep.drive(steps)
+                candidates.setdefault(b, Candidates([], None))
             n = 1 + max(len(c.tokens) for c in candidates.values())
             tokens = torch.zeros(batch, n, dtype=torch.long, device=rows[0].device)
             for b in active:  # the last committed token, the candidates, dummies (never seen by this row)
@@ -221,32 +251,53 @@ class BatchDecoder:
             logits = settle(self._forward(full, tokens, recorder))
             seconds = time.perf_counter() - begin
             force3_seconds += seconds
+            verified = {}
             for b in range(batch):
                 if b not in active:
                     full.set_length(b, lengths[b])  # a stopped row: its dummies are dropped
                     continue
-                self._verify_row(b, outs[b], levels[b][1], candidates[b], logits[b], full, lengths[b], recorder,
-                                 seconds, done)
+                verified[b] = self._verify_row(b, outs[b], plan, levels[b], candidates[b], logits[b], full,
+                                               recorder, seconds, done, queries)
+            if policy is not None:
+                self._observe(plan, levels, candidates, verified, counterfactual, n, seconds, before,
+                              time.perf_counter() - step_start)
         for out in outs:
             out.end()
+        return self._result(rows, outs, full, force3_seconds, prefill_seconds)
+
+    def _result(self, rows, outs, full, force3_seconds: float, prefill_seconds: float) -> BatchResult:
         for b, stats in enumerate(self.stats):
-            drafter, level = levels[b]
-            stats.force1_seconds = drafter.seconds
+            stats.force1_seconds = sum(drafters[b].seconds for drafters in self.drafters.values())
             stats.new_tokens = outs[b].sequence.shape[1] - rows[b].shape[1]
-            stats.retrieval_cache_bytes = level.nbytes()
-            stats.draft_cache_bytes = drafter.nbytes()
-            stats.retrieval_summary_bytes = level.summary_bytes()
+            stats.retrieval_cache_bytes = sum(levels[b].nbytes() for levels in self.levels.values())
+            stats.draft_cache_bytes = sum(drafters[b].nbytes() for drafters in self.drafters.values())
+            stats.retrieval_summary_bytes = sum(levels[b].summary_bytes() for levels in self.levels.values())
         total = aggregate(self.stats, force3_seconds, prefill_seconds)
-        total.lockstep_forwards, total.lockstep_requests = lockstep.forwards, lockstep.requests
+        # the batch's seconds count each shared forward once (a row's stats count every forward it took part in)
+        shared = self.lockstep.seconds
+        total.force2_seconds = shared.get("force2", 0.0)
+        total.force1_seconds = sum(shared.get(f"draft:{name}", sum(drafter.seconds for drafter in drafters))
+                                   for name, drafters in self.drafters.items())  # lookups: rows one by one
+        total.lockstep_forwards, total.lockstep_requests = self.lockstep.forwards, self.lockstep.requests
         total.full_cache_bytes = full.nbytes()
         total.device_resident_bytes = (total.full_cache_bytes + total.retrieval_cache_bytes + total.draft_cache_bytes
                                        + total.retrieval_summary_bytes)
+        if self.policy is not None:
+            total.plans = self.policy.summary()
         return BatchResult([out.sequence for out in outs], self.stats, total)
 
-    def _verify_row(self, b, out: Output, level, candidates: Candidates, logits: torch.Tensor,
-                    full: RaggedBufferCache, cached: int, recorder: QueryRecorder, seconds: float,
-                    done: list[bool]) -> None:
-        """Row ``b`` of one batched step: verify against its own p, keep its accepted entries, commit."""
+    def _counters(self, levels: dict) -> dict[int, tuple]:
+        """Per row, the counters a step's observation subtracts: Force-2 accepted, rejections, Force-1 proposed,
+        drafters' seconds."""
+        return {b: (self.stats[b].force2_accepted, getattr(level, "rejections", 0), self.stats[b].force1_proposed,
+                    sum(drafters[b].seconds for drafters in self.drafters.values())) for b, level in levels.items()}
+
+    def _verify_row(self, b, out: Output, plan: Plan, level, candidates: Candidates, logits: torch.Tensor,
+                    full: RaggedBufferCache, recorder: QueryRecorder, seconds: float, done: list[bool],
+                    queries: list) -> tuple[int, int, torch.Tensor]:
+        """Row ``b`` of one batched step: verify against its own p, keep its accepted entries, commit. Returns
+        ``(accepted, committed, processed scores of the first row)``; ``queries[b]`` becomes the query at its
+        last cached token."""
         stats, proposals = self.stats[b], candidates.tokens
         sequence = out.sequence
         extended = torch.cat((sequence, sequence.new_tensor([proposals])), dim=1)
@@ -256,10 +307,45 @@ class BatchDecoder:
         stats.force3_seconds += seconds
         stats.force3_steps += 1
         stats.force3_accepted += accepted
-        stats.plan_steps[self.config.levels] = stats.plan_steps.get(self.config.levels, 0) + 1
+        stats.plan_steps[plan.levels] = stats.plan_steps.get(plan.levels, 0) + 1
         committed, done[b] = out.commit_verified(proposals[:accepted] + [next_token], p_scores, rows)
         stats.force3_tokens += committed
         full.set_length(b, out.sequence.shape[1] - 1)  # the committed sequence but its last token
-        if not done[b]:
-            queries = {layer: q[b : b + 1, :, accepted] for layer, q in recorder.queries.items()}
-            level.commit(out.sequence, accepted, len(proposals), queries)
+        queries[b] = {layer: q[b : b + 1, :, accepted] for layer, q in recorder.queries.items()}
+        if not done[b] and level is not None:
+            level.commit(out.sequence, accepted, len(proposals), queries[b])
+        return accepted, committed, p_scores[0]
+
+    def _observe(self, plan: Plan, levels: dict, candidates: dict, verified: dict, counterfactual: dict, n: int,
+                 force3_seconds: float, before: dict, step_seconds: float) -> None:
+        """Tell the batch's policy what the step cost (the batched forwards' seconds: a plan's cost for the
+        whole batch) and how each row's levels did (acceptances, lookups' counterfactuals)."""
+        policy = self.policy
+        policy.observe_forward("force3", n, force3_seconds)
+        drafted, drafts = 0.0, 0
+        for b, (accepted, _, first_scores) in verified.items():
+            probs = scores_to_probs(first_scores) if self.do_sample else None
+            for name, tokens in counterfactual[b].items():
+                acceptance = 0.0
+                if tokens:
+                    acceptance = float(probs[tokens[0]]) if probs is not None else float(
+                        int(first_scores.argmax()) == tokens[0])
+                policy.observe_lookup(name, bool(tokens), acceptance)
+            proposed = len(candidates[b].tokens)
+            if plan.levels == 2 and proposed:
+                policy.observe_direct(plan.drafter, accepted, proposed)
+            elif plan.levels == 3:
+                f2_accepted, rejections, force1_proposed, _ = before[b]
+                policy.observe_three_level(plan.drafter, self.stats[b].force2_accepted - f2_accepted,
+                                           levels[b].rejections - rejections, accepted, proposed)
+            if plan.levels > 1:
+                drafted += sum(drafters[b].seconds for drafters in self.drafters.values()) - before[b][3]
+                drafts += proposed if plan.levels == 2 else self.stats[b].force1_proposed - before[b][2]
+        rows = max(len(verified), 1)
+        if plan.levels > 1 and drafts:
+            lookup = policy.drafters[plan.drafter] == "lookup"
+            # model drafters: seconds per drafted token of the batch (each row's seconds are the shared forwards'
+            # walls, so a row's own count); lookups: seconds per call, which rows pay one after the other
+            policy.observe_forward(f"draft:{plan.drafter}", 1, drafted / rows if lookup else drafted / drafts)
+        tokens = sum(committed for _, committed, _ in verified.values()) / rows
+        policy.observe_step(plan, tokens, step_seconds, step_seconds)  # the batch's overhead is not modelled

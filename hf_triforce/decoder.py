@@ -116,6 +116,21 @@ class Output:
             self.streamer.end()
 
 
+def adaptive_policy(config: TriForceConfig, draft_name: str, max_length: int) -> AdaptivePolicy | None:
+    """``policy="auto"``: the configured drafter plus the free n-gram lookup, each as Force 1 of three levels
+    too if ``levels=3`` and the request (``max_length`` tokens) is longer than the retrieval budget;
+    ``"fixed"``: None (every step runs the configured plan)."""
+    if config.policy == "fixed":
+        return None
+    kinds = {draft_name: spec_of(config.draft).kind}
+    kinds.setdefault("ngram", DRAFTERS["ngram"].kind)  # the free lookup, scored on every step
+    # three levels only where Force 2 can see less than Force 3: a retrieval budget covering the whole
+    # request makes Force 2 a copy of Force 3 at the same cost
+    sparse = max_length > config.retrieval_budget
+    three = tuple(kinds) if config.levels == 3 and sparse else ()
+    return AdaptivePolicy(kinds, three, config.gamma1, config.gamma2, config.explore_every)
+
+
 class TriForceDecoder:
     """The Force-3 loop of one call. ``sampler`` draws every random choice (default: torch's global RNG)."""
 
@@ -139,7 +154,7 @@ class TriForceDecoder:
         self.draft_name = config.draft if isinstance(config.draft, str) else MODEL_DRAFTER
         self.drafters: dict[str, object] = {}
         self.levels: dict[tuple[int, str], object] = {}
-        self.policy = self.make_policy()
+        self.policy = adaptive_policy(config, self.draft_name, max_length)
         self.fixed_plan = Plan(config.levels, self.draft_name, config.gamma1, config.gamma2)
 
     def drafter(self, name: str):
@@ -165,20 +180,6 @@ class TriForceDecoder:
                 self.levels[key] = Force2(drafting_target, drafter, self.config, self.processors,
                                           self.force2_verifier, full, self.stats, timed, self.force2_tree_verifier)
         return self.levels[key]
-
-    def make_policy(self) -> AdaptivePolicy | None:
-        """``policy="auto"``: the configured drafter plus the free n-gram lookup, each as Force 1 of three levels
-        too if ``levels=3`` and the request is longer than the retrieval budget; ``"fixed"``: None (every step
-        runs the configured plan)."""
-        if self.config.policy == "fixed":
-            return None
-        kinds = {self.draft_name: spec_of(self.config.draft).kind}
-        kinds.setdefault("ngram", DRAFTERS["ngram"].kind)  # the free lookup, scored on every step
-        # three levels only where Force 2 can see less than Force 3: a retrieval budget covering the whole
-        # request makes Force 2 a copy of Force 3 at the same cost
-        sparse = self.max_length > self.config.retrieval_budget
-        three = tuple(kinds) if self.config.levels == 3 and sparse else ()
-        return AdaptivePolicy(kinds, three, self.config.gamma1, self.config.gamma2, self.config.explore_every)
 
     def drafter_setup_estimate(self, prefill_seconds_per_token: float | None) -> dict[str, float | None]:
         """Seconds a model drafter's first use costs: filling its sink+window cache at the prefill's speed

@@ -35,11 +35,14 @@ class Lockstep:
     def __init__(self, batch: int) -> None:
         self.batch = batch
         self.rows: dict[int, tuple[RaggedBufferCache, int]] = {}  # id(row cache) -> (shared cache, row)
+        self.tiers: dict[int, str] = {}  # id(shared cache) -> its tier's name
         self.forwards = 0  # batched forwards run
         self.requests = 0  # requests they served
+        self.seconds: dict[str, float] = {}  # per tier, wall seconds of its batched forwards
 
-    def share(self, caches: Sequence[BufferCache]) -> RaggedBufferCache:
-        """Lay row ``b``'s ``caches[b]`` (empty, same layout) into row ``b`` of one new shared cache."""
+    def share(self, caches: Sequence[BufferCache], tier: str) -> RaggedBufferCache:
+        """Lay row ``b``'s ``caches[b]`` (empty, same layout) into row ``b`` of one new shared cache; ``tier``
+        names it in `seconds`."""
         if len(caches) != self.batch:
             raise ValueError(f"Lockstep.share: {len(caches)} caches for a batch of {self.batch}")
         first = caches[0]
@@ -54,6 +57,7 @@ class Lockstep:
         for b, cache in enumerate(caches):
             cache.layers = [RowLayer(layer, b) for layer in shared.layers]
             self.rows[id(cache)] = (shared, b)
+        self.tiers[id(shared)] = tier
         return shared
 
     def drive(self, steps: dict[int, Steps[Any]]) -> dict[int, Any]:
@@ -85,7 +89,8 @@ class Lockstep:
         return results
 
     def forward(self, requests: dict[int, ForwardRequest]) -> dict[int, torch.Tensor]:
-        """One forward of the requests of rows sharing a cache; returns each row's ``[keep, vocab]`` logits."""
+        """One forward of the requests of rows sharing a cache; returns each row's ``[keep, vocab]`` logits. Each
+        request's ``seconds`` is the forward's (what the row waited for)."""
         shared = self.rows[id(next(iter(requests.values())).cache)][0]
         models = {id(request.model) for request in requests.values()}
         if len(models) != 1:
@@ -111,7 +116,9 @@ class Lockstep:
             out = model(input_ids=tokens, cache=shared, position_ids=positions, attention_mask=mask, use_cache=True,
                         logits_to_keep=n)
         logits = settle(out.logits[:, -n:])
-        seconds = (time.perf_counter() - began) / len(requests)
+        seconds = time.perf_counter() - began
+        tier = self.tiers[id(shared)]
+        self.seconds[tier] = self.seconds.get(tier, 0.0) + seconds
         self.forwards += 1
         self.requests += len(requests)
         result = {}

@@ -18,6 +18,7 @@ from hf_triforce import TriForceConfig
 from hf_triforce import forward as forward_module
 from hf_triforce.batch import BatchDecoder
 from hf_triforce.integration import recording_attention
+from hf_triforce.policy import AdaptivePolicy, Plan
 
 from .conftest import make_model, random_prompt
 from .enumeration_util import enumerate_outcomes
@@ -117,8 +118,6 @@ def test_pipeline_batch_size(model):
 
 def test_batch_refusals_name_the_parameter(model):
     ids, mask = left_padded(PROMPTS[:2])
-    with pytest.raises(ValueError, match="policy='fixed'"):
-        model.generate(ids, attention_mask=mask, max_new_tokens=3, triforce_config=TriForceConfig(policy="auto"))
     with pytest.raises(ValueError, match="full_cache_device"):
         model.generate(ids, attention_mask=mask, max_new_tokens=3, triforce_config=_config(full_cache_device="cpu"))
     with pytest.raises(ValueError, match="output_scores"):
@@ -195,6 +194,70 @@ def test_a_wrong_top_level_rule_is_caught(enum_setup):
     law, _, _ = joint_law(model, prompts, config, processors, mutate=top_resamples_from_p)
     exact = product_law(model, prompts, processors)
     assert max(abs(law.get(k, 0.0) - exact[k]) for k in exact) > 1e-3
+
+
+AUTO = dict(retrieval_budget=48, chunk_size=8, sink_tokens=4, window=24, gamma1=2, gamma2=6, explore_every=4)
+
+
+@pytest.mark.parametrize("draft", ["self", "ngram"])
+def test_auto_policy_batch_rows_equal_each_row_alone(draft):
+    """``policy="auto"`` (the default): one plan per batched step, chosen from the batch's own timings."""
+    model = make_model("llama-gqa")
+    ids, mask = left_padded(PROMPTS)
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=40, do_sample=False, pad_token_id=0,
+                         triforce_config=TriForceConfig(draft=draft, **AUTO), return_dict_in_generate=True)
+    for row, prompt in enumerate(PROMPTS):
+        alone = model.generate(prompt, max_new_tokens=40, do_sample=False)[0, prompt.shape[1]:]
+        assert torch.equal(out.sequences[row, ids.shape[1]:], alone), row
+    stats = out.triforce_stats
+    assert sum(p["steps"] for p in stats.plans.values()) == stats.force3_steps
+    assert len(stats.plans) >= 2, "exploration must try more than one plan"
+    for row in out.triforce_row_stats:
+        assert sum(row.plan_steps.values()) == row.force3_steps
+
+
+PLAN_CYCLE = [Plan(3, "self", 2, 5), Plan(1), Plan(2, "ngram", gamma2=4), Plan(2, "self", gamma2=3), Plan(1),
+              Plan(3, "self", 1, 3)]
+
+
+@pytest.mark.parametrize("period", [1, 3])
+def test_batch_plan_switches_keep_each_row_identical(monkeypatch, period):
+    """Plans change every ``period`` batched steps: every row's dormant levels catch up (shared caches too)."""
+    def choose(self, remaining_tokens=None):
+        steps = sum(record.steps for record in self.records.values())
+        self.current = PLAN_CYCLE[(steps // period) % len(PLAN_CYCLE)]
+        return self.current
+
+    monkeypatch.setattr(AdaptivePolicy, "choose", choose)
+    model = make_model("llama-gqa")
+    ids, mask = left_padded(PROMPTS)
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=60, do_sample=False, pad_token_id=0,
+                         triforce_config=TriForceConfig(draft="self", **AUTO), return_dict_in_generate=True)
+    for row, prompt in enumerate(PROMPTS):
+        alone = model.generate(prompt, max_new_tokens=60, do_sample=False)[0, prompt.shape[1]:]
+        assert torch.equal(out.sequences[row, ids.shape[1]:], alone), row
+    assert set(out.triforce_stats.plan_steps) == {1, 2, 3}
+
+
+def test_batch_plans_chosen_from_the_past_keep_the_joint_law_exact(monkeypatch, enum_setup):
+    """The batch's plan of each step is a function of the path so far (as timings are): the joint law is
+    still the product of the rows' target laws."""
+    plans = [Plan(3, "self", 1, 2), Plan(1), Plan(2, "ngram", gamma2=2), Plan(2, "self", gamma2=2)]
+
+    def choose(self, remaining_tokens=None):
+        steps = sum(record.steps for record in self.records.values())
+        tokens = sum(record.tokens for record in self.records.values())
+        self.current = plans[(steps + (tokens > 2 * steps)) % len(plans)]
+        return self.current
+
+    monkeypatch.setattr(AdaptivePolicy, "choose", choose)
+    model, prompts = enum_setup
+    processors = LogitsProcessorList([TopKLogitsWarper(2)])
+    config = TriForceConfig(draft="self", **{**ENUM_CONFIG, "policy": "auto", "explore_every": 1})
+    law, paths, stats = joint_law(model, prompts, config, processors)
+    assert paths > 50 and any(len(s.plan_steps) >= 2 for s in stats)
+    exact = product_law(model, prompts, processors)
+    assert max(abs(law.get(k, 0.0) - exact[k]) for k in exact) < 1e-5
 
 
 def test_ragged_cache_rows_and_mask():

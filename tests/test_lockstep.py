@@ -37,7 +37,7 @@ def test_shared_forward_equals_each_row_alone(family, attention):
     lockstep = Lockstep(4)
     shared = [BufferCache(num_layers(model.config), 64) for _ in prompts]
     alone = [BufferCache(num_layers(model.config), 64) for _ in prompts]
-    lockstep.share(shared)
+    lockstep.share(shared, "t")
     with torch.no_grad(), recording_attention(model):
         _prefilled(model, shared, prompts)
         _prefilled(model, alone, prompts)
@@ -59,7 +59,7 @@ def test_sink_window_rows_share_and_evict():
     make = [lambda: SinkWindowCache(num_layers(model.config), 4, 16, rerotations) for _ in range(2)]
     shared, alone = [m() for m in make], [m() for m in make]
     lockstep = Lockstep(2)
-    lockstep.share(shared)
+    lockstep.share(shared, "t")
     prompts = [random_prompt(18, seed=3), random_prompt(11, seed=4)]
     with torch.no_grad(), recording_attention(model):
         _prefilled(model, shared, prompts)
@@ -79,7 +79,7 @@ def test_drive_batches_rows_and_returns_each_result():
     model = make_model("llama-gqa")
     caches = [BufferCache(num_layers(model.config), 64) for _ in range(3)]
     lockstep = Lockstep(3)
-    lockstep.share(caches)
+    lockstep.share(caches, "t")
 
     def row_steps(b, widths):
         out = []
@@ -101,6 +101,6 @@ def test_share_refuses_filled_or_mismatched_caches():
     model = make_model("llama-gqa")
     caches = [BufferCache(num_layers(model.config), 64), BufferCache(num_layers(model.config), 32)]
     with pytest.raises(ValueError, match="capacity"):
-        Lockstep(2).share(caches)
+        Lockstep(2).share(caches, "t")
     with pytest.raises(ValueError, match="3 caches for a batch of 2"):
-        Lockstep(2).share(caches + caches[:1])
+        Lockstep(2).share(caches + caches[:1], "t")
