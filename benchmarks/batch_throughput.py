@@ -37,6 +37,8 @@ METHODS = {
                           gamma1=2, gamma2=6, policy="fixed"),
     # n-gram lookup drafts verified by Force 3 directly (two levels): no drafting forwards
     "ngram-2-levels": dict(draft="ngram", levels=2, gamma1=3, gamma2=8, policy="fixed"),
+    # what a user gets from TriForceConfig(): policy="auto", retrieval budget 4096
+    "default": dict(),
 }
 
 
@@ -91,7 +93,7 @@ def run(model, tokenizer, text, context, batch, mode, args, rounds: list) -> dic
     results: dict[str, dict] = {}
     for r in range(args.repeats):
         seed = 1000 + r
-        for name in ["plain", "static", *METHODS]:
+        for name in ["plain", "static", *args.methods]:
             if name in ("plain", "static"):
                 kw = {"cache_implementation": "static"} if name == "static" else {}
                 out, seconds = call(model, ids, mask, args.new_tokens, gen, seed, **kw)
@@ -157,6 +159,7 @@ def main() -> None:
     parser.add_argument("--rope-factor", type=float, default=None, help="YaRN factor (16k: 2)")
     parser.add_argument("--no-alone", dest="alone", action="store_false",
                         help="skip decoding each row alone (the plain-batched-vs-unbatched check)")
+    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)

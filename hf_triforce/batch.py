@@ -234,6 +234,7 @@ class BatchDecoder:
             counterfactual = {b: {name: self.drafter(b, name).propose(outs[b].sequence, 1)[0] for name in lookups}
                               for b in active}
             step_start, before = time.perf_counter(), self._counters(levels)
+            shared_before = sum(self.lockstep.seconds.values())
             steps = {b: level.candidate_steps(outs[b].sequence, self.max_lengths[b] - outs[b].sequence.shape[1] - 1,
                                               plan.gamma1, plan.gamma2)
                      for b, level in levels.items() if level is not None}
@@ -259,7 +260,7 @@ class BatchDecoder:
                 verified[b] = self._verify_row(b, outs[b], plan, levels[b], candidates[b], logits[b], full,
                                                recorder, seconds, done, queries)
             if policy is not None:
-                self._observe(plan, levels, candidates, verified, counterfactual, n, seconds, before,
+                self._observe(plan, levels, candidates, verified, counterfactual, n, seconds, before, shared_before,
                               time.perf_counter() - step_start)
         for out in outs:
             out.end()
@@ -317,7 +318,7 @@ class BatchDecoder:
         return accepted, committed, p_scores[0]
 
     def _observe(self, plan: Plan, levels: dict, candidates: dict, verified: dict, counterfactual: dict, n: int,
-                 force3_seconds: float, before: dict, step_seconds: float) -> None:
+                 force3_seconds: float, before: dict, shared_before: float, step_seconds: float) -> None:
         """Tell the batch's policy what the step cost (the batched forwards' seconds: a plan's cost for the
         whole batch) and how each row's levels did (acceptances, lookups' counterfactuals)."""
         policy = self.policy
@@ -342,10 +343,14 @@ class BatchDecoder:
                 drafted += sum(drafters[b].seconds for drafters in self.drafters.values()) - before[b][3]
                 drafts += proposed if plan.levels == 2 else self.stats[b].force1_proposed - before[b][2]
         rows = max(len(verified), 1)
+        lookup = plan.levels > 1 and policy.drafters[plan.drafter] == "lookup"
         if plan.levels > 1 and drafts:
-            lookup = policy.drafters[plan.drafter] == "lookup"
-            # model drafters: seconds per drafted token of the batch (each row's seconds are the shared forwards'
-            # walls, so a row's own count); lookups: seconds per call, which rows pay one after the other
-            policy.observe_forward(f"draft:{plan.drafter}", 1, drafted / rows if lookup else drafted / drafts)
-        tokens = sum(committed for _, committed, _ in verified.values()) / rows
-        policy.observe_step(plan, tokens, step_seconds, step_seconds)  # the batch's overhead is not modelled
+            # model drafters: seconds per drafted token of the batch (a row's seconds are the walls of the shared
+            # forwards it took part in); lookups: seconds per step, the rows' calls one after the other
+            policy.observe_forward(f"draft:{plan.drafter}", 1, drafted if lookup else drafted / drafts)
+        # the forwards' seconds: Force 3's, the shared lower-tier forwards', a lookup's calls; the rest (per-row
+        # scoring, sampling, verification, selections) is the plan's overhead per step
+        forward_seconds = force3_seconds + sum(self.lockstep.seconds.values()) - shared_before + (drafted if lookup
+                                                                                                   else 0.0)
+        tokens = sum(committed for _, committed, _ in verified.values()) / rows  # per row, as predictions are
+        policy.observe_step(plan, tokens, step_seconds, forward_seconds)

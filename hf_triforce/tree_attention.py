@@ -7,7 +7,9 @@ and itself. The attention is computed in two parts merged exactly by their log-s
 
 * the cached prefix, unmasked: on CPU ATen's flash attention returning its log-sum-exp, the prefix split
   into spans laid along the batch dimension (as `attention.split_kv_sdpa`: 2 threads busy with few KV
-  heads), GQA-native (the query heads of a group are extra rows of their KV head); elsewhere one matmul;
+  heads), GQA-native (the query heads of a group are extra rows of their KV head); on CUDA in fp16/bf16
+  with flash-attn installed, `flash_attn_varlen_func` (``return_attn_probs`` gives its log-sum-exp;
+  `flash_prefix_attention`); elsewhere one matmul;
 * the block, ``m x m``, with the tree mask, in fp32.
 
 No ``[m, cached]`` mask is ever built. The block mask reaches the attention function through a context
@@ -60,6 +62,28 @@ def _sdpa_with_lse():
     return getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
 
+def flash_prefix_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                           scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The prefix part through flash-attn's varlen kernel (CUDA, fp16/bf16): ``query`` ``[heads, m, d]`` over
+    ``keys``/``values`` ``[kv, c, d]`` (read in place), one sequence, not causal, GQA-native. Returns
+    `prefix_attention`'s layout: ``[1, kv, groups * m, d]`` and the fp32 log-sum-exp ``[1, kv, groups * m]``
+    (flash-attn 2 documents its ``softmax_lse`` as ``[heads, total_q]``; older releases pad it to ``[batch,
+    heads, max_seqlen_q]``: with one sequence of ``m`` rows both read as ``[heads, m]``)."""
+    from .attention import _flash_attn_varlen_func  # attention.py imports this module
+
+    heads, m, dim = query.shape
+    kv_heads, cached = keys.shape[0], keys.shape[1]
+    bounds = torch.tensor([[0, m], [0, cached]], dtype=torch.int32, device=query.device)
+    out, lse, _ = _flash_attn_varlen_func()(
+        query.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1), cu_seqlens_q=bounds[0],
+        cu_seqlens_k=bounds[1], max_seqlen_q=m, max_seqlen_k=cached, softmax_scale=scale, causal=False,
+        return_attn_probs=True,
+    )  # out: [m, heads, d]
+    out = out.transpose(0, 1).reshape(kv_heads, heads // kv_heads * m, dim)
+    lse = lse.reshape(heads, -1)[:, :m].reshape(kv_heads, heads // kv_heads * m)
+    return out[None], lse[None].float()
+
+
 def prefix_attention(rows: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                      scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Unmasked attention of ``rows`` ``[kv, r, d]`` over ``keys``/``values`` ``[kv, c, d]``: ``(out, lse)`` as
@@ -90,6 +114,12 @@ def prefix_attention(rows: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
     return torch.cat(outs), torch.cat(lses).float()
 
 
+def _wants_flash_prefix(query: torch.Tensor) -> bool:
+    from .attention import _flash_attn_varlen_func, _flash_device  # attention.py imports this module
+
+    return _flash_device(query) and _flash_attn_varlen_func() is not None
+
+
 def tree_sdpa(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, visible: torch.Tensor,
               scaling: float | None = None) -> tuple[torch.Tensor, None]:
     """Attention of the ``m`` new rows of a tree forward: ``query`` ``[1, heads, m, d]``, ``key``/``value``
@@ -108,7 +138,10 @@ def tree_sdpa(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     block_lse = torch.logsumexp(scores, -1)
     block_out = torch.matmul(torch.softmax(scores, -1), block_values)
     if cached:
-        out, lse = prefix_attention(rows, key[0, :, :cached], value[0, :, :cached], scale)
+        if _wants_flash_prefix(query):
+            out, lse = flash_prefix_attention(query[0], key[0, :, :cached], value[0, :, :cached], scale)
+        else:
+            out, lse = prefix_attention(rows, key[0, :, :cached], value[0, :, :cached], scale)
         out, lse = torch.cat((out.float(), block_out[None])), torch.cat((lse, block_lse[None]))
         weights = torch.exp(lse - lse.amax(0)).unsqueeze(-1)
         merged = (out * weights).sum(0) / weights.sum(0)

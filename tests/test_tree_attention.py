@@ -108,3 +108,67 @@ def test_keep_rows_refuses_bad_offsets():
         cache.keep_rows(5, [2, 1])
     with pytest.raises(ValueError, match="must increase"):
         cache.keep_rows(5, [7])
+
+
+def varlen_stand_in(lse_layout: str):
+    """flash-attn's ``flash_attn_varlen_func`` as its docstring specifies it, in fp32 on the CPU: ``q``
+    ``[total_q, heads, d]``, ``k``/``v`` ``[total_k, kv_heads, d]`` (GQA: query head ``h`` reads KV head
+    ``h // groups``), bottom-right causal if asked; with ``return_attn_probs`` also ``softmax_lse`` as
+    ``[heads, total_q]`` (flash-attn >= 2.4) or ``[batch, heads, max_seqlen_q]`` (older)."""
+
+    def varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
+               softmax_scale=None, causal=False, return_attn_probs=False, **_):
+        assert cu_seqlens_q.numel() == 2 and cu_seqlens_k.numel() == 2  # one sequence, as TriForce calls it
+        groups = q.shape[1] // k.shape[1]
+        keys, values = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
+        scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
+        scores = torch.einsum("qhd,khd->hqk", q.float(), keys.float()) * scale
+        if causal:
+            tq, tk = q.shape[0], k.shape[0]
+            allowed = torch.arange(tk)[None] <= torch.arange(tq)[:, None] + (tk - tq)
+            scores = scores.masked_fill(~allowed, float("-inf"))
+        lse = torch.logsumexp(scores, -1)  # [heads, total_q]
+        out = torch.einsum("hqk,khd->qhd", torch.softmax(scores, -1), values.float()).to(q.dtype)
+        if not return_attn_probs:
+            return out
+        layouts = {"unpadded": lse, "padded": lse[None], "transposed": lse.t().contiguous()}
+        return out, layouts[lse_layout], None
+
+    return varlen
+
+
+@pytest.mark.parametrize("lse_layout,same", [("unpadded", True), ("padded", True), ("transposed", False)])
+@pytest.mark.parametrize("family", ["llama-gqa", "llama-mha"])
+def test_flash_prefix_path_reads_the_kernel_layout(monkeypatch, family, lse_layout, same):
+    """The CUDA path (`flash_prefix_attention`) against a CPU stand-in of the kernel's documented contract:
+    the tree forward's logits equal the CPU path's; a kernel whose log-sum-exp came ``[total_q, heads]`` (not
+    the documented layout) would give other logits, and the comparison sees it. (This path has not run on a
+    GPU in this project's CI: the CUDA test below does that where a GPU with flash-attn is present.)"""
+    import hf_triforce.attention as attention
+
+    model = make_model(family, initializer_range=0.3)  # peaked attention: rows' log-sum-exps differ
+    sequence = random_prompt(200, seed=10)
+    with torch.no_grad(), recording_attention(model):
+        expected = tree_logits(model, filled_cache(model, sequence[:, :-1]), 199, sequence, TREE)
+        calls = []
+        stand_in = varlen_stand_in(lse_layout)
+        monkeypatch.setattr(attention, "_flash_attn_varlen_func", lambda: lambda *a, **k: calls.append(
+            k.get("return_attn_probs", False)) or stand_in(*a, **k))
+        monkeypatch.setattr(attention, "_flash_device", lambda query: True)
+        got = tree_logits(model, filled_cache(model, sequence[:, :-1]), 199, sequence, TREE)
+    assert any(calls), "the tree's prefix did not go through the varlen kernel"
+    assert torch.allclose(got, expected, rtol=1e-4, atol=1e-4) == same
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA and flash-attn")
+def test_flash_prefix_path_on_cuda():
+    pytest.importorskip("flash_attn")
+    model = make_model("llama-gqa").to("cuda", torch.bfloat16)
+    sequence = random_prompt(300, seed=11).cuda()
+    with torch.no_grad(), recording_attention(model):
+        logits = tree_logits(model, filled_cache(model, sequence[:, :-1]), 299, sequence, TREE)
+        for leaf in TREE.leaves():
+            expected, _ = chain(model, sequence, 299, TREE.path_tokens(leaf))
+            got = logits[[0] + [node + 1 for node in TREE.path(leaf)]]
+            assert (got.float().argmax(-1) == expected.float().argmax(-1)).float().mean() >= 0.75
+            torch.testing.assert_close(got.float(), expected.float(), rtol=5e-2, atol=5e-2)
