@@ -34,7 +34,7 @@ from transformers import LogitsProcessorList, StoppingCriteriaList
 from . import compat
 from .attention import RECORDER_KWARG, QueryRecorder, recording
 from .caches.ragged import RaggedBufferCache, ragged_causal_mask
-from .compat import layer_devices
+from .compat import CacheLayerMixin, layer_devices
 from .config import TriForceConfig
 from .decoder import Output, PaddedView, adaptive_policy
 from .drafters import DraftContext, build_drafter
@@ -78,7 +78,11 @@ def check_batch_request(model, config: TriForceConfig, generation_config, stream
     if generation_config.output_scores or generation_config.output_logits:
         raise ValueError("triforce_config=: output_scores/output_logits support batch size 1 only")
     if prefix_cache is not None:
-        raise ValueError("triforce_config=: cache= supports batch size 1 only")
+        for index, layer in enumerate(prefix_cache.layers):
+            if not isinstance(layer, CacheLayerMixin) or getattr(layer, "is_sliding", False) \
+                    or not hasattr(layer, "keys"):
+                raise ValueError(f"cache=: layer {index} is a {type(layer).__name__}; a batch continues from the "
+                                 "DynamicCache or StaticCache of a forward of the same left-padded batch")
 
 
 @dataclass
@@ -167,25 +171,37 @@ class BatchDecoder:
             self.levels[key] = rows
         return self.levels[key][b]
 
-    def run(self, rows: list[torch.LongTensor]) -> BatchResult:
+    def run(self, rows: list[torch.LongTensor], prefix_cache=None) -> BatchResult:
         with weight_left_output_layer(self.model) as weight_left:
-            result = self._run(rows)
+            result = self._run(rows, prefix_cache)
         for stats in result.row_stats + [result.stats]:
             stats.weight_left_output_layer = weight_left
         return result
 
-    def _prefill(self, rows, full) -> tuple[list, list, float]:
+    def _prefill(self, rows, full, prefix=None) -> tuple[list, list, float]:
         """Each distinct prompt prefilled once on its first row; identical rows copy that row's entries.
-        Returns per row the last prompt row's logits and the prefill's queries, and the seconds taken."""
+        ``prefix`` (``cache=``): a transformers cache of the first ``c`` columns of the left-padded batch (what
+        a forward of ``input_ids[:, :c]`` with its attention mask left): row ``b``'s entries, past its padding,
+        are copied into its row and only the rest of its prompt is run. Returns per row the last prompt row's
+        logits and the prefill's queries, and the seconds taken."""
         start, done, logits, queries = time.perf_counter(), {}, [None] * len(rows), [None] * len(rows)
+        cached = int(prefix.get_seq_length()) if prefix is not None else 0
+        width = max(self.views[b].padding.shape[1] + ids.shape[1] for b, ids in enumerate(rows))
+        if prefix is not None and (cached >= width or prefix.layers[0].keys.shape[0] != len(rows)):
+            raise ValueError(f"cache= holds {cached} columns of a batch of {prefix.layers[0].keys.shape[0]}; the "
+                             f"batch has {len(rows)} rows of {width} columns and must extend it by at least one")
         for b, ids in enumerate(rows):
             key = (tuple(ids[0].tolist()), tuple(self.views[b].padding[0].tolist()))
             if key in done:
                 full.copy_row(done[key], b)
                 logits[b], queries[b] = logits[done[key]], queries[done[key]]
                 continue
-            recorder, began = QueryRecorder(), time.perf_counter()
-            logits[b] = prefill(self.model, ids, full.row(b), self.config.prefill_chunk_size,
+            recorder, began, row = QueryRecorder(), time.perf_counter(), full.row(b)
+            pad = self.views[b].padding.shape[1]
+            if cached > pad:  # this row's entries in the prefix: columns [pad, cached)
+                for layer, source in zip(row.layers, prefix.layers):
+                    layer.write(source.keys[b : b + 1, :, pad:cached], source.values[b : b + 1, :, pad:cached])
+            logits[b] = prefill(self.model, ids[:, max(cached - pad, 0):], row, self.config.prefill_chunk_size,
                                 self.config.show_progress, recorder)
             self.stats[b].prefill_seconds = time.perf_counter() - began  # copies: 0
             queries[b] = recorder.at(-1)
@@ -202,14 +218,14 @@ class BatchDecoder:
                              use_cache=True, logits_to_keep=n, **{RECORDER_KWARG: recorder})
         return out.logits
 
-    def _run(self, rows: list[torch.LongTensor]) -> BatchResult:
+    def _run(self, rows: list[torch.LongTensor], prefix_cache=None) -> BatchResult:
         config, batch, policy = self.config, len(rows), self.policy
         longest = max(self.max_lengths)
         full = RaggedBufferCache(compat.num_layers(self.model.config), batch, longest + config.gamma2 + 2)
         full.expect_devices(layer_devices(self.model))
         outs = [Output(ids, self.views[b], self.criteria, self.max_lengths[b], None, False, False, self.stats[b])
                 for b, ids in enumerate(rows)]
-        first_logits, queries, prefill_seconds = self._prefill(rows, full)
+        first_logits, queries, prefill_seconds = self._prefill(rows, full, prefix_cache)
         done = [False] * batch
         for b, ids in enumerate(rows):
             scores = process_rows(self.processors[b], ids, first_logits[b], ids.shape[1])

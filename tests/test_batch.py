@@ -8,11 +8,12 @@ each row's target law; a wrong top-level rule is caught.
 
 from __future__ import annotations
 
+import copy
 import itertools
 
 import pytest
 import torch
-from transformers import LogitsProcessorList, TopKLogitsWarper, pipeline
+from transformers import DynamicCache, LogitsProcessorList, StaticCache, TopKLogitsWarper, pipeline
 
 from hf_triforce import TriForceConfig
 from hf_triforce import forward as forward_module
@@ -258,6 +259,32 @@ def test_batch_plans_chosen_from_the_past_keep_the_joint_law_exact(monkeypatch, 
     assert paths > 50 and any(len(s.plan_steps) >= 2 for s in stats)
     exact = product_law(model, prompts, processors)
     assert max(abs(law.get(k, 0.0) - exact[k]) for k in exact) < 1e-5
+
+
+@pytest.mark.parametrize("cached,kind", [(100, "dynamic"), (40, "dynamic"), (100, "static")])
+def test_batch_continues_from_a_prefilled_cache(cached, kind):
+    """``cache=``: the DynamicCache of a forward of the left-padded batch's first columns (at 40 columns one row
+    is still all padding there); rows equal plain batched ``generate`` from the same cache and each row alone."""
+    model = make_model("llama-gqa")
+    ids, mask = left_padded(PROMPTS)
+    prefix = DynamicCache(config=model.config) if kind == "dynamic" else StaticCache(config=model.config,
+                                                                                       max_cache_len=200)
+    with torch.no_grad():
+        model(ids[:, :cached], attention_mask=mask[:, :cached], cache=prefix,
+              position_ids=(mask[:, :cached].cumsum(-1) - 1).clamp(min=0))
+    gen = dict(attention_mask=mask, max_new_tokens=30, do_sample=False, pad_token_id=0)
+    plain = model.generate(ids, cache=copy.deepcopy(prefix), **gen)
+    out = model.generate(ids, cache=prefix, triforce_config=_config(), **gen)
+    assert torch.equal(out, plain)
+    for row, prompt in enumerate(PROMPTS):
+        alone = model.generate(prompt, max_new_tokens=30, do_sample=False)[0, prompt.shape[1]:]
+        assert torch.equal(out[row, ids.shape[1]:], alone), row
+    assert prefix.get_seq_length() == cached  # read, not modified
+    if cached < 53:  # row 1's 53 padding columns: nothing of it in the prefix
+        return
+    with pytest.raises(ValueError, match="at least one"):
+        model.generate(ids[:, :cached], attention_mask=mask[:, :cached], cache=prefix, triforce_config=_config(),
+                       max_new_tokens=3, pad_token_id=0)
 
 
 def test_ragged_cache_rows_and_mask():
