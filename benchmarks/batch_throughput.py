@@ -3,14 +3,15 @@
 SmolLM2-135M-Instruct fp32. Row ``i`` of a batch is a different passage of Paul Graham's essays (text offset
 ``i * 40000`` characters) in the chat template followed by the benchmark question (`tools.prompts`), of
 context ``context - 96 * i`` tokens, left-padded: rows of different lengths. Every method decodes exactly
-``new_tokens`` per row (``min_new_tokens`` too). For each batch size, mode and round the methods run one after
-the other on the same batch. Reported per method: decode tokens/s of the batch (``batch * new_tokens`` over
-the call's seconds minus its prefill: TriForce's own ``prefill_seconds``; for the baselines the seconds of
-plain's call with ``max_new_tokens=1`` on the same batch — an approximation), end-to-end tokens/s,
-decode tokens per CPU-second of this process (the machine is shared: CPU time is what contention disturbs
-least; TriForce's prefill CPU time is measured around its prefill calls), and for greedy whether each
-row equals plain batched ``generate``'s row and, at the largest batch, the row decoded alone by plain
-``generate``.
+``new_tokens`` per row (``min_new_tokens`` too). The batch is prefilled once (all columns but the last, in
+chunks, into a DynamicCache, its entries copied into a StaticCache); every method continues from a copy of
+it (``cache=``; TriForce copies each row's entries into its own cache), so each call is decoding: its seconds
+include one
+token's forward per row and, for TriForce, that copy. For each batch size, mode and round the methods run one
+after the other on the same batch. Reported per method: decode tokens/s of the batch (``batch *
+new_tokens`` over the call's seconds), decode tokens per CPU-second of this process, TriForce's stats and
+plans, and for greedy whether each row equals plain batched ``generate``'s row and, at the largest batch (unless
+``--no-alone``), the row decoded alone by plain ``generate``.
 
     python benchmarks/batch_throughput.py --contexts 4096 --batches 1 2 4 --modes greedy sampled \
         --new-tokens 64 --repeats 1 --out docs/bench/batch-4k
@@ -19,12 +20,15 @@ row equals plain batched ``generate``'s row and, at the largest batch, the row d
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import statistics
 import time
 from pathlib import Path
 
 import torch
+from tqdm.auto import tqdm
+from transformers import DynamicCache, StaticCache
 
 from hf_triforce import TriForceConfig
 from hf_triforce.tools import assets
@@ -53,7 +57,7 @@ def batch_of(tokenizer, text: str, context: int, batch: int) -> tuple[torch.Tens
 
 
 def call(model, ids, mask, new: int, gen: dict, seed: int, **kw):
-    """The output and the call's wall seconds (``cpu=True``: this process's CPU seconds, all threads)."""
+    """The output and the call's wall seconds (this process's CPU seconds go to `CPU_SECONDS`)."""
     torch.manual_seed(seed)
     start, cpu_start = time.perf_counter(), time.process_time()
     with torch.no_grad():
@@ -63,30 +67,42 @@ def call(model, ids, mask, new: int, gen: dict, seed: int, **kw):
 
 
 CPU_SECONDS: list[float] = []  # of the last calls (contention shows in wall time, much less in CPU time)
-PREFILL_CPU_SECONDS: list[float] = []  # TriForce's prefills inside a call (`cpu_timed_prefill`)
 
 
-def cpu_timed_prefill() -> None:
-    """Wrap the prefill TriForce's decoders call so that its CPU seconds are measured, not estimated."""
-    from hf_triforce import batch as batch_module
-    from hf_triforce import decoder as decoder_module
-
-    for module in (batch_module, decoder_module):
-        original = module.prefill
-
-        def timed(*args, _original=original, **kwargs):
-            start = time.process_time()
-            try:
-                return _original(*args, **kwargs)
-            finally:
-                PREFILL_CPU_SECONDS.append(time.process_time() - start)
-
-        module.prefill = timed
-PREFILLS: dict = {}  # (context, batch) -> (wall, cpu) seconds of plain's 1-token call, reused across modes
+def as_static(model, dynamic: DynamicCache, capacity: int) -> StaticCache:
+    """A StaticCache holding the DynamicCache's entries (its layers append them, as a forward would)."""
+    static = StaticCache(config=model.config, max_cache_len=capacity)
+    for index, layer in enumerate(dynamic.layers):
+        static.update(layer.keys, layer.values, index)
+    return static
 
 
-def run(model, tokenizer, text, context, batch, mode, args, rounds: list) -> dict:
+def prefilled(model, ids, mask):
+    """The cache of one forward of every column of the left-padded batch but the last (positions from the
+    mask, as ``generate`` computes them): every method continues from a copy of it (``cache=``), so the prompt
+    is prefilled once per batch instead of once per method, and each call's time is decoding (plus one token's
+    forward per row)."""
+    width = ids.shape[1] - 1
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        for begin in tqdm(range(0, width, PREFILL_CHUNK), desc="prefill"):
+            end = min(begin + PREFILL_CHUNK, width)
+            model(ids[:, begin:end], attention_mask=mask[:, :end], cache=cache, logits_to_keep=1,
+                  position_ids=(mask[:, :end].cumsum(-1) - 1).clamp(min=0)[:, begin:end])
+    return cache
+
+
+PREFILL_CHUNK = 2048  # columns per prefill forward (bounded activations)
+
+
+def run(model, tokenizer, text, context, batch, mode, args, rounds: list, caches: dict) -> dict:
     ids, mask, rows = batch_of(tokenizer, text, context, batch)
+    if (context, batch) not in caches:
+        caches.clear()  # one batch's caches in memory at a time
+        dynamic = prefilled(model, ids, mask)
+        caches[(context, batch)] = {"dynamic": dynamic,
+                                    "static": as_static(model, dynamic, ids.shape[1] + args.new_tokens + 8)}
+    prefixes = caches[(context, batch)]
     gen = dict(do_sample=False, pad_token_id=tokenizer.pad_token_id)
     if mode == "sampled":
         gen = dict(do_sample=True, temperature=0.6, top_p=0.9, top_k=0, pad_token_id=tokenizer.pad_token_id)
@@ -94,30 +110,23 @@ def run(model, tokenizer, text, context, batch, mode, args, rounds: list) -> dic
     for r in range(args.repeats):
         seed = 1000 + r
         for name in ["plain", "static", *args.methods]:
+            prefix = copy.deepcopy(prefixes["static" if name == "static" else "dynamic"])
             if name in ("plain", "static"):
-                kw = {"cache_implementation": "static"} if name == "static" else {}
-                out, seconds = call(model, ids, mask, args.new_tokens, gen, seed, **kw)
-                cpu = CPU_SECONDS[-1]
-                key = (context, batch)  # plain's prefill stands for static's too (the same forward)
-                if key not in PREFILLS:
-                    PREFILLS[key] = (call(model, ids, mask, 1, gen, seed)[1], CPU_SECONDS[-1])
-                prefill, cpu_prefill = PREFILLS[key]
+                out, seconds = call(model, ids, mask, args.new_tokens, gen, seed, cache=prefix)
                 sequences, stats = out, None
             else:
                 config = TriForceConfig(**METHODS[name])
-                PREFILL_CPU_SECONDS.clear()
                 out, seconds = call(model, ids, mask, args.new_tokens, gen, seed, triforce_config=config,
-                                    return_dict_in_generate=True)
-                sequences, prefill = out.sequences, out.triforce_stats.prefill_seconds
-                cpu, cpu_prefill = CPU_SECONDS[-1], sum(PREFILL_CPU_SECONDS)
-                stats = out.triforce_stats
-            entry = results.setdefault(name, {"decode_seconds": [], "total_seconds": [], "decode_cpu_seconds": []})
-            entry["decode_seconds"].append(seconds - prefill)
-            entry["decode_cpu_seconds"].append(cpu - cpu_prefill)
-            entry["total_seconds"].append(seconds)
+                                    return_dict_in_generate=True, cache=prefix)
+                sequences, stats = out.sequences, out.triforce_stats
+            del prefix
+            entry = results.setdefault(name, {"decode_seconds": [], "decode_cpu_seconds": []})
+            entry["decode_seconds"].append(seconds)
+            entry["decode_cpu_seconds"].append(CPU_SECONDS[-1])
             entry["sequences"] = sequences[:, ids.shape[1]:]
             if stats is not None:
                 entry["stats"] = {k: v for k, v in stats.to_dict().items() if not isinstance(v, dict)}
+                entry["plans"] = stats.plans
                 entry["row_acceptance"] = [round(s.force3_acceptance, 3) for s in out.triforce_row_stats]
                 entry["tokens_per_force3_step"] = [round(s.tokens_per_force3_step, 2) for s in out.triforce_row_stats]
     tokens = batch * args.new_tokens
@@ -128,7 +137,6 @@ def run(model, tokenizer, text, context, batch, mode, args, rounds: list) -> dic
         summary["plain_batched_equals_alone"] = [bool(torch.equal(plain[i], alone[i])) for i in range(batch)]
     for name, entry in results.items():
         row = {"decode_tok_s": tokens / statistics.median(entry["decode_seconds"]),
-               "end_to_end_tok_s": tokens / statistics.median(entry["total_seconds"]),
                "decode_tok_per_cpu_s": tokens / statistics.median(entry["decode_cpu_seconds"]),
                "decode_seconds": entry["decode_seconds"]}
         if mode == "greedy":
@@ -137,12 +145,13 @@ def run(model, tokenizer, text, context, batch, mode, args, rounds: list) -> dic
             if "plain_batched_equals_alone" in summary:
                 row["identical_to_alone"] = [bool(torch.equal(entry["sequences"][i], alone[i])) for i in range(batch)]
         row["sequences"] = entry["sequences"].tolist()
-        for key in ("stats", "row_acceptance", "tokens_per_force3_step"):
+        for key in ("stats", "plans", "row_acceptance", "tokens_per_force3_step"):
             if key in entry:
                 row[key] = entry[key]
         summary[name] = row
     rounds.append(summary)
-    line = " | ".join(f"{n} {summary[n]['decode_tok_s']:.2f} ({summary[n]['decode_tok_per_cpu_s']:.2f}/cpu-s)"
+    base = summary["plain"]["decode_tok_s"]
+    line = " | ".join(f"{n} {summary[n]['decode_tok_s']:.2f} ({summary[n]['decode_tok_s'] / base:.2f}x)"
                       for n in results)
     print(f"{context} batch {batch} {mode}: decode tok/s {line}", flush=True)
     return summary
@@ -163,21 +172,25 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    cpu_timed_prefill()
     overrides = assets.yarn_rope(args.rope_factor) if args.rope_factor else {}
     model, tokenizer = assets.load_smollm2(**overrides)
     if tokenizer.pad_token_id is None:
         raise ValueError("the tokenizer has no pad token")
     text = assets.essays()
     rounds: list = []
+    caches: dict = {}
     for context in args.contexts:
         for batch in args.batches:
             for mode in args.modes:
-                run(model, tokenizer, text, context, batch, mode, args, rounds)
-    if args.out is not None:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "results.json").write_text(json.dumps({"args": vars(args) | {"out": str(args.out)},
-                                                           "methods": METHODS, "runs": rounds}, indent=1))
+                run(model, tokenizer, text, context, batch, mode, args, rounds, caches)
+                if args.out is not None:  # after every round: an interrupted run keeps what it measured
+                    write(args, rounds)
+
+
+def write(args, rounds: list) -> None:
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "results.json").write_text(json.dumps({"args": vars(args) | {"out": str(args.out)},
+                                                       "methods": METHODS, "runs": rounds}, indent=1))
 
 
 if __name__ == "__main__":
