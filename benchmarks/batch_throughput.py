@@ -6,9 +6,8 @@ context ``context - 96 * i`` tokens, left-padded: rows of different lengths. Eve
 ``new_tokens`` per row (``min_new_tokens`` too). The batch is prefilled once (all columns but the last, in
 chunks, into a DynamicCache, its entries copied into a StaticCache); every method continues from a copy of
 it (``cache=``; TriForce copies each row's entries into its own cache), so each call is decoding: its seconds
-include one
-token's forward per row and, for TriForce, that copy. For each batch size, mode and round the methods run one
-after the other on the same batch. Reported per method: decode tokens/s of the batch (``batch *
+include one token's forward per row and, for TriForce, that copy. For each batch size, mode and round the
+methods run one after the other on the same batch. Reported per method: decode tokens/s of the batch (``batch *
 new_tokens`` over the call's seconds), decode tokens per CPU-second of this process, TriForce's stats and
 plans, and for greedy whether each row equals plain batched ``generate``'s row and, at the largest batch (unless
 ``--no-alone``), the row decoded alone by plain ``generate``.
