@@ -111,6 +111,7 @@ def main() -> None:
     parser.add_argument("--top-p", type=float, default=0.9)
     parser.add_argument("--levels", nargs="+", default=list(LEVELS), choices=list(LEVELS))
     parser.add_argument("--modes", nargs="+", default=["greedy", "sampled"], choices=["greedy", "sampled"])
+    parser.add_argument("--chains", action="store_true", help="also run each level's chain (tree_nodes=0)")
     parser.add_argument("--out", default=None, help="write the rows as JSON here")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -128,7 +129,7 @@ def main() -> None:
                                    past_key_values=copy.deepcopy(prefix), do_sample=False)
         for level in args.levels:
             level_config = LEVELS[level]
-            methods = {"chain": dict(draft="self")}
+            methods = {"chain": dict(draft="self")} if args.chains else {}
             for branch in args.branches:
                 for rule, draft in RULES.items():
                     if mode == "greedy" and rule.endswith("sampled"):
