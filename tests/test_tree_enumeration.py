@@ -34,7 +34,7 @@ CASES = {
     "self tree, three levels": ("self", 2, 5, {"tree_nodes": 3, "tree_branch": 2}),
     # the budget binds (2 chain nodes + 2 of 4 possible siblings): where the siblings go depends on the chain,
     # and each is a real draw without replacement (top-k 3 leaves 2 tokens after the chain's)
-    "self sampled siblings, two levels": ("self", 3, 3, {"levels": 2, "tree_nodes": 4, "tree_branch": 3}),
+    "self sampled siblings, two levels": ("self", 3, 4, {"levels": 2, "tree_nodes": 4, "tree_branch": 3}),
 }
 
 
