@@ -111,6 +111,7 @@ def main() -> None:
     parser.add_argument("--top-p", type=float, default=0.9)
     parser.add_argument("--levels", nargs="+", default=list(LEVELS), choices=list(LEVELS))
     parser.add_argument("--modes", nargs="+", default=["greedy", "sampled"], choices=["greedy", "sampled"])
+    parser.add_argument("--rules", nargs="+", default=list(RULES), choices=list(RULES))
     parser.add_argument("--chains", action="store_true", help="also run each level's chain (tree_nodes=0)")
     parser.add_argument("--out", default=None, help="write the rows as JSON here")
     args = parser.parse_args()
@@ -131,7 +132,8 @@ def main() -> None:
             level_config = LEVELS[level]
             methods = {"chain": dict(draft="self")} if args.chains else {}
             for branch in args.branches:
-                for rule, draft in RULES.items():
+                for rule in args.rules:
+                    draft = RULES[rule]
                     if mode == "greedy" and rule.endswith("sampled"):
                         continue  # greedy siblings are top-k whatever the rule
                     methods[f"{rule}, branch {branch}"] = dict(draft=draft, tree_nodes=args.nodes,

@@ -16,6 +16,8 @@ from transformers import LogitsProcessorList, TopKLogitsWarper
 from hf_triforce import TriForceConfig
 from hf_triforce.branching import sibling_counts
 from hf_triforce.drafters import model as model_drafter
+from hf_triforce.drafters.registry import DRAFTERS, DrafterSpec
+from hf_triforce.quantized import drafting_model
 from hf_triforce.tree import draw_siblings
 
 from .test_exact_enumeration import (
@@ -27,6 +29,16 @@ from .test_exact_enumeration import (
     target_law,
 )
 
+SAMPLED_SIBLINGS = "self, sampled siblings"  # registered while a case runs: `ModelDrafter(sampled_siblings=True)`
+
+
+def sampled_siblings_drafter(context):
+    config = context.config
+    return model_drafter.ModelDrafter(drafting_model(context.target, config.draft_precision), config.sink_tokens,
+                                      config.window, context.processors, context.do_sample, context.sampler,
+                                      sampled_siblings=True)
+
+
 CASES = {
     "ngram tree, two levels": ("ngram", 3, 4, {"levels": 2, "tree_nodes": 4, "tree_branch": 3}),
     "self tree, two levels": ("self", 2, 4, {"levels": 2, "tree_nodes": 4, "tree_branch": 2}),
@@ -34,7 +46,7 @@ CASES = {
     "self tree, three levels": ("self", 2, 5, {"tree_nodes": 3, "tree_branch": 2}),
     # the budget binds (2 chain nodes + 2 of 4 possible siblings): where the siblings go depends on the chain,
     # and each is a real draw without replacement (top-k 3 leaves 2 tokens after the chain's)
-    "self sampled siblings, two levels": ("self", 3, 4, {"levels": 2, "tree_nodes": 4, "tree_branch": 3}),
+    "self sampled siblings, two levels": (SAMPLED_SIBLINGS, 3, 4, {"levels": 2, "tree_nodes": 4, "tree_branch": 3}),
 }
 
 
@@ -42,8 +54,10 @@ def run_case(model_and_prompt, case, mutate=None):
     model, prompt = model_and_prompt
     draft, top_k, new, extra = CASES[case]
     processors = LogitsProcessorList([TopKLogitsWarper(top_k)])
-    config = TriForceConfig(draft=draft, **{**CONFIG, **extra})
-    law, paths, stats = decoded_law(model, prompt, config, processors, new, mutate)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setitem(DRAFTERS, SAMPLED_SIBLINGS, DrafterSpec(SAMPLED_SIBLINGS, sampled_siblings_drafter, "model", ""))
+        config = TriForceConfig(draft=draft, **{**CONFIG, **extra})
+        law, paths, stats = decoded_law(model, prompt, config, processors, new, mutate)
     return law, paths, stats, target_law(model, prompt, processors, new)
 
 

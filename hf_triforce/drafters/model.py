@@ -19,9 +19,10 @@ class ModelDrafter:
     """A causal LM on a constant-size sink+window cache with in-cache positions."""
 
     def __init__(self, model, sink_tokens: int, window: int, processors, do_sample: bool, sampler: Sampler,
-                 sampled_siblings: bool = True):
-        """``sampled_siblings``: when sampling, a tree's alternatives are drawn without replacement (True) or
-        are the draft's top-ranked tokens (False); see `propose_tree`."""
+                 sampled_siblings: bool = False):
+        """``sampled_siblings``: when sampling, a tree's alternatives are the draft's top-ranked tokens (False,
+        the default: they accepted more, docs/results.md) or drawn without replacement (True); see
+        `propose_tree`."""
         self.model = model
         self.cache = SinkWindowCache(num_layers(model.config), sink_tokens, window, make_layer_rerotations(model))
         self.cache.expect_devices(layer_devices(model))
