@@ -55,9 +55,10 @@ class TriForceConfig:
     tree_nodes: 0 (default): every level proposes a chain. ``> 0``: the drafter proposes a candidate tree of at
         most this many nodes (depth at most the level's gamma), verified exactly in one forward with tree
         attention (`hf_triforce.tree_verification`); drafters ``"ngram"`` (several matches of the suffix:
-        distinct continuations) and model drafters (``"self"``, a draft model: their chain plus the draft's
-        next most likely tokens as alternatives at the shallowest positions). Needs ``policy="fixed"`` and a
-        model without sliding-window layers.
+        distinct continuations) and model drafters (``"self"``, a draft model: their chain plus alternatives
+        where the chain is least certain, `hf_triforce.branching`: the draft's next most likely tokens as point
+        masses). Needs ``policy="fixed"`` and a model without
+        sliding-window layers.
     tree_branch: at most this many children per tree node (with ``tree_nodes > 0``).
     explore_every: under ``policy="auto"``, steps between tries of the best plan other than the current
         one (doubling, up to 16x, while such tries do not pay).

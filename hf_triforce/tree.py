@@ -122,15 +122,18 @@ def without(law: torch.Tensor, tokens: list[int]) -> torch.Tensor:
     return rest / total
 
 
-def draw_siblings(law: torch.Tensor, count: int, sampler) -> tuple[list[int], list[torch.Tensor]]:
-    """Up to ``count`` distinct tokens drawn from ``law`` without replacement, each with the law it was drawn
-    from (``law`` without the earlier draws, renormalised): what the exact tree rule needs. Stops early when
-    the support is exhausted."""
+def draw_siblings(law: torch.Tensor, count: int, sampler, drawn: list[int] | None = None
+                  ) -> tuple[list[int], list[torch.Tensor]]:
+    """Up to ``count`` distinct tokens drawn from ``law`` without replacement, after the earlier siblings
+    ``drawn`` (already drawn from ``law`` the same way; none by default), each with the law it was drawn from
+    (``law`` without every earlier draw, renormalised): what the exact tree rule needs. Stops early when the
+    support is exhausted."""
+    earlier = list(drawn or [])
     tokens: list[int] = []
     laws: list[torch.Tensor] = []
-    support = int((law > 0).sum())
+    support = int((law > 0).sum()) - len(set(earlier))
     for _ in range(min(count, support)):
-        current = without(law, tokens)
+        current = without(law, earlier + tokens)
         tokens.append(sampler.categorical(current))
         laws.append(current)
     return tokens, laws

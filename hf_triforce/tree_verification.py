@@ -27,9 +27,11 @@ with that child's ``p``. So every emitted token has the target's law given the t
 The rule needs ``q_j`` to be the law ``x_j`` was *actually* drawn with given ``h_j``: i.i.d. siblings carry
 ``q``; siblings drawn without replacement carry ``q`` without the earlier siblings, renormalised
 (`tree.draw_siblings`); deterministic siblings (n-gram matches, top-k picks) are point masses (``None``), for
-which a rejection removes the token's mass: ``r_{j+1} = norm(r_j`` without ``x_j)``. A sibling must not depend
-on the *subtrees* of earlier siblings, only on the siblings themselves (verification never looks into the
-subtree of a rejected sibling). With one child per node this is the chain rule of `sampling.ChainVerifier`.
+which a rejection removes the token's mass: ``r_{j+1} = norm(r_j`` without ``x_j)``. Precisely, ``q_j`` is the law
+of ``x_j`` given everything drawn before it that it depends on; that may include the earlier siblings' subtrees
+(and whether ``x_j`` exists may depend on them too): the proof holds with ``h_j`` extended by those subtrees,
+since all drafting precedes the coins, the coins are fresh and ``r_{j+1}`` depends on ``h_j`` and ``q_j`` only
+(docs/exactness.md). With one child per node this is the chain rule of `sampling.ChainVerifier`.
 """
 
 from __future__ import annotations

@@ -107,3 +107,33 @@ def test_offloaded_full_cache_with_trees(gqa_model):
     """The full cache in host memory (`full_cache_device="cpu"`): compaction moves the host entries."""
     assert_identical(gqa_model, random_prompt(120, period=17), _config("ngram", 2, full_cache_device="cpu"))
     assert_identical(gqa_model, random_prompt(120), _config("self", 3, full_cache_device="cpu"))
+
+
+def not_shallowest_first(tree, most: int) -> bool:
+    """Whether ``tree`` (a model drafter's chain plus leaf alternatives) has alternatives at a position deeper than
+    one with fewer than ``most``: a shape the old rule (fill each position from the root down) never built (the
+    tiny models' laws give every token mass, so every position has alternatives to take)."""
+    chain = tree.path(max(range(len(tree)), key=lambda node: (tree.depths()[node], -node)))
+    counts = [len(tree.children(parent)) - 1 for parent in [-1] + chain[:-1]]
+    return any(counts[i] < most and any(counts[i + 1 :]) for i in range(len(counts)))
+
+
+@pytest.mark.parametrize("levels", [2, 3])
+def test_greedy_identity_when_branching_at_the_least_certain_positions(monkeypatch, levels):
+    """Budgets that bind (depth x (branch - 1) > nodes - depth) on a sharpened model, so that some positions are
+    confident and the alternatives go deeper: output still identical to plain `generate`."""
+    from hf_triforce.drafters.model import ModelDrafter
+
+    trees = []
+    propose_tree = ModelDrafter.propose_tree
+
+    def recorded(self, *args):
+        trees.append(propose_tree(self, *args))
+        return trees[-1]
+
+    monkeypatch.setattr(ModelDrafter, "propose_tree", recorded)
+    model = make_model("llama-gqa", logit_scale=30.0)  # sharp: some positions confident, others not
+    config = _config("self", levels, nodes=10, branch=4, gamma1=5, gamma2=6)
+    stats = assert_identical(model, random_prompt(120, seed=2), config)
+    assert stats.tree_side_accepts > 0
+    assert any(not_shallowest_first(tree, 3) for tree in trees), "every tree branched shallowest first"

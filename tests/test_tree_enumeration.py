@@ -4,6 +4,8 @@ As `tests/test_exact_enumeration.py` (same model, prompt and harness): every pat
 choices — drafts, sibling-by-sibling acceptances at both levels, residual and bonus draws — is visited once
 through a `ReplaySampler`, with Force 1 proposing trees (several siblings per node). Mutations: the residual
 not updated after a rejected sibling, at Force 3 (two levels) and at Force 2 (three levels), must be caught.
+The model drafter's siblings are drawn without replacement (`tree.draw_siblings`) where `branching` puts them;
+giving them the un-renormalised draft law instead of the law they were drawn with must be caught too.
 """
 
 from __future__ import annotations
@@ -12,6 +14,11 @@ import pytest
 from transformers import LogitsProcessorList, TopKLogitsWarper
 
 from hf_triforce import TriForceConfig
+from hf_triforce.branching import sibling_counts
+from hf_triforce.drafters import model as model_drafter
+from hf_triforce.drafters.registry import DRAFTERS, DrafterSpec
+from hf_triforce.quantized import drafting_model
+from hf_triforce.tree import draw_siblings
 
 from .test_exact_enumeration import (
     CONFIG,
@@ -22,11 +29,24 @@ from .test_exact_enumeration import (
     target_law,
 )
 
+SAMPLED_SIBLINGS = "self, sampled siblings"  # registered while a case runs: `ModelDrafter(sampled_siblings=True)`
+
+
+def sampled_siblings_drafter(context):
+    config = context.config
+    return model_drafter.ModelDrafter(drafting_model(context.target, config.draft_precision), config.sink_tokens,
+                                      config.window, context.processors, context.do_sample, context.sampler,
+                                      sampled_siblings=True)
+
+
 CASES = {
     "ngram tree, two levels": ("ngram", 3, 4, {"levels": 2, "tree_nodes": 4, "tree_branch": 3}),
     "self tree, two levels": ("self", 2, 4, {"levels": 2, "tree_nodes": 4, "tree_branch": 2}),
     "ngram tree, three levels": ("ngram", 3, 4, {"tree_nodes": 4, "tree_branch": 3}),
     "self tree, three levels": ("self", 2, 5, {"tree_nodes": 3, "tree_branch": 2}),
+    # the budget binds (2 chain nodes + 2 of 4 possible siblings): where the siblings go depends on the chain,
+    # and each is a real draw without replacement (top-k 3 leaves 2 tokens after the chain's)
+    "self sampled siblings, two levels": (SAMPLED_SIBLINGS, 3, 4, {"levels": 2, "tree_nodes": 4, "tree_branch": 3}),
 }
 
 
@@ -34,8 +54,10 @@ def run_case(model_and_prompt, case, mutate=None):
     model, prompt = model_and_prompt
     draft, top_k, new, extra = CASES[case]
     processors = LogitsProcessorList([TopKLogitsWarper(top_k)])
-    config = TriForceConfig(draft=draft, **{**CONFIG, **extra})
-    law, paths, stats = decoded_law(model, prompt, config, processors, new, mutate)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setitem(DRAFTERS, SAMPLED_SIBLINGS, DrafterSpec(SAMPLED_SIBLINGS, sampled_siblings_drafter, "model", ""))
+        config = TriForceConfig(draft=draft, **{**CONFIG, **extra})
+        law, paths, stats = decoded_law(model, prompt, config, processors, new, mutate)
     return law, paths, stats, target_law(model, prompt, processors, new)
 
 
@@ -63,3 +85,37 @@ def stale_residual_at_force2(decoder):
 def test_a_stale_residual_is_caught(setup, case, mutate):  # noqa: F811
     law, _, _, exact = run_case(setup, case, mutate)
     assert distance(law, exact) > 100 * TOLERANCE, f"the enumeration did not catch: {mutate.__name__}"
+
+
+def test_model_drafter_tree_had_sampled_siblings(setup, monkeypatch):  # noqa: F811
+    """The sampled-siblings case exercises what it claims: siblings drawn at random (with more than one token
+    left), and where they go varies with the drafted chain (at both positions on some paths)."""
+    draws, shapes = [], set()
+
+    def recorded_draws(law, count, sampler, drawn=None):
+        tokens, laws = draw_siblings(law, count, sampler, drawn)
+        draws.extend(int((sibling_law > 0).sum()) for sibling_law in laws)
+        return tokens, laws
+
+    def recorded_counts(*args):
+        counts = sibling_counts(*args)
+        shapes.add(tuple(counts))
+        return counts
+
+    monkeypatch.setattr(model_drafter, "draw_siblings", recorded_draws)
+    monkeypatch.setattr(model_drafter, "sibling_counts", recorded_counts)
+    run_case(setup, "self sampled siblings, two levels")
+    assert draws and max(draws) > 1
+    assert len({shape for shape in shapes if sum(shape) == 2}) > 1, shapes
+
+
+def test_siblings_with_the_unrenormalised_law_are_caught(setup, monkeypatch):  # noqa: F811
+    """Siblings drawn without replacement but carrying q (not q without the earlier draws): caught."""
+
+    def unrenormalised(law, count, sampler, drawn=None):
+        tokens, _ = draw_siblings(law, count, sampler, drawn)
+        return tokens, [law] * len(tokens)
+
+    monkeypatch.setattr(model_drafter, "draw_siblings", unrenormalised)
+    law, _, _, exact = run_case(setup, "self sampled siblings, two levels")
+    assert distance(law, exact) > 100 * TOLERANCE, "the enumeration did not catch siblings carrying q"

@@ -4,26 +4,32 @@ from __future__ import annotations
 
 import torch
 
+from ..branching import sibling_counts
 from ..caches.sink_window import SinkWindowCache, make_layer_rerotations
 from ..compat import layer_devices, num_layers
 from ..quantized import drafting_model
 from ..sampling import Sampler, scores_to_probs
 from ..scoring import process_rows
 from ..steps import ForwardRequest, Steps, run_inline
-from ..tree import DraftTree, TreeBuilder
+from ..tree import DraftTree, TreeBuilder, draw_siblings
 from .registry import MODEL_DRAFTER, DraftContext, register_drafter
 
 
 class ModelDrafter:
     """A causal LM on a constant-size sink+window cache with in-cache positions."""
 
-    def __init__(self, model, sink_tokens: int, window: int, processors, do_sample: bool, sampler: Sampler):
+    def __init__(self, model, sink_tokens: int, window: int, processors, do_sample: bool, sampler: Sampler,
+                 sampled_siblings: bool = False):
+        """``sampled_siblings``: when sampling, a tree's alternatives are the draft's top-ranked tokens (False,
+        the default: they accepted more, docs/results.md) or drawn without replacement (True); see
+        `propose_tree`."""
         self.model = model
         self.cache = SinkWindowCache(num_layers(model.config), sink_tokens, window, make_layer_rerotations(model))
         self.cache.expect_devices(layer_devices(model))
         self.processors = processors
         self.do_sample = do_sample
         self.sampler = sampler
+        self.sampled_siblings = sampled_siblings
         self.seen = 0  # tokens of the sequence whose entries the cache holds (or has evicted)
         self.drafted: tuple[int, list[int]] | None = None  # (position, chain) of the last tree's cached chain
         self.seconds = 0.0
@@ -90,25 +96,36 @@ class ModelDrafter:
         return tokens, rows, probs
 
     def propose_tree(self, sequence: torch.Tensor, depth: int, nodes: int, branch: int) -> DraftTree:
-        """The drafted chain (as `propose`), plus at each position from the shallowest down, while ``nodes``
-        allows, up to ``branch - 1`` alternatives: the draft's next most likely tokens there, as leaves.
+        """The drafted chain (as `propose`), plus alternatives where the chain is least certain: the remaining
+        ``nodes`` go to the positions with the highest estimated chance that an alternative there is accepted
+        (`branching.sibling_counts`), at most ``branch - 1`` alternatives per position, as leaves.
 
-        Exact for sampled verification: each alternative is a deterministic function of the path and the
-        sampled sibling before it (a point mass given them), never of anything drawn deeper."""
+        Greedy (or ``sampled_siblings=False``): the alternatives are the draft's next most likely tokens there,
+        point masses. Sampling with ``sampled_siblings``: they are drawn from the draft's law after the chain's
+        token without replacement (`tree.draw_siblings`), each carrying the law it was drawn with. Exact for
+        sampled verification either way: an alternative is a function of (or a fresh draw given) the path and
+        the siblings before it; how many there are depends on the chain only."""
         tokens, rows, probs = run_inline(self._draft_steps(sequence, min(depth, nodes)))
         # the cache holds the chain's entries; the committed path may leave it at a side node (checked next time)
         self.drafted = (sequence.shape[1], tokens)
+        laws = probs if self.do_sample else [scores_to_probs(row) for row in rows]
+        counts = sibling_counts(laws, tokens, nodes - len(tokens), branch - 1)
         builder = TreeBuilder(nodes, branch)
-        parent = -1
-        chain = []
+        parents, parent = [], -1
         for token, law in zip(tokens, probs if self.do_sample else [None] * len(tokens)):
+            parents.append(parent)
             parent = builder.add_child(parent, token, law)
-            chain.append(parent)
-        for parent, token, scores in zip([-1] + chain[:-1], tokens, rows):
-            ranked = scores.argsort(descending=True)[: branch].tolist()
-            for alternative in [t for t in ranked if t != token and scores[t] > -float("inf")][: branch - 1]:
-                if builder.add_child(parent, alternative) is None:
-                    break
+        for parent, token, law, count in zip(parents, tokens, laws, counts):
+            if count == 0:
+                continue
+            if self.do_sample and self.sampled_siblings:
+                siblings, sibling_laws = draw_siblings(law, count, self.sampler, [token])
+            else:
+                others = law.clone()
+                others[token] = 0.0
+                siblings, sibling_laws = others.topk(count).indices.tolist(), [None] * count
+            for sibling, sibling_law in zip(siblings, sibling_laws):
+                builder.add_child(parent, sibling, sibling_law)
         return builder.tree()
 
     def rollback(self, length: int) -> None:
