@@ -146,8 +146,9 @@ def test_sampling_is_reproducible_with_a_seed(model, prompt):
 
 
 def test_bad_requests_fail_early_with_clear_errors(model, prompt):
-    with pytest.raises(ValueError, match="policy='fixed'"):  # batches: tests/test_batch.py
-        model.generate(prompt.repeat(2, 1), max_new_tokens=3, triforce_config=TriForceConfig(retrieval_budget=32))
+    with pytest.raises(ValueError, match="tree_nodes=0"):  # batches: tests/test_batch.py
+        model.generate(prompt.repeat(2, 1), max_new_tokens=3,
+                       triforce_config=TriForceConfig(retrieval_budget=32, policy="fixed", tree_nodes=8))
     with pytest.raises(ValueError, match="num_beams"):
         model.generate(prompt, max_new_tokens=3, num_beams=2, triforce_config=CFG)
     with pytest.raises(TypeError, match="TriForceConfig"):
