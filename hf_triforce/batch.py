@@ -93,8 +93,8 @@ class BatchResult:
 
 
 def aggregate(row_stats: list[TriForceStats], force3_seconds: float, prefill_seconds: float) -> TriForceStats:
-    """Counts and per-row seconds summed (rows' lower levels run one after the other), the batched Force-3
-    forwards and the prefills counted once, flags true if true for any row."""
+    """Counts and per-row seconds summed, the batched Force-3 forwards and the prefills counted once, flags
+    true if true for any row (`BatchDecoder` then counts each shared lower-tier forward once)."""
     total = TriForceStats(draft_precision=row_stats[0].draft_precision)
     for f in fields(TriForceStats):
         values = [getattr(s, f.name) for s in row_stats]
@@ -152,6 +152,10 @@ class BatchDecoder:
                 self.lockstep.share([drafter.cache for drafter in rows], f"draft:{name}")
             self.drafters[name] = rows
         return self.drafters[name][b]
+
+    def drafting_seconds(self, b: int) -> float:
+        """Seconds row ``b``'s drafters spent (the walls of the shared forwards it took part in)."""
+        return sum(drafters[b].seconds for drafters in self.drafters.values())
 
     def level(self, b: int, plan: Plan, full: RaggedBufferCache):
         """Row ``b``'s level for ``plan``: None (plain), `Force1Only` or `Force2` (its Force-2 retrieval cache a
@@ -284,7 +288,7 @@ class BatchDecoder:
 
     def _result(self, rows, outs, full, force3_seconds: float, prefill_seconds: float) -> BatchResult:
         for b, stats in enumerate(self.stats):
-            stats.force1_seconds = sum(drafters[b].seconds for drafters in self.drafters.values())
+            stats.force1_seconds = self.drafting_seconds(b)
             stats.new_tokens = outs[b].sequence.shape[1] - rows[b].shape[1]
             stats.retrieval_cache_bytes = sum(levels[b].nbytes() for levels in self.levels.values())
             stats.draft_cache_bytes = sum(drafters[b].nbytes() for drafters in self.drafters.values())
@@ -307,7 +311,7 @@ class BatchDecoder:
         """Per row, the counters a step's observation subtracts: Force-2 accepted, rejections, Force-1 proposed,
         drafters' seconds."""
         return {b: (self.stats[b].force2_accepted, getattr(level, "rejections", 0), self.stats[b].force1_proposed,
-                    sum(drafters[b].seconds for drafters in self.drafters.values())) for b, level in levels.items()}
+                    self.drafting_seconds(b)) for b, level in levels.items()}
 
     def _verify_row(self, b, out: Output, plan: Plan, level, candidates: Candidates, logits: torch.Tensor,
                     full: RaggedBufferCache, recorder: QueryRecorder, seconds: float, done: list[bool],
@@ -356,7 +360,7 @@ class BatchDecoder:
                 policy.observe_three_level(plan.drafter, self.stats[b].force2_accepted - f2_accepted,
                                            levels[b].rejections - rejections, accepted, proposed)
             if plan.levels > 1:
-                drafted += sum(drafters[b].seconds for drafters in self.drafters.values()) - before[b][3]
+                drafted += self.drafting_seconds(b) - before[b][3]
                 drafts += proposed if plan.levels == 2 else self.stats[b].force1_proposed - before[b][2]
         rows = max(len(verified), 1)
         lookup = plan.levels > 1 and policy.drafters[plan.drafter] == "lookup"
