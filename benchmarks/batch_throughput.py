@@ -77,18 +77,40 @@ def as_static(model, dynamic: DynamicCache, capacity: int) -> StaticCache:
 
 
 def prefilled(model, ids, mask):
-    """The cache of one forward of every column of the left-padded batch but the last (positions from the
-    mask, as ``generate`` computes them): every method continues from a copy of it (``cache=``), so the prompt
-    is prefilled once per batch instead of once per method, and each call's time is decoding (plus one token's
-    forward per row)."""
+    """The cache of every column of the left-padded batch but the last, as one forward of the batch would leave
+    it for the real tokens (positions from the mask, as ``generate`` computes them): every method continues from
+    it (``cache=``), so the prompt is prefilled once per batch instead of once per method, and each call's time is
+    decoding (plus one token's forward per row). Each row is prefilled alone, in chunks (rows never attend to
+    each other; alone, without padding, the causal kernel runs instead of a dense batch mask, and activations
+    stay one row's), and its entries are placed after its padding; the padding columns hold zeros, masked out."""
     width = ids.shape[1] - 1
-    cache = DynamicCache(config=model.config)
+    layers = None
     with torch.no_grad():
-        for begin in tqdm(range(0, width, PREFILL_CHUNK), desc="prefill"):
-            end = min(begin + PREFILL_CHUNK, width)
-            model(ids[:, begin:end], attention_mask=mask[:, :end], cache=cache, logits_to_keep=1,
-                  position_ids=(mask[:, :end].cumsum(-1) - 1).clamp(min=0)[:, begin:end])
-    return cache
+        for row in tqdm(range(ids.shape[0]), desc="prefill rows"):
+            pad = int((mask[row] == 0).sum())
+            cache = DynamicCache(config=model.config)
+            for begin in range(pad, width, PREFILL_CHUNK):
+                end = min(begin + PREFILL_CHUNK, width)
+                model(ids[row : row + 1, begin:end], cache=cache, logits_to_keep=1,
+                      position_ids=torch.arange(begin - pad, end - pad)[None])
+            if layers is None:
+                layers = [(layer.keys.new_zeros((ids.shape[0], *layer.keys.shape[1:2], width, layer.keys.shape[3])),
+                           layer.values.new_zeros((ids.shape[0], *layer.values.shape[1:2], width,
+                                                   layer.values.shape[3])))
+                          for layer in cache.layers]
+            for (keys, values), layer in zip(layers, cache.layers):
+                keys[row, :, pad:], values[row, :, pad:] = layer.keys[0], layer.values[0]
+            del cache
+    batch_cache = DynamicCache(config=model.config)
+    for index, (keys, values) in enumerate(layers):
+        batch_cache.update(keys, values, index)
+    return batch_cache
+
+
+def fingerprint(cache: DynamicCache) -> tuple:
+    """The length and a checksum of the first and last layers' entries (to see that nobody wrote the prefix)."""
+    first, last = cache.layers[0], cache.layers[-1]
+    return cache.get_seq_length(), float(first.keys.double().sum()), float(last.values.double().sum())
 
 
 PREFILL_CHUNK = 2048  # columns per prefill forward (bounded activations)
@@ -99,9 +121,10 @@ def run(model, tokenizer, text, context, batch, mode, args, rounds: list, caches
     if (context, batch) not in caches:
         caches.clear()  # one batch's caches in memory at a time
         dynamic = prefilled(model, ids, mask)
-        caches[(context, batch)] = {"dynamic": dynamic,
-                                    "static": as_static(model, dynamic, ids.shape[1] + args.new_tokens + 8)}
-    prefixes = caches[(context, batch)]
+        caches[(context, batch)] = dynamic
+    dynamic = caches[(context, batch)]  # the one prefix in memory: copied for plain and static, read by TriForce
+    capacity = ids.shape[1] + args.new_tokens + 8
+    prefix_fingerprint = fingerprint(dynamic)
     gen = dict(do_sample=False, pad_token_id=tokenizer.pad_token_id)
     if mode == "sampled":
         gen = dict(do_sample=True, temperature=0.6, top_p=0.9, top_k=0, pad_token_id=tokenizer.pad_token_id)
@@ -109,7 +132,12 @@ def run(model, tokenizer, text, context, batch, mode, args, rounds: list, caches
     for r in range(args.repeats):
         seed = 1000 + r
         for name in ["plain", "static", *args.methods]:
-            prefix = copy.deepcopy(prefixes["static" if name == "static" else "dynamic"])
+            if name == "static":
+                prefix = as_static(model, dynamic, capacity)
+            elif name == "plain":
+                prefix = copy.deepcopy(dynamic)
+            else:
+                prefix = dynamic  # TriForce copies each row's entries into its own cache and never writes this one
             if name in ("plain", "static"):
                 out, seconds = call(model, ids, mask, args.new_tokens, gen, seed, cache=prefix)
                 sequences, stats = out, None
@@ -119,6 +147,8 @@ def run(model, tokenizer, text, context, batch, mode, args, rounds: list, caches
                                     return_dict_in_generate=True, cache=prefix)
                 sequences, stats = out.sequences, out.triforce_stats
             del prefix
+            if fingerprint(dynamic) != prefix_fingerprint:
+                raise RuntimeError(f"{name} changed the shared prefix cache")
             entry = results.setdefault(name, {"decode_seconds": [], "decode_cpu_seconds": []})
             entry["decode_seconds"].append(seconds)
             entry["decode_cpu_seconds"].append(CPU_SECONDS[-1])

@@ -19,6 +19,7 @@ import time
 import torch
 
 from hf_triforce import TriForceConfig
+from hf_triforce.stats import TriForceStats
 from hf_triforce.tools import assets
 from hf_triforce.tools.bench import Run, measure, prefill_prefix
 from hf_triforce.tools.prompts import document_prompt
@@ -34,10 +35,15 @@ CONFIGS = {
     "self chain, 2 levels (g 6)": dict(draft="self", levels=2, gamma1=2, gamma2=6),
     "self tree, 2 levels (12 nodes, branch 3)": dict(draft="self", levels=2, gamma1=2, gamma2=6, tree_nodes=12,
                                                       tree_branch=3),
+    "self chain, 3 levels (g 2/6)": dict(draft="self", levels=3, gamma1=2, gamma2=6),
+    "self, 3 levels, Force 2 tree (12 nodes, branch 3)": dict(draft="self", levels=3, gamma1=2, gamma2=6,
+                                                               force2_tree_nodes=12, tree_branch=3),
+    "ngram, 3 levels, Force 2 tree (14 nodes, branch 3)": dict(draft="ngram", levels=3, gamma1=3, gamma2=8,
+                                                                force2_tree_nodes=14, tree_branch=3),
 }
 
 
-def triforce_run(model, ids, prefix, config, new_tokens, sampling, seed, run: Run) -> None:
+def triforce_run(model, ids, prefix, config, new_tokens, sampling, seed, run: Run, pooled: list) -> None:
     kwargs = dict(sampling or {"do_sample": False})
     torch.manual_seed(seed)
     start = time.perf_counter()
@@ -45,6 +51,33 @@ def triforce_run(model, ids, prefix, config, new_tokens, sampling, seed, run: Ru
                          triforce_config=config, return_dict_in_generate=True, **kwargs)
     run.seconds.append(time.perf_counter() - start)
     run.new_tokens, run.sequences, run.stats = out.sequences.shape[1] - ids.shape[1], out.sequences, out.triforce_stats
+    pooled.append(out.triforce_stats)
+
+
+def pool(stats: list[TriForceStats]) -> TriForceStats:
+    """The rounds' counts and seconds added up (acceptances and tokens per step over every round)."""
+    total = TriForceStats()
+    for name, value in vars(total).items():
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            setattr(total, name, sum(getattr(s, name) for s in stats))
+    return total
+
+
+def table_row(mode: str, name: str, run: Run, stats: list[TriForceStats], plain: float, static: float) -> dict:
+    speed = run.tokens_per_second
+    row = dict(mode=mode, method=name, tok_s=round(speed, 2), vs_plain=round(speed / plain, 2),
+               vs_static=round(speed / static, 2))
+    if stats:
+        s = pool(stats)
+        steps = max(s.force3_steps, 1)
+        row.update(tokens_per_force3_step=round(s.tokens_per_force3_step, 2),
+                   force2_acceptance=round(s.force2_acceptance, 2) if s.force2_steps else None,
+                   force3_acceptance=round(s.force3_acceptance, 2),
+                   tree_nodes_per_step=round(s.tree_nodes / steps, 1), side_accepts_per_step=round(
+                       s.tree_side_accepts / steps, 2),
+                   ms_per_step={tier: round(1000 * getattr(s, f"{tier}_seconds") / steps)
+                                for tier in ("force1", "force2", "force3", "retrieval")})
+    return row
 
 
 def main() -> None:
@@ -57,10 +90,15 @@ def main() -> None:
     parser.add_argument("--temperature", type=float, default=0.6)
     parser.add_argument("--top-p", type=float, default=0.9)
     parser.add_argument("--only", default=None, help="run only the configs whose name contains this")
+    parser.add_argument("--configs", nargs="+", default=None, choices=sorted(CONFIGS), metavar="NAME",
+                        help=f"run only these configs (default: all): {sorted(CONFIGS)}")
+    parser.add_argument("--rope-factor", type=float, default=None,
+                        help="YaRN factor (default: none up to 8192 tokens, 2 up to 16384, else 4)")
     parser.add_argument("--out", default=None, help="write the rows as JSON here")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    model, tokenizer = assets.load_smollm2()
+    factor = args.rope_factor or (None if args.context <= 8192 else 2.0 if args.context <= 16384 else 4.0)
+    model, tokenizer = assets.load_smollm2(**(assets.yarn_rope(factor) if factor else {}))
     ids = document_prompt(tokenizer, assets.TEXTS[args.text](), args.context, "question")
     start = time.perf_counter()
     prefix = prefill_prefix(model, ids)
@@ -70,8 +108,10 @@ def main() -> None:
         do_sample=True, temperature=args.temperature, top_p=args.top_p)}
     rows = []
     for mode, sampling in modes.items():
-        chosen = [name for name in CONFIGS if args.only is None or args.only in name]
+        chosen = [name for name in CONFIGS if (args.only is None or args.only in name)
+                  and (args.configs is None or name in args.configs)]
         runs = {name: Run(name) for name in ["plain", "static", *chosen]}
+        pooled: dict[str, list[TriForceStats]] = {name: [] for name in runs}
         for seed in range(args.repeats):
             for name, run in runs.items():
                 if name in ("plain", "static"):
@@ -79,28 +119,20 @@ def main() -> None:
                             seed=seed)
                 else:
                     triforce_run(model, ids, prefix, TriForceConfig(**{**FIXED, **CONFIGS[name]}), args.new_tokens,
-                                 sampling, seed, run)
+                                 sampling, seed, run, pooled[name])
                 print(f"  {mode} round {seed} {name}: {run.seconds[-1]:.2f} s", flush=True)
         plain, static = runs["plain"].tokens_per_second, runs["static"].tokens_per_second
         for name, run in runs.items():
-            s = run.stats
-            speed = run.tokens_per_second
-            row = dict(mode=mode, method=name, tok_s=round(speed, 2), vs_plain=round(speed / plain, 2),
-                       vs_static=round(speed / static, 2))
-            if s is not None:
-                row.update(tokens_per_force3_step=round(s.tokens_per_force3_step, 2),
-                           force2_acceptance=round(s.force2_acceptance, 2) if s.force2_steps else None,
-                           force3_acceptance=round(s.force3_acceptance, 2),
-                           tree_nodes_per_step=round(s.tree_nodes / s.force3_steps, 1) if s.force3_steps else 0)
+            row = table_row(mode, name, run, pooled[name], plain, static)
             if sampling is None:
                 row["identical"] = bool(torch.equal(run.sequences, runs["plain"].sequences))
             rows.append(row)
             print(json.dumps(row), flush=True)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(dict(context=ids.shape[1], text=args.text, new_tokens=args.new_tokens, repeats=args.repeats,
-                           fixed=FIXED, configs=CONFIGS, prefill_seconds=prefill_seconds, rows=rows), f, indent=1)
-
+        if args.out:  # after each mode: a long run keeps what it measured
+            with open(args.out, "w") as f:
+                json.dump(dict(context=ids.shape[1], text=args.text, rope_factor=factor, new_tokens=args.new_tokens,
+                               repeats=args.repeats, fixed=FIXED, configs={name: CONFIGS[name] for name in chosen},
+                               prefill_seconds=prefill_seconds, rows=rows), f, indent=1)
 
 if __name__ == "__main__":
     main()

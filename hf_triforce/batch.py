@@ -56,9 +56,9 @@ BATCH_ATTENTION = ("sdpa", "eager")  # implementations that read the 4-D per-row
 
 def check_batch_request(model, config: TriForceConfig, generation_config, streamer, prefix_cache) -> None:
     """Refuse, by parameter name and allowed values, what batches do not support yet."""
-    if config.tree_nodes:
-        raise ValueError(f"triforce_config=: batch size > 1 supports TriForceConfig.tree_nodes=0 only (chains; got "
-                         f"{config.tree_nodes})")
+    if config.trees:
+        raise ValueError("triforce_config=: batch size > 1 supports chains only: TriForceConfig.tree_nodes=0 and "
+                         f"force2_tree_nodes=0 (got {config.tree_nodes} and {config.force2_tree_nodes})")
     if config.full_cache_device is not None:
         raise ValueError(f"triforce_config=: batch size > 1 supports TriForceConfig.full_cache_device=None only "
                          f"(got {config.full_cache_device!r})")

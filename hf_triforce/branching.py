@@ -26,6 +26,8 @@ import math
 
 import torch
 
+from .tree import DraftTree, TreeBuilder, draw_siblings
+
 
 def sibling_counts(laws: list[torch.Tensor], chain: list[int], budget: int, most: int) -> list[int]:
     """How many alternatives to add at each position of ``chain`` (``laws[i]``: the draft's law at position
@@ -50,3 +52,33 @@ def sibling_counts(laws: list[torch.Tensor], chain: list[int], budget: int, most
     for _, position, _ in sorted(candidates)[:budget]:
         counts[position] += 1
     return counts
+
+
+def branched_chain(chain: list[int], laws: list[torch.Tensor], chain_laws: list[torch.Tensor | None], nodes: int,
+                   branch: int, sampler=None) -> DraftTree:
+    """``chain`` (node ``i``'s law ``chain_laws[i]``: the law it was drawn from, ``None`` for a point mass) plus
+    up to ``nodes - len(chain)`` alternatives as leaves where `sibling_counts` puts them (``laws``: the
+    proposer's distributions along the chain), at most ``branch - 1`` per position.
+
+    The alternatives are the position's likeliest tokens after the chain's, as point masses; with a
+    ``sampler``, drawn from ``laws[i]`` without replacement after the chain's token, each carrying the law it
+    was drawn with (`tree.draw_siblings`). Either way each is a function of, or a fresh draw given, the chain
+    and the siblings before it: the exact tree rule's contract (`tree_verification`)."""
+    counts = sibling_counts(laws, chain, nodes - len(chain), branch - 1)
+    builder = TreeBuilder(nodes, branch)
+    parents, parent = [], -1
+    for token, law in zip(chain, chain_laws):
+        parents.append(parent)
+        parent = builder.add_child(parent, token, law)
+    for parent, token, law, count in zip(parents, chain, laws, counts):
+        if count == 0:
+            continue
+        if sampler is not None:
+            siblings, sibling_laws = draw_siblings(law, count, sampler, [token])
+        else:
+            others = law.clone()
+            others[token] = 0.0
+            siblings, sibling_laws = others.topk(count).indices.tolist(), [None] * count
+        for sibling, sibling_law in zip(siblings, sibling_laws):
+            builder.add_child(parent, sibling, sibling_law)
+    return builder.tree()

@@ -59,7 +59,11 @@ class TriForceConfig:
         where the chain is least certain, `hf_triforce.branching`: the draft's next most likely tokens as point
         masses). Needs ``policy="fixed"`` and a model without
         sliding-window layers.
-    tree_branch: at most this many children per tree node (with ``tree_nodes > 0``).
+    tree_branch: at most this many children per tree node (with ``tree_nodes > 0`` or ``force2_tree_nodes > 0``).
+    force2_tree_nodes: 0 (default): Force 2 hands Force 3 a chain. ``> gamma2`` (three levels): Force 2 hands
+        Force 3 a tree of at most this many nodes: its chain plus, as leaves, the tokens it scored next most
+        likely where its chain is least certain (`hf_triforce.branching`; point masses), verified exactly in one
+        tree forward on the full cache. Free to propose (Force 2 has scored them); Force 3 pays a row each.
     explore_every: under ``policy="auto"``, steps between tries of the best plan other than the current
         one (doubling, up to 16x, while such tries do not pay).
     """
@@ -84,6 +88,7 @@ class TriForceConfig:
     explore_every: int = 16
     tree_nodes: int = 0
     tree_branch: int = 2
+    force2_tree_nodes: int = 0
     full_cache_device: str | None = None
 
     def __post_init__(self) -> None:
@@ -111,6 +116,7 @@ class TriForceConfig:
             ("explore_every", 1),
             ("tree_nodes", 0),
             ("tree_branch", 1),
+            ("force2_tree_nodes", 0),
         ):
             _check_int(name, getattr(self, name), minimum)
         if self.retrieval_budget % self.chunk_size:
@@ -164,6 +170,20 @@ class TriForceConfig:
         if self.tree_nodes and self.policy != "fixed":
             raise ValueError("TriForceConfig.tree_nodes > 0 needs policy='fixed' (the adaptive policy's cost model "
                              f"prices chains), got policy={self.policy!r}")
+        if self.force2_tree_nodes:
+            if self.levels != 3:
+                raise ValueError("TriForceConfig.force2_tree_nodes > 0 needs levels=3 (Force 2 hands Force 3 the "
+                                 f"tree), got levels={self.levels}")
+            if not self.gamma2 < self.force2_tree_nodes <= ROW_INDEPENDENT_MAX_ROWS - 1:
+                raise ValueError("TriForceConfig.force2_tree_nodes must be 0 or between gamma2 + 1 "
+                                 f"({self.gamma2 + 1}: the chain and one alternative) and "
+                                 f"{ROW_INDEPENDENT_MAX_ROWS - 1}, got {self.force2_tree_nodes}")
+            if self.tree_branch < 2:
+                raise ValueError("TriForceConfig.force2_tree_nodes > 0 needs tree_branch >= 2 (the alternatives are "
+                                 f"extra children), got tree_branch={self.tree_branch}")
+            if self.policy != "fixed":
+                raise ValueError("TriForceConfig.force2_tree_nodes > 0 needs policy='fixed' (the adaptive policy's "
+                                 f"cost model prices chains), got policy={self.policy!r}")
         if self.tree_nodes and self.draft == "suffix":
             raise ValueError("TriForceConfig.tree_nodes > 0: the 'suffix' drafter proposes chains only; use 'ngram', "
                              "'self' or a draft model")
@@ -175,6 +195,16 @@ class TriForceConfig:
             raise ValueError(f"TriForceConfig.policy must be one of {POLICIES}, got {self.policy!r}")
         if not isinstance(self.show_progress, bool):
             raise ValueError(f"TriForceConfig.show_progress must be a bool, got {self.show_progress!r}")
+
+    @property
+    def trees(self) -> bool:
+        """Whether any level proposes candidate trees."""
+        return bool(self.tree_nodes or self.force2_tree_nodes)
+
+    @property
+    def force3_rows(self) -> int:
+        """At least the most proposals one Force-3 verification scores: a chain of ``gamma2``, or a tree."""
+        return max(self.gamma2, self.tree_nodes, self.force2_tree_nodes)
 
     @property
     def proposal_rows(self) -> int:

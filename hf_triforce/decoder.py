@@ -148,9 +148,9 @@ class TriForceDecoder:
         self.force3_verifier = ChainVerifier(do_sample, self.sampler)
         self.force2_tree_verifier = TreeVerifier(do_sample, self.sampler)  # TriForceConfig.tree_nodes > 0
         self.force3_tree_verifier = TreeVerifier(do_sample, self.sampler)
-        if config.tree_nodes and any(window is not None for window in compat.layer_windows(model.config)):
-            raise ValueError("TriForceConfig.tree_nodes > 0: candidate trees are not supported on models with "
-                             "sliding-window layers; use tree_nodes=0")
+        if config.trees and any(window is not None for window in compat.layer_windows(model.config)):
+            raise ValueError("TriForceConfig.tree_nodes / force2_tree_nodes > 0: candidate trees are not supported "
+                             "on models with sliding-window layers; use 0 (chains)")
         self.draft_name = config.draft if isinstance(config.draft, str) else MODEL_DRAFTER
         self.drafters: dict[str, object] = {}
         self.levels: dict[tuple[int, str], object] = {}
@@ -236,7 +236,7 @@ class TriForceDecoder:
         config, stats, recorder = self.config, self.stats, QueryRecorder()
         cache_class = OffloadedBufferCache if config.full_cache_device == "cpu" else BufferCache
         # sliding-window layers keep their window plus room for the deepest rollback (a rejected chain, a stop)
-        room = max(config.gamma2, config.tree_nodes)  # a verification's proposals: a chain or a tree
+        room = config.force3_rows  # a verification's proposals: a chain or a tree
         full = cache_class(compat.num_layers(self.model.config), self.max_length + room + 2,
                            compat.layer_windows(self.model.config), rollback=config.gamma2 + 2)
         full.expect_devices(layer_devices(self.model))

@@ -19,6 +19,7 @@ import torch
 from transformers import LogitsProcessorList
 
 from . import compat
+from .branching import branched_chain
 from .caches.buffer import BufferCache
 from .caches.retrieval import RetrievalCache
 from .compat import layer_devices
@@ -63,6 +64,7 @@ class Force2:
             compat.layer_windows(model.config),
         ).expect_devices(layer_devices(model))
         self.steps_since_selection = 0
+        self.handed: tuple[int, list[int]] | None = None  # (position, chain) of the last chain handed to Force 3
 
     @property
     def seen(self) -> int:
@@ -182,11 +184,34 @@ class Force2:
         self.stats.force2_proposed += wanted
         q_scores = torch.cat(rows)[:wanted]
         probs = scores_to_probs(q_scores) if self.verifier.do_sample else None
-        return Candidates(sequence[0, prompt_length:end].tolist(), probs)
+        tokens = sequence[0, prompt_length:end].tolist()
+        self.handed = (prompt_length, tokens)
+        if self.config.force2_tree_nodes:
+            return self.branched(tokens, q_scores, probs)
+        return Candidates(tokens, probs)
+
+    def branched(self, tokens: list[int], q_scores: torch.Tensor, probs: torch.Tensor | None) -> Candidates:
+        """``TriForceConfig.force2_tree_nodes``: the chain Force 2 emitted plus, where it is least certain, the
+        tokens q ranks next (point masses; `branching`). Exact: each chain token is distributed as its q row
+        given the tokens before it (`handed_up`), and each alternative is a function of the chain."""
+        laws = list(probs) if probs is not None else list(scores_to_probs(q_scores))
+        chain_laws = list(probs) if probs is not None else [None] * len(tokens)
+        tree = branched_chain(tokens, laws, chain_laws, self.config.force2_tree_nodes, self.config.tree_branch)
+        self.stats.tree_nodes += len(tree)
+        return Candidates(tokens, probs) if tree.is_chain() else Candidates([], None, tree)
 
     def commit(self, sequence: torch.Tensor, accepted: int, proposed: int, queries: dict[int, torch.Tensor]) -> None:
-        """Roll back to the committed ``sequence`` (its last token not yet cached); refresh the selection."""
-        self.drafter.rollback(sequence.shape[1] - 1)
+        """Roll back to the committed ``sequence`` (its last token not yet cached) or, where Force 3 accepted one
+        of a tree's alternatives, to where it left the handed-up chain; refresh the selection."""
+        keep = sequence.shape[1] - 1
+        if self.handed is not None:
+            start, chain = self.handed
+            agree = 0
+            while agree < len(chain) and start + agree < keep and int(sequence[0, start + agree]) == chain[agree]:
+                agree += 1
+            keep = min(keep, start + agree)
+            self.handed = None
+        self.drafter.rollback(keep)
         self.cache.sync(self.full, self.full.length)
         self.steps_since_selection += 1
         low = self.config.refresh_below is not None and proposed and accepted / proposed < self.config.refresh_below

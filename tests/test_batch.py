@@ -126,6 +126,8 @@ def test_batch_refusals_name_the_parameter(model):
                        triforce_config=_config())
     with pytest.raises(ValueError, match="tree_nodes=0"):
         model.generate(ids, attention_mask=mask, max_new_tokens=3, triforce_config=_config(tree_nodes=8))
+    with pytest.raises(ValueError, match="force2_tree_nodes=0"):
+        model.generate(ids, attention_mask=mask, max_new_tokens=3, triforce_config=_config(force2_tree_nodes=8))
     sliding = make_model("mistral", sliding_window=16)
     with pytest.raises(ValueError, match="sliding-window"):
         sliding.generate(ids, attention_mask=mask, max_new_tokens=3, triforce_config=_config())

@@ -45,6 +45,51 @@ def test_draft_model_trees():
     assert_identical(target, random_prompt(100), _config(draft, 2))
 
 
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("draft, nodes", [("self", 0), ("ngram", 0), ("ngram", 6)])
+def test_greedy_identity_with_force2_trees(family, draft, nodes):
+    """Force 2 hands Force 3 a tree (`force2_tree_nodes`), alone or with Force 1's trees below it."""
+    model = make_model(family)
+    config = _config(draft, 3, nodes, 3, force2_tree_nodes=9)
+    stats = assert_identical(model, random_prompt(150, period=37), config)
+    assert stats.tree_nodes > 0
+
+
+def test_force2_trees_accept_alternatives(gqa_model):
+    side = sum(assert_identical(gqa_model, random_prompt(120, seed=seed), _config("self", 3, 0, 3,
+                                                                                 force2_tree_nodes=10)).tree_side_accepts
+               for seed in range(3))
+    assert side > 0, "Force 3 never accepted one of Force 2's alternatives"
+
+
+def test_drafter_forgets_force2_chain_past_an_accepted_alternative(gqa_model, monkeypatch):
+    """Where Force 3 accepts one of Force 2's alternatives, Force 1's cache must hold the committed tokens'
+    entries, not Force 2's chain's: after every commit its next scores equal a fresh drafter's (a window that
+    never evicts, so that a fresh prefill and the incremental cache hold the same entries)."""
+    from transformers import LogitsProcessorList
+
+    from hf_triforce.drafters.model import ModelDrafter
+    from hf_triforce.hierarchy import Force2
+    from hf_triforce.steps import run_inline
+
+    commit, checked = Force2.commit, []
+
+    def checking_commit(self, sequence, *args):
+        commit(self, sequence, *args)
+        _, rows, _ = run_inline(self.drafter._draft_steps(sequence, 1))
+        fresh = ModelDrafter(gqa_model, 4, 256, LogitsProcessorList(), False, None)
+        fresh.prefill(sequence)
+        _, expected, _ = run_inline(fresh._draft_steps(sequence, 1))
+        torch.testing.assert_close(rows[0], expected[0], rtol=1e-4, atol=1e-5)
+        self.drafter.rollback(sequence.shape[1] - 1)
+        checked.append(sequence.shape[1])
+
+    monkeypatch.setattr(Force2, "commit", checking_commit)
+    config = _config("self", 3, 0, 3, force2_tree_nodes=10, window=256)
+    side = sum(assert_identical(gqa_model, random_prompt(60, seed=seed), config).tree_side_accepts for seed in range(3))
+    assert side > 0 and checked
+
+
 def test_trees_are_refused_where_unsupported():
     with pytest.raises(ValueError, match="policy='fixed'"):
         TriForceConfig(tree_nodes=8)
@@ -54,9 +99,22 @@ def test_trees_are_refused_where_unsupported():
         TriForceConfig(policy="fixed", tree_nodes=64)
     with pytest.raises(ValueError, match="tree_branch"):
         TriForceConfig(policy="fixed", tree_nodes=8, tree_branch=0)
+    with pytest.raises(ValueError, match="force2_tree_nodes > 0 needs levels=3"):
+        TriForceConfig(policy="fixed", levels=2, force2_tree_nodes=8)
+    with pytest.raises(ValueError, match=r"force2_tree_nodes must be 0 or between gamma2 \+ 1 \(7"):
+        TriForceConfig(policy="fixed", gamma2=6, force2_tree_nodes=6)
+    with pytest.raises(ValueError, match="force2_tree_nodes must be"):
+        TriForceConfig(policy="fixed", force2_tree_nodes=64)
+    with pytest.raises(ValueError, match="force2_tree_nodes > 0 needs tree_branch >= 2"):
+        TriForceConfig(policy="fixed", force2_tree_nodes=8, tree_branch=1)
+    with pytest.raises(ValueError, match="force2_tree_nodes > 0 needs policy='fixed'"):
+        TriForceConfig(force2_tree_nodes=8)
     model = make_model("mistral", sliding_window=16)
     with pytest.raises(ValueError, match="sliding-window"):
         model.generate(random_prompt(40), max_new_tokens=4, triforce_config=_config("ngram"))
+    with pytest.raises(ValueError, match="sliding-window"):
+        model.generate(random_prompt(40), max_new_tokens=4, triforce_config=_config("ngram", 3, 0,
+                                                                                  force2_tree_nodes=8))
 
 
 def test_ngram_tree_holds_distinct_continuations():

@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 from transformers import LogitsProcessorList, TopKLogitsWarper
 
-from hf_triforce import TriForceConfig
+from hf_triforce import TriForceConfig, branching, hierarchy
 from hf_triforce.branching import sibling_counts
 from hf_triforce.drafters import model as model_drafter
 from hf_triforce.drafters.registry import DRAFTERS, DrafterSpec
@@ -47,7 +47,11 @@ CASES = {
     # the budget binds (2 chain nodes + 2 of 4 possible siblings): where the siblings go depends on the chain,
     # and each is a real draw without replacement (top-k 3 leaves 2 tokens after the chain's)
     "self sampled siblings, two levels": (SAMPLED_SIBLINGS, 3, 4, {"levels": 2, "tree_nodes": 4, "tree_branch": 3}),
+    # Force 2 hands Force 3 its chain (2 tokens drawn as q) plus q's next tokens where q is least certain
+    "self, Force 2 hands a tree": ("self", 3, 4, {"force2_tree_nodes": 4, "tree_branch": 3}),
+    "ngram trees at both levels": ("ngram", 3, 4, {"tree_nodes": 4, "tree_branch": 3, "force2_tree_nodes": 3}),
 }
+FORCE2_TREES = ("self, Force 2 hands a tree", "ngram trees at both levels")
 
 
 def run_case(model_and_prompt, case, mutate=None):
@@ -68,6 +72,8 @@ def test_enumerated_law_with_trees_equals_the_target_law(setup, case):  # noqa: 
     assert set(law) <= {k for k, p in exact.items() if p > 0}, "a sequence of probability zero was emitted"
     assert distance(law, exact) < TOLERANCE
     assert any(s.tree_nodes > s.force1_proposed for s in stats), "no path verified a tree with siblings"
+    if case in FORCE2_TREES:
+        assert any(s.tree_side_accepts for s in stats), "Force 3 never accepted one of Force 2's alternatives"
     assert any(0 < s.force3_accepted < s.force2_proposed for s in stats)
 
 
@@ -81,7 +87,8 @@ def stale_residual_at_force2(decoder):
 
 @pytest.mark.parametrize("case, mutate", [("ngram tree, two levels", stale_residual_at_force3),
                                           ("self tree, two levels", stale_residual_at_force3),
-                                          ("ngram tree, three levels", stale_residual_at_force2)])
+                                          ("ngram tree, three levels", stale_residual_at_force2),
+                                          ("self, Force 2 hands a tree", stale_residual_at_force3)])
 def test_a_stale_residual_is_caught(setup, case, mutate):  # noqa: F811
     law, _, _, exact = run_case(setup, case, mutate)
     assert distance(law, exact) > 100 * TOLERANCE, f"the enumeration did not catch: {mutate.__name__}"
@@ -102,8 +109,8 @@ def test_model_drafter_tree_had_sampled_siblings(setup, monkeypatch):  # noqa: F
         shapes.add(tuple(counts))
         return counts
 
-    monkeypatch.setattr(model_drafter, "draw_siblings", recorded_draws)
-    monkeypatch.setattr(model_drafter, "sibling_counts", recorded_counts)
+    monkeypatch.setattr(branching, "draw_siblings", recorded_draws)
+    monkeypatch.setattr(branching, "sibling_counts", recorded_counts)
     run_case(setup, "self sampled siblings, two levels")
     assert draws and max(draws) > 1
     assert len({shape for shape in shapes if sum(shape) == 2}) > 1, shapes
@@ -116,6 +123,24 @@ def test_siblings_with_the_unrenormalised_law_are_caught(setup, monkeypatch):  #
         tokens, _ = draw_siblings(law, count, sampler, drawn)
         return tokens, [law] * len(tokens)
 
-    monkeypatch.setattr(model_drafter, "draw_siblings", unrenormalised)
+    monkeypatch.setattr(branching, "draw_siblings", unrenormalised)
     law, _, _, exact = run_case(setup, "self sampled siblings, two levels")
     assert distance(law, exact) > 100 * TOLERANCE, "the enumeration did not catch siblings carrying q"
+
+
+def test_force2_alternatives_carrying_q_are_caught(setup, monkeypatch):  # noqa: F811
+    """Force 2's alternatives are q's next tokens, point masses: verifying them as if drawn from q is wrong and
+    must be caught. (The chain's tokens as point masses would not be: the point-mass rule is exact for any token
+    chosen before the coins, only less often accepted.)"""
+
+    def alternatives_as_draws(chain, laws, chain_laws, nodes, branch, sampler=None):
+        tree = branching.branched_chain(chain, laws, chain_laws, nodes, branch, sampler)
+        depths = tree.depths()
+        for node, parent in enumerate(tree.parents):
+            if tree.children(parent)[0] != node:
+                tree.laws[node] = laws[depths[node] - 1]
+        return tree
+
+    monkeypatch.setattr(hierarchy, "branched_chain", alternatives_as_draws)
+    law, _, _, exact = run_case(setup, "self, Force 2 hands a tree")
+    assert distance(law, exact) > 100 * TOLERANCE, "the enumeration did not catch alternatives verified as draws"

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import torch
 
-from ..branching import sibling_counts
+from ..branching import branched_chain
 from ..caches.sink_window import SinkWindowCache, make_layer_rerotations
 from ..compat import layer_devices, num_layers
 from ..quantized import drafting_model
 from ..sampling import Sampler, scores_to_probs
 from ..scoring import process_rows
 from ..steps import ForwardRequest, Steps, run_inline
-from ..tree import DraftTree, TreeBuilder, draw_siblings
+from ..tree import DraftTree
 from .registry import MODEL_DRAFTER, DraftContext, register_drafter
 
 
@@ -109,24 +109,9 @@ class ModelDrafter:
         # the cache holds the chain's entries; the committed path may leave it at a side node (checked next time)
         self.drafted = (sequence.shape[1], tokens)
         laws = probs if self.do_sample else [scores_to_probs(row) for row in rows]
-        counts = sibling_counts(laws, tokens, nodes - len(tokens), branch - 1)
-        builder = TreeBuilder(nodes, branch)
-        parents, parent = [], -1
-        for token, law in zip(tokens, probs if self.do_sample else [None] * len(tokens)):
-            parents.append(parent)
-            parent = builder.add_child(parent, token, law)
-        for parent, token, law, count in zip(parents, tokens, laws, counts):
-            if count == 0:
-                continue
-            if self.do_sample and self.sampled_siblings:
-                siblings, sibling_laws = draw_siblings(law, count, self.sampler, [token])
-            else:
-                others = law.clone()
-                others[token] = 0.0
-                siblings, sibling_laws = others.topk(count).indices.tolist(), [None] * count
-            for sibling, sibling_law in zip(siblings, sibling_laws):
-                builder.add_child(parent, sibling, sibling_law)
-        return builder.tree()
+        chain_laws = probs if self.do_sample else [None] * len(tokens)
+        sampler = self.sampler if self.do_sample and self.sampled_siblings else None
+        return branched_chain(tokens, laws, chain_laws, nodes, branch, sampler)
 
     def rollback(self, length: int) -> None:
         if self.seen > length:
