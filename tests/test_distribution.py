@@ -86,12 +86,8 @@ def test_int8_drafting_tiers_match_target_distribution():
     check("self", dict(temperature=1.3), LogitsProcessorList([TemperatureLogitsWarper(1.3)]), draft_precision="int8")
 
 
-def test_ngram_trees_match_target_distribution():
-    """Force 1 proposes trees (several suffix matches), Force 2 verifies them with tree attention."""
-    check("ngram", dict(top_k=5), LogitsProcessorList([TopKLogitsWarper(5)]), tree_nodes=6, tree_branch=3)
-
-
-def test_force2_trees_match_target_distribution():
-    """Force 2 hands Force 3 its chain plus the tokens its q ranks next (`force2_tree_nodes`): chi-square."""
-    check("self", dict(temperature=0.8), LogitsProcessorList([TemperatureLogitsWarper(0.8)]), force2_tree_nodes=5,
-          tree_branch=3)
+def test_trees_at_both_levels_match_target_distribution():
+    """Force 1 proposes n-gram trees (several suffix matches), Force 2 verifies them with tree attention and hands
+    Force 3 a tree too (`force2_tree_nodes`: its chain plus q's next tokens)."""
+    check("ngram", dict(top_k=5), LogitsProcessorList([TopKLogitsWarper(5)]), tree_nodes=6, tree_branch=3,
+          force2_tree_nodes=5)

@@ -46,7 +46,7 @@ def test_draft_model_trees():
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
-@pytest.mark.parametrize("draft, nodes", [("self", 0), ("ngram", 0), ("ngram", 6)])
+@pytest.mark.parametrize("draft, nodes", [("self", 0), ("ngram", 6)])
 def test_greedy_identity_with_force2_trees(family, draft, nodes):
     """Force 2 hands Force 3 a tree (`force2_tree_nodes`), alone or with Force 1's trees below it."""
     model = make_model(family)
