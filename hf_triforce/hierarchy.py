@@ -31,7 +31,7 @@ from .sampling import ChainVerifier, scores_to_probs
 from .scoring import process_rows
 from .stats import TriForceStats
 from .steps import ForwardRequest, Steps, run_inline
-from .tree import DraftTree
+from .tree import DraftTree, agreement
 from .tree_forward import score_tree
 from .tree_verification import TreeVerifier
 
@@ -206,10 +206,7 @@ class Force2:
         keep = sequence.shape[1] - 1
         if self.handed is not None:
             start, chain = self.handed
-            agree = 0
-            while agree < len(chain) and start + agree < keep and int(sequence[0, start + agree]) == chain[agree]:
-                agree += 1
-            keep = min(keep, start + agree)
+            keep = min(keep, start + agreement(sequence[:, :keep], start, chain))
             self.handed = None
         self.drafter.rollback(keep)
         self.cache.sync(self.full, self.full.length)

@@ -109,6 +109,16 @@ class DraftTree:
         return torch.tensor([[first - 1 + depth for depth in self.depths()]], device=device)
 
 
+def agreement(sequence: torch.Tensor, start: int, tokens: list[int]) -> int:
+    """How many of ``tokens`` (proposed from position ``start`` on) the sequence ``[1, n]`` still holds there:
+    where a cache that holds their entries must roll back to after verification (``start`` + this)."""
+    agree = 0
+    end = min(len(tokens), sequence.shape[1] - start)
+    while agree < end and int(sequence[0, start + agree]) == tokens[agree]:
+        agree += 1
+    return agree
+
+
 def without(law: torch.Tensor, tokens: list[int]) -> torch.Tensor:
     """``law`` with ``tokens`` removed and renormalised: the law of the next draw without replacement.
 

@@ -11,7 +11,7 @@ from ..quantized import drafting_model
 from ..sampling import Sampler, scores_to_probs
 from ..scoring import process_rows
 from ..steps import ForwardRequest, Steps, run_inline
-from ..tree import DraftTree
+from ..tree import DraftTree, agreement
 from .registry import MODEL_DRAFTER, DraftContext, register_drafter
 
 
@@ -69,11 +69,7 @@ class ModelDrafter:
         """``n`` drafted tokens, each row's processed scores, and (sampling) the law each token was drawn from."""
         if self.drafted is not None:  # a tree's side node may have been accepted: keep only what still agrees
             start, drafted = self.drafted
-            agree = 0
-            while agree < len(drafted) and start + agree < sequence.shape[1] \
-                    and int(sequence[0, start + agree]) == drafted[agree]:
-                agree += 1
-            self.rollback(start + agree)
+            self.rollback(start + agreement(sequence, start, drafted))
             self.drafted = None
         if sequence.shape[1] - self.seen > self.cache.window // 2:  # far behind (steps ran without it)
             self.prefill(sequence)
