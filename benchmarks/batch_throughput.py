@@ -93,11 +93,9 @@ def prefilled(model, ids, mask):
                 end = min(begin + PREFILL_CHUNK, width)
                 model(ids[row : row + 1, begin:end], cache=cache, logits_to_keep=1,
                       position_ids=torch.arange(begin - pad, end - pad)[None])
-            if layers is None:
-                layers = [(layer.keys.new_zeros((ids.shape[0], *layer.keys.shape[1:2], width, layer.keys.shape[3])),
-                           layer.values.new_zeros((ids.shape[0], *layer.values.shape[1:2], width,
-                                                   layer.values.shape[3])))
-                          for layer in cache.layers]
+            if layers is None:  # [batch, kv heads, width, head dim] per layer, zeros in the padding columns
+                layers = [tuple(entries.new_zeros((ids.shape[0], entries.shape[1], width, entries.shape[3]))
+                                for entries in (layer.keys, layer.values)) for layer in cache.layers]
             for (keys, values), layer in zip(layers, cache.layers):
                 keys[row, :, pad:], values[row, :, pad:] = layer.keys[0], layer.values[0]
             del cache

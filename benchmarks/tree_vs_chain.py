@@ -50,8 +50,8 @@ def triforce_run(model, ids, prefix, config, new_tokens, sampling, seed, run: Ru
     out = model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, cache=prefix,
                          triforce_config=config, return_dict_in_generate=True, **kwargs)
     run.seconds.append(time.perf_counter() - start)
-    run.new_tokens, run.sequences, run.stats = out.sequences.shape[1] - ids.shape[1], out.sequences, out.triforce_stats
-    pooled.append(out.triforce_stats)
+    run.new_tokens, run.sequences = out.sequences.shape[1] - ids.shape[1], out.sequences
+    pooled.append(out.triforce_stats)  # every round's stats: `table_row` pools them
 
 
 def pool(stats: list[TriForceStats]) -> TriForceStats:
