@@ -40,6 +40,10 @@ CONFIGS = {
                                                                force2_tree_nodes=12, tree_branch=3),
     "ngram, 3 levels, Force 2 tree (14 nodes, branch 3)": dict(draft="ngram", levels=3, gamma1=3, gamma2=8,
                                                                 force2_tree_nodes=14, tree_branch=3),
+    # the library default (policy="auto", its own budget and gammas), without and with tree plans beside chains
+    "TriForceConfig() (auto, chains)": dict(policy="auto", retrieval_budget=4096),
+    "auto with trees (8 nodes, Force 2 tree 12, branch 3)": dict(policy="auto", retrieval_budget=4096, tree_nodes=8,
+                                                                 tree_branch=3, force2_tree_nodes=12),
 }
 
 
@@ -77,6 +81,12 @@ def table_row(mode: str, name: str, run: Run, stats: list[TriForceStats], plain:
                        s.tree_side_accepts / steps, 2),
                    ms_per_step={tier: round(1000 * getattr(s, f"{tier}_seconds") / steps)
                                 for tier in ("force1", "force2", "force3", "retrieval")})
+        plans: dict[str, int] = {}  # policy="auto": steps per plan over the rounds
+        for round_stats in stats:
+            for plan, record in (round_stats.plans or {}).items():
+                plans[plan] = plans.get(plan, 0) + record["steps"]
+        if plans:
+            row["plan_steps"] = dict(sorted(plans.items(), key=lambda item: -item[1]))
     return row
 
 

@@ -357,7 +357,7 @@ class BatchDecoder:
                 policy.observe_direct(plan.drafter, accepted, proposed)
             elif plan.levels == 3:
                 f2_accepted, rejections, force1_proposed, _ = before[b]
-                policy.observe_three_level(plan.drafter, self.stats[b].force2_accepted - f2_accepted,
+                policy.observe_three_level(plan, self.stats[b].force2_accepted - f2_accepted,
                                            levels[b].rejections - rejections, accepted, proposed)
             if plan.levels > 1:
                 drafted += self.drafting_seconds(b) - before[b][3]

@@ -57,13 +57,15 @@ class TriForceConfig:
         attention (`hf_triforce.tree_verification`); drafters ``"ngram"`` (several matches of the suffix:
         distinct continuations) and model drafters (``"self"``, a draft model: their chain plus alternatives
         where the chain is least certain, `hf_triforce.branching`: the draft's next most likely tokens as point
-        masses). Needs ``policy="fixed"`` and a model without
-        sliding-window layers.
+        masses). Needs a model without sliding-window layers. Under ``policy="fixed"`` every proposal is a
+        tree; under ``"auto"`` tree plans stand beside chain plans and run where the cost model predicts they pay
+        (their own acceptance and forward costs, measured; `hf_triforce.policy`).
     tree_branch: at most this many children per tree node (with ``tree_nodes > 0`` or ``force2_tree_nodes > 0``).
     force2_tree_nodes: 0 (default): Force 2 hands Force 3 a chain. ``> gamma2`` (three levels): Force 2 hands
         Force 3 a tree of at most this many nodes: its chain plus, as leaves, the tokens it scored next most
         likely where its chain is least certain (`hf_triforce.branching`; point masses), verified exactly in one
         tree forward on the full cache. Free to propose (Force 2 has scored them); Force 3 pays a row each.
+        Under ``policy="auto"``: three-level plans with and without it, chosen as with ``tree_nodes``.
     explore_every: under ``policy="auto"``, steps between tries of the best plan other than the current
         one (doubling, up to 16x, while such tries do not pay).
     """
@@ -167,9 +169,6 @@ class TriForceConfig:
         if self.tree_nodes > ROW_INDEPENDENT_MAX_ROWS - 1:
             raise ValueError(f"TriForceConfig.tree_nodes must be at most {ROW_INDEPENDENT_MAX_ROWS - 1} (a tree's rows "
                              f"are verified in one forward), got {self.tree_nodes}")
-        if self.tree_nodes and self.policy != "fixed":
-            raise ValueError("TriForceConfig.tree_nodes > 0 needs policy='fixed' (the adaptive policy's cost model "
-                             f"prices chains), got policy={self.policy!r}")
         if self.force2_tree_nodes:
             if self.levels != 3:
                 raise ValueError("TriForceConfig.force2_tree_nodes > 0 needs levels=3 (Force 2 hands Force 3 the "
@@ -181,9 +180,6 @@ class TriForceConfig:
             if self.tree_branch < 2:
                 raise ValueError("TriForceConfig.force2_tree_nodes > 0 needs tree_branch >= 2 (the alternatives are "
                                  f"extra children), got tree_branch={self.tree_branch}")
-            if self.policy != "fixed":
-                raise ValueError("TriForceConfig.force2_tree_nodes > 0 needs policy='fixed' (the adaptive policy's "
-                                 f"cost model prices chains), got policy={self.policy!r}")
         if self.tree_nodes and self.draft == "suffix":
             raise ValueError("TriForceConfig.tree_nodes > 0: the 'suffix' drafter proposes chains only; use 'ngram', "
                              "'self' or a draft model")

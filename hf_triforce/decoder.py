@@ -118,8 +118,9 @@ class Output:
 
 def adaptive_policy(config: TriForceConfig, draft_name: str, max_length: int) -> AdaptivePolicy | None:
     """``policy="auto"``: the configured drafter plus the free n-gram lookup, each as Force 1 of three levels
-    too if ``levels=3`` and the request (``max_length`` tokens) is longer than the retrieval budget;
-    ``"fixed"``: None (every step runs the configured plan)."""
+    too if ``levels=3`` and the request (``max_length`` tokens) is longer than the retrieval budget, with
+    tree plans beside the chain plans where the config sets ``tree_nodes`` (drafters that propose trees) or
+    ``force2_tree_nodes`` (three levels); ``"fixed"``: None (every step runs the configured plan)."""
     if config.policy == "fixed":
         return None
     kinds = {draft_name: spec_of(config.draft).kind}
@@ -128,7 +129,11 @@ def adaptive_policy(config: TriForceConfig, draft_name: str, max_length: int) ->
     # request makes Force 2 a copy of Force 3 at the same cost
     sparse = max_length > config.retrieval_budget
     three = tuple(kinds) if config.levels == 3 and sparse else ()
-    return AdaptivePolicy(kinds, three, config.gamma1, config.gamma2, config.explore_every)
+    trees = tuple(name for name in kinds if DRAFTERS[name if name in DRAFTERS else MODEL_DRAFTER].trees) \
+        if config.tree_nodes else ()
+    return AdaptivePolicy(kinds, three, config.gamma1, config.gamma2, config.explore_every,
+                          tree_drafters=trees, tree_nodes=config.tree_nodes if trees else 0,
+                          force2_tree_nodes=config.force2_tree_nodes)
 
 
 class TriForceDecoder:
@@ -155,7 +160,8 @@ class TriForceDecoder:
         self.drafters: dict[str, object] = {}
         self.levels: dict[tuple[int, str], object] = {}
         self.policy = adaptive_policy(config, self.draft_name, max_length)
-        self.fixed_plan = Plan(config.levels, self.draft_name, config.gamma1, config.gamma2)
+        self.fixed_plan = Plan(config.levels, self.draft_name, config.gamma1, config.gamma2,
+                               force1_tree=bool(config.tree_nodes), force2_tree=bool(config.force2_tree_nodes))
 
     def drafter(self, name: str):
         """The drafter ``name`` (``"model"``: the config's draft model), built once per call."""
@@ -195,8 +201,12 @@ class TriForceDecoder:
                  counterfactual: dict[str, list[int]], force3_seconds: float, before: tuple, drafted_before: float,
                  step_seconds: float, committed: int) -> None:
         """Tell the policy what the step cost and how each level did (timings, acceptances, counterfactuals)."""
-        policy, proposed = self.policy, len(candidates.tokens)
-        policy.observe_forward("force3", proposed + 1, force3_seconds)
+        policy, tree = self.policy, candidates.tree
+        proposed = len(candidates.tokens) if tree is None else max(tree.depths(), default=0)
+        if tree is None:
+            policy.observe_forward("force3", proposed + 1, force3_seconds)
+        else:
+            policy.observe_forward("force3-tree", len(tree) + 1, force3_seconds)
         forward_seconds = force3_seconds
         probs = scores_to_probs(first_scores) if self.do_sample else None
         for name, tokens in counterfactual.items():
@@ -210,13 +220,13 @@ class TriForceDecoder:
         lookup = plan.levels > 1 and policy.drafters[plan.drafter] == "lookup"
         if plan.levels == 2:
             if proposed:
-                policy.observe_direct(plan.drafter, accepted, proposed)
+                policy.observe_direct(plan.drafter, accepted, proposed, plan.force1_tree)
                 # model drafters: seconds per drafted token; lookups: seconds per call
                 policy.observe_forward(f"draft:{plan.drafter}", 1, drafted if lookup else drafted / proposed)
         elif plan.levels == 3:
             f2_accepted = self.stats.force2_accepted - before[0]
             f2_rejections = level.rejections - before[1]
-            policy.observe_three_level(plan.drafter, f2_accepted, f2_rejections, accepted, proposed)
+            policy.observe_three_level(plan, f2_accepted, f2_rejections, accepted, proposed)
             drafts = self.stats.force1_proposed - before[3]
             if drafts and not lookup:
                 policy.observe_forward(f"draft:{plan.drafter}", 1, drafted / drafts)
@@ -273,7 +283,8 @@ class TriForceDecoder:
             before = (stats.force2_accepted, getattr(level, "rejections", 0), stats.force2_seconds,
                       stats.force1_proposed, stats.retrieval_seconds)
             if level is not None:
-                candidates = level.get_candidates(out.sequence, self.max_length - length - 1, plan.gamma1, plan.gamma2)
+                candidates = level.get_candidates(out.sequence, self.max_length - length - 1, plan.gamma1, plan.gamma2,
+                                                  plan.force1_tree, plan.force2_tree)
             else:
                 candidates = Candidates([], None)
             proposals = candidates.tokens

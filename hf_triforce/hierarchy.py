@@ -131,7 +131,7 @@ class Force2:
         seconds = time.perf_counter() - start
         self.stats.force2_seconds += seconds
         if self.timed is not None:
-            self.timed("force2", sequence.shape[1] - self.seen + len(tree), seconds)
+            self.timed("force2-tree", sequence.shape[1] - self.seen + len(tree), seconds)
         path, next_token = self.tree_verifier.verify(tree, q_scores)
         self.cache.keep_rows(first, path)
         self.stats.tree_nodes += len(tree)
@@ -147,13 +147,19 @@ class Force2:
         return q_scores[: accepted + 1]
 
     def get_candidates(self, sequence: torch.Tensor, limit: int, gamma1: int | None = None,
-                       gamma2: int | None = None) -> Candidates:
-        """Up to ``min(gamma2, limit)`` tokens (gammas default to the config's)."""
-        return run_inline(self.candidate_steps(sequence, limit, gamma1, gamma2))
+                       gamma2: int | None = None, force1_tree: bool | None = None,
+                       force2_tree: bool | None = None) -> Candidates:
+        """Up to ``min(gamma2, limit)`` tokens (gammas default to the config's); ``force1_tree``: Force 1
+        proposes trees of ``tree_nodes``, ``force2_tree``: a tree of ``force2_tree_nodes`` goes up (both default
+        to whether the config sets those)."""
+        return run_inline(self.candidate_steps(sequence, limit, gamma1, gamma2, force1_tree, force2_tree))
 
     def candidate_steps(self, sequence: torch.Tensor, limit: int, gamma1: int | None = None,
-                        gamma2: int | None = None) -> Steps[Candidates]:
+                        gamma2: int | None = None, force1_tree: bool | None = None,
+                        force2_tree: bool | None = None) -> Steps[Candidates]:
         """`get_candidates` as a generator of its forwards (`hf_triforce.steps`)."""
+        force1_tree = bool(self.config.tree_nodes) if force1_tree is None else force1_tree
+        force2_tree = bool(self.config.force2_tree_nodes) if force2_tree is None else force2_tree
         gamma1 = self.config.gamma1 if gamma1 is None else gamma1
         wanted = min(self.config.gamma2 if gamma2 is None else gamma2, limit)
         if wanted <= 0:
@@ -161,7 +167,7 @@ class Force2:
         prompt_length, rows = sequence.shape[1], []
         while sequence.shape[1] - prompt_length < wanted:
             still_wanted = wanted - (sequence.shape[1] - prompt_length)
-            if self.config.tree_nodes:  # proposed: the tree's depth, so that acceptance compares with chains'
+            if force1_tree:  # proposed: the tree's depth, so that acceptance compares with chains'
                 proposals, proposal_probs, accepted, next_token, q_scores, proposed = self.verify_tree(
                     sequence, min(gamma1, still_wanted - 1))
             else:
@@ -186,7 +192,7 @@ class Force2:
         probs = scores_to_probs(q_scores) if self.verifier.do_sample else None
         tokens = sequence[0, prompt_length:end].tolist()
         self.handed = (prompt_length, tokens)
-        if self.config.force2_tree_nodes:
+        if force2_tree:
             return self.branched(tokens, q_scores, probs)
         return Candidates(tokens, probs)
 
@@ -240,16 +246,20 @@ class Force1Only:
             self.started = True
 
     def get_candidates(self, sequence: torch.Tensor, limit: int, gamma1: int | None = None,
-                       gamma2: int | None = None) -> Candidates:
-        return run_inline(self.candidate_steps(sequence, limit, gamma1, gamma2))
+                       gamma2: int | None = None, force1_tree: bool | None = None,
+                       force2_tree: bool | None = None) -> Candidates:
+        """Up to ``min(gamma2, limit)`` tokens, or (``force1_tree``, default: whether the config sets
+        ``tree_nodes``) Force 1's tree of that depth; ``gamma1`` and ``force2_tree`` are unused (no Force 2)."""
+        return run_inline(self.candidate_steps(sequence, limit, gamma1, gamma2, force1_tree))
 
     def candidate_steps(self, sequence: torch.Tensor, limit: int, gamma1: int | None = None,
-                        gamma2: int | None = None) -> Steps[Candidates]:
+                        gamma2: int | None = None, force1_tree: bool | None = None,
+                        force2_tree: bool | None = None) -> Steps[Candidates]:
         """`get_candidates` as a generator of its forwards (`hf_triforce.steps`)."""
         wanted = min(self.config.gamma2 if gamma2 is None else gamma2, limit)
         if wanted <= 0:
             return Candidates([], None)
-        if self.config.tree_nodes:  # Force 3 verifies Force 1's tree
+        if bool(self.config.tree_nodes) if force1_tree is None else force1_tree:  # Force 3 verifies Force 1's tree
             tree = self.drafter.propose_tree(sequence, wanted, self.config.tree_nodes, self.config.tree_branch)
             depth = max(tree.depths(), default=0)  # counted like a chain of that length (acceptance comparable)
             self.stats.force1_proposed += depth

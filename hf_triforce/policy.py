@@ -2,9 +2,11 @@
 
 A `Plan` is how one Force-3 step gets its candidates: ``plain`` (none: one-token decoding on the full cache),
 ``two-level`` (a drafter's chain verified by Force 3) or ``three-level`` (TriForce: Force 1 verified by Force 2,
-Force 2's chain verified by Force 3), with its gammas. Every plan is exact on its own, and the choice depends
-only on the past (timings and acceptances already observed), so the output law is the target's whatever is
-chosen; greedy output stays identical to plain ``generate``.
+Force 2's chain verified by Force 3), with its gammas and, where the config allows candidate trees
+(``TriForceConfig.tree_nodes`` / ``force2_tree_nodes``), whether Force 1 proposes a tree and whether Force 2
+hands Force 3 a tree. Every plan is exact on its own, and the choice depends only on the past (timings and
+acceptances already observed), so the output law is the target's whatever is chosen; greedy output stays
+identical to plain ``generate``.
 
 The cost model, measured online in the same call:
 
@@ -12,6 +14,11 @@ The cost model, measured online in the same call:
   row count is scaled from the nearest measured one by `ROW_COST_SLOPE`), and the per-step overhead;
 - acceptance per level as a geometric rate ``a = accepted / (accepted + rejections)`` (`AcceptanceRate`), so
   a chain of ``g`` proposals yields ``(1 - a^(g+1)) / (1 - a)`` tokens per verification;
+- a candidate tree of depth ``g`` is priced the same way, from its own rate (measured on tree steps only:
+  accepted path length against depth) and its own cost tier (``force3-tree``, ``force2-tree``: a tree forward
+  takes the tree-attention path, row for row dearer than a chain's on CPU) at the tree's node budget + 1 rows;
+  so trees are chosen where their extra acceptance pays for their extra rows (a memory-bound verifier) and
+  not where it does not (a compute-bound one, e.g. long contexts on CPU, docs/results.md);
 - lookup drafters are scored for free on every step (counterfactual): the token the lookup would have
   proposed next is checked against Force 3's own distribution (``p(x)`` when sampling, ``x == argmax p``
   greedy), so the policy knows when a repetitive stretch begins without paying for a try.
@@ -36,6 +43,9 @@ EMA = 0.3  # weight of the newest timing in the moving averages
 # not time a short-context chunk (a cache= prefix), that fill is priced as this many one-token Force-3 steps:
 # SmolLM2 on 2 CPU threads, 272 rows at short context cost ~0.3 s, 5x a one-token step at 1k, 0.75x at 32k.
 SETUP_IN_STEPS = 4
+# A tree's prior acceptance rate exceeds its chain's by this much: its first path is the chain (accepted at
+# least as often), and a hopeful prior gets each tree plan tried once; then measured.
+TREE_PRIOR_BONUS = 0.1
 
 
 @dataclass(frozen=True)
@@ -44,14 +54,22 @@ class Plan:
     drafter: str = ""
     gamma1: int = 0
     gamma2: int = 0
+    force1_tree: bool = False  # Force 1 proposes a tree (TriForceConfig.tree_nodes) instead of a chain
+    force2_tree: bool = False  # Force 2 hands Force 3 a tree (TriForceConfig.force2_tree_nodes); three levels
 
     @property
     def name(self) -> str:
+        trees = " tree" * self.force1_tree + " F2-tree" * self.force2_tree
         if self.levels == 1:
             return "plain"
         if self.levels == 2:
-            return f"{self.drafter} g{self.gamma2}"
-        return f"triforce {self.drafter} g{self.gamma1}/{self.gamma2}"
+            return f"{self.drafter} g{self.gamma2}{trees}"
+        return f"triforce {self.drafter} g{self.gamma1}/{self.gamma2}{trees}"
+
+    @property
+    def kind(self) -> tuple:
+        """What exploration tells apart: levels, drafter and tree shape (not the gammas)."""
+        return self.levels, self.drafter, self.force1_tree, self.force2_tree
 
 
 def expected_tokens(rate: float, gamma: int) -> float:
@@ -121,15 +139,24 @@ class AdaptivePolicy:
 
     ``drafters``: ``{name: kind}`` of the drafters it may use (kind "model" or "lookup"); ``three_level``:
     the drafters TriForce's three-level plan may use as Force 1 (empty: no three-level plan);
-    ``max_gamma1/2``: bounds.
+    ``max_gamma1/2``: bounds. ``tree_drafters``: the drafters that may propose trees of ``tree_nodes`` nodes
+    (plans with ``force1_tree``: gammas below ``tree_nodes``); ``force2_tree_nodes > 0``: three-level plans may
+    have Force 2 hand Force 3 a tree of that many nodes (``force2_tree``).
     """
 
     def __init__(self, drafters: dict[str, str], three_level: tuple[str, ...], max_gamma1: int, max_gamma2: int,
-                 explore_every: int, setup_seconds: dict[str, float | None] | None = None) -> None:
-        unknown = [name for name in three_level if name not in drafters]
+                 explore_every: int, setup_seconds: dict[str, float | None] | None = None,
+                 tree_drafters: tuple[str, ...] = (), tree_nodes: int = 0, force2_tree_nodes: int = 0) -> None:
+        unknown = [name for name in (*three_level, *tree_drafters) if name not in drafters]
         if unknown:
-            raise ValueError(f"three_level drafters {unknown} are not among the drafters {tuple(drafters)}")
+            raise ValueError(f"three_level / tree drafters {unknown} are not among the drafters {tuple(drafters)}")
+        if bool(tree_drafters) != bool(tree_nodes):
+            raise ValueError(f"tree_drafters {tree_drafters} and tree_nodes {tree_nodes}: both or neither")
+        if force2_tree_nodes and force2_tree_nodes <= max_gamma2:
+            raise ValueError(f"force2_tree_nodes ({force2_tree_nodes}) must exceed max_gamma2 ({max_gamma2})")
         self.drafters, self.three_level = drafters, tuple(three_level)
+        self.tree_drafters, self.tree_nodes = tuple(tree_drafters), tree_nodes
+        self.force2_tree_nodes = force2_tree_nodes if three_level else 0
         # one-time cost of a drafter's first use (a model drafter fills its cache; None: unmeasured), spread
         # over the steps left
         self.setup_seconds: dict[str, float | None] = dict(setup_seconds or {})
@@ -143,6 +170,13 @@ class AdaptivePolicy:
         # `direct`, until its own three-level steps are measured; Force 2 approximates Force 3)
         self.force2_rate = {name: AcceptanceRate(0.8) for name in self.three_level if drafters[name] == "model"}
         self.force3_rate = AcceptanceRate(0.8)  # Force 2 verified by Force 3
+        # the same for trees, measured on tree steps only (a lookup's tree has no free counterfactual)
+        bonus = TREE_PRIOR_BONUS
+        self.direct_tree = {name: AcceptanceRate((0.6 if drafters[name] == "model" else 0.3) + bonus)
+                            for name in self.tree_drafters}
+        self.force2_tree_rate = {name: AcceptanceRate(0.8 + bonus) for name in self.three_level
+                                 if name in self.tree_drafters}
+        self.force3_tree_rate = AcceptanceRate(0.8 + bonus)
         self.lookup_coverage = {name: AcceptanceRate(0.5) for name, kind in drafters.items() if kind == "lookup"}
         self.base_interval = explore_every
         self.interval = explore_every
@@ -157,6 +191,21 @@ class AdaptivePolicy:
     # -- predictions ------------------------------------------------------------------------------------
     def _force3(self, rows: int) -> float:
         return self.costs.estimate("force3", rows, self.costs.estimate("force3", 1, 1.0))
+
+    def _tree_tier(self, tier: str, rows: int, chain_cost: float) -> float:
+        """Seconds of a tree forward of ``rows`` rows on ``tier``: measured on tree forwards, else the chain's
+        ``chain_cost`` at those rows."""
+        if self.costs.seconds.get(f"{tier}-tree"):
+            return self.costs.estimate(f"{tier}-tree", rows, chain_cost)
+        return chain_cost
+
+    def _verify3(self, plan: Plan) -> tuple[float, float]:
+        """``(expected tokens, seconds)`` of Force 3 verifying ``plan``'s ``gamma2`` proposals (a chain or a tree)."""
+        if plan.force2_tree:
+            rows = self.force2_tree_nodes + 1
+            return (expected_tokens(self.force3_tree_rate.rate, plan.gamma2),
+                    self._tree_tier("force3", rows, self._force3(rows)))
+        return expected_tokens(self.force3_rate.rate, plan.gamma2), self._force3(plan.gamma2 + 1)
 
     def _drafter_seconds(self, name: str, tokens: int) -> float:
         if self.drafters[name] == "lookup":
@@ -184,35 +233,50 @@ class AdaptivePolicy:
         if plan.levels == 1:
             return 1.0, self._force3(1) + overhead
         if plan.levels == 2:
-            rate = self.direct[plan.drafter].rate
+            rate = (self.direct_tree if plan.force1_tree else self.direct)[plan.drafter].rate
             coverage = self.lookup_coverage[plan.drafter].rate if plan.drafter in self.lookup_coverage else 1.0
             tokens = 1.0 + coverage * (expected_tokens(rate, plan.gamma2) - 1.0)
-            seconds = (self._drafter_seconds(plan.drafter, plan.gamma2) + coverage * self._force3(plan.gamma2 + 1)
+            verify = self._force3(plan.gamma2 + 1)
+            if plan.force1_tree:
+                verify = self._tree_tier("force3", self.tree_nodes + 1, self._force3(self.tree_nodes + 1))
+            seconds = (self._drafter_seconds(plan.drafter, plan.gamma2) + coverage * verify
                        + (1 - coverage) * self._force3(1))
             return tokens, seconds + overhead
         # one Force-2 round: Force 1's chain (a lookup proposes one only with probability `coverage`) verified
         # in one Force-2 forward; rounds until Force 2 has gamma2 tokens
         coverage = self.lookup_coverage[plan.drafter].rate if plan.drafter in self.lookup_coverage else 1.0
-        per_round = 1.0 + coverage * (expected_tokens(self.force1_rate(plan.drafter), plan.gamma1) - 1.0)
+        per_round = 1.0 + coverage * (expected_tokens(self.force1_rate(plan.drafter, plan.force1_tree), plan.gamma1)
+                                      - 1.0)
         rounds = plan.gamma2 / per_round
         fallback = 0.5 * self._force3(1)
-        force2 = (coverage * self.costs.estimate("force2", plan.gamma1 + 1, fallback)
-                  + (1 - coverage) * self.costs.estimate("force2", 1, fallback))
+        verify2 = self.costs.estimate("force2", plan.gamma1 + 1, fallback)
+        if plan.force1_tree:
+            rows = self.tree_nodes + 1
+            verify2 = self._tree_tier("force2", rows, self.costs.estimate("force2", rows, fallback))
+        force2 = coverage * verify2 + (1 - coverage) * self.costs.estimate("force2", 1, fallback)
         select = self.costs.estimate("select", 1, 0.0)
-        seconds = rounds * (self._drafter_seconds(plan.drafter, plan.gamma1) + force2) + self._force3(plan.gamma2 + 1)
-        return expected_tokens(self.force3_rate.rate, plan.gamma2), seconds + select + overhead
+        tokens, verify3 = self._verify3(plan)
+        seconds = rounds * (self._drafter_seconds(plan.drafter, plan.gamma1) + force2) + verify3
+        return tokens, seconds + select + overhead
 
-    def force1_rate(self, drafter: str) -> float:
-        """Per-token acceptance of ``drafter``'s chains by Force 2."""
+    def force1_rate(self, drafter: str, tree: bool = False) -> float:
+        """Per-token acceptance of ``drafter``'s chains (``tree``: trees) by Force 2."""
+        if tree:
+            return self.force2_tree_rate[drafter].rate
         return self.force2_rate[drafter].rate if drafter in self.force2_rate else self.direct[drafter].rate
 
     def candidates(self) -> list[Plan]:
         plans = [Plan(1)]
         for name in self.drafters:
-            plans += [Plan(2, name, gamma2=g) for g in range(1, self.max_gamma2 + 1)]
+            trees = (False, True) if name in self.tree_drafters else (False,)
+            plans += [Plan(2, name, gamma2=g, force1_tree=tree) for g in range(1, self.max_gamma2 + 1)
+                      for tree in trees if not tree or g < self.tree_nodes]
+        force2_trees = (False, True) if self.force2_tree_nodes else (False,)
         for name in self.three_level:
-            plans += [Plan(3, name, g1, g2) for g1 in range(1, self.max_gamma1 + 1)
-                      for g2 in range(2, self.max_gamma2 + 1) if g2 > g1]
+            trees = (False, True) if name in self.tree_drafters else (False,)
+            plans += [Plan(3, name, g1, g2, tree1, tree2) for g1 in range(1, self.max_gamma1 + 1)
+                      for g2 in range(2, self.max_gamma2 + 1) if g2 > g1
+                      for tree1 in trees if not tree1 or g1 < self.tree_nodes for tree2 in force2_trees]
         return plans
 
     def tokens_per_second(self, plan: Plan) -> float:
@@ -235,8 +299,7 @@ class AdaptivePolicy:
             self.since_explore = 0
             # a drafter whose set-up (its cache's first fill) is still to pay runs only when predicted best:
             # a one-step try would pay the whole set-up for one step's worth of measurement
-            others = [(tps, p) for tps, p in scored if (p.levels != best.levels or p.drafter != best.drafter)
-                      and p.drafter not in self.setup_seconds]
+            others = [(tps, p) for tps, p in scored if p.kind != best.kind and p.drafter not in self.setup_seconds]
             if others:
                 self.exploring, self.best_other = True, scored[0][0]
                 self.prediction, best = others[0]
@@ -264,13 +327,20 @@ class AdaptivePolicy:
             won = tokens / seconds >= self.best_other if seconds else False
             self.interval = self.base_interval if won else min(2 * self.interval, 16 * self.base_interval)
 
-    def observe_direct(self, drafter: str, accepted: int, proposed: int) -> None:
-        self.direct[drafter].observe(accepted, 1.0 if accepted < proposed else 0.0)
+    def observe_direct(self, drafter: str, accepted: int, proposed: int, tree: bool = False) -> None:
+        """A two-level step: Force 3 accepted ``accepted`` of ``drafter``'s ``proposed`` (``tree``: a tree's depth)."""
+        rate = self.direct_tree[drafter] if tree else self.direct[drafter]
+        rate.observe(accepted, 1.0 if accepted < proposed else 0.0)
 
-    def observe_three_level(self, drafter: str, force2_accepted: int, force2_rejections: int,
+    def observe_three_level(self, plan: Plan, force2_accepted: int, force2_rejections: int,
                             force3_accepted: int, proposed: int) -> None:
-        (self.force2_rate.get(drafter) or self.direct[drafter]).observe(force2_accepted, force2_rejections)
-        self.force3_rate.observe(force3_accepted, 1.0 if force3_accepted < proposed else 0.0)
+        """A three-level step of ``plan``: Force 2's acceptances of Force 1 and Force 3's of Force 2."""
+        drafter = plan.drafter
+        force2 = (self.force2_tree_rate[drafter] if plan.force1_tree
+                  else self.force2_rate.get(drafter) or self.direct[drafter])
+        force2.observe(force2_accepted, force2_rejections)
+        force3 = self.force3_tree_rate if plan.force2_tree else self.force3_rate
+        force3.observe(force3_accepted, 1.0 if force3_accepted < proposed else 0.0)
 
     def observe_lookup(self, drafter: str, proposed: bool, acceptance: float) -> None:
         """Counterfactual: would the lookup have proposed a token, and with what acceptance probability."""

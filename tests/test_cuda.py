@@ -111,6 +111,39 @@ def test_cuda_sampling_is_seeded_and_runs():
     assert runs[0].shape == (1, 432) and torch.equal(runs[0], runs[1])
 
 
+@cuda
+@pytest.mark.parametrize("policy", ["fixed", "auto"])
+def test_cuda_fp32_trees_at_both_levels_are_exact(policy):
+    """Candidate trees on CUDA (fp32: the prefix part through one matmul, the tree block masked, merged by
+    log-sum-exp): greedy output identical to plain generate, alternatives accepted."""
+    model = make_model("llama-gqa").to("cuda")
+    prompt = random_prompt(600, period=53).to("cuda")
+    config = TriForceConfig(draft="ngram", retrieval_budget=64, chunk_size=8, sink_tokens=4, window=24, gamma1=3,
+                            gamma2=6, tree_nodes=8, tree_branch=3, force2_tree_nodes=10, policy=policy,
+                            explore_every=2)
+    expected = model.generate(prompt, max_new_tokens=40, do_sample=False)
+    out = model.generate(prompt, max_new_tokens=40, do_sample=False, triforce_config=config,
+                         return_dict_in_generate=True)
+    assert torch.equal(out.sequences, expected)
+    assert out.triforce_stats.tree_nodes > 0
+
+
+@cuda
+@flash
+def test_tree_prefix_through_flash_attn_matches_fp32():
+    """The prefix part of tree attention through flash-attn's varlen kernel (fp16) against fp32 matmul."""
+    from hf_triforce.tree_attention import flash_prefix_attention, prefix_attention
+
+    torch.manual_seed(0)
+    query = torch.randn(12, 9, 64, device="cuda", dtype=torch.float16)
+    keys, values = (torch.randn(2, 3000, 64, device="cuda", dtype=torch.float16) for _ in range(2))
+    out, lse = flash_prefix_attention(query, keys, values, 0.125)
+    rows = query.reshape(2, 6 * 9, 64)
+    expected_out, expected_lse = prefix_attention(rows.float(), keys.float(), values.float(), 0.125)
+    torch.testing.assert_close(out.float(), expected_out, atol=2e-3, rtol=2e-3)
+    torch.testing.assert_close(lse, expected_lse, atol=2e-3, rtol=2e-3)
+
+
 # the offloaded full cache on a GPU (pinned host buffers, side-stream prefetch), collected here too so that the
 # prepared GPU check (which runs this file) exercises it
 from .test_offloaded_cache import test_cuda_offloaded_cache_streams_from_pinned_memory  # noqa: E402, F401

@@ -129,7 +129,7 @@ def test_three_level_lookup_plan_when_force2_is_cheap_and_not_when_it_is_not():
             policy.observe_forward("force2", rows, force2_seconds * (1 + 0.1 * (rows - 1)))
         for _ in range(100):
             policy.observe_lookup("ngram", True, 0.5)
-            policy.observe_three_level("ngram", 1, 1, 8, 8)  # Force 3 accepts all Force 2 hands up
+            policy.observe_three_level(Plan(3, "ngram"), 1, 1, 8, 8)  # Force 3 accepts all Force 2 hands up
         return policy
 
     cheap = policy_with(0.04).choose()
@@ -153,3 +153,104 @@ def test_first_step_measures_force3_and_unpaid_setups_are_not_explored():
     for _ in range(30):
         policy.observe_direct("self", 6, 6)
     assert policy.choose(remaining_tokens=10_000).drafter == "self"
+
+
+# -- candidate trees under policy="auto" ----------------------------------------------------------------------
+
+def test_trees_are_chosen_where_their_rows_are_cheap_and_not_where_they_are_dear():
+    """A Force-2 tree accepts more than its chain (measured); it is chosen when a tree forward's extra rows
+    cost almost nothing (a memory-bound verifier) and not when each row costs as on a compute-bound one."""
+    def policy_with(seconds_per_tree_row: float) -> AdaptivePolicy:
+        policy = AdaptivePolicy({"self": "model"}, ("self",), 2, 6, explore_every=1000, force2_tree_nodes=12)
+        for rows in range(1, 14):
+            policy.observe_forward("force3", rows, 0.2 + 0.01 * (rows - 1))
+            policy.observe_forward("force3-tree", rows, 0.2 + seconds_per_tree_row * (rows - 1))
+            policy.observe_forward("force2", rows, 0.02)
+            policy.observe_forward("draft:self", 1, 0.01)
+        for _ in range(100):
+            policy.observe_three_level(Plan(3, "self", 2, 6), 2, 1, 3, 6)  # chains: Force 3 rate 3/4
+            policy.observe_three_level(Plan(3, "self", 2, 6, force2_tree=True), 2, 1, 9, 6)  # trees: 9/10
+        return policy
+
+    cheap = policy_with(0.01).choose()
+    assert cheap.levels == 3 and cheap.force2_tree, cheap
+    dear = policy_with(0.1).choose()
+    assert dear.levels == 3 and not dear.force2_tree, dear
+
+
+def test_tree_plans_exist_only_where_configured():
+    chains = AdaptivePolicy({"self": "model", "ngram": "lookup"}, ("self",), 2, 6, explore_every=16)
+    assert not any(p.force1_tree or p.force2_tree for p in chains.candidates())
+    trees = AdaptivePolicy({"self": "model", "ngram": "lookup"}, ("self",), 2, 6, explore_every=16,
+                           tree_drafters=("self",), tree_nodes=5, force2_tree_nodes=10)
+    plans = trees.candidates()
+    assert {p.drafter for p in plans if p.force1_tree} == {"self"}  # ngram was not given trees here
+    assert all(p.gamma1 < 5 if p.levels == 3 else p.gamma2 < 5 for p in plans if p.force1_tree)
+    assert any(p.force2_tree and p.force1_tree for p in plans) and all(p.levels == 3 for p in plans if p.force2_tree)
+    assert len({p.name for p in plans}) == len(plans)
+    with pytest.raises(ValueError, match="force2_tree_nodes"):
+        AdaptivePolicy({"self": "model"}, ("self",), 2, 6, explore_every=16, force2_tree_nodes=6)
+    with pytest.raises(ValueError, match="tree_nodes"):
+        AdaptivePolicy({"self": "model"}, (), 2, 6, explore_every=16, tree_drafters=("self",))
+
+
+TREE_CYCLE = [Plan(3, "self", 2, 5, force1_tree=True, force2_tree=True), Plan(1), Plan(2, "ngram", gamma2=4),
+              Plan(2, "self", gamma2=3, force1_tree=True), Plan(3, "ngram", 2, 4, force2_tree=True),
+              Plan(2, "ngram", gamma2=4, force1_tree=True), Plan(3, "self", 1, 3), Plan(3, "ngram", 1, 3, True, False)]
+
+
+@pytest.mark.parametrize("period", [1, 3])
+def test_switches_between_tree_and_chain_plans_keep_greedy_identity(monkeypatch, period):
+    def choose(self, remaining_tokens=None):
+        steps = sum(record.steps for record in self.records.values())
+        self.current = TREE_CYCLE[(steps // period) % len(TREE_CYCLE)]
+        return self.current
+
+    monkeypatch.setattr(AdaptivePolicy, "choose", choose)
+    model = make_model("llama-gqa")
+    prompt = random_prompt(200, period=41)
+    expected = model.generate(prompt, max_new_tokens=90, do_sample=False)
+    config = auto("self", tree_nodes=6, tree_branch=3, force2_tree_nodes=9)
+    out = model.generate(prompt, max_new_tokens=90, do_sample=False, return_dict_in_generate=True,
+                         triforce_config=config)
+    assert torch.equal(out.sequences, expected)
+    stats = out.triforce_stats
+    assert {name for name in stats.plans if "tree" in name.split()[-1]}, stats.plans
+    assert stats.tree_nodes > stats.force1_proposed and stats.tree_side_accepts > 0
+
+
+@pytest.mark.parametrize("draft", ["self", "ngram"])
+def test_auto_policy_with_trees_is_greedy_identical(draft):
+    model = make_model("llama-gqa")
+    prompt = random_prompt(160, period=37)
+    expected = model.generate(prompt, max_new_tokens=50, do_sample=False)
+    config = auto(draft, tree_nodes=8, tree_branch=3, force2_tree_nodes=10, explore_every=2)
+    out = model.generate(prompt, max_new_tokens=50, do_sample=False, triforce_config=config,
+                         return_dict_in_generate=True)
+    assert torch.equal(out.sequences, expected)
+    assert sum(p["steps"] for p in out.triforce_stats.plans.values()) == out.triforce_stats.force3_steps
+
+
+def test_tree_and_chain_plans_chosen_from_the_past_keep_the_law_exact(monkeypatch):
+    """As `test_plans_chosen_from_the_past_keep_the_law_exact`, with trees at either level in the rotation."""
+    plans = [Plan(3, "self", 1, 2, force2_tree=True), Plan(2, "ngram", gamma2=2, force1_tree=True), Plan(1),
+             Plan(3, "ngram", 1, 2, True, True), Plan(2, "self", gamma2=2, force1_tree=True), Plan(3, "self", 1, 2)]
+    chosen = set()
+
+    def choose(self, remaining_tokens=None):
+        steps = sum(record.steps for record in self.records.values())
+        tokens = sum(record.tokens for record in self.records.values())
+        self.current = plans[(steps + (tokens > 2 * steps)) % len(plans)]  # depends on how the path went so far
+        chosen.add(self.current)
+        return self.current
+
+    monkeypatch.setattr(AdaptivePolicy, "choose", choose)
+    model = make_model("llama-gqa", vocab_size=4, seed=3, initializer_range=0.3, num_hidden_layers=1)
+    prompt = random_prompt(40, vocab_size=4, seed=4, period=13)
+    processors = LogitsProcessorList([TopKLogitsWarper(3)])
+    config = TriForceConfig(draft="self", **{**CONFIG, "policy": "auto", "explore_every": 1, "tree_nodes": 3,
+                                             "tree_branch": 2, "force2_tree_nodes": 3})
+    law, paths, stats = decoded_law(model, prompt, config, processors, 4)
+    assert distance(law, target_law(model, prompt, processors, 4)) < 1e-5
+    assert any(plan.force1_tree for plan in chosen) and any(plan.force2_tree for plan in chosen)
+    assert any(s.tree_side_accepts for s in stats), "no path accepted a tree's alternative"

@@ -125,6 +125,6 @@ def _build(context: DraftContext, model) -> ModelDrafter:
 
 
 register_drafter("self", lambda context: _build(context, context.target), "model",
-                 "the target itself on a sink+window cache (TriForce's Force 1)")
+                 "the target itself on a sink+window cache (TriForce's Force 1)", trees=True)
 register_drafter(MODEL_DRAFTER, lambda context: _build(context, context.config.draft), "model",
-                 "a small draft model sharing the target's vocabulary, on a sink+window cache")
+                 "a small draft model sharing the target's vocabulary, on a sink+window cache", trees=True)

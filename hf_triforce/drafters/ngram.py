@@ -67,4 +67,5 @@ class NgramDrafter:
 
 
 register_drafter("ngram", lambda context: NgramDrafter(context.config.ngram_max, context.config.ngram_min),
-                 "lookup", "n-gram lookup: the most recent earlier occurrence of the suffix (prompt and output)")
+                 "lookup", "n-gram lookup: the most recent earlier occurrence of the suffix (prompt and output)",
+                 trees=True)

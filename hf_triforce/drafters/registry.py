@@ -60,26 +60,30 @@ class DrafterSpec:
     """A registered drafter: ``build(context)`` makes one per `generate` call.
 
     ``kind``: ``"model"`` (runs a network; each proposal costs a forward) or ``"lookup"`` (costs almost
-    nothing; the bench drafts more per step with it). ``description`` is shown by the CLI.
+    nothing; the bench drafts more per step with it). ``description`` is shown by the CLI. ``trees``: its
+    drafters also offer ``propose_tree(sequence, depth, nodes, branch)`` (a `tree.DraftTree` whose first path
+    is the chain ``propose`` would give; ``TriForceConfig.tree_nodes``).
     """
 
     name: str
     build: Callable[[DraftContext], Drafter]
     kind: str
     description: str
+    trees: bool = False
 
 
 DRAFTERS: dict[str, DrafterSpec] = {}
 MODEL_DRAFTER = "model"  # the spec used when TriForceConfig.draft is a model object
 
 
-def register_drafter(name: str, build: Callable[[DraftContext], Drafter], kind: str, description: str) -> None:
+def register_drafter(name: str, build: Callable[[DraftContext], Drafter], kind: str, description: str,
+                     trees: bool = False) -> None:
     """Add a drafter under ``name`` (refuses a name in use and an unknown ``kind``)."""
     if name in DRAFTERS:
         raise ValueError(f"a drafter named {name!r} is already registered")
     if kind not in ("model", "lookup"):
         raise ValueError(f"drafter kind must be 'model' or 'lookup', got {kind!r}")
-    DRAFTERS[name] = DrafterSpec(name, build, kind, description)
+    DRAFTERS[name] = DrafterSpec(name, build, kind, description, trees)
 
 
 def drafter_names() -> tuple[str, ...]:
