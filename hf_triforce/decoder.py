@@ -129,8 +129,7 @@ def adaptive_policy(config: TriForceConfig, draft_name: str, max_length: int) ->
     # request makes Force 2 a copy of Force 3 at the same cost
     sparse = max_length > config.retrieval_budget
     three = tuple(kinds) if config.levels == 3 and sparse else ()
-    trees = tuple(name for name in kinds if DRAFTERS[name if name in DRAFTERS else MODEL_DRAFTER].trees) \
-        if config.tree_nodes else ()
+    trees = tuple(name for name in kinds if DRAFTERS[name].trees) if config.tree_nodes else ()
     return AdaptivePolicy(kinds, three, config.gamma1, config.gamma2, config.explore_every,
                           tree_drafters=trees, tree_nodes=config.tree_nodes if trees else 0,
                           force2_tree_nodes=config.force2_tree_nodes)
