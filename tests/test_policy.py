@@ -231,8 +231,9 @@ def test_auto_policy_with_trees_is_greedy_identical(draft):
     assert sum(p["steps"] for p in out.triforce_stats.plans.values()) == out.triforce_stats.force3_steps
 
 
-def test_tree_and_chain_plans_chosen_from_the_past_keep_the_law_exact(monkeypatch):
-    """As `test_plans_chosen_from_the_past_keep_the_law_exact`, with trees at either level in the rotation."""
+def tree_rotation_law(monkeypatch, mutate=None):
+    """The enumerated law when each step's plan (trees at either level, chains, plain) is a deterministic
+    function of the path so far; also the plans chosen and each path's stats."""
     plans = [Plan(3, "self", 1, 2, force2_tree=True), Plan(2, "ngram", gamma2=2, force1_tree=True), Plan(1),
              Plan(3, "ngram", 1, 2, True, True), Plan(2, "self", gamma2=2, force1_tree=True), Plan(3, "self", 1, 2)]
     chosen = set()
@@ -250,7 +251,22 @@ def test_tree_and_chain_plans_chosen_from_the_past_keep_the_law_exact(monkeypatc
     processors = LogitsProcessorList([TopKLogitsWarper(3)])
     config = TriForceConfig(draft="self", **{**CONFIG, "policy": "auto", "explore_every": 1, "tree_nodes": 3,
                                              "tree_branch": 2, "force2_tree_nodes": 3})
-    law, paths, stats = decoded_law(model, prompt, config, processors, 4)
-    assert distance(law, target_law(model, prompt, processors, 4)) < 1e-5
+    law, _, stats = decoded_law(model, prompt, config, processors, 4, mutate)
+    return distance(law, target_law(model, prompt, processors, 4)), chosen, stats
+
+
+def test_tree_and_chain_plans_chosen_from_the_past_keep_the_law_exact(monkeypatch):
+    """As `test_plans_chosen_from_the_past_keep_the_law_exact`, with trees at either level in the rotation."""
+    gap, chosen, stats = tree_rotation_law(monkeypatch)
+    assert gap < 1e-5
     assert any(plan.force1_tree for plan in chosen) and any(plan.force2_tree for plan in chosen)
     assert any(s.tree_side_accepts for s in stats), "no path accepted a tree's alternative"
+
+
+def test_the_tree_rotation_catches_a_stale_residual(monkeypatch):
+    """The same enumeration with Force 3's tree rule not updating the residual after a rejected child."""
+    def stale_residual(decoder):
+        decoder.force3_tree_verifier.resample = lambda residual, proposal: residual
+
+    gap, _, _ = tree_rotation_law(monkeypatch, stale_residual)
+    assert gap > 1e-3, gap
