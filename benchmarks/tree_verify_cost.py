@@ -7,7 +7,7 @@ TriForce's attention (recording wrapper): a one-token decode and a chain of ``--
 rows) through the chain path (`forward_logits`), and a tree of ``--nodes`` nodes (``--branches`` chains of
 equal depth under the root: the shape with the most rows per depth).
 
-    python benchmarks/tree_verify_cost.py --contexts 8192 16384 32768 --nodes 31 --branches 4
+    python benchmarks/tree_verify_cost.py --contexts 8192 16384 32768 --nodes 31 --branches 4 [--dtype bfloat16]
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ def fill(model, cache: BufferCache, length: int) -> None:
     cfg = model.config
     shape = (1, cfg.num_key_value_heads, length, cfg.head_dim)
     for layer in cache.layers:
-        layer.write(torch.randn(shape) * 0.5, torch.randn(shape) * 0.5)
+        layer.write((torch.randn(shape) * 0.5).to(model.dtype), (torch.randn(shape) * 0.5).to(model.dtype))
 
 
 def branches_tree(nodes: int, branches: int) -> DraftTree:
@@ -68,8 +68,11 @@ def main() -> None:
     parser.add_argument("--branches", type=int, default=4)
     parser.add_argument("--chain", type=int, default=6, help="chain length compared (gamma2)")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                        help="the model's and cache's dtype (bfloat16: ATen's CPU kernels use AMX where present)")
     args = parser.parse_args()
     model, _ = assets.load_smollm2(**assets.yarn_rope(4.0))
+    model = model.to(getattr(torch, args.dtype))
     tree = branches_tree(args.nodes, args.branches)
     print(f"| context | decode 1 tok ms | chain of {args.chain} ms | ratio | tree of {args.nodes} nodes ms | ratio |")
     print("|---|---|---|---|---|---|")
