@@ -292,8 +292,11 @@ def environment(device: torch.device) -> dict:
     return env
 
 
-def write(out: Path | None, env: dict, rows: list[dict], skipped: list[str], extras: list[dict]) -> None:
+def write(out: Path | None, env: dict, rows: list[dict], skipped: list[str], extras: list[dict],
+          trees: list[dict] | None = None) -> None:
     text = table(rows + extras)
+    if trees:
+        text += "\nTree verification cost (issue 12: 32 rows for at most 1.3x a decode):\n\n" + tree_cost_table(trees)
     if skipped:
         text += "\nSkipped (deadline or memory): " + "; ".join(skipped) + "\n"
     text += ("\nRandom weights: acceptance and tokens/F3 step measure nothing about real text; decode tok/s and"
@@ -303,7 +306,8 @@ def write(out: Path | None, env: dict, rows: list[dict], skipped: list[str], ext
         out.mkdir(parents=True, exist_ok=True)
         (out / "gpu_table.md").write_text(text)
         (out / "gpu_check.json").write_text(json.dumps(
-            dict(environment=env, rows=rows, extras=extras, skipped=skipped), indent=1, default=str))
+            dict(environment=env, rows=rows, extras=extras, skipped=skipped, tree_costs=trees or []), indent=1,
+            default=str))
 
 
 def warm_up(model, device: torch.device, args) -> None:
@@ -349,6 +353,44 @@ def bnb_extra(args, device: torch.device) -> list[dict]:
     gc.collect()
     torch.cuda.empty_cache()
     return rows
+
+
+def tree_costs(args, device: torch.device) -> list[dict]:
+    """Issue 12's premise on this device: seconds of a one-token decode, a 6-proposal chain and a 31-node tree
+    (32 rows) through TriForce's attention on a full cache of random entries (`tree_verify_cost.py`), per dtype."""
+    from tree_verify_cost import branches_tree, fill, timed  # this folder (run as benchmarks/gpu_check.py)
+
+    from hf_triforce.caches import BufferCache
+    from hf_triforce.integration import recording_attention
+
+    shape, context = ("tiny", 512) if args.tiny else ("smollm2-135m", 32768)
+    rows = []
+    for dtype_name in ("bf16", "fp32"):
+        model = build_model(shape, DTYPES[dtype_name], device)
+        cache = BufferCache(model.config.num_hidden_layers, context + 40)
+        fill(model, cache, context)
+        with recording_attention(model):
+            decode = timed(model, cache, context, None, 1, 3)
+            chain = timed(model, cache, context, None, 7, 3)
+            tree = timed(model, cache, context, branches_tree(31, 4), 0, 3)
+        rows.append(dict(model=shape, dtype=dtype_name, context=context, decode_ms=1e3 * decode, chain6_ms=1e3 * chain,
+                         tree31_ms=1e3 * tree, chain_vs_decode=chain / decode, tree_vs_decode=tree / decode))
+        log(f"  tree cost {shape} {dtype_name} {context_label(context)}: decode {1e3 * decode:.1f} ms, chain of 6 "
+            f"{chain / decode:.2f}x, tree of 31 nodes {tree / decode:.2f}x")
+        del model, cache
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return rows
+
+
+def tree_cost_table(rows: list[dict]) -> str:
+    lines = ["| model | dtype | context | decode ms | chain of 6 ms | vs decode | tree of 31 nodes ms | vs decode |",
+             "|---|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['model']} | {r['dtype']} | {context_label(r['context'])} | {r['decode_ms']:.1f} | "
+              f"{r['chain6_ms']:.1f} | {r['chain_vs_decode']:.2f}x | {r['tree31_ms']:.1f} | "
+              f"{r['tree_vs_decode']:.2f}x |" for r in rows]
+    return "\n".join(lines) + "\n"
 
 
 def compiled_static_extra(args, device: torch.device) -> list[dict]:
@@ -412,6 +454,13 @@ def main(argv=None) -> int:
     rows: list[dict] = []
     extras: list[dict] = []
     skipped: list[str] = []
+    trees: list[dict] = []
+    try:  # first: seconds, no prefill, and it answers whether tree verification is almost free on this device
+        trees = tree_costs(args, device)
+    except Exception as error:  # noqa: BLE001 - reported, and the run goes on
+        skipped.append(f"tree cost ({type(error).__name__}: {error})")
+        log(f"tree cost: {type(error).__name__}: {error}")
+        traceback.print_exc()
     durations: dict[tuple[str, str], tuple[int, float]] = {}
     longest = 0.0
     models: dict[tuple[str, str], torch.nn.Module] = {}
@@ -453,7 +502,7 @@ def main(argv=None) -> int:
         durations[key] = (context, took)
         longest = max(longest, took)
         log(f"  ({took:.1f} s, {time.perf_counter() - t0:.0f} s total)")
-        write(args.out, env, rows, skipped, extras)
+        write(args.out, env, rows, skipped, extras, trees)
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -474,11 +523,13 @@ def main(argv=None) -> int:
                 skipped.append(f"{name} ({type(error).__name__}: {error})")
                 log(f"{name}: {type(error).__name__}: {error}")
                 traceback.print_exc()
-            write(args.out, env, rows, skipped, extras)
+            write(args.out, env, rows, skipped, extras, trees)
 
-    write(args.out, env, rows, skipped, extras)
+    write(args.out, env, rows, skipped, extras, trees)
     log("")
     log(table(rows + extras))
+    if trees:
+        log(tree_cost_table(trees))
     if skipped:
         log("skipped: " + "; ".join(skipped))
     fp32_bad = [r for r in rows if r["dtype"] == "fp32" and r["method"].startswith("triforce-")

@@ -19,7 +19,7 @@ import time
 import torch
 
 from hf_triforce.caches import BufferCache
-from hf_triforce.forward import forward_logits
+from hf_triforce.forward import forward_logits, settle
 from hf_triforce.integration import recording_attention
 from hf_triforce.tools import assets
 from hf_triforce.tree import DraftTree
@@ -28,9 +28,10 @@ from hf_triforce.tree_forward import tree_logits
 
 def fill(model, cache: BufferCache, length: int) -> None:
     cfg = model.config
-    shape = (1, cfg.num_key_value_heads, length, cfg.head_dim)
+    shape = (1, cfg.num_key_value_heads, length, getattr(cfg, "head_dim", None) or cfg.hidden_size //
+             cfg.num_attention_heads)
     for layer in cache.layers:
-        layer.write((torch.randn(shape) * 0.5).to(model.dtype), (torch.randn(shape) * 0.5).to(model.dtype))
+        layer.write(*((torch.randn(shape) * 0.5).to(model.device, model.dtype) for _ in range(2)))
 
 
 def branches_tree(nodes: int, branches: int) -> DraftTree:
@@ -40,22 +41,23 @@ def branches_tree(nodes: int, branches: int) -> DraftTree:
         depth = nodes // branches + (branch < nodes % branches)
         for level in range(depth):
             parents.append(-1 if level == 0 else len(tokens) - 1)
-            tokens.append(100 + len(tokens))
+            tokens.append(1 + len(tokens))
     return DraftTree(tokens, parents)
 
 
 def timed(model, cache: BufferCache, length: int, tree: DraftTree | None, rows: int, repeats: int) -> float:
     """Seconds of one forward: ``tree`` after the root (the last token, uncached) through the tree path, or, with
     ``tree=None``, ``rows`` tokens through the chain path (``rows=1``: a decoding step)."""
-    sequence = torch.randint(0, 1000, (1, length + max(rows, 1)))
+    sequence = torch.randint(0, min(1000, model.config.vocab_size), (1, length + max(rows, 1)), device=model.device)
     times = []
     for _ in range(repeats + 1):
         start = time.perf_counter()
         with torch.no_grad():
             if tree is None:
-                forward_logits(model, sequence[:, length:], cache, length, rows)
+                logits = forward_logits(model, sequence[:, length:], cache, length, rows)
             else:
-                tree_logits(model, cache, length, sequence[:, : length + 1], tree)
+                logits = tree_logits(model, cache, length, sequence[:, : length + 1], tree)
+        settle(logits)  # CUDA: wait for the forward, not its launch
         times.append(time.perf_counter() - start)
         cache.rollback(length)
     return statistics.median(times[1:])
