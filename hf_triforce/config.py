@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-from .drafters import drafter_names
+from .drafters import DRAFTERS, drafter_names
 from .quantized import ROW_INDEPENDENT_MAX_ROWS
 
 DRAFT_PRECISIONS = ("model", "int8")
@@ -57,10 +57,12 @@ class TriForceConfig:
         attention (`hf_triforce.tree_verification`); drafters ``"ngram"`` (several matches of the suffix:
         distinct continuations) and model drafters (``"self"``, a draft model: their chain plus alternatives
         where the chain is least certain, `hf_triforce.branching`: the draft's next most likely tokens as point
-        masses). Needs a model without sliding-window layers. Under ``policy="fixed"`` every proposal is a
+        masses; a registered drafter proposes trees if registered with ``trees=True``). Needs a model without
+        sliding-window layers. Under ``policy="fixed"`` every proposal is a
         tree; under ``"auto"`` tree plans stand beside chain plans and run where the cost model predicts they pay
         (their own acceptance and forward costs, measured; `hf_triforce.policy`).
-    tree_branch: at most this many children per tree node (with ``tree_nodes > 0`` or ``force2_tree_nodes > 0``).
+    tree_branch: at most this many children per tree node (with ``tree_nodes > 0`` or ``force2_tree_nodes > 0``: at
+        least 2).
     force2_tree_nodes: 0 (default): Force 2 hands Force 3 a chain. ``> gamma2`` (three levels): Force 2 hands
         Force 3 a tree of at most this many nodes: its chain plus, as leaves, the tokens it scored next most
         likely where its chain is least certain (`hf_triforce.branching`; point masses), verified exactly in one
@@ -180,9 +182,13 @@ class TriForceConfig:
             if self.tree_branch < 2:
                 raise ValueError("TriForceConfig.force2_tree_nodes > 0 needs tree_branch >= 2 (the alternatives are "
                                  f"extra children), got tree_branch={self.tree_branch}")
-        if self.tree_nodes and self.draft == "suffix":
-            raise ValueError("TriForceConfig.tree_nodes > 0: the 'suffix' drafter proposes chains only; use 'ngram', "
-                             "'self' or a draft model")
+        if self.tree_nodes and self.tree_branch < 2:
+            raise ValueError("TriForceConfig.tree_nodes > 0 needs tree_branch >= 2 (with one child per node a tree is "
+                             f"a chain), got tree_branch={self.tree_branch}")
+        if self.tree_nodes and isinstance(self.draft, str) and not DRAFTERS[self.draft].trees:
+            with_trees = tuple(name for name in drafter_names() if DRAFTERS[name].trees)
+            raise ValueError(f"TriForceConfig.tree_nodes > 0: the {self.draft!r} drafter proposes chains only; use one "
+                             f"of {with_trees} or a draft model")
         if self.full_cache_device not in FULL_CACHE_DEVICES:
             raise ValueError(
                 f"TriForceConfig.full_cache_device must be one of {FULL_CACHE_DEVICES}, got {self.full_cache_device!r}"

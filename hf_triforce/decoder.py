@@ -132,7 +132,7 @@ def adaptive_policy(config: TriForceConfig, draft_name: str, max_length: int) ->
     trees = tuple(name for name in kinds if DRAFTERS[name].trees) if config.tree_nodes else ()
     return AdaptivePolicy(kinds, three, config.gamma1, config.gamma2, config.explore_every,
                           tree_drafters=trees, tree_nodes=config.tree_nodes if trees else 0,
-                          force2_tree_nodes=config.force2_tree_nodes)
+                          force2_tree_nodes=config.force2_tree_nodes, tree_branch=config.tree_branch)
 
 
 class TriForceDecoder:

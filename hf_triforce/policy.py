@@ -15,8 +15,8 @@ The cost model, measured online in the same call:
 - acceptance per level as a geometric rate ``a = accepted / (accepted + rejections)`` (`AcceptanceRate`), so
   a chain of ``g`` proposals yields ``(1 - a^(g+1)) / (1 - a)`` tokens per verification;
 - a candidate tree of depth ``g`` is priced the same way, from its own rate (measured on tree steps only:
-  accepted path length against depth) and its own cost tier (``force3-tree``, ``force2-tree``: a tree forward
-  takes the tree-attention path, row for row dearer than a chain's on CPU) at the tree's node budget + 1 rows;
+  accepted path length against depth; until then its chain's rate plus `TREE_PRIOR_BONUS`) and its own cost
+  tier (``force3-tree``, ``force2-tree``, by rows) at the most rows its tree can have (`tree_rows`);
   so trees are chosen where their extra acceptance pays for their extra rows (a memory-bound verifier) and
   not where it does not (a compute-bound one, e.g. long contexts on CPU, docs/results.md);
 - lookup drafters are scored for free on every step (counterfactual): the token the lookup would have
@@ -43,8 +43,8 @@ EMA = 0.3  # weight of the newest timing in the moving averages
 # not time a short-context chunk (a cache= prefix), that fill is priced as this many one-token Force-3 steps:
 # SmolLM2 on 2 CPU threads, 272 rows at short context cost ~0.3 s, 5x a one-token step at 1k, 0.75x at 32k.
 SETUP_IN_STEPS = 4
-# A tree's prior acceptance rate exceeds its chain's by this much: its first path is the chain (accepted at
-# least as often), and a hopeful prior gets each tree plan tried once; then measured.
+# Until a tree plan's own steps are measured, its acceptance rate is its chain's current rate plus this much: its
+# first path is the chain (accepted at least as often), and a hopeful prior gets each tree plan tried once.
 TREE_PRIOR_BONUS = 0.1
 
 
@@ -141,12 +141,13 @@ class AdaptivePolicy:
     the drafters TriForce's three-level plan may use as Force 1 (empty: no three-level plan);
     ``max_gamma1/2``: bounds. ``tree_drafters``: the drafters that may propose trees of ``tree_nodes`` nodes
     (plans with ``force1_tree``: gammas below ``tree_nodes``); ``force2_tree_nodes > 0``: three-level plans may
-    have Force 2 hand Force 3 a tree of that many nodes (``force2_tree``).
+    have Force 2 hand Force 3 a tree of that many nodes (``force2_tree``); ``tree_branch``: children per node.
     """
 
     def __init__(self, drafters: dict[str, str], three_level: tuple[str, ...], max_gamma1: int, max_gamma2: int,
                  explore_every: int, setup_seconds: dict[str, float | None] | None = None,
-                 tree_drafters: tuple[str, ...] = (), tree_nodes: int = 0, force2_tree_nodes: int = 0) -> None:
+                 tree_drafters: tuple[str, ...] = (), tree_nodes: int = 0, force2_tree_nodes: int = 0,
+                 tree_branch: int = 2) -> None:
         unknown = [name for name in (*three_level, *tree_drafters) if name not in drafters]
         if unknown:
             raise ValueError(f"three_level / tree drafters {unknown} are not among the drafters {tuple(drafters)}")
@@ -155,7 +156,7 @@ class AdaptivePolicy:
         if force2_tree_nodes and force2_tree_nodes <= max_gamma2:
             raise ValueError(f"force2_tree_nodes ({force2_tree_nodes}) must exceed max_gamma2 ({max_gamma2})")
         self.drafters, self.three_level = drafters, tuple(three_level)
-        self.tree_drafters, self.tree_nodes = tuple(tree_drafters), tree_nodes
+        self.tree_drafters, self.tree_nodes, self.tree_branch = tuple(tree_drafters), tree_nodes, tree_branch
         self.force2_tree_nodes = force2_tree_nodes if three_level else 0
         # one-time cost of a drafter's first use (a model drafter fills its cache; None: unmeasured), spread
         # over the steps left
@@ -170,13 +171,9 @@ class AdaptivePolicy:
         # `direct`, until its own three-level steps are measured; Force 2 approximates Force 3)
         self.force2_rate = {name: AcceptanceRate(0.8) for name in self.three_level if drafters[name] == "model"}
         self.force3_rate = AcceptanceRate(0.8)  # Force 2 verified by Force 3
-        # the same for trees, measured on tree steps only (a lookup's tree has no free counterfactual)
-        bonus = TREE_PRIOR_BONUS
-        self.direct_tree = {name: AcceptanceRate((0.6 if drafters[name] == "model" else 0.3) + bonus)
-                            for name in self.tree_drafters}
-        self.force2_tree_rate = {name: AcceptanceRate(0.8 + bonus) for name in self.three_level
-                                 if name in self.tree_drafters}
-        self.force3_tree_rate = AcceptanceRate(0.8 + bonus)
+        # the same for trees ("direct:<drafter>", "force2:<drafter>", "force3"), from a tree plan's first measured
+        # step on (`tree_rate`)
+        self.tree_rates: dict[str, AcceptanceRate] = {}
         self.lookup_coverage = {name: AcceptanceRate(0.5) for name, kind in drafters.items() if kind == "lookup"}
         self.base_interval = explore_every
         self.interval = explore_every
@@ -199,11 +196,35 @@ class AdaptivePolicy:
             return self.costs.estimate(f"{tier}-tree", rows, chain_cost)
         return chain_cost
 
+    def tree_rows(self, nodes: int, depth: int, lookup: bool) -> int:
+        """Most rows the forward of a tree of at most ``nodes`` nodes and depth ``depth`` takes (+1: the root's
+        row). A chain plus leaf alternatives (a model drafter's tree, Force 2's) holds at most ``tree_branch``
+        nodes per depth; a lookup's tree of distinct continuations at most ``tree_branch ** d`` at depth ``d``."""
+        most, width = 0, 1
+        for _ in range(depth):
+            width = width * self.tree_branch if lookup else self.tree_branch
+            most += width
+            if most >= nodes:
+                return nodes + 1
+        return most + 1
+
+    def tree_rate(self, key: str, chain_rate: float) -> float:
+        """A tree plan's acceptance rate (``key``: `tree_rates`): measured, else ``chain_rate`` + the bonus."""
+        rate = self.tree_rates.get(key)
+        return rate.rate if rate is not None else min(chain_rate + TREE_PRIOR_BONUS, 0.999)
+
+    def _observe_tree(self, key: str, chain_rate: float, accepted: float, rejected: float) -> None:
+        if accepted + rejected <= 0:  # nothing proposed (a lookup without a match): nothing measured
+            return
+        if key not in self.tree_rates:
+            self.tree_rates[key] = AcceptanceRate(self.tree_rate(key, chain_rate))
+        self.tree_rates[key].observe(accepted, rejected)
+
     def _verify3(self, plan: Plan) -> tuple[float, float]:
         """``(expected tokens, seconds)`` of Force 3 verifying ``plan``'s ``gamma2`` proposals (a chain or a tree)."""
         if plan.force2_tree:
-            rows = self.force2_tree_nodes + 1
-            return (expected_tokens(self.force3_tree_rate.rate, plan.gamma2),
+            rows = self.tree_rows(self.force2_tree_nodes, plan.gamma2, lookup=False)
+            return (expected_tokens(self.tree_rate("force3", self.force3_rate.rate), plan.gamma2),
                     self._tree_tier("force3", rows, self._force3(rows)))
         return expected_tokens(self.force3_rate.rate, plan.gamma2), self._force3(plan.gamma2 + 1)
 
@@ -233,12 +254,14 @@ class AdaptivePolicy:
         if plan.levels == 1:
             return 1.0, self._force3(1) + overhead
         if plan.levels == 2:
-            rate = (self.direct_tree if plan.force1_tree else self.direct)[plan.drafter].rate
+            rate = self.direct[plan.drafter].rate
             coverage = self.lookup_coverage[plan.drafter].rate if plan.drafter in self.lookup_coverage else 1.0
-            tokens = 1.0 + coverage * (expected_tokens(rate, plan.gamma2) - 1.0)
             verify = self._force3(plan.gamma2 + 1)
             if plan.force1_tree:
-                verify = self._tree_tier("force3", self.tree_nodes + 1, self._force3(self.tree_nodes + 1))
+                rate = self.tree_rate(f"direct:{plan.drafter}", rate)
+                rows = self.tree_rows(self.tree_nodes, plan.gamma2, plan.drafter in self.lookup_coverage)
+                verify = self._tree_tier("force3", rows, self._force3(rows))
+            tokens = 1.0 + coverage * (expected_tokens(rate, plan.gamma2) - 1.0)
             seconds = (self._drafter_seconds(plan.drafter, plan.gamma2) + coverage * verify
                        + (1 - coverage) * self._force3(1))
             return tokens, seconds + overhead
@@ -251,7 +274,7 @@ class AdaptivePolicy:
         fallback = 0.5 * self._force3(1)
         verify2 = self.costs.estimate("force2", plan.gamma1 + 1, fallback)
         if plan.force1_tree:
-            rows = self.tree_nodes + 1
+            rows = self.tree_rows(self.tree_nodes, plan.gamma1, plan.drafter in self.lookup_coverage)
             verify2 = self._tree_tier("force2", rows, self.costs.estimate("force2", rows, fallback))
         force2 = coverage * verify2 + (1 - coverage) * self.costs.estimate("force2", 1, fallback)
         select = self.costs.estimate("select", 1, 0.0)
@@ -261,9 +284,8 @@ class AdaptivePolicy:
 
     def force1_rate(self, drafter: str, tree: bool = False) -> float:
         """Per-token acceptance of ``drafter``'s chains (``tree``: trees) by Force 2."""
-        if tree:
-            return self.force2_tree_rate[drafter].rate
-        return self.force2_rate[drafter].rate if drafter in self.force2_rate else self.direct[drafter].rate
+        chain = self.force2_rate[drafter].rate if drafter in self.force2_rate else self.direct[drafter].rate
+        return self.tree_rate(f"force2:{drafter}", chain) if tree else chain
 
     def candidates(self) -> list[Plan]:
         plans = [Plan(1)]
@@ -329,18 +351,25 @@ class AdaptivePolicy:
 
     def observe_direct(self, drafter: str, accepted: int, proposed: int, tree: bool = False) -> None:
         """A two-level step: Force 3 accepted ``accepted`` of ``drafter``'s ``proposed`` (``tree``: a tree's depth)."""
-        rate = self.direct_tree[drafter] if tree else self.direct[drafter]
-        rate.observe(accepted, 1.0 if accepted < proposed else 0.0)
+        rejected = 1.0 if accepted < proposed else 0.0
+        if tree:
+            self._observe_tree(f"direct:{drafter}", self.direct[drafter].rate, accepted, rejected)
+        else:
+            self.direct[drafter].observe(accepted, rejected)
 
     def observe_three_level(self, plan: Plan, force2_accepted: int, force2_rejections: int,
                             force3_accepted: int, proposed: int) -> None:
         """A three-level step of ``plan``: Force 2's acceptances of Force 1 and Force 3's of Force 2."""
         drafter = plan.drafter
-        force2 = (self.force2_tree_rate[drafter] if plan.force1_tree
-                  else self.force2_rate.get(drafter) or self.direct[drafter])
-        force2.observe(force2_accepted, force2_rejections)
-        force3 = self.force3_tree_rate if plan.force2_tree else self.force3_rate
-        force3.observe(force3_accepted, 1.0 if force3_accepted < proposed else 0.0)
+        if plan.force1_tree:
+            self._observe_tree(f"force2:{drafter}", self.force1_rate(drafter), force2_accepted, force2_rejections)
+        else:
+            (self.force2_rate.get(drafter) or self.direct[drafter]).observe(force2_accepted, force2_rejections)
+        force3_rejected = 1.0 if force3_accepted < proposed else 0.0
+        if plan.force2_tree:
+            self._observe_tree("force3", self.force3_rate.rate, force3_accepted, force3_rejected)
+        else:
+            self.force3_rate.observe(force3_accepted, force3_rejected)
 
     def observe_lookup(self, drafter: str, proposed: bool, acceptance: float) -> None:
         """Counterfactual: would the lookup have proposed a token, and with what acceptance probability."""

@@ -73,5 +73,7 @@ def test_a_new_drafter_is_one_registration():
         expected = model.generate(prompt, max_new_tokens=20, do_sample=False)
         assert torch.equal(model.generate(prompt, max_new_tokens=20, do_sample=False, triforce_config=config),
                            expected)
+        with pytest.raises(ValueError, match="the 'repeat-last' drafter proposes chains only"):  # trees=False
+            TriForceConfig(draft="repeat-last", tree_nodes=4, tree_branch=2)
     finally:
         DRAFTERS.pop("repeat-last")

@@ -194,6 +194,37 @@ def test_tree_plans_exist_only_where_configured():
         AdaptivePolicy({"self": "model"}, (), 2, 6, explore_every=16, tree_drafters=("self",))
 
 
+def test_a_tree_plan_s_unmeasured_rate_follows_its_chain_s():
+    """Until a tree plan has run, its rate is its chain's current rate plus the bonus: a lookup whose free
+    counterfactual says it rarely matches does not keep a hopeful tree prior (0.9) it never measured."""
+    policy = AdaptivePolicy({"ngram": "lookup"}, ("ngram",), 2, 6, explore_every=16, tree_drafters=("ngram",),
+                            tree_nodes=8)
+    for _ in range(200):
+        policy.observe_lookup("ngram", True, 0.1)
+    chain = policy.force1_rate("ngram")
+    assert chain == pytest.approx(0.1, abs=0.02)
+    assert policy.force1_rate("ngram", tree=True) == pytest.approx(chain + 0.1)
+    assert policy.tree_rate("direct:ngram", policy.direct["ngram"].rate) == pytest.approx(chain + 0.1)
+    policy.observe_three_level(Plan(3, "ngram", 2, 6, force1_tree=True), 0, 0, 3, 6)  # no match: nothing measured
+    assert "force2:ngram" not in policy.tree_rates
+    for _ in range(100):
+        policy.observe_three_level(Plan(3, "ngram", 2, 6, force1_tree=True), 2, 0, 3, 6)  # trees: all accepted
+    assert policy.force1_rate("ngram", tree=True) > 0.9 and policy.force1_rate("ngram") == chain
+
+
+def test_tree_plans_are_priced_at_the_rows_their_tree_can_have():
+    policy = AdaptivePolicy({"self": "model", "ngram": "lookup"}, (), 2, 6, explore_every=16,
+                            tree_drafters=("self", "ngram"), tree_nodes=16, tree_branch=2)
+    assert policy.tree_rows(16, 1, lookup=False) == 3  # the chain's node and one alternative, + the root's row
+    assert policy.tree_rows(16, 3, lookup=False) == 7
+    assert policy.tree_rows(16, 3, lookup=True) == 15  # 2 + 4 + 8 distinct continuations
+    assert policy.tree_rows(16, 6, lookup=True) == 17  # the node budget binds
+    for rows in range(1, 18):
+        policy.observe_forward("force3", rows, 0.1 * rows)
+    shallow = policy.predict(Plan(2, "self", gamma2=1, force1_tree=True))[1]
+    assert shallow == pytest.approx(policy.predict(Plan(2, "self", gamma2=1))[1] + 0.1, rel=1e-6)
+
+
 TREE_CYCLE = [Plan(3, "self", 2, 5, force1_tree=True, force2_tree=True), Plan(1), Plan(2, "ngram", gamma2=4),
               Plan(2, "self", gamma2=3, force1_tree=True), Plan(3, "ngram", 2, 4, force2_tree=True),
               Plan(2, "ngram", gamma2=4, force1_tree=True), Plan(3, "self", 1, 3), Plan(3, "ngram", 1, 3, True, False)]

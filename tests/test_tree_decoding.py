@@ -97,6 +97,8 @@ def test_trees_are_refused_where_unsupported():
         TriForceConfig(policy="fixed", tree_nodes=64)
     with pytest.raises(ValueError, match="tree_branch"):
         TriForceConfig(policy="fixed", tree_nodes=8, tree_branch=0)
+    with pytest.raises(ValueError, match="tree_nodes > 0 needs tree_branch >= 2"):
+        TriForceConfig(tree_nodes=8, tree_branch=1)
     with pytest.raises(ValueError, match="force2_tree_nodes > 0 needs levels=3"):
         TriForceConfig(policy="fixed", levels=2, force2_tree_nodes=8)
     with pytest.raises(ValueError, match=r"force2_tree_nodes must be 0 or between gamma2 \+ 1 \(7"):
