@@ -36,13 +36,9 @@ def test_auto_policy_is_greedy_identical(family, draft):
     assert len(stats.plan_steps) >= 2, "exploration must try more than one kind of plan"
 
 
-@pytest.mark.parametrize("period", [1, 2, 3, 7])
-def test_plan_switches_keep_greedy_identity(monkeypatch, period):
-    """Plans change every ``period`` steps, with runs of plain steps longer than half the draft window in
-    between: dormant levels must catch up (draft cache refill, retrieval sync or re-selection)."""
-    cycle = [Plan(3, "self", 2, 5), Plan(1), Plan(2, "ngram", gamma2=4), Plan(2, "self", gamma2=3), Plan(1),
-             Plan(3, "self", 1, 3)]
-
+def run_cycle(monkeypatch, cycle: list[Plan], period: int, config: TriForceConfig):
+    """Greedy ``generate`` with each step's plan taken from ``cycle`` (the next every ``period`` steps): identical
+    to plain ``generate``; returns the output."""
     def choose(self, remaining_tokens=None):
         steps = sum(record.steps for record in self.records.values())
         self.current = cycle[(steps // period) % len(cycle)]
@@ -53,8 +49,18 @@ def test_plan_switches_keep_greedy_identity(monkeypatch, period):
     prompt = random_prompt(200, period=41)
     expected = model.generate(prompt, max_new_tokens=90, do_sample=False)
     out = model.generate(prompt, max_new_tokens=90, do_sample=False, return_dict_in_generate=True,
-                         triforce_config=auto("self", window=24))
+                         triforce_config=config)
     assert torch.equal(out.sequences, expected)
+    return out
+
+
+@pytest.mark.parametrize("period", [1, 2, 3, 7])
+def test_plan_switches_keep_greedy_identity(monkeypatch, period):
+    """Plans change every ``period`` steps, with runs of plain steps longer than half the draft window in
+    between: dormant levels must catch up (draft cache refill, retrieval sync or re-selection)."""
+    cycle = [Plan(3, "self", 2, 5), Plan(1), Plan(2, "ngram", gamma2=4), Plan(2, "self", gamma2=3), Plan(1),
+             Plan(3, "self", 1, 3)]
+    out = run_cycle(monkeypatch, cycle, period, auto("self", window=24))
     assert set(out.triforce_stats.plan_steps) == {1, 2, 3}
 
 
@@ -232,19 +238,7 @@ TREE_CYCLE = [Plan(3, "self", 2, 5, force1_tree=True, force2_tree=True), Plan(1)
 
 @pytest.mark.parametrize("period", [1, 3])
 def test_switches_between_tree_and_chain_plans_keep_greedy_identity(monkeypatch, period):
-    def choose(self, remaining_tokens=None):
-        steps = sum(record.steps for record in self.records.values())
-        self.current = TREE_CYCLE[(steps // period) % len(TREE_CYCLE)]
-        return self.current
-
-    monkeypatch.setattr(AdaptivePolicy, "choose", choose)
-    model = make_model("llama-gqa")
-    prompt = random_prompt(200, period=41)
-    expected = model.generate(prompt, max_new_tokens=90, do_sample=False)
-    config = auto("self", tree_nodes=6, tree_branch=3, force2_tree_nodes=9)
-    out = model.generate(prompt, max_new_tokens=90, do_sample=False, return_dict_in_generate=True,
-                         triforce_config=config)
-    assert torch.equal(out.sequences, expected)
+    out = run_cycle(monkeypatch, TREE_CYCLE, period, auto("self", tree_nodes=6, tree_branch=3, force2_tree_nodes=9))
     stats = out.triforce_stats
     assert {name for name in stats.plans if "tree" in name.split()[-1]}, stats.plans
     assert stats.tree_nodes > stats.force1_proposed and stats.tree_side_accepts > 0
