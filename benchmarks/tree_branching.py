@@ -73,11 +73,11 @@ def _variant(cls, **kwargs):
 
 
 register_drafter("self-shallowest", _variant(ShallowestFirst, sampled_siblings=False), "model",
-                 "benchmark only: the old branching rule")
+                 "benchmark only: the old branching rule", trees=True)
 register_drafter("self-sampled", _variant(ModelDrafter, sampled_siblings=True), "model",
-                 "benchmark only: least certain positions, siblings sampled without replacement")
+                 "benchmark only: least certain positions, siblings sampled without replacement", trees=True)
 register_drafter("self-topk", _variant(ModelDrafter, sampled_siblings=False), "model",
-                 "benchmark only: least certain positions, top-k siblings")
+                 "benchmark only: least certain positions, top-k siblings", trees=True)
 
 
 def decode(model, ids, prefix, config, new_tokens, sampling, seed):

@@ -59,7 +59,8 @@ def run_case(model_and_prompt, case, mutate=None):
     draft, top_k, new, extra = CASES[case]
     processors = LogitsProcessorList([TopKLogitsWarper(top_k)])
     with pytest.MonkeyPatch.context() as patch:
-        patch.setitem(DRAFTERS, SAMPLED_SIBLINGS, DrafterSpec(SAMPLED_SIBLINGS, sampled_siblings_drafter, "model", ""))
+        patch.setitem(DRAFTERS, SAMPLED_SIBLINGS, DrafterSpec(SAMPLED_SIBLINGS, sampled_siblings_drafter, "model", "",
+                                                                 trees=True))
         config = TriForceConfig(draft=draft, **{**CONFIG, **extra})
         law, paths, stats = decoded_law(model, prompt, config, processors, new, mutate)
     return law, paths, stats, target_law(model, prompt, processors, new)
