@@ -256,6 +256,9 @@ def test_auto_policy_with_trees_is_greedy_identical(draft):
     assert sum(p["steps"] for p in out.triforce_stats.plans.values()) == out.triforce_stats.force3_steps
 
 
+NEW = 3
+
+
 def tree_rotation_law(monkeypatch, mutate=None):
     """The enumerated law when each step's plan (trees at either level, chains, plain) is a deterministic
     function of the path so far; also the plans chosen and each path's stats."""
@@ -276,8 +279,8 @@ def tree_rotation_law(monkeypatch, mutate=None):
     processors = LogitsProcessorList([TopKLogitsWarper(3)])
     config = TriForceConfig(draft="self", **{**CONFIG, "policy": "auto", "explore_every": 1, "tree_nodes": 3,
                                              "tree_branch": 2, "force2_tree_nodes": 3})
-    law, _, stats = decoded_law(model, prompt, config, processors, 4, mutate)
-    return distance(law, target_law(model, prompt, processors, 4)), chosen, stats
+    law, _, stats = decoded_law(model, prompt, config, processors, NEW, mutate)
+    return distance(law, target_law(model, prompt, processors, NEW)), chosen, stats
 
 
 def test_tree_and_chain_plans_chosen_from_the_past_keep_the_law_exact(monkeypatch):
