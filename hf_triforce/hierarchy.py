@@ -256,10 +256,11 @@ class Force1Only:
                         gamma2: int | None = None, force1_tree: bool | None = None,
                         force2_tree: bool | None = None) -> Steps[Candidates]:
         """`get_candidates` as a generator of its forwards (`hf_triforce.steps`)."""
+        force1_tree = bool(self.config.tree_nodes) if force1_tree is None else force1_tree
         wanted = min(self.config.gamma2 if gamma2 is None else gamma2, limit)
         if wanted <= 0:
             return Candidates([], None)
-        if bool(self.config.tree_nodes) if force1_tree is None else force1_tree:  # Force 3 verifies Force 1's tree
+        if force1_tree:  # Force 3 verifies Force 1's tree
             tree = self.drafter.propose_tree(sequence, wanted, self.config.tree_nodes, self.config.tree_branch)
             depth = max(tree.depths(), default=0)  # counted like a chain of that length (acceptance comparable)
             self.stats.force1_proposed += depth
