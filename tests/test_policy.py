@@ -64,30 +64,38 @@ def test_plan_switches_keep_greedy_identity(monkeypatch, period):
     assert set(out.triforce_stats.plan_steps) == {1, 2, 3}
 
 
-def test_plans_chosen_from_the_past_keep_the_law_exact(monkeypatch):
-    """The policy's choices depend on timings, which a replayed enumeration cannot hold fixed; here the plan
-    of each step is a deterministic function of the path so far (steps and tokens committed), which is the
-    property exactness rests on: whatever past-dependent rule picks the plans, the law is the target's."""
-    plans = [Plan(3, "self", 1, 2), Plan(1), Plan(3, "self", 1, 2), Plan(2, "ngram", gamma2=2), Plan(1),
-             Plan(2, "self", gamma2=2)]
-    transitions = set()
+def rotation_law(monkeypatch, plans: list[Plan], top_k: int, new: int, mutate=None, **config):
+    """The policy's choices depend on timings, which a replayed enumeration cannot hold fixed; here the plan of
+    each step is ``plans[i]`` with ``i`` a deterministic function of the path so far (steps and tokens
+    committed), which is the property exactness rests on. Returns the enumerated law's distance to the target's,
+    the ``(previous plan, plan)`` switches made on any path (previous ``None`` on the first step), and each
+    path's stats."""
+    switches = set()
 
     def choose(self, remaining_tokens=None):
         steps = sum(record.steps for record in self.records.values())
         tokens = sum(record.tokens for record in self.records.values())
         plan = plans[(steps + (tokens > 2 * steps)) % len(plans)]  # depends on how the path went so far
-        if self.current is not None:
-            transitions.add((self.current.levels, plan.levels))
+        switches.add((self.current, plan))
         self.current = plan
         return plan
 
     monkeypatch.setattr(AdaptivePolicy, "choose", choose)
     model = make_model("llama-gqa", vocab_size=4, seed=3, initializer_range=0.3, num_hidden_layers=1)
     prompt = random_prompt(40, vocab_size=4, seed=4, period=13)
-    processors = LogitsProcessorList([TopKLogitsWarper(2)])
-    config = TriForceConfig(draft="self", **{**CONFIG, "policy": "auto", "explore_every": 1})
-    law, paths, stats = decoded_law(model, prompt, config, processors, 5)
-    assert distance(law, target_law(model, prompt, processors, 5)) < 1e-5
+    processors = LogitsProcessorList([TopKLogitsWarper(top_k)])
+    config = TriForceConfig(draft="self", **{**CONFIG, "policy": "auto", "explore_every": 1, **config})
+    law, _, stats = decoded_law(model, prompt, config, processors, new, mutate)
+    return distance(law, target_law(model, prompt, processors, new)), switches, stats
+
+
+def test_plans_chosen_from_the_past_keep_the_law_exact(monkeypatch):
+    """Whatever past-dependent rule picks the plans (`rotation_law`), the law is the target's."""
+    plans = [Plan(3, "self", 1, 2), Plan(1), Plan(3, "self", 1, 2), Plan(2, "ngram", gamma2=2), Plan(1),
+             Plan(2, "self", gamma2=2)]
+    gap, switches, _ = rotation_law(monkeypatch, plans, 2, 5)
+    assert gap < 1e-5
+    transitions = {(before.levels, after.levels) for before, after in switches if before is not None}
     assert {(1, 3), (3, 1), (3, 2)} <= transitions, transitions  # dormant levels caught up on some paths
 
 
@@ -256,37 +264,16 @@ def test_auto_policy_with_trees_is_greedy_identical(draft):
     assert sum(p["steps"] for p in out.triforce_stats.plans.values()) == out.triforce_stats.force3_steps
 
 
-NEW = 3
-
-
-def tree_rotation_law(monkeypatch, mutate=None):
-    """The enumerated law when each step's plan (trees at either level, chains, plain) is a deterministic
-    function of the path so far; also the plans chosen and each path's stats."""
-    plans = [Plan(3, "self", 1, 2, force2_tree=True), Plan(2, "ngram", gamma2=2, force1_tree=True), Plan(1),
-             Plan(3, "ngram", 1, 2, True, True), Plan(2, "self", gamma2=2, force1_tree=True), Plan(3, "self", 1, 2)]
-    chosen = set()
-
-    def choose(self, remaining_tokens=None):
-        steps = sum(record.steps for record in self.records.values())
-        tokens = sum(record.tokens for record in self.records.values())
-        self.current = plans[(steps + (tokens > 2 * steps)) % len(plans)]  # depends on how the path went so far
-        chosen.add(self.current)
-        return self.current
-
-    monkeypatch.setattr(AdaptivePolicy, "choose", choose)
-    model = make_model("llama-gqa", vocab_size=4, seed=3, initializer_range=0.3, num_hidden_layers=1)
-    prompt = random_prompt(40, vocab_size=4, seed=4, period=13)
-    processors = LogitsProcessorList([TopKLogitsWarper(3)])
-    config = TriForceConfig(draft="self", **{**CONFIG, "policy": "auto", "explore_every": 1, "tree_nodes": 3,
-                                             "tree_branch": 2, "force2_tree_nodes": 3})
-    law, _, stats = decoded_law(model, prompt, config, processors, NEW, mutate)
-    return distance(law, target_law(model, prompt, processors, NEW)), chosen, stats
+TREE_ROTATION = [Plan(3, "self", 1, 2, force2_tree=True), Plan(2, "ngram", gamma2=2, force1_tree=True), Plan(1),
+                 Plan(3, "ngram", 1, 2, True, True), Plan(2, "self", gamma2=2, force1_tree=True), Plan(3, "self", 1, 2)]
+TREES = dict(tree_nodes=3, tree_branch=2, force2_tree_nodes=3)
 
 
 def test_tree_and_chain_plans_chosen_from_the_past_keep_the_law_exact(monkeypatch):
-    """As `test_plans_chosen_from_the_past_keep_the_law_exact`, with trees at either level in the rotation."""
-    gap, chosen, stats = tree_rotation_law(monkeypatch)
+    """`rotation_law` with trees at either level in the rotation (3 new tokens: 1 s, side accepts on 9 paths)."""
+    gap, switches, stats = rotation_law(monkeypatch, TREE_ROTATION, 3, 3, **TREES)
     assert gap < 1e-5
+    chosen = {plan for _, plan in switches}
     assert any(plan.force1_tree for plan in chosen) and any(plan.force2_tree for plan in chosen)
     assert any(s.tree_side_accepts for s in stats), "no path accepted a tree's alternative"
 
@@ -296,5 +283,5 @@ def test_the_tree_rotation_catches_a_stale_residual(monkeypatch):
     def stale_residual(decoder):
         decoder.force3_tree_verifier.resample = lambda residual, proposal: residual
 
-    gap, _, _ = tree_rotation_law(monkeypatch, stale_residual)
+    gap, _, _ = rotation_law(monkeypatch, TREE_ROTATION, 3, 3, stale_residual, **TREES)
     assert gap > 1e-3, gap
