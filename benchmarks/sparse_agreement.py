@@ -18,10 +18,10 @@ import time
 
 import torch
 
-from hf_triforce.attention import QueryRecorder
 from hf_triforce.caches import BufferCache, RetrievalCache
-from hf_triforce.forward import forward_logits, prefill
+from hf_triforce.decoding.forward import forward_logits, prefill
 from hf_triforce.integration import recording_attention
+from hf_triforce.kernels.attention import QueryRecorder
 from hf_triforce.tools import assets
 from hf_triforce.tools.prompts import document_prompt
 

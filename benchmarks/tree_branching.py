@@ -1,5 +1,6 @@
 """Where a model drafter's tree branches: shallowest positions first (the old rule) vs least certain positions
-(`hf_triforce.branching`), and, when sampling, top-k point-mass siblings vs siblings sampled without replacement.
+(`hf_triforce.drafters.branching`), and, when sampling, top-k point-mass siblings vs siblings sampled without
+replacement.
 
 Counts only (tokens per Force-3 step, Force-2 / Force-3 acceptance, tree nodes per Force-3 step), no timing:
 the rules are compared on the verifier's work they save, so the machine may be busy. SmolLM2-135M-Instruct
@@ -10,7 +11,7 @@ seed; sampled rows sum the counts over the seeds. Greedy rows also check identit
     PYTHONPATH=. python benchmarks/tree_branching.py --context 4096 --new-tokens 96 --seeds 3 --threads 1
 
 The variants are registered as extra drafters (`register_drafter`) for this script only:
-``self-sampled``: least certain positions (`hf_triforce.branching`), siblings sampled without replacement when
+``self-sampled``: least certain positions (`hf_triforce.drafters.branching`), siblings sampled without replacement when
 sampling; ``self-topk``: the same positions, top-k point-mass siblings; ``self-shallowest``: the old rule (top-k
 alternatives at the shallowest positions while the budget lasts). Chains use ``self``.
 """
@@ -25,15 +26,15 @@ import time
 import torch
 
 from hf_triforce import TriForceConfig
+from hf_triforce.decoding.steps import run_inline
 from hf_triforce.drafters.model import ModelDrafter
 from hf_triforce.drafters.registry import register_drafter
-from hf_triforce.quantized import drafting_model
+from hf_triforce.kernels.quantized import drafting_model
 from hf_triforce.stats import TriForceStats
-from hf_triforce.steps import run_inline
 from hf_triforce.tools import assets
 from hf_triforce.tools.bench import prefill_prefix
 from hf_triforce.tools.prompts import document_prompt
-from hf_triforce.tree import DraftTree, TreeBuilder
+from hf_triforce.verification.draft_tree import DraftTree, TreeBuilder
 
 FIXED = dict(policy="fixed", retrieval_budget=512, chunk_size=8, sink_tokens=16, window=256)
 LEVELS = {"2 levels (g 6)": dict(levels=2, gamma1=2, gamma2=6),

@@ -19,11 +19,11 @@ import time
 import torch
 
 from hf_triforce.caches import BufferCache
-from hf_triforce.forward import forward_logits, settle
+from hf_triforce.decoding.forward import forward_logits, settle
+from hf_triforce.decoding.tree_forward import tree_logits
 from hf_triforce.integration import recording_attention
 from hf_triforce.tools import assets
-from hf_triforce.tree import DraftTree
-from hf_triforce.tree_forward import tree_logits
+from hf_triforce.verification.draft_tree import DraftTree
 
 
 def fill(model, cache: BufferCache, length: int) -> None:

@@ -18,9 +18,9 @@ from unittest.mock import patch
 
 import torch
 
-from hf_triforce import attention
 from hf_triforce.caches import BufferCache
 from hf_triforce.integration import recording_attention
+from hf_triforce.kernels import attention
 from hf_triforce.tools import assets
 
 

@@ -6,7 +6,7 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 from .drafters import DRAFTERS, drafter_names
-from .quantized import ROW_INDEPENDENT_MAX_ROWS
+from .kernels.quantized import ROW_INDEPENDENT_MAX_ROWS
 
 DRAFT_PRECISIONS = ("model", "int8")
 FULL_CACHE_DEVICES = (None, "cpu")
@@ -46,7 +46,7 @@ class TriForceConfig:
         StreamingLLM-cache self-speculation baseline; Force-2 knobs are then unused).
     policy: ``"auto"`` (default): each Force-3 step runs the plan an online cost model predicts fastest —
         plain one-token decoding, the drafter (or free n-gram lookup) verified by Force 3, or all three
-        levels — with gammas up to ``gamma1`` / ``gamma2`` (`hf_triforce.policy`). ``"fixed"``: every step
+        levels — with gammas up to ``gamma1`` / ``gamma2`` (`hf_triforce.decoding.policy`). ``"fixed"``: every step
         runs ``levels`` with ``gamma1`` / ``gamma2``. Either way the output is exact.
     full_cache_device: where Force 3's full cache lives: ``None`` (default: each layer's entries on that
         layer's execution device, next to the model) or ``"cpu"`` (TriForce's offloading mode: host memory,
@@ -54,19 +54,19 @@ class TriForceConfig:
         layer prefetched; the retrieval and draft caches stay on the device). Output is identical either way.
     tree_nodes: 0 (default): every level proposes a chain. ``> 0``: the drafter proposes a candidate tree of at
         most this many nodes (depth at most the level's gamma), verified exactly in one forward with tree
-        attention (`hf_triforce.tree_verification`); drafters ``"ngram"`` (several matches of the suffix:
+        attention (`hf_triforce.verification.tree`); drafters ``"ngram"`` (several matches of the suffix:
         distinct continuations) and model drafters (``"self"``, a draft model: their chain plus alternatives
-        where the chain is least certain, `hf_triforce.branching`: the draft's next most likely tokens as point
+        where the chain is least certain, `hf_triforce.drafters.branching`: the draft's next most likely tokens as point
         masses; a registered drafter proposes trees if registered with ``trees=True``). Needs a model without
         sliding-window layers. Under ``policy="fixed"`` every proposal is a
         tree; under ``"auto"`` tree plans stand beside chain plans and run where the cost model predicts they pay
-        (their own acceptance and forward costs, measured; `hf_triforce.policy`).
+        (their own acceptance and forward costs, measured; `hf_triforce.decoding.policy`).
     tree_branch: at most this many children per tree node (with ``tree_nodes > 0`` or ``force2_tree_nodes > 0``: at
         least 2).
     force2_tree_nodes: 0 (default): Force 2 hands Force 3 a chain. ``> gamma2`` (three levels): Force 2 hands
         Force 3 a tree of at most this many nodes: its chain plus, as leaves, the tokens it scored next most
-        likely where its chain is least certain (`hf_triforce.branching`; point masses), verified exactly in one
-        tree forward on the full cache. Free to propose (Force 2 has scored them); Force 3 pays a row each.
+        likely where its chain is least certain (`hf_triforce.drafters.branching`; point masses), verified exactly in
+        one tree forward on the full cache. Free to propose (Force 2 has scored them); Force 3 pays a row each.
         Under ``policy="auto"``: three-level plans with and without it, chosen as with ``tree_nodes``.
     explore_every: under ``policy="auto"``, steps between tries of the best plan other than the current
         one (doubling, up to 16x, while such tries do not pay).

@@ -22,13 +22,13 @@ from transformers import (
 )
 
 from . import compat
-from .attention import wrapped_name
-from .batch import BatchDecoder, check_batch_request
 from .config import TriForceConfig
-from .decoder import TriForceDecoder
-from .preflight import check_model
-from .quantized import ROW_INDEPENDENT_MAX_ROWS, check_int8_eligible
-from .row_mixing import row_mixing_layers
+from .decoding.batch import BatchDecoder, check_batch_request
+from .decoding.decoder import TriForceDecoder
+from .decoding.preflight import check_model
+from .kernels.attention import wrapped_name
+from .kernels.quantized import ROW_INDEPENDENT_MAX_ROWS, check_int8_eligible
+from .kernels.row_mixing import row_mixing_layers
 from .stats import TriForceStats
 
 TESTED_TRANSFORMERS = compat.TESTED_TRANSFORMERS
@@ -124,7 +124,8 @@ def _strip_padding(input_ids: torch.Tensor, attention_mask: torch.Tensor | None)
 
 def _generate_batch(model, input_ids, logits_processor, stopping_criteria, generation_config, config, streamer,
                     model_kwargs):
-    """Batch size > 1 (`hf_triforce.batch`): rows padded on the right like plain ``generate`` pads stopped rows."""
+    """Batch size > 1 (`hf_triforce.decoding.batch`): rows padded on the right as plain ``generate`` pads
+    stopped rows."""
     mask = model_kwargs.get("attention_mask")
     prefix = model_kwargs.get("cache")
     prefix = prefix if prefix is not None and prefix.get_seq_length() > 0 else None

@@ -20,7 +20,7 @@ class TriForceStats:
     retrieval_selections: int = 0
     tree_nodes: int = 0  # nodes of candidate trees verified (TriForceConfig.tree_nodes; proposals count depths)
     tree_side_accepts: int = 0  # accepted tree nodes that were not their parent's first child (beyond the chain)
-    # batches: Force-1 / Force-2 forwards run for several rows at once (`hf_triforce.lockstep`), and the rows'
+    # batches: Force-1 / Force-2 forwards run for several rows at once (`hf_triforce.decoding.lockstep`), and the rows'
     # forwards they served (lockstep_requests / lockstep_forwards: rows per lower-tier forward)
     lockstep_forwards: int = 0
     lockstep_requests: int = 0

@@ -1,4 +1,4 @@
-"""Batches (`hf_triforce.batch`): each row of a left-padded batch is exactly what it would be alone.
+"""Batches (`hf_triforce.decoding.batch`): each row of a left-padded batch is exactly what it would be alone.
 
 Greedy: every row is token-identical to plain ``generate`` of that row alone, rows stopping at EOS at different
 steps are padded like plain ``generate`` pads them. Sampled: the joint law of a batch's rows, enumerated
@@ -16,10 +16,10 @@ import torch
 from transformers import DynamicCache, LogitsProcessorList, StaticCache, TopKLogitsWarper, pipeline
 
 from hf_triforce import TriForceConfig
-from hf_triforce import forward as forward_module
-from hf_triforce.batch import BatchDecoder
+from hf_triforce.decoding import forward as forward_module
+from hf_triforce.decoding.batch import BatchDecoder
+from hf_triforce.decoding.policy import AdaptivePolicy, Plan
 from hf_triforce.integration import recording_attention
-from hf_triforce.policy import AdaptivePolicy, Plan
 
 from .conftest import make_model, random_prompt
 from .enumeration_util import enumerate_outcomes
@@ -60,7 +60,7 @@ def test_greedy_rows_equal_each_row_alone(family, draft, levels):
         alone = model.generate(prompt, max_new_tokens=40, do_sample=False)[0, prompt.shape[1]:]
         assert torch.equal(out.sequences[row, ids.shape[1]:], alone), row
     assert torch.equal(out.sequences[:, : ids.shape[1]], ids)
-    if draft == "self" or levels == 3:  # the rows' lower-tier forwards ran together (hf_triforce.lockstep)
+    if draft == "self" or levels == 3:  # the rows' lower-tier forwards ran together (hf_triforce.decoding.lockstep)
         stats = out.triforce_stats
         assert stats.lockstep_forwards > 0 and stats.lockstep_requests >= 1.5 * stats.lockstep_forwards
     rows = out.triforce_row_stats
@@ -98,7 +98,7 @@ def test_num_return_sequences_prefills_each_prompt_once(model, monkeypatch):
     ids, mask = left_padded(PROMPTS[:2])
     calls = []
     real = forward_module.prefill
-    monkeypatch.setattr("hf_triforce.batch.prefill", lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setattr("hf_triforce.decoding.batch.prefill", lambda *a, **k: calls.append(1) or real(*a, **k))
     gen = dict(max_new_tokens=20, do_sample=True, pad_token_id=0, num_return_sequences=3)  # sampling only
     torch.manual_seed(0)
     sampled = model.generate(ids, attention_mask=mask, triforce_config=_config(), **gen)

@@ -6,9 +6,9 @@ import pytest
 import torch
 from torch import nn
 
-from hf_triforce import attention
-from hf_triforce.output_head import weight_left_output_layer
-from hf_triforce.quantized import forget_int8_copy, int8_copy
+from hf_triforce.kernels import attention
+from hf_triforce.kernels.output_head import weight_left_output_layer
+from hf_triforce.kernels.quantized import forget_int8_copy, int8_copy
 
 from .conftest import make_model
 

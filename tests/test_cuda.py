@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_triforce import TriForceConfig, attention
+from hf_triforce import TriForceConfig
+from hf_triforce.kernels import attention
 
 from .conftest import make_model, random_prompt
 
@@ -132,7 +133,7 @@ def test_cuda_fp32_trees_at_both_levels_are_exact(policy):
 @flash
 def test_tree_prefix_through_flash_attn_matches_fp32():
     """The prefix part of tree attention through flash-attn's varlen kernel (fp16) against fp32 matmul."""
-    from hf_triforce.tree_attention import flash_prefix_attention, prefix_attention
+    from hf_triforce.kernels.tree_attention import flash_prefix_attention, prefix_attention
 
     torch.manual_seed(0)
     query = torch.randn(12, 9, 64, device="cuda", dtype=torch.float16)

@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM
 from hf_triforce import TriForceConfig
 from hf_triforce.caches.buffer import BufferCache
 from hf_triforce.compat import layer_devices, offloaded_modules
-from hf_triforce.quantized import forget_int8_copy, int8_copy, int8_copy_bytes
+from hf_triforce.kernels.quantized import forget_int8_copy, int8_copy, int8_copy_bytes
 
 from .conftest import make_model, random_prompt
 

@@ -18,10 +18,10 @@ import torch
 from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper
 
 from hf_triforce import TriForceConfig
-from hf_triforce.decoder import TriForceDecoder
-from hf_triforce.hierarchy import Force2
+from hf_triforce.decoding.decoder import TriForceDecoder
+from hf_triforce.decoding.levels import Force2
 from hf_triforce.integration import recording_attention
-from hf_triforce.sampling import point_mass, residual_distribution, scores_to_probs
+from hf_triforce.verification.sampling import point_mass, residual_distribution, scores_to_probs
 
 from .conftest import make_model, random_prompt
 from .enumeration_util import enumerate_outcomes
@@ -151,7 +151,7 @@ def test_each_wrong_rule_is_caught(setup, monkeypatch, case, mutation):
 
 def test_int8_rows_quantized_together_are_caught(setup, monkeypatch):
     """The bug the enumeration found: int8 drafting tiers quantizing a verification's rows with one scale."""
-    from hf_triforce import quantized
+    from hf_triforce.kernels import quantized
 
     model, prompt = setup
     draft, processors, new, extra = CASES["int8 drafting tiers"]

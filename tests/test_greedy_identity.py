@@ -76,7 +76,7 @@ def test_eager_attention_implementation():
 @pytest.mark.parametrize("family", ["llama-gqa", "qwen2"])
 @pytest.mark.parametrize("draft,levels", [("self", 3), ("ngram", 3), ("self", 2), ("model", 3)])
 def test_int8_drafting_tiers(family, draft, levels):
-    from hf_triforce.quantized import _COPIES
+    from hf_triforce.kernels.quantized import _COPIES
 
     model = make_model(family, logit_scale=3.0)
     before = {name: p.clone() for name, p in model.state_dict().items()}
@@ -124,7 +124,7 @@ def _reference_flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_s
 def test_flash_attention_glue_keeps_greedy_identity(monkeypatch):
     """The flash-attn route (CUDA-only in use) run on CPU with a reference kernel: every tier's mask must be
     bottom-right causal for it to be exact. `tests/test_cuda.py` runs the real kernel where a GPU is present."""
-    from hf_triforce import attention
+    from hf_triforce.kernels import attention
 
     _reference_flash_attn_varlen_func.calls = 0
     monkeypatch.setattr(attention, "_flash_device", lambda query: True)
@@ -136,7 +136,7 @@ def test_flash_attention_glue_keeps_greedy_identity(monkeypatch):
 def test_split_kv_verification_keeps_greedy_identity(monkeypatch):
     """The CPU split-cache route (taken from 8192 cached entries in use) forced on for every multi-token call
     of a tiny model: each tier's mask must be bottom-right causal for it to be exact."""
-    from hf_triforce import attention
+    from hf_triforce.kernels import attention
 
     calls = []
     real = attention.split_kv_sdpa

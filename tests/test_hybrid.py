@@ -209,10 +209,10 @@ def _force2_block_and_rows(model, new=5):
     import copy
 
     from hf_triforce import compat
-    from hf_triforce.attention import QueryRecorder, wrapped_name
     from hf_triforce.caches.buffer import BufferCache
     from hf_triforce.caches.retrieval import RetrievalCache
-    from hf_triforce.forward import forward_logits
+    from hf_triforce.decoding.forward import forward_logits
+    from hf_triforce.kernels.attention import QueryRecorder, wrapped_name
 
     ids = random_prompt(PROMPT + new, VOCAB, period=37)
     windows = layer_windows(model.config)

@@ -1,4 +1,4 @@
-"""`hf_triforce.lockstep`: rows whose caches share storage run one forward, each row exactly its own.
+"""`hf_triforce.decoding.lockstep`: rows whose caches share storage run one forward, each row exactly its own.
 
 A batched forward of requests of different widths (and a row taking no part) gives every row the logits of its
 own batch-1 forward (fp32 tolerance) and writes exactly its real entries: the next forward on each row still
@@ -13,9 +13,9 @@ import torch
 from hf_triforce.caches.buffer import BufferCache
 from hf_triforce.caches.sink_window import SinkWindowCache, make_layer_rerotations
 from hf_triforce.compat import num_layers
+from hf_triforce.decoding.lockstep import Lockstep
+from hf_triforce.decoding.steps import ForwardRequest
 from hf_triforce.integration import recording_attention
-from hf_triforce.lockstep import Lockstep
-from hf_triforce.steps import ForwardRequest
 
 from .conftest import make_model, random_prompt
 

@@ -7,7 +7,7 @@ import torch
 from transformers import LogitsProcessorList, TopKLogitsWarper
 
 from hf_triforce import TriForceConfig
-from hf_triforce.policy import AcceptanceRate, AdaptivePolicy, Plan, TierCosts, expected_tokens
+from hf_triforce.decoding.policy import AcceptanceRate, AdaptivePolicy, Plan, TierCosts, expected_tokens
 
 from .conftest import FAMILIES, make_model, random_prompt
 from .test_exact_enumeration import CONFIG, decoded_law, distance, target_law

@@ -12,7 +12,7 @@ import torch
 from transformers import AutoModelForCausalLM, BitsAndBytesConfig, TorchAoConfig
 
 from hf_triforce import TriForceConfig
-from hf_triforce.row_mixing import RowsApart, row_mixing_layers
+from hf_triforce.kernels.row_mixing import RowsApart, row_mixing_layers
 
 from .conftest import make_model, random_prompt
 

@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hf_triforce.sampling import (
+from hf_triforce.verification.sampling import (
     acceptance_probability,
     residual_distribution,
     scores_to_probs,

@@ -7,11 +7,11 @@ import torch
 
 from hf_triforce import compat
 from hf_triforce.caches.buffer import BufferCache
-from hf_triforce.forward import forward_logits, prefill
+from hf_triforce.decoding.forward import forward_logits, prefill
+from hf_triforce.decoding.tree_forward import tree_logits
 from hf_triforce.integration import recording_attention
-from hf_triforce.tree import DraftTree
-from hf_triforce.tree_attention import block_visibility
-from hf_triforce.tree_forward import tree_logits
+from hf_triforce.kernels.tree_attention import block_visibility
+from hf_triforce.verification.draft_tree import DraftTree
 
 from .conftest import make_model, random_prompt
 
@@ -70,7 +70,7 @@ def test_compacted_cache_equals_the_accepted_chains(family, path):
 
 def test_a_wrong_block_mask_is_caught():
     """The comparison above tells masks apart: a node that also sees its uncle differs from its chain."""
-    import hf_triforce.tree_forward as tree_forward
+    import hf_triforce.decoding.tree_forward as tree_forward
 
     model = make_model("llama-gqa")
     sequence = random_prompt(40, seed=9)
@@ -144,7 +144,7 @@ def test_flash_prefix_path_reads_the_kernel_layout(monkeypatch, family, lse_layo
     the tree forward's logits equal the CPU path's; a kernel whose log-sum-exp came ``[total_q, heads]`` (not
     the documented layout) would give other logits, and the comparison sees it. (This path has not run on a
     GPU in this project's CI: the CUDA test below does that where a GPU with flash-attn is present.)"""
-    import hf_triforce.attention as attention
+    import hf_triforce.kernels.attention as attention
 
     model = make_model(family, initializer_range=0.3)  # peaked attention: rows' log-sum-exps differ
     sequence = random_prompt(200, seed=10)

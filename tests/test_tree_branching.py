@@ -1,6 +1,6 @@
-"""Where a model drafter's tree branches (`hf_triforce.branching`): at the least certain positions still likely to
-be reached, and `ModelDrafter.propose_tree` builds exactly that shape (greedy: top-k alternatives; sampling: the
-siblings drawn without replacement after the chain's token, each carrying the law it was drawn with)."""
+"""Where a model drafter's tree branches (`hf_triforce.drafters.branching`): at the least certain positions still
+likely to be reached, and `ModelDrafter.propose_tree` builds exactly that shape (greedy: top-k alternatives;
+sampling: the siblings drawn without replacement after the chain's token, each carrying the law it was drawn with)."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ import pytest
 import torch
 from transformers import LogitsProcessorList
 
-from hf_triforce.branching import sibling_counts
+from hf_triforce.drafters.branching import sibling_counts
 from hf_triforce.drafters.model import ModelDrafter
-from hf_triforce.tree import draw_siblings, without
+from hf_triforce.verification.draft_tree import draw_siblings, without
 
 from .conftest import make_model, random_prompt
 

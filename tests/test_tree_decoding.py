@@ -68,9 +68,9 @@ def test_drafter_forgets_force2_chain_past_an_accepted_alternative(gqa_model, mo
     never evicts, so that a fresh prefill and the incremental cache hold the same entries)."""
     from transformers import LogitsProcessorList
 
+    from hf_triforce.decoding.levels import Force2
+    from hf_triforce.decoding.steps import run_inline
     from hf_triforce.drafters.model import ModelDrafter
-    from hf_triforce.hierarchy import Force2
-    from hf_triforce.steps import run_inline
 
     commit, checked = Force2.commit, []
 

@@ -13,12 +13,14 @@ from __future__ import annotations
 import pytest
 from transformers import LogitsProcessorList, TopKLogitsWarper
 
-from hf_triforce import TriForceConfig, branching, hierarchy
-from hf_triforce.branching import sibling_counts
+from hf_triforce import TriForceConfig
+from hf_triforce.decoding import levels
+from hf_triforce.drafters import branching
 from hf_triforce.drafters import model as model_drafter
+from hf_triforce.drafters.branching import sibling_counts
 from hf_triforce.drafters.registry import DRAFTERS, DrafterSpec
-from hf_triforce.quantized import drafting_model
-from hf_triforce.tree import draw_siblings
+from hf_triforce.kernels.quantized import drafting_model
+from hf_triforce.verification.draft_tree import draw_siblings
 
 from .test_exact_enumeration import (
     CONFIG,
@@ -141,6 +143,6 @@ def test_force2_alternatives_carrying_q_are_caught(setup, monkeypatch):  # noqa:
                 tree.laws[node] = laws[depths[node] - 1]
         return tree
 
-    monkeypatch.setattr(hierarchy, "branched_chain", alternatives_as_draws)
+    monkeypatch.setattr(levels, "branched_chain", alternatives_as_draws)
     law, _, _, exact = run_case(setup, "self, Force 2 hands a tree")
     assert distance(law, exact) > 100 * TOLERANCE, "the enumeration did not catch alternatives verified as draws"

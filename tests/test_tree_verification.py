@@ -17,9 +17,9 @@ import random
 import pytest
 import torch
 
-from hf_triforce.sampling import acceptance_probability, point_mass, residual_distribution
-from hf_triforce.tree import DraftTree, draw_siblings, without
-from hf_triforce.tree_verification import TreeVerifier
+from hf_triforce.verification.draft_tree import DraftTree, draw_siblings, without
+from hf_triforce.verification.sampling import acceptance_probability, point_mass, residual_distribution
+from hf_triforce.verification.tree import TreeVerifier
 
 from .enumeration_util import enumerate_outcomes
 
@@ -195,7 +195,7 @@ def test_greedy_accepts_the_longest_path_matching_argmax():
 
 def test_a_chain_tree_verifies_as_the_chain_rule():
     """One child per node: the tree rule is `ChainVerifier`'s, draw for draw."""
-    from hf_triforce.sampling import ChainVerifier
+    from hf_triforce.verification.sampling import ChainVerifier
 
     g = torch.Generator().manual_seed(5)
     scores = torch.randn(4, 6, generator=g, dtype=torch.float64)

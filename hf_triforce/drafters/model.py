@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import torch
 
-from ..branching import branched_chain
 from ..caches.sink_window import SinkWindowCache, make_layer_rerotations
 from ..compat import layer_devices, num_layers
-from ..quantized import drafting_model
-from ..sampling import Sampler, scores_to_probs
-from ..scoring import process_rows
-from ..steps import ForwardRequest, Steps, run_inline
-from ..tree import DraftTree, agreement
+from ..decoding.steps import ForwardRequest, Steps, run_inline
+from ..kernels.quantized import drafting_model
+from ..verification.draft_tree import DraftTree, agreement
+from ..verification.sampling import Sampler, scores_to_probs
+from ..verification.scoring import process_rows
+from .branching import branched_chain
 from .registry import MODEL_DRAFTER, DraftContext, register_drafter
 
 
@@ -60,7 +60,7 @@ class ModelDrafter:
         return run_inline(self.propose_steps(sequence, n))
 
     def propose_steps(self, sequence: torch.Tensor, n: int) -> Steps[tuple[list[int], torch.Tensor | None]]:
-        """`propose` as a generator of its forwards (`hf_triforce.steps`): a batch drafts its rows together."""
+        """`propose` as a generator of its forwards (`hf_triforce.decoding.steps`): a batch drafts its rows together."""
         tokens, _, probs = yield from self._draft_steps(sequence, n)
         return tokens, (torch.stack(probs) if probs else None)
 

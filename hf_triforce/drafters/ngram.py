@@ -6,7 +6,7 @@ import time
 
 import torch
 
-from ..tree import DraftTree, TreeBuilder
+from ..verification.draft_tree import DraftTree, TreeBuilder
 from .registry import register_drafter
 
 # occurrences of one suffix size a tree looks at, most recent first: bounds the per-occurrence Python work of a

@@ -6,7 +6,7 @@ is called with the length of a committed prefix of the sequence; ``prefill(promp
 proposal. ``seconds`` accumulates the time spent proposing. A ``"lookup"`` drafter's ``propose`` must have no
 side effects and draw no random numbers: the adaptive policy asks it every step what it would propose
 (counterfactual scoring), whether or not the step uses it. A drafter that runs a model may also offer
-``propose_steps(sequence, n)``, `propose` as a generator of its forwards (`hf_triforce.steps`), so that a
+``propose_steps(sequence, n)``, `propose` as a generator of its forwards (`hf_triforce.decoding.steps`), so that a
 batch drafts all its rows in one forward per token.
 """
 
@@ -19,8 +19,8 @@ from typing import Any, Protocol
 import torch
 from transformers import LogitsProcessorList
 
-from ..sampling import Sampler
-from ..steps import Steps
+from ..decoding.steps import Steps
+from ..verification.sampling import Sampler
 
 
 class Drafter(Protocol):

@@ -28,7 +28,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import DynamicCache, StaticCache
 
-from ..forward import prefill
+from ..decoding.forward import prefill
 from ..stats import TriForceStats
 from .methods import METHODS, TUNED_GAMMAS, chosen_gammas, method_named
 

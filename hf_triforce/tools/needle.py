@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import torch
 
-from ..attention import QueryRecorder
 from ..caches.buffer import BufferCache
 from ..caches.retrieval import RetrievalCache
-from ..forward import forward_logits, prefill
+from ..decoding.forward import forward_logits, prefill
 from ..integration import recording_attention
+from ..kernels.attention import QueryRecorder
 
 NEEDLE = " The secret password of the blue door is {code}. "
 QUESTION = (

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .compat import bnb_outlier_threshold
+from ..compat import bnb_outlier_threshold
 from .quantized import ROW_INDEPENDENT_MAX_ROWS
 
 

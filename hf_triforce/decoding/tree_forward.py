@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 from transformers import LogitsProcessorList
 
-from .attention import RECORDER_KWARG, QueryRecorder, recording
-from .tree import DraftTree
-from .tree_attention import block_visibility, tree_block
+from ..kernels.attention import RECORDER_KWARG, QueryRecorder, recording
+from ..kernels.tree_attention import block_visibility, tree_block
+from ..verification.draft_tree import DraftTree
 
 
 def tree_logits(model, cache, cached: int, sequence: torch.Tensor, tree: DraftTree,

@@ -44,7 +44,7 @@ import weakref
 import torch
 from torch import nn
 
-from .compat import execution_device, hook_state, materialized, strip_hooks
+from ..compat import execution_device, hook_state, materialized, strip_hooks
 
 _COPIES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 ROW_INDEPENDENT_MAX_ROWS = 64  # >= gamma1 + 1 (checked by TriForceConfig)

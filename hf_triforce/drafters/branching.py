@@ -26,7 +26,7 @@ import math
 
 import torch
 
-from .tree import DraftTree, TreeBuilder, draw_siblings
+from ..verification.draft_tree import DraftTree, TreeBuilder, draw_siblings
 
 
 def sibling_counts(laws: list[torch.Tensor], chain: list[int], budget: int, most: int) -> list[int]:

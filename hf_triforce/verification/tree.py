@@ -40,8 +40,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .draft_tree import DraftTree
 from .sampling import Resample, Sampler, acceptance_probability, point_mass, residual_distribution, scores_to_probs
-from .tree import DraftTree
 
 
 @dataclass

@@ -19,12 +19,12 @@ from __future__ import annotations
 
 import torch
 
-from . import compat
-from .attention import QueryRecorder
-from .caches.buffer import BufferCache
-from .caches.sink_window import make_layer_rerotations
-from .config import TriForceConfig
-from .drafters.registry import spec_of
+from .. import compat
+from ..caches.buffer import BufferCache
+from ..caches.sink_window import make_layer_rerotations
+from ..config import TriForceConfig
+from ..drafters.registry import spec_of
+from ..kernels.attention import QueryRecorder
 from .forward import forward_logits
 
 PROBE_CAPACITY = 256

@@ -25,7 +25,7 @@ import contextvars
 
 import torch
 
-from .tree import DraftTree
+from ..verification.draft_tree import DraftTree
 
 _ACTIVE_TREE: contextvars.ContextVar[torch.Tensor | None] = contextvars.ContextVar("triforce_tree", default=None)
 

@@ -16,7 +16,7 @@ Exactness per row: row ``b``'s queries attend exactly over its own entries (the 
 and the other rows' longer columns: they contribute exactly zero after the softmax), at its own positions,
 so its p is the target's p for that row up to summation order, as in plain batched ``generate``. Force 2 and
 Force 1 keep each row's own caches, selection and acceptance; their forwards are batched across rows the same
-way (`hf_triforce.lockstep`), and each row's q/r is the law that row drew from.
+way (`hf_triforce.decoding.lockstep`), and each row's q/r is the law that row drew from.
 
 Each step runs one plan for every row: ``policy="fixed"`` the configured one, ``policy="auto"`` the batch's own
 adaptive policy's choice (from the batched forwards' timings and every row's acceptances). Every drafter, levels 2
@@ -31,25 +31,25 @@ from dataclasses import dataclass, fields, replace
 import torch
 from transformers import LogitsProcessorList, StoppingCriteriaList
 
-from . import compat
-from .attention import RECORDER_KWARG, QueryRecorder, recording
-from .caches.ragged import RaggedBufferCache, ragged_causal_mask
-from .compat import CacheLayerMixin, layer_devices
-from .config import TriForceConfig
+from .. import compat
+from ..caches.ragged import RaggedBufferCache, ragged_causal_mask
+from ..compat import CacheLayerMixin, layer_devices
+from ..config import TriForceConfig
+from ..drafters import DraftContext, build_drafter
+from ..drafters.model import ModelDrafter
+from ..drafters.registry import MODEL_DRAFTER
+from ..kernels.attention import RECORDER_KWARG, QueryRecorder, recording
+from ..kernels.output_head import weight_left_output_layer
+from ..kernels.quantized import drafting_model
+from ..kernels.row_mixing import row_mixing_layers
+from ..stats import TriForceStats
+from ..verification.sampling import ChainVerifier, Sampler, TorchSampler, scores_to_probs
+from ..verification.scoring import process_rows
 from .decoder import Output, PaddedView, adaptive_policy
-from .drafters import DraftContext, build_drafter
-from .drafters.model import ModelDrafter
-from .drafters.registry import MODEL_DRAFTER
 from .forward import prefill, settle
-from .hierarchy import Candidates, Force1Only, Force2
+from .levels import Candidates, Force1Only, Force2
 from .lockstep import Lockstep
-from .output_head import weight_left_output_layer
 from .policy import Plan
-from .quantized import drafting_model
-from .row_mixing import row_mixing_layers
-from .sampling import ChainVerifier, Sampler, TorchSampler, scores_to_probs
-from .scoring import process_rows
-from .stats import TriForceStats
 
 BATCH_ATTENTION = ("sdpa", "eager")  # implementations that read the 4-D per-row mask
 

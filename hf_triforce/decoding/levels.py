@@ -18,22 +18,22 @@ from dataclasses import dataclass
 import torch
 from transformers import LogitsProcessorList
 
-from . import compat
-from .branching import branched_chain
-from .caches.buffer import BufferCache
-from .caches.retrieval import RetrievalCache
-from .compat import layer_devices
-from .config import TriForceConfig
-from .drafters import Drafter
-from .drafters.registry import proposal_steps
+from .. import compat
+from ..caches.buffer import BufferCache
+from ..caches.retrieval import RetrievalCache
+from ..compat import layer_devices
+from ..config import TriForceConfig
+from ..drafters import Drafter
+from ..drafters.branching import branched_chain
+from ..drafters.registry import proposal_steps
+from ..stats import TriForceStats
+from ..verification.draft_tree import DraftTree, agreement
+from ..verification.sampling import ChainVerifier, scores_to_probs
+from ..verification.scoring import process_rows
+from ..verification.tree import TreeVerifier
 from .forward import settle
-from .sampling import ChainVerifier, scores_to_probs
-from .scoring import process_rows
-from .stats import TriForceStats
 from .steps import ForwardRequest, Steps, run_inline
-from .tree import DraftTree, agreement
 from .tree_forward import score_tree
-from .tree_verification import TreeVerifier
 
 
 @dataclass
@@ -100,7 +100,7 @@ class Force2:
         return run_inline(self.score_steps(sequence, proposals))
 
     def score_steps(self, sequence: torch.Tensor, proposals: list[int]) -> Steps[torch.Tensor]:
-        """`scores` as a generator of its forward (`hf_triforce.steps`)."""
+        """`scores` as a generator of its forward (`hf_triforce.decoding.steps`)."""
         extended = torch.cat((sequence, sequence.new_tensor([proposals])), dim=1) if proposals else sequence
         request = ForwardRequest(self.model, self.cache, extended[:, self.seen :], self.seen, len(proposals) + 1)
         logits = yield request
@@ -157,7 +157,7 @@ class Force2:
     def candidate_steps(self, sequence: torch.Tensor, limit: int, gamma1: int | None = None,
                         gamma2: int | None = None, force1_tree: bool | None = None,
                         force2_tree: bool | None = None) -> Steps[Candidates]:
-        """`get_candidates` as a generator of its forwards (`hf_triforce.steps`)."""
+        """`get_candidates` as a generator of its forwards (`hf_triforce.decoding.steps`)."""
         force1_tree = bool(self.config.tree_nodes) if force1_tree is None else force1_tree
         force2_tree = bool(self.config.force2_tree_nodes) if force2_tree is None else force2_tree
         gamma1 = self.config.gamma1 if gamma1 is None else gamma1
@@ -255,7 +255,7 @@ class Force1Only:
     def candidate_steps(self, sequence: torch.Tensor, limit: int, gamma1: int | None = None,
                         gamma2: int | None = None, force1_tree: bool | None = None,
                         force2_tree: bool | None = None) -> Steps[Candidates]:
-        """`get_candidates` as a generator of its forwards (`hf_triforce.steps`)."""
+        """`get_candidates` as a generator of its forwards (`hf_triforce.decoding.steps`)."""
         force1_tree = bool(self.config.tree_nodes) if force1_tree is None else force1_tree
         wanted = min(self.config.gamma2 if gamma2 is None else gamma2, limit)
         if wanted <= 0:

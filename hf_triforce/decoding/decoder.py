@@ -24,25 +24,25 @@ from dataclasses import dataclass, field, replace
 import torch
 from transformers import LogitsProcessorList, StoppingCriteriaList
 
-from . import compat
-from .attention import QueryRecorder
-from .caches.buffer import BufferCache, copy_prefix
-from .caches.offloaded import OffloadedBufferCache
-from .compat import layer_devices
-from .config import TriForceConfig
-from .drafters import DRAFTERS, DraftContext, build_drafter
-from .drafters.registry import MODEL_DRAFTER, spec_of
+from .. import compat
+from ..caches.buffer import BufferCache, copy_prefix
+from ..caches.offloaded import OffloadedBufferCache
+from ..compat import layer_devices
+from ..config import TriForceConfig
+from ..drafters import DRAFTERS, DraftContext, build_drafter
+from ..drafters.registry import MODEL_DRAFTER, spec_of
+from ..kernels.attention import QueryRecorder
+from ..kernels.output_head import weight_left_output_layer
+from ..kernels.quantized import drafting_model
+from ..kernels.row_mixing import RowsApart
+from ..stats import TriForceStats
+from ..verification.sampling import ChainVerifier, Sampler, TorchSampler, scores_to_probs
+from ..verification.scoring import process_rows
+from ..verification.tree import TreeVerifier
 from .forward import prefill, score_continuation, settle
-from .hierarchy import Candidates, Force1Only, Force2
-from .output_head import weight_left_output_layer
+from .levels import Candidates, Force1Only, Force2
 from .policy import AdaptivePolicy, Plan
-from .quantized import drafting_model
-from .row_mixing import RowsApart
-from .sampling import ChainVerifier, Sampler, TorchSampler, scores_to_probs
-from .scoring import process_rows
-from .stats import TriForceStats
 from .tree_forward import score_tree
-from .tree_verification import TreeVerifier
 
 
 @dataclass

@@ -3,7 +3,7 @@
 Each row of a batch has its own Force-2 retrieval cache and its own Force-1 sink+window cache, but `share`
 lays the same cache of every row into one `RaggedBufferCache`: row ``b``'s cache keeps its own class, state
 and single-row code (selection, sync, eviction, rollback) and its layers become views of row ``b`` of the
-shared buffers. `Lockstep.drive` then runs each row's tier generator (`hf_triforce.steps`) and, round after
+shared buffers. `Lockstep.drive` then runs each row's tier generator (`hf_triforce.decoding.steps`) and, round after
 round, takes the largest set of pending requests that target the same shared cache and runs them as one
 forward: row ``b``'s tokens at its own positions after its own entries, padded with dummies to the widest
 request, under a per-row mask (`ragged_causal_mask`); only each row's real entries are written. So the
@@ -22,9 +22,9 @@ from typing import Any
 
 import torch
 
-from . import compat
-from .caches.buffer import BufferCache, BufferLayer
-from .caches.ragged import RaggedBufferCache, RowLayer, ragged_causal_mask
+from .. import compat
+from ..caches.buffer import BufferCache, BufferLayer
+from ..caches.ragged import RaggedBufferCache, RowLayer, ragged_causal_mask
 from .forward import settle
 from .steps import ForwardRequest, Steps
 

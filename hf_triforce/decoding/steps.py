@@ -2,7 +2,7 @@
 
 A tier's ``*_steps`` method is a generator: each time it needs the model it yields a `ForwardRequest` and
 receives that forward's logits; its result is the generator's return value. Batch size 1 drives it with
-`run_inline` (each request runs when it is yielded: exactly a direct call). `hf_triforce.lockstep` drives
+`run_inline` (each request runs when it is yielded: exactly a direct call). `hf_triforce.decoding.lockstep` drives
 every row of a batch together and runs the requests of rows whose caches share storage in one batched
 forward (each row's logits are its own, up to summation order).
 """

@@ -12,8 +12,8 @@ import torch
 from tqdm.auto import tqdm
 from transformers import LogitsProcessorList
 
-from .attention import RECORDER_KWARG, QueryRecorder, recording
-from .scoring import process_rows
+from ..kernels.attention import RECORDER_KWARG, QueryRecorder, recording
+from ..verification.scoring import process_rows
 
 
 def settle(tensor: torch.Tensor) -> torch.Tensor:

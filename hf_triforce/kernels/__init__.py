@@ -1,0 +1,1 @@
+"""Attention dispatch and CPU/CUDA kernels, tree attention, output head, int8 copies."""

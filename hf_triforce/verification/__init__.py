@@ -1,0 +1,1 @@
+"""Exact acceptance: chain and tree verification, sampling, score processing."""
