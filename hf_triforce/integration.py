@@ -23,9 +23,8 @@ from transformers import (
 
 from . import compat
 from .config import TriForceConfig
-from .decoding.batch import BatchDecoder, check_batch_request
-from .decoding.decoder import TriForceDecoder
-from .decoding.preflight import check_model
+from .decoding.loop import Decoder
+from .decoding.preflight import check_batch_request, check_model
 from .kernels.attention import wrapped_name
 from .kernels.quantized import ROW_INDEPENDENT_MAX_ROWS, check_int8_eligible
 from .kernels.row_mixing import row_mixing_layers
@@ -124,7 +123,7 @@ def _strip_padding(input_ids: torch.Tensor, attention_mask: torch.Tensor | None)
 
 def _generate_batch(model, input_ids, logits_processor, stopping_criteria, generation_config, config, streamer,
                     model_kwargs):
-    """Batch size > 1 (`hf_triforce.decoding.batch`): rows padded on the right as plain ``generate`` pads
+    """Batch size > 1 (`hf_triforce.decoding.loop`): rows padded on the right as plain ``generate`` pads
     stopped rows."""
     mask = model_kwargs.get("attention_mask")
     prefix = model_kwargs.get("cache")
@@ -135,10 +134,10 @@ def _generate_batch(model, input_ids, logits_processor, stopping_criteria, gener
         ids, pad = _strip_padding(input_ids[b : b + 1], None if mask is None else mask[b : b + 1])
         rows.append(ids)
         pads.append(pad)
-    decoder = BatchDecoder(model, config, logits_processor, stopping_criteria,
-                           max_lengths=[generation_config.max_length - pad for pad in pads],
-                           do_sample=bool(generation_config.do_sample),
-                           paddings=[input_ids[b : b + 1, :pad] for b, pad in enumerate(pads)])
+    decoder = Decoder(model, config, logits_processor, stopping_criteria,
+                      max_lengths=[generation_config.max_length - pad for pad in pads],
+                      do_sample=bool(generation_config.do_sample),
+                      paddings=[input_ids[b : b + 1, :pad] for b, pad in enumerate(pads)])
     with recording_attention(model):
         check_model(model, config, rows[0][:, :1])  # before the prefill: what would fail after it fails now
         result = decoder.run(rows, prefix)
@@ -195,15 +194,15 @@ def triforce_generate(
         )
     if pad and prefix is not None:
         raise ValueError("triforce_config= does not support a padded prompt together with cache=")
-    decoder = TriForceDecoder(model, config, logits_processor, stopping_criteria,
-                              max_length=generation_config.max_length - pad,
-                              do_sample=bool(generation_config.do_sample), padding=input_ids[:, :pad])
+    decoder = Decoder(model, config, logits_processor, stopping_criteria,
+                      max_lengths=[generation_config.max_length - pad],
+                      do_sample=bool(generation_config.do_sample), paddings=[input_ids[:, :pad]])
     with recording_attention(model):
         check_model(model, config, ids[:, :1])  # before the prefill: what would fail after it fails now
-        result = decoder.run(ids, streamer=triforce_streamer, prefix_cache=prefix,
+        result = decoder.run([ids], prefix_cache=prefix, streamer=triforce_streamer,
                              keep_scores=bool(generation_config.output_scores),
                              keep_logits=bool(generation_config.output_logits))
-    sequences = torch.cat((input_ids[:, :pad], result.sequences), dim=1) if pad else result.sequences
+    sequences = torch.cat((input_ids[:, :pad], result.sequences[0]), dim=1)
     if not generation_config.return_dict_in_generate:
         return sequences
     return TriForceGenerateOutput(
@@ -212,7 +211,7 @@ def triforce_generate(
         logits=tuple(result.logits) if generation_config.output_logits else None,
         cache=result.cache,
         triforce_stats=result.stats,
-        triforce_row_stats=[result.stats],
+        triforce_row_stats=result.row_stats,
     )
 
 

@@ -1,4 +1,4 @@
-"""Batches (`hf_triforce.decoding.batch`): each row of a left-padded batch is exactly what it would be alone.
+"""Batches (`hf_triforce.decoding.loop`): each row of a left-padded batch is exactly what it would be alone.
 
 Greedy: every row is token-identical to plain ``generate`` of that row alone, rows stopping at EOS at different
 steps are padded like plain ``generate`` pads them. Sampled: the joint law of a batch's rows, enumerated
@@ -17,7 +17,7 @@ from transformers import DynamicCache, LogitsProcessorList, StaticCache, TopKLog
 
 from hf_triforce import TriForceConfig
 from hf_triforce.decoding import forward as forward_module
-from hf_triforce.decoding.batch import BatchDecoder
+from hf_triforce.decoding.loop import Decoder
 from hf_triforce.decoding.policy import AdaptivePolicy, Plan
 from hf_triforce.integration import recording_attention
 
@@ -98,7 +98,7 @@ def test_num_return_sequences_prefills_each_prompt_once(model, monkeypatch):
     ids, mask = left_padded(PROMPTS[:2])
     calls = []
     real = forward_module.prefill
-    monkeypatch.setattr("hf_triforce.decoding.batch.prefill", lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setattr("hf_triforce.decoding.force3.prefill", lambda *a, **k: calls.append(1) or real(*a, **k))
     gen = dict(max_new_tokens=20, do_sample=True, pad_token_id=0, num_return_sequences=3)  # sampling only
     torch.manual_seed(0)
     sampled = model.generate(ids, attention_mask=mask, triforce_config=_config(), **gen)
@@ -148,8 +148,8 @@ def joint_law(model, prompts, config, processors, mutate=None):
     stats = []
 
     def run(sampler):
-        decoder = BatchDecoder(model, config, processors, None, [ids.shape[1] - pad + NEW for pad in pads], True,
-                               [ids[r : r + 1, :pad] for r, pad in enumerate(pads)], sampler=sampler)
+        decoder = Decoder(model, config, processors, None, [ids.shape[1] - pad + NEW for pad in pads], True,
+                          [ids[r : r + 1, :pad] for r, pad in enumerate(pads)], sampler=sampler)
         if mutate is not None:
             mutate(decoder)
         with torch.no_grad(), recording_attention(model):

@@ -1,6 +1,6 @@
 """The output law of the library's own sampled decode loop, enumerated exactly, equals the target's.
 
-`TriForceDecoder` runs with a `ReplaySampler`: every path of its random choices (Force-1 draws, Force-2 and
+`Decoder` runs with a `ReplaySampler`: every path of its random choices (Force-1 draws, Force-2 and
 Force-3 acceptances, residual and bonus draws, the first token) is visited once, so the law of the emitted
 sequence is known exactly and compared with the target model's sequence law (from one batched forward over
 every continuation) at 1e-5. The mutation tests replace one rule at a time with a wrong one — the middle
@@ -18,8 +18,8 @@ import torch
 from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper
 
 from hf_triforce import TriForceConfig
-from hf_triforce.decoding.decoder import TriForceDecoder
 from hf_triforce.decoding.levels import Force2
+from hf_triforce.decoding.loop import Decoder
 from hf_triforce.integration import recording_attention
 from hf_triforce.verification.sampling import point_mass, residual_distribution, scores_to_probs
 
@@ -55,13 +55,13 @@ def decoded_law(model, prompt, config, processors, new: int, mutate=None) -> tup
     stats = []
 
     def run(sampler):
-        decoder = TriForceDecoder(model, config, processors, None, prompt.shape[1] + new, True, sampler=sampler)
+        decoder = Decoder(model, config, processors, None, [prompt.shape[1] + new], True, sampler=sampler)
         if mutate is not None:
             mutate(decoder)
         with torch.no_grad(), recording_attention(model):
-            result = decoder.run(prompt)
+            result = decoder.run([prompt])
         stats.append(result.stats)
-        return tuple(result.sequences[0, prompt.shape[1]:].tolist())
+        return tuple(result.sequences[0][0, prompt.shape[1]:].tolist())
 
     law, paths = enumerate_outcomes(run)
     return law, paths, stats

@@ -12,7 +12,7 @@ import pytest
 import torch
 import transformers as T
 
-import hf_triforce.decoding.decoder
+import hf_triforce.decoding.force3
 from hf_triforce import TriForceConfig
 
 from .conftest import random_prompt
@@ -32,7 +32,7 @@ def no_prefill(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("the prefill started before the refusal")
 
-    monkeypatch.setattr(hf_triforce.decoding.decoder, "prefill", refuse)
+    monkeypatch.setattr(hf_triforce.decoding.force3, "prefill", refuse)
 
 
 def _model(config_cls, model_cls, **kw):

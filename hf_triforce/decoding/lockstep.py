@@ -39,6 +39,7 @@ class Lockstep:
         self.forwards = 0  # batched forwards run
         self.requests = 0  # requests they served
         self.seconds: dict[str, float] = {}  # per tier, wall seconds of its batched forwards
+        self.row_seconds = 0.0  # the same walls counted once per row served (what the rows' own stats add up to)
 
     def share(self, caches: Sequence[BufferCache], tier: str) -> RaggedBufferCache:
         """Lay row ``b``'s ``caches[b]`` (empty, same layout) into row ``b`` of one new shared cache; ``tier``
@@ -59,6 +60,15 @@ class Lockstep:
             self.rows[id(cache)] = (shared, b)
         self.tiers[id(shared)] = tier
         return shared
+
+    def clock(self) -> tuple[float, float]:
+        """``(row_seconds, seconds of every batched forward)`` now, for `repeated_seconds_since`."""
+        return self.row_seconds, sum(self.seconds.values())
+
+    def repeated_seconds_since(self, clock: tuple[float, float]) -> float:
+        """Seconds that the rows' own stats counted more than once since ``clock``: a batched forward's wall is
+        in every row it served, once per row."""
+        return (self.row_seconds - clock[0]) - (sum(self.seconds.values()) - clock[1])
 
     def drive(self, steps: dict[int, Steps[Any]]) -> dict[int, Any]:
         """Run every row's generator to its end; returns each row's result."""
@@ -121,6 +131,7 @@ class Lockstep:
         self.seconds[tier] = self.seconds.get(tier, 0.0) + seconds
         self.forwards += 1
         self.requests += len(requests)
+        self.row_seconds += seconds * len(requests)
         result = {}
         for b, request in requests.items():
             request.seconds = seconds

@@ -22,9 +22,11 @@ import torch
 from .. import compat
 from ..caches.buffer import BufferCache
 from ..caches.sink_window import make_layer_rerotations
+from ..compat import CacheLayerMixin
 from ..config import TriForceConfig
 from ..drafters.registry import spec_of
 from ..kernels.attention import QueryRecorder
+from ..kernels.row_mixing import row_mixing_layers
 from .forward import forward_logits
 
 PROBE_CAPACITY = 256
@@ -79,3 +81,37 @@ def check_model(model, config: TriForceConfig, token: torch.Tensor) -> None:
     if spec_of(config.draft).kind == "model":
         draft = model if isinstance(config.draft, str) else config.draft
         make_layer_rerotations(draft)  # a ValueError naming the layer whose keys cannot be moved
+
+
+BATCH_ATTENTION = ("sdpa", "eager")  # implementations that read the 4-D per-row mask
+
+
+def check_batch_request(model, config: TriForceConfig, generation_config, streamer, prefix_cache) -> None:
+    """Refuse, by parameter name and allowed values, what batches do not support yet."""
+    if config.trees:
+        raise ValueError("triforce_config=: batch size > 1 supports chains only: TriForceConfig.tree_nodes=0 and "
+                         f"force2_tree_nodes=0 (got {config.tree_nodes} and {config.force2_tree_nodes})")
+    if config.full_cache_device is not None:
+        raise ValueError(f"triforce_config=: batch size > 1 supports TriForceConfig.full_cache_device=None only "
+                         f"(got {config.full_cache_device!r})")
+    if any(window is not None for window in compat.layer_windows(model.config)):
+        raise ValueError("triforce_config=: batch size > 1 supports full-attention models only; this model has "
+                         "sliding-window layers (their window counts cache columns, which differ from a row's "
+                         "positions once rows accept different numbers of tokens)")
+    base = compat.current_attention_implementation(model)
+    if base not in BATCH_ATTENTION:
+        raise ValueError(f"triforce_config=: batch size > 1 supports attn_implementation in {BATCH_ATTENTION} "
+                         f"(got {base!r})")
+    if row_mixing_layers(model):
+        raise ValueError("triforce_config=: batch size > 1 is not supported on models with LLM.int8 layers whose "
+                         "rows depend on each other (llm_int8_threshold > 0)")
+    if streamer is not None:
+        raise ValueError("triforce_config=: streamer= supports batch size 1 only (as transformers' streamers)")
+    if generation_config.output_scores or generation_config.output_logits:
+        raise ValueError("triforce_config=: output_scores/output_logits support batch size 1 only")
+    if prefix_cache is not None:
+        for index, layer in enumerate(prefix_cache.layers):
+            if not isinstance(layer, CacheLayerMixin) or getattr(layer, "is_sliding", False) \
+                    or not hasattr(layer, "keys"):
+                raise ValueError(f"cache=: layer {index} is a {type(layer).__name__}; a batch continues from the "
+                                 "DynamicCache or StaticCache of a forward of the same left-padded batch")

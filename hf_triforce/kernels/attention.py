@@ -13,9 +13,9 @@ take `gqa_sdpa`, which does not expand K/V. One-row calls (decoding steps of eve
 Invariant relied upon (TriForce's caches guarantee it): batch size 1, no padding, and every new token is
 appended after all cached entries, so the mask of a multi-token call of a full-attention layer is "all cached
 entries, then causal among the new tokens" — bottom-right-aligned causal attention. Batches
-(`hf_triforce.decoding.batch`) break it — rows of different lengths under a per-row 4-D mask — so every path that
-skips the mask (`one_row_sdpa`, `split_kv_sdpa`, `flash_verify`) requires batch size 1, and a batch takes
-`gqa_sdpa` or ``<base>``. Sliding-window layers
+(`hf_triforce.decoding.force3.RaggedForce3`) break it — rows of different lengths under a per-row 4-D mask — so
+every path that skips the mask (`one_row_sdpa`, `split_kv_sdpa`, `flash_verify`) requires batch size 1, and a batch
+takes `gqa_sdpa` or ``<base>``. Sliding-window layers
 (`compat.module_window`) take only the paths that apply the mask transformers built for them (each row cut at
 its own window): `gqa_sdpa` or ``<base>``, and `one_row_sdpa` only when that mask is None (nothing cut).
 """
@@ -220,7 +220,7 @@ def _wants_split_kv(query, key, dropout, module) -> bool:
     cached = key.shape[2] - query.shape[2]
     return (
         query.device.type == "cpu"
-        and query.shape[0] == 1  # batches (`hf_triforce.decoding.batch`) carry per-row masks that only gqa_sdpa reads
+        and query.shape[0] == 1  # batches (`force3.RaggedForce3`) carry per-row masks that only gqa_sdpa reads
         and query.shape[2] <= SPLIT_KV_MAX_QUERY
         and cached >= max(SPLIT_KV_MIN_CACHED, 16 * max(2, torch.get_num_threads()))
         and not (dropout and module.training)

@@ -1,0 +1,187 @@
+"""Force 3: the target on its full cache. One forward per step scores every active row's candidates.
+
+Two layouts of the full cache, one interface (`Decoder` drives either):
+
+- `Force3` (batch size 1): a preallocated `BufferCache` (`OffloadedBufferCache` with ``full_cache_device="cpu"``),
+  sliding-window layers keeping their window plus rollback room; candidate trees are scored in one tree forward
+  and the accepted path's entries compacted into place.
+- `RaggedForce3` (batch size > 1): a `RaggedBufferCache`, one length per row. Row ``b`` is fed [its last token,
+  its candidates, dummies up to the widest row] after its own entries, at its own positions, under a per-row mask
+  (`ragged_causal_mask`): its queries attend exactly over its own sequence, so its p is its batch-1 p up to
+  summation order, as in plain batched ``generate``.
+
+Both prefill (returning each row's last logits and last queries), ``score`` a step (raw logits and processed
+scores per row, row ``0`` predicting the token after the committed sequence), keep a row's accepted entries
+(``set_length``: rollback is a length), and give the queries at a row of the last forward (Force-2 selection).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from .. import compat
+from ..caches.buffer import BufferCache, copy_prefix
+from ..caches.offloaded import OffloadedBufferCache
+from ..caches.ragged import RaggedBufferCache, ragged_causal_mask
+from ..compat import layer_devices
+from ..config import TriForceConfig
+from ..kernels.attention import RECORDER_KWARG, QueryRecorder, recording
+from ..verification.scoring import process_rows
+from .forward import prefill, score_continuation, settle
+from .levels import Candidates
+from .tree_forward import score_tree
+
+# a model drafter's cache fill is priced from the prefill's first chunk only if that chunk had at least this many
+# rows (fewer: per-forward overhead dominates, and the per-token price would be far too high)
+SETUP_PRICE_MIN_ROWS = 64
+
+
+class Force3:
+    """Force 3 of a call of batch size 1 (sliding windows, offloading, trees, ``cache=`` prefixes)."""
+
+    def __init__(self, model, config: TriForceConfig, max_length: int) -> None:
+        self.model, self.config = model, config
+        cache_class = OffloadedBufferCache if config.full_cache_device == "cpu" else BufferCache
+        # sliding-window layers keep their window plus room for the deepest rollback (a rejected chain, a stop)
+        self.cache = cache_class(compat.num_layers(model.config), max_length + config.force3_rows + 2,
+                                 compat.layer_windows(model.config), rollback=config.gamma2 + 2)
+        self.cache.expect_devices(layer_devices(model))
+        self.recorder = QueryRecorder()
+        self.uncached = 1  # tokens of the sequence fed before the candidates in the last `score`
+
+    def row(self, b: int) -> BufferCache:
+        return self.cache
+
+    def prefill(self, rows: list[torch.Tensor], prefix, stats: list) -> tuple[list, list, float | None]:
+        """Prefill the prompt after what ``prefix`` (``cache=``) holds. Returns the last row's logits and queries
+        (one each), and the prefill's seconds per token where its first chunk says (None: unknown)."""
+        config, (input_ids,) = self.config, rows
+        cached = copy_prefix(prefix, self.cache) if prefix is not None else 0
+        start, chunks = time.perf_counter(), []
+        logits = prefill(self.model, input_ids[:, cached:], self.cache, config.prefill_chunk_size,
+                         config.show_progress, self.recorder, chunks)
+        stats[0].prefill_seconds = time.perf_counter() - start
+        measured = bool(chunks) and cached == 0 and chunks[0][0] >= SETUP_PRICE_MIN_ROWS
+        return [logits], [self.recorder.at(-1)], chunks[0][1] / chunks[0][0] if measured else None
+
+    def score(self, sequences: dict[int, torch.Tensor], candidates: dict[int, Candidates],
+              processors: list) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        """The step's forward: ``{0: (logits, processed scores)}``, row ``i`` of a chain after its ``i``-th
+        candidate; of a tree, row ``i + 1`` after node ``i``."""
+        ((b, sequence),) = sequences.items()
+        cache, found = self.cache, candidates[b]
+        self.uncached = sequence.shape[1] - cache.length
+        if found.tree is not None:
+            logits, scores = score_tree(self.model, cache, cache.length, sequence, found.tree, processors[b],
+                                        self.recorder)
+        else:
+            extended = torch.cat((sequence, sequence.new_tensor([found.tokens])), dim=1)
+            logits, scores = score_continuation(self.model, cache, cache.length, extended, sequence.shape[1],
+                                                processors[b], self.recorder)
+        return {b: (logits, settle(scores))}
+
+    def keep_tree_path(self, b: int, length: int, path: list[int]) -> None:
+        """A tree's accepted ``path`` (node indices): its entries moved to follow the first ``length`` tokens."""
+        self.cache.keep_rows(length, path)
+
+    def set_length(self, b: int, length: int) -> None:
+        self.cache.rollback(length)
+
+    def queries(self, b: int, row: int) -> dict[int, torch.Tensor]:
+        """Per layer, the query at row ``row`` of the last `score` (``0``: the committed sequence's last token)."""
+        return self.recorder.at(self.uncached - 1 + row)
+
+    def nbytes(self) -> int:
+        return self.cache.nbytes()
+
+    def resident_bytes(self) -> int:
+        return self.cache.resident_bytes()
+
+
+class RaggedForce3:
+    """Force 3 of a batch: every row verified in one forward, each accepting its own number of tokens."""
+
+    def __init__(self, model, config: TriForceConfig, max_lengths: list[int], paddings: list[torch.Tensor]) -> None:
+        self.model, self.config, self.paddings, self.batch = model, config, paddings, len(max_lengths)
+        self.cache = RaggedBufferCache(compat.num_layers(model.config), len(max_lengths),
+                                       max(max_lengths) + config.force3_rows + 2)
+        self.cache.expect_devices(layer_devices(model))
+        self.additive_mask = compat.current_attention_implementation(model).removeprefix("triforce_") == "eager"
+        self.recorder = QueryRecorder()
+
+    def row(self, b: int) -> BufferCache:
+        return self.cache.row(b)
+
+    def prefill(self, rows: list[torch.Tensor], prefix, stats: list) -> tuple[list, list, float | None]:
+        """Each distinct prompt prefilled once on its first row; identical rows copy that row's entries.
+        ``prefix`` (``cache=``): a transformers cache of the first ``c`` columns of the left-padded batch (what
+        a forward of ``input_ids[:, :c]`` with its attention mask left): row ``b``'s entries, past its padding,
+        are copied into its row and only the rest of its prompt is run. Returns per row the last prompt row's
+        logits and queries, and None (rows prefill apart: a draft cache's fill is priced by the policy)."""
+        done, logits, queries = {}, [None] * len(rows), [None] * len(rows)
+        cached = int(prefix.get_seq_length()) if prefix is not None else 0
+        widths = [ids.shape[1] + padding.shape[1] for ids, padding in zip(rows, self.paddings)]
+        if prefix is not None and (cached >= max(widths) or prefix.layers[0].keys.shape[0] != len(rows)):
+            raise ValueError(f"cache= holds {cached} columns of a batch of {prefix.layers[0].keys.shape[0]}; the "
+                             f"batch has {len(rows)} rows of {max(widths)} columns and must extend it by at least one")
+        for b, ids in enumerate(rows):
+            padding = self.paddings[b]
+            key = (tuple(ids[0].tolist()), tuple(padding[0].tolist()))
+            if key in done:
+                self.cache.copy_row(done[key], b)
+                logits[b], queries[b] = logits[done[key]], queries[done[key]]
+                continue
+            recorder, began, row, pad = QueryRecorder(), time.perf_counter(), self.cache.row(b), padding.shape[1]
+            if cached > pad:  # this row's entries in the prefix: columns [pad, cached)
+                for layer, source in zip(row.layers, prefix.layers):
+                    layer.write(source.keys[b : b + 1, :, pad:cached], source.values[b : b + 1, :, pad:cached])
+            logits[b] = prefill(self.model, ids[:, max(cached - pad, 0):], row, self.config.prefill_chunk_size,
+                                self.config.show_progress, recorder)
+            stats[b].prefill_seconds = time.perf_counter() - began  # copies: 0
+            queries[b] = recorder.at(-1)
+            done[key] = b
+        return logits, queries, None
+
+    def score(self, sequences: dict[int, torch.Tensor], candidates: dict[int, Candidates],
+              processors: list) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        """The step's forward for the active rows ``sequences``; stopped rows' dummy entries are dropped."""
+        cache, batch = self.cache, self.batch
+        lengths, n = cache.lengths, 1 + max(len(found.tokens) for found in candidates.values())
+        sequence = next(iter(sequences.values()))
+        tokens = torch.zeros(batch, n, dtype=torch.long, device=sequence.device)
+        for b, sequence in sequences.items():  # the last committed token, the candidates, dummies (never seen)
+            last, proposals = int(sequence[0, -1]), candidates[b].tokens
+            tokens[b] = tokens.new_tensor([last] + proposals + [last] * (n - 1 - len(proposals)))
+        positions = torch.tensor(lengths, device=tokens.device)[:, None] + torch.arange(n, device=tokens.device)
+        mask = ragged_causal_mask(lengths, n, self.model.dtype, tokens.device, self.additive_mask)
+        with recording(self.recorder):
+            out = self.model(input_ids=tokens, cache=cache, position_ids=positions, attention_mask=mask,
+                             use_cache=True, logits_to_keep=n, **{RECORDER_KWARG: self.recorder})
+        logits = settle(out.logits)
+        scored = {}
+        for b in range(batch):
+            if b not in sequences:
+                cache.set_length(b, lengths[b])  # a stopped row: its dummies are dropped
+                continue
+            sequence, proposals = sequences[b], candidates[b].tokens
+            extended = torch.cat((sequence, sequence.new_tensor([proposals])), dim=1)
+            rows = logits[b, : len(proposals) + 1]
+            scored[b] = (rows, process_rows(processors[b], extended, rows, sequence.shape[1]))
+        return scored
+
+    def keep_tree_path(self, b: int, length: int, path: list[int]) -> None:
+        raise NotImplementedError("batches verify chains only (refused before the prefill: check_batch_request)")
+
+    def set_length(self, b: int, length: int) -> None:
+        self.cache.set_length(b, length)
+
+    def queries(self, b: int, row: int) -> dict[int, torch.Tensor]:
+        return {layer: q[b : b + 1, :, row] for layer, q in self.recorder.queries.items()}
+
+    def nbytes(self) -> int:
+        return self.cache.nbytes()
+
+    def resident_bytes(self) -> int:
+        return self.cache.nbytes()

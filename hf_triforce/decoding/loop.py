@@ -1,0 +1,345 @@
+"""The Force-3 loop: one `Decoder` serves one ``generate`` call, of batch size 1 or more.
+
+    prefill every row's full cache -> first tokens
+    until every row stopped:
+        1. choose the step's plan (`policy.Plan`: plain, two or three levels, chains or trees)
+        2. every active row's level proposes candidates (its Force 2 over its Force 1, or Force 1): the rows in
+           lockstep, rows whose caches share storage running one forward per tier (`Lockstep`)
+        3. Force 3 scores every active row's candidates in one forward (`force3.Force3`, `force3.RaggedForce3`)
+        4. per active row, in row order: exact verification against its own p (min(1, p/q), residual
+           resampling; a tree's SpecInfer rule), its cache kept to what it accepted, commit token by token
+           (stop criteria, streamer), its level told (rollback / refresh)
+        5. the policy told what the step cost and how each level did
+
+The committed sequence, the scores handed to stopping criteria and processors, and the streamer see each row
+as ``generate`` built it (left padding included, `PaddedView`); the model and the caches see the row without
+its padding. Batch size 1's returned cache holds exactly the committed sequence but its last token.
+
+Exactness per row: row ``b``'s levels, caches, processors, acceptance and stop are its own; its forwards attend
+exactly over its own entries at its own positions; each level hands up its tokens with the exact law they were
+drawn from (docs/exactness.md). Statistics mean one thing for any batch size (`stats.TriForceStats`).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import fields, replace
+
+import torch
+from transformers import LogitsProcessorList, StoppingCriteriaList
+
+from .. import compat
+from ..config import TriForceConfig
+from ..drafters import DRAFTERS, DraftContext, build_drafter
+from ..drafters.model import ModelDrafter
+from ..drafters.registry import MODEL_DRAFTER, spec_of
+from ..kernels.output_head import weight_left_output_layer
+from ..kernels.quantized import drafting_model
+from ..kernels.row_mixing import RowsApart
+from ..stats import TriForceStats
+from ..verification.sampling import ChainVerifier, Sampler, TorchSampler, scores_to_probs
+from ..verification.scoring import process_rows
+from ..verification.tree import TreeVerifier
+from .force3 import Force3, RaggedForce3
+from .levels import Candidates, Force1Only, Force2
+from .lockstep import Lockstep
+from .output import DecodeResult, Output, PaddedView
+from .policy import AdaptivePolicy, Plan
+
+
+def adaptive_policy(config: TriForceConfig, draft_name: str, max_length: int) -> AdaptivePolicy | None:
+    """``policy="auto"``: the configured drafter plus the free n-gram lookup, each as Force 1 of three levels
+    too if ``levels=3`` and the request (``max_length`` tokens) is longer than the retrieval budget, with
+    tree plans beside the chain plans where the config sets ``tree_nodes`` (drafters that propose trees) or
+    ``force2_tree_nodes`` (three levels); ``"fixed"``: None (every step runs the configured plan)."""
+    if config.policy == "fixed":
+        return None
+    kinds = {draft_name: spec_of(config.draft).kind}
+    kinds.setdefault("ngram", DRAFTERS["ngram"].kind)  # the free lookup, scored on every step
+    # three levels only where Force 2 can see less than Force 3: a retrieval budget covering the whole
+    # request makes Force 2 a copy of Force 3 at the same cost
+    sparse = max_length > config.retrieval_budget
+    three = tuple(kinds) if config.levels == 3 and sparse else ()
+    trees = tuple(name for name in kinds if DRAFTERS[name].trees) if config.tree_nodes else ()
+    return AdaptivePolicy(kinds, three, config.gamma1, config.gamma2, config.explore_every,
+                          tree_drafters=trees, tree_nodes=config.tree_nodes if trees else 0,
+                          force2_tree_nodes=config.force2_tree_nodes, tree_branch=config.tree_branch)
+
+
+def aggregate(row_stats: list[TriForceStats], force3_seconds: float, prefill_seconds: float) -> TriForceStats:
+    """The call's statistics: counts and per-row seconds summed, flags true if true for any row, Force-3 and
+    prefill seconds of the call (`Decoder` then counts each shared lower-tier forward once)."""
+    total = TriForceStats(draft_precision=row_stats[0].draft_precision)
+    for f in fields(TriForceStats):
+        values = [getattr(s, f.name) for s in row_stats]
+        if isinstance(values[0], bool):
+            setattr(total, f.name, any(values))
+        elif isinstance(values[0], (int, float)):
+            setattr(total, f.name, sum(values))
+        elif isinstance(values[0], dict):
+            merged: dict = {}
+            for value in values:
+                for key, count in value.items():
+                    merged[key] = merged.get(key, 0) + count
+            setattr(total, f.name, merged)
+    total.force3_steps = max(s.force3_steps for s in row_stats)  # Force-3 forwards
+    total.force3_seconds, total.prefill_seconds = force3_seconds, prefill_seconds
+    return total
+
+
+def proposed_of(candidates: Candidates) -> int:
+    """Tokens a step proposed: a chain's length, a tree's depth (so that acceptance compares with chains')."""
+    return len(candidates.tokens) if candidates.tree is None else max(candidates.tree.depths(), default=0)
+
+
+class Decoder:
+    """The Force-3 loop of one call. Row ``b`` has its own padding view, processors, drafters, levels, stats and
+    stop; every random choice goes through ``sampler`` (default: torch's global RNG).
+
+    Each step runs one plan for all its rows (`policy.Plan`): ``policy="fixed"`` the configured one,
+    ``policy="auto"`` the one the call's `AdaptivePolicy` predicts fastest from the call's own timings (the
+    batched forwards) and every row's acceptances. Each plan's per-row levels (and, in a batch, their shared
+    caches) are built on the plan's first use."""
+
+    def __init__(self, model, config: TriForceConfig, processors: LogitsProcessorList | None,
+                 stopping_criteria: StoppingCriteriaList | None, max_lengths: list[int], do_sample: bool,
+                 paddings: list[torch.Tensor] | None = None, sampler: Sampler | None = None) -> None:
+        self.model, self.config, self.do_sample, self.max_lengths = model, config, do_sample, max_lengths
+        batch = len(max_lengths)
+        paddings = paddings if paddings is not None else [torch.empty(1, 0, dtype=torch.long)] * batch
+        self.views = [PaddedView(padding) for padding in paddings]
+        self.processors = [view.processors(processors or LogitsProcessorList()) for view in self.views]
+        self.criteria = stopping_criteria
+        self.sampler = sampler if sampler is not None else TorchSampler()
+        self.stats = [TriForceStats(draft_precision=config.draft_precision) for _ in range(batch)]
+        # one verification rule per level (the same exact rule; separate objects so a test can alter one level)
+        self.force2_verifier = ChainVerifier(do_sample, self.sampler)
+        self.force3_verifier = ChainVerifier(do_sample, self.sampler)
+        self.force2_tree_verifier = TreeVerifier(do_sample, self.sampler)  # TriForceConfig.tree_nodes > 0
+        self.force3_tree_verifier = TreeVerifier(do_sample, self.sampler)
+        if config.trees and any(window is not None for window in compat.layer_windows(model.config)):
+            raise ValueError("TriForceConfig.tree_nodes / force2_tree_nodes > 0: candidate trees are not supported "
+                             "on models with sliding-window layers; use 0 (chains)")
+        self.force3 = Force3(model, config, max_lengths[0]) if batch == 1 else \
+            RaggedForce3(model, config, max_lengths, paddings)
+        self.draft_name = config.draft if isinstance(config.draft, str) else MODEL_DRAFTER
+        self.policy = adaptive_policy(config, self.draft_name, max(max_lengths))
+        self.fixed_plan = Plan(config.levels, self.draft_name, config.gamma1, config.gamma2,
+                               force1_tree=bool(config.tree_nodes), force2_tree=bool(config.force2_tree_nodes))
+        self.lockstep = Lockstep(batch)
+        self.drafters: dict[str, list] = {}  # name -> per row
+        self.levels: dict[tuple[int, str], list] = {}  # (levels, drafter) -> per row
+
+    @property
+    def batch(self) -> int:
+        return len(self.max_lengths)
+
+    def drafter(self, b: int, name: str):
+        """Row ``b``'s drafter ``name`` (``"model"``: the config's draft model); every row's built at once, and in
+        a batch model drafters' caches share storage."""
+        if name not in self.drafters:
+            config = self.config if name == self.draft_name else replace(self.config, draft=name)
+            rows = [build_drafter(DraftContext(self.model, config, processors, self.do_sample, self.sampler))
+                    for processors in self.processors]
+            if self.batch > 1 and all(isinstance(drafter, ModelDrafter) for drafter in rows):
+                self.lockstep.share([drafter.cache for drafter in rows], f"draft:{name}")
+            self.drafters[name] = rows
+        return self.drafters[name][b]
+
+    def drafting_seconds(self, b: int) -> float:
+        """Seconds row ``b``'s drafters spent (in a batch, the walls of the shared forwards it took part in)."""
+        return sum(drafters[b].seconds for drafters in self.drafters.values())
+
+    def level(self, b: int, plan: Plan):
+        """Row ``b``'s level for ``plan``: None (plain), `Force1Only` or `Force2` (its retrieval cache synced
+        from row ``b`` of the full cache; in a batch, a row of a cache shared by every row's)."""
+        if plan.levels == 1:
+            return None
+        key = (plan.levels, plan.drafter)
+        if key not in self.levels:
+            timed = self.policy.observe_forward if self.policy is not None else None
+            target = drafting_model(self.model, self.config.draft_precision)
+            rows = [Force1Only(self.drafter(r, plan.drafter), self.config, self.stats[r]) if plan.levels == 2
+                    else Force2(target, self.drafter(r, plan.drafter), self.config, self.processors[r],
+                                self.force2_verifier, self.force3.row(r), self.stats[r], timed,
+                                self.force2_tree_verifier)
+                    for r in range(self.batch)]
+            if plan.levels == 3 and self.batch > 1:
+                self.lockstep.share([level.cache for level in rows], "force2")
+            self.levels[key] = rows
+        return self.levels[key][b]
+
+    def run(self, rows: list[torch.LongTensor], prefix_cache=None, streamer=None, keep_scores: bool = False,
+            keep_logits: bool = False) -> DecodeResult:
+        """Decode ``rows`` (per row ``[1, n_b]``, without padding); ``streamer``, ``keep_scores`` and
+        ``keep_logits``: batch size 1."""
+        with weight_left_output_layer(self.model) as weight_left, RowsApart(self.model) as rows_apart:
+            result = self._run(rows, prefix_cache, streamer, keep_scores, keep_logits, rows_apart)
+        for stats in {id(s): s for s in [*result.row_stats, result.stats]}.values():
+            stats.weight_left_output_layer = weight_left
+        return result
+
+    def _run(self, rows, prefix_cache, streamer, keep_scores, keep_logits, rows_apart) -> DecodeResult:
+        policy, force3 = self.policy, self.force3
+        outs = [Output(ids, self.views[b], self.criteria, self.max_lengths[b], streamer, keep_scores, keep_logits)
+                for b, ids in enumerate(rows)]
+        began = time.perf_counter()
+        first_logits, queries, seconds_per_token = force3.prefill(rows, prefix_cache, self.stats)
+        prefill_seconds = time.perf_counter() - began
+        rows_apart.enable()  # after the prefill (plain generate prefills with rows together too)
+        done = [False] * self.batch
+        for b, ids in enumerate(rows):  # the first token: from the prefill's last row (no Force-3 step)
+            scores = process_rows(self.processors[b], ids, first_logits[b], ids.shape[1])
+            first = self.sampler.categorical(scores_to_probs(scores)[0]) if self.do_sample else int(scores[0].argmax())
+            done[b] = outs[b].commit(first, scores[0], first_logits[b][0])
+        if policy is not None:  # a draft cache's fill is a short-context prefill, priced at the prefill's speed
+            rows_to_fill = self.config.sink_tokens + self.config.window
+            policy.setup_seconds = {name: None if seconds_per_token is None else rows_to_fill * seconds_per_token
+                                    for name, kind in policy.drafters.items() if kind == "model"}
+        lookups = [name for name, kind in (policy.drafters.items() if policy else []) if kind == "lookup"]
+        force3_seconds = 0.0
+        while not all(done):
+            active = [b for b in range(self.batch) if not done[b]]
+            # 1. the plan
+            remaining = max(self.max_lengths[b] - outs[b].sequence.shape[1] for b in active)
+            plan = policy.choose(remaining) if policy is not None else self.fixed_plan
+            levels = {b: self.level(b, plan) for b in active}
+            for b, level in levels.items():  # one-time set-up (a draft cache's fill, a selection): not the step's
+                if level is not None:
+                    level.start(outs[b].sequence, queries[b])
+            if policy is not None and plan.levels > 1:
+                policy.started(plan.drafter)
+            # what each free lookup would propose next, scored against Force 3 below (no state, no randomness)
+            counterfactual = {b: {name: self.drafter(b, name).propose(outs[b].sequence, 1)[0] for name in lookups}
+                              for b in active}
+            step_start, before, lockstep_before = time.perf_counter(), self._counters(levels), self.lockstep.clock()
+            # 2. candidates, the rows in lockstep
+            steps = {b: level.candidate_steps(outs[b].sequence, self.max_lengths[b] - outs[b].sequence.shape[1] - 1,
+                                              plan.gamma1, plan.gamma2, plan.force1_tree, plan.force2_tree)
+                     for b, level in levels.items() if level is not None}
+            candidates: dict[int, Candidates] = self.lockstep.drive(steps)
+            for b in active:
+                candidates.setdefault(b, Candidates([], None))
+            # 3. one Force-3 forward
+            begin = time.perf_counter()
+            scored = force3.score({b: outs[b].sequence for b in active}, candidates, self.processors)
+            seconds = time.perf_counter() - begin
+            force3_seconds += seconds
+            # 4. per row: verify, keep, commit
+            verified = {}
+            for b in active:
+                verified[b] = self._verify_row(b, outs[b], plan, levels[b], candidates[b], *scored[b], seconds,
+                                               done, queries)
+            # 5. the policy told
+            if policy is not None:
+                width = 1 + max(len(found.tokens) for found in candidates.values())
+                self._observe(plan, levels, candidates, verified, counterfactual, width, seconds, before,
+                              lockstep_before, time.perf_counter() - step_start)
+        for out in outs:
+            out.end()
+        return self._result(rows, outs, force3_seconds, prefill_seconds)
+
+    def _verify_row(self, b: int, out: Output, plan: Plan, level, candidates: Candidates, logits: torch.Tensor,
+                    p_scores: torch.Tensor, seconds: float, done: list[bool],
+                    queries: list) -> tuple[int, int, torch.Tensor]:
+        """Row ``b`` of one step: verify against its own p, keep its accepted entries, commit. Returns ``(accepted,
+        committed, processed scores of the first row)``; ``queries[b]`` becomes the query at its last cached
+        token."""
+        stats, length, tree = self.stats[b], out.sequence.shape[1], candidates.tree
+        if tree is not None:  # the accepted path's entries compacted into place
+            path, next_token = self.force3_tree_verifier.verify(tree, p_scores)
+            self.force3.keep_tree_path(b, length, path)
+            stats.tree_side_accepts += tree.side_nodes(path)
+            proposals, accepted, last_row = [tree.tokens[node] for node in path], len(path), path[-1] + 1 if path else 0
+            rows = [0] + [node + 1 for node in path]
+            logits, p_scores = logits[rows], p_scores[rows]
+        else:
+            proposals = candidates.tokens
+            accepted, next_token = self.force3_verifier.verify(proposals, candidates.probs, p_scores)
+            last_row = accepted
+        stats.force3_seconds += seconds
+        stats.force3_steps += 1
+        stats.force3_accepted += accepted
+        stats.plan_steps[plan.levels] = stats.plan_steps.get(plan.levels, 0) + 1
+        committed, done[b] = out.commit_verified(proposals[:accepted] + [next_token], p_scores, logits)
+        stats.force3_tokens += committed
+        self.force3.set_length(b, out.sequence.shape[1] - 1)  # the committed sequence but its last token
+        queries[b] = self.force3.queries(b, last_row)
+        if not done[b] and level is not None:
+            level.commit(out.sequence, accepted, proposed_of(candidates), queries[b])
+        return accepted, committed, p_scores[0]
+
+    def _counters(self, levels: dict) -> dict[int, tuple]:
+        """Per row, the counters a step's observation subtracts: Force-2 accepted, rejections, Force-1 proposed,
+        drafters' seconds, Force-2 seconds, selection seconds."""
+        return {b: (self.stats[b].force2_accepted, getattr(level, "rejections", 0), self.stats[b].force1_proposed,
+                    self.drafting_seconds(b), self.stats[b].force2_seconds, self.stats[b].retrieval_seconds)
+                for b, level in levels.items()}
+
+    def _observe(self, plan: Plan, levels: dict, candidates: dict, verified: dict, counterfactual: dict,
+                 width: int, force3_seconds: float, before: dict, lockstep_before: tuple,
+                 step_seconds: float) -> None:
+        """Tell the policy what the step cost (each forward's wall once: a plan's cost for the whole call) and
+        how each row's levels did (acceptances, lookups' counterfactuals)."""
+        policy = self.policy
+        trees = [found.tree for found in candidates.values() if found.tree is not None]
+        if trees:  # batch size 1
+            policy.observe_forward("force3-tree", len(trees[0]) + 1, force3_seconds)
+        else:
+            policy.observe_forward("force3", width, force3_seconds)
+        drafted, drafts, lower = 0.0, 0, 0.0
+        for b, (accepted, _, first_scores) in verified.items():
+            probs = scores_to_probs(first_scores) if self.do_sample else None
+            for name, tokens in counterfactual[b].items():
+                acceptance = 0.0
+                if tokens:
+                    acceptance = float(probs[tokens[0]]) if probs is not None else float(
+                        int(first_scores.argmax()) == tokens[0])
+                policy.observe_lookup(name, bool(tokens), acceptance)
+            f2_accepted, rejections, force1_proposed, drafted_before, force2_before, selection_before = before[b]
+            proposed = proposed_of(candidates[b])
+            if plan.levels == 2 and proposed:
+                policy.observe_direct(plan.drafter, accepted, proposed, plan.force1_tree)
+            elif plan.levels == 3:
+                policy.observe_three_level(plan, self.stats[b].force2_accepted - f2_accepted,
+                                           levels[b].rejections - rejections, accepted, proposed)
+            if plan.levels > 1:
+                drafted += self.drafting_seconds(b) - drafted_before
+                drafts += proposed if plan.levels == 2 else self.stats[b].force1_proposed - force1_proposed
+            lower += self.stats[b].force2_seconds - force2_before + self.stats[b].retrieval_seconds - selection_before
+        lookup = plan.levels > 1 and policy.drafters[plan.drafter] == "lookup"
+        if drafts and (plan.levels == 2 or not lookup):
+            # model drafters: seconds per drafted token (a row's seconds are the walls of the shared forwards it
+            # took part in); lookups (two levels: one call per row): seconds per step, the rows' calls in turn
+            policy.observe_forward(f"draft:{plan.drafter}", 1, drafted if lookup else drafted / drafts)
+        # the forwards' seconds, each wall once: rows' own seconds less what rows sharing one forward counted
+        # more than once; the rest (scoring, sampling, verification) is the plan's overhead per step
+        repeated = self.lockstep.repeated_seconds_since(lockstep_before)
+        forward_seconds = force3_seconds + lower + drafted - repeated
+        tokens = sum(committed for _, committed, _ in verified.values()) / max(len(verified), 1)
+        policy.observe_step(plan, tokens, step_seconds, forward_seconds)
+
+    def _result(self, rows, outs, force3_seconds: float, prefill_seconds: float) -> DecodeResult:
+        for b, stats in enumerate(self.stats):
+            stats.force1_seconds = self.drafting_seconds(b)
+            stats.new_tokens = outs[b].sequence.shape[1] - rows[b].shape[1]
+            stats.retrieval_cache_bytes = sum(levels[b].nbytes() for levels in self.levels.values())
+            stats.draft_cache_bytes = sum(drafters[b].nbytes() for drafters in self.drafters.values())
+            stats.retrieval_summary_bytes = sum(levels[b].summary_bytes() for levels in self.levels.values())
+        total = aggregate(self.stats, force3_seconds, prefill_seconds)
+        # the call's seconds count each shared forward once (a row's stats count every forward it took part in)
+        shared = self.lockstep.seconds
+        total.force2_seconds = shared.get("force2", total.force2_seconds)
+        total.force1_seconds = sum(shared.get(f"draft:{name}", sum(drafter.seconds for drafter in drafters))
+                                   for name, drafters in self.drafters.items())  # lookups: rows one by one
+        total.lockstep_forwards, total.lockstep_requests = self.lockstep.forwards, self.lockstep.requests
+        total.full_cache_bytes = self.force3.nbytes()
+        total.device_resident_bytes = (self.force3.resident_bytes() + total.retrieval_cache_bytes
+                                       + total.draft_cache_bytes + total.retrieval_summary_bytes)
+        if self.policy is not None:
+            total.plans = self.policy.summary()
+        row_stats = [total] if self.batch == 1 else self.stats
+        result = DecodeResult([out.sequence for out in outs], row_stats, total)
+        if self.batch == 1:
+            result.scores, result.logits, result.cache = outs[0].scores, outs[0].logits, self.force3.cache
+        return result

@@ -1,0 +1,83 @@
+"""What one call hands back, and the committed sequence of each row as ``generate`` shows it to its callbacks."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from transformers import LogitsProcessorList, StoppingCriteriaList
+
+from ..caches.buffer import BufferCache
+from ..stats import TriForceStats
+
+
+@dataclass
+class DecodeResult:
+    """One call's output. ``stats`` is the call's: batch size 1, the row's own; a batch, counts summed over rows and
+    each shared forward's seconds counted once (`aggregate`). ``scores``/``logits``/``cache``: batch size 1 only."""
+
+    sequences: list[torch.LongTensor]  # per row [1, n_b], without its left padding
+    row_stats: list[TriForceStats]
+    stats: TriForceStats
+    scores: list[torch.Tensor] = field(default_factory=list)  # per new token [1, vocab] (output_scores)
+    logits: list[torch.Tensor] = field(default_factory=list)  # per new token [1, vocab] (output_logits)
+    cache: BufferCache | None = None  # the committed sequence but its last token (cache=, batch size 1)
+
+
+class PaddedView:
+    """Shows processors and stopping criteria the sequence as ``generate`` built them: padding first."""
+
+    def __init__(self, padding: torch.Tensor) -> None:
+        self.padding = padding  # [1, pad] token ids, possibly empty
+
+    def __call__(self, sequence: torch.Tensor) -> torch.Tensor:
+        return torch.cat((self.padding, sequence), dim=1) if self.padding.shape[1] else sequence
+
+    def processors(self, processors: LogitsProcessorList) -> LogitsProcessorList:
+        if not self.padding.shape[1] or not processors:
+            return processors
+        view = self
+
+        class Padded(LogitsProcessorList):
+            def __call__(self, input_ids, scores, **kwargs):
+                return processors(view(input_ids), scores, **kwargs)
+
+        return Padded(processors)
+
+
+class Output:
+    """One row's committed sequence, with what ``generate`` does per token: scores/logits, streamer, stop check."""
+
+    def __init__(self, input_ids: torch.LongTensor, view: PaddedView, criteria: StoppingCriteriaList | None,
+                 max_length: int, streamer=None, keep_scores: bool = False, keep_logits: bool = False) -> None:
+        self.sequence = input_ids  # [1, n] without the left padding
+        self.scores: list[torch.Tensor] = []
+        self.logits: list[torch.Tensor] = []
+        self.view, self.criteria, self.max_length, self.streamer = view, criteria, max_length, streamer
+        self.keep_scores, self.keep_logits = keep_scores, keep_logits
+        if streamer is not None:
+            streamer.put(view(input_ids).cpu())
+
+    def commit(self, token: int, scores: torch.Tensor, logits: torch.Tensor) -> bool:
+        """Append one token; True when generation must stop."""
+        self.sequence = torch.cat((self.sequence, self.sequence.new_tensor([[token]])), dim=1)
+        if self.keep_scores:
+            self.scores.append(scores[None])
+        if self.keep_logits:
+            self.logits.append(logits[None].float())
+        if self.streamer is not None:
+            self.streamer.put(torch.tensor([token]))
+        stopped = bool(self.criteria(self.view(self.sequence), scores[None]).all()) if self.criteria else False
+        return stopped or self.sequence.shape[1] >= self.max_length
+
+    def commit_verified(self, tokens: list[int], scores: torch.Tensor, logits: torch.Tensor) -> tuple[int, bool]:
+        """Commit the tokens one verification emitted (token ``i`` with row ``i`` of ``scores``/``logits``) until a
+        stop; returns how many were committed and whether generation must stop."""
+        for index, token in enumerate(tokens):
+            if self.commit(token, scores[index], logits[index]):
+                return index + 1, True
+        return len(tokens), False
+
+    def end(self) -> None:
+        if self.streamer is not None:
+            self.streamer.end()
