@@ -24,12 +24,12 @@ import torch
 from .. import compat
 from ..caches.buffer import BufferCache, copy_prefix
 from ..caches.offloaded import OffloadedBufferCache
-from ..caches.ragged import RaggedBufferCache, ragged_causal_mask
+from ..caches.ragged import RaggedBufferCache
 from ..compat import layer_devices
 from ..config import TriForceConfig
-from ..kernels.attention import RECORDER_KWARG, QueryRecorder, recording
+from ..kernels.attention import QueryRecorder
 from ..verification.scoring import process_rows
-from .forward import prefill, score_continuation, settle
+from .forward import prefill, ragged_forward, score_continuation, settle
 from .levels import Candidates
 from .tree_forward import score_tree
 
@@ -146,28 +146,15 @@ class RaggedForce3:
 
     def score(self, sequences: dict[int, torch.Tensor], candidates: dict[int, Candidates],
               processors: list) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
-        """The step's forward for the active rows ``sequences``; stopped rows' dummy entries are dropped."""
-        cache, batch = self.cache, self.batch
-        lengths, n = cache.lengths, 1 + max(len(found.tokens) for found in candidates.values())
-        sequence = next(iter(sequences.values()))
-        tokens = torch.zeros(batch, n, dtype=torch.long, device=sequence.device)
-        for b, sequence in sequences.items():  # the last committed token, the candidates, dummies (never seen)
-            last, proposals = int(sequence[0, -1]), candidates[b].tokens
-            tokens[b] = tokens.new_tensor([last] + proposals + [last] * (n - 1 - len(proposals)))
-        positions = torch.tensor(lengths, device=tokens.device)[:, None] + torch.arange(n, device=tokens.device)
-        mask = ragged_causal_mask(lengths, n, self.model.dtype, tokens.device, self.additive_mask)
-        with recording(self.recorder):
-            out = self.model(input_ids=tokens, cache=cache, position_ids=positions, attention_mask=mask,
-                             use_cache=True, logits_to_keep=n, **{RECORDER_KWARG: self.recorder})
-        logits = settle(out.logits)
+        """The step's forward for the active rows ``sequences`` (stopped rows take no part)."""
+        lengths = self.cache.lengths
+        fed = {b: torch.cat((sequence[:, -1:], sequence.new_tensor([candidates[b].tokens])), dim=1)
+               for b, sequence in sequences.items()}  # the last committed token, then the candidates
+        logits = ragged_forward(self.model, self.cache, fed, {b: lengths[b] for b in fed}, self.recorder)
         scored = {}
-        for b in range(batch):
-            if b not in sequences:
-                cache.set_length(b, lengths[b])  # a stopped row: its dummies are dropped
-                continue
-            sequence, proposals = sequences[b], candidates[b].tokens
-            extended = torch.cat((sequence, sequence.new_tensor([proposals])), dim=1)
-            rows = logits[b, : len(proposals) + 1]
+        for b, sequence in sequences.items():
+            extended = torch.cat((sequence, fed[b][:, 1:]), dim=1)
+            rows = logits[b, : fed[b].shape[1]]
             scored[b] = (rows, process_rows(processors[b], extended, rows, sequence.shape[1]))
         return scored
 

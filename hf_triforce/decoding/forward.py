@@ -12,6 +12,8 @@ import torch
 from tqdm.auto import tqdm
 from transformers import LogitsProcessorList
 
+from .. import compat
+from ..caches.ragged import RaggedBufferCache, ragged_causal_mask
 from ..kernels.attention import RECORDER_KWARG, QueryRecorder, recording
 from ..verification.scoring import process_rows
 
@@ -32,6 +34,36 @@ def forward_logits(model, tokens: torch.Tensor, cache, start: int, keep: int,
     with recording(recorder):
         out = model(input_ids=tokens, cache=cache, position_ids=positions, use_cache=True, logits_to_keep=keep, **extra)
     return out.logits[0, -keep:]  # the last rows also where a model ignores logits_to_keep (Whisper's decoder)
+
+
+def ragged_forward(model, cache: RaggedBufferCache, rows: dict[int, torch.Tensor], starts: dict[int, int],
+                   recorder: QueryRecorder | None = None) -> torch.Tensor:
+    """One forward of a batch on a `RaggedBufferCache`: row ``b`` of ``rows`` feeds its tokens ``[1, n_b]`` at
+    absolute positions ``starts[b], starts[b] + 1, ...`` after its own entries, padded to the widest row with
+    dummies (its last token); a row not in ``rows`` takes no part. Only each row's real entries are written
+    (`RaggedBufferCache.writing`) and its real queries attend exactly over its own entries (`ragged_causal_mask`:
+    other rows' columns and every dummy contribute exactly zero). Returns logits ``[batch, n, vocab]``; row ``b``'s
+    are its first ``n_b``."""
+    lengths, n = cache.lengths, max(tokens.shape[1] for tokens in rows.values())
+    device = next(iter(rows.values())).device
+    counts = [0] * len(lengths)
+    tokens = torch.zeros(len(lengths), n, dtype=torch.long, device=device)
+    positions = torch.tensor(lengths, device=device)[:, None] + torch.arange(n, device=device)
+    for b, row in rows.items():
+        count = counts[b] = row.shape[1]
+        if lengths[b] + count > cache.capacity:
+            raise RuntimeError(f"RaggedBufferCache overflow: row {b} holds {lengths[b]} entries, + {count} exceed "
+                               f"its capacity {cache.capacity}")
+        tokens[b, :count] = row[0]
+        tokens[b, count:] = row[0, -1]
+        positions[b] = starts[b] + torch.arange(n, device=device)
+    additive = compat.current_attention_implementation(model).removeprefix("triforce_") == "eager"
+    mask = ragged_causal_mask(lengths, n, model.dtype, device, additive, counts)
+    extra = {RECORDER_KWARG: recorder} if recorder is not None else {}
+    with cache.writing(counts), recording(recorder):
+        out = model(input_ids=tokens, cache=cache, position_ids=positions, attention_mask=mask, use_cache=True,
+                    logits_to_keep=n, **extra)
+    return settle(out.logits[:, -n:])
 
 
 def score_continuation(model, cache, cached: int, extended: torch.Tensor, prefix: int,

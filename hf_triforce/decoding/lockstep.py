@@ -22,10 +22,9 @@ from typing import Any
 
 import torch
 
-from .. import compat
 from ..caches.buffer import BufferCache, BufferLayer
-from ..caches.ragged import RaggedBufferCache, RowLayer, ragged_causal_mask
-from .forward import settle
+from ..caches.ragged import RaggedBufferCache, RowLayer
+from .forward import ragged_forward
 from .steps import ForwardRequest, Steps
 
 
@@ -105,27 +104,10 @@ class Lockstep:
         models = {id(request.model) for request in requests.values()}
         if len(models) != 1:
             raise RuntimeError("Lockstep.forward: requests on one shared cache must use one model")
-        model = next(iter(requests.values())).model
-        lengths, n = shared.lengths, max(request.tokens.shape[1] for request in requests.values())
-        counts = [0] * self.batch
-        device = next(iter(requests.values())).tokens.device
-        tokens = torch.zeros(self.batch, n, dtype=torch.long, device=device)
-        positions = torch.tensor(lengths, device=device)[:, None] + torch.arange(n, device=device)
-        for b, request in requests.items():
-            count = counts[b] = request.tokens.shape[1]
-            if lengths[b] + count > shared.capacity:
-                raise RuntimeError(f"{type(request.cache).__name__} overflow: {lengths[b]} + {count} entries exceed "
-                                   f"its capacity {shared.capacity}")
-            tokens[b, :count] = request.tokens[0]
-            tokens[b, count:] = request.tokens[0, -1]
-            positions[b] = request.start + torch.arange(n, device=device)
-        additive = compat.current_attention_implementation(model).removeprefix("triforce_") == "eager"
-        mask = ragged_causal_mask(lengths, n, model.dtype, device, additive, counts)
         began = time.perf_counter()
-        with shared.writing(counts):
-            out = model(input_ids=tokens, cache=shared, position_ids=positions, attention_mask=mask, use_cache=True,
-                        logits_to_keep=n)
-        logits = settle(out.logits[:, -n:])
+        logits = ragged_forward(next(iter(requests.values())).model, shared,
+                                {b: request.tokens for b, request in requests.items()},
+                                {b: request.start for b, request in requests.items()})
         seconds = time.perf_counter() - began
         tier = self.tiers[id(shared)]
         self.seconds[tier] = self.seconds.get(tier, 0.0) + seconds
@@ -135,5 +117,6 @@ class Lockstep:
         result = {}
         for b, request in requests.items():
             request.seconds = seconds
-            result[b] = logits[b, counts[b] - request.keep : counts[b]]
+            count = request.tokens.shape[1]
+            result[b] = logits[b, count - request.keep : count]
         return result
