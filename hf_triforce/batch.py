@@ -48,7 +48,7 @@ from .policy import Plan
 from .quantized import drafting_model
 from .row_mixing import row_mixing_layers
 from .sampling import ChainVerifier, Sampler, TorchSampler, scores_to_probs
-from .scoring import process_rows
+from .scoring import process_rows, row_processors
 from .stats import TriForceStats
 
 BATCH_ATTENTION = ("sdpa", "eager")  # implementations that read the 4-D per-row mask
@@ -128,7 +128,9 @@ class BatchDecoder:
         self.model, self.config, self.do_sample = model, config, do_sample
         self.max_lengths = max_lengths
         self.views = [PaddedView(padding) for padding in paddings]
-        self.processors = [view.processors(processors or LogitsProcessorList()) for view in self.views]
+        # row b's processors see row b as plain batched generate shows it: its padded view, at index b of the batch
+        self.processors = [view.processors(row_processors(processors or LogitsProcessorList(), b, len(self.views)))
+                           for b, view in enumerate(self.views)]
         self.criteria = stopping_criteria
         self.sampler = sampler if sampler is not None else TorchSampler()
         self.stats = [TriForceStats(draft_precision=config.draft_precision) for _ in paddings]
