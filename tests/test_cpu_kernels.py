@@ -102,11 +102,10 @@ def test_split_kv_route_taken_only_for_few_rows_over_a_long_cpu_cache():
 
 
 @pytest.mark.parametrize("kv_len", [300, 9000])
-def test_routes_return_the_values_width(monkeypatch, kv_len):
-    """Values narrower than keys (DeepSeek-V3's MLA: 128 against 192): a decoding step (`one_row_sdpa`, the
-    cache split across threads from `SPLIT_KV_MIN_CACHED` entries for equal widths), a masked GQA verification
-    (`gqa_sdpa`) and a tree forward (`tree_sdpa`, its prefix split or not) return ``[b, q, heads, dv]``, equal to
-    SDPA."""
+def test_routes_return_the_values_width(kv_len):
+    """Values narrower than keys (DeepSeek-V3's MLA: 128 against 192): a decoding step (`one_row_sdpa`; at 9000
+    entries, past `SPLIT_KV_MIN_CACHED`, not split: ATen's kernel refuses the widths), a masked GQA verification
+    (`gqa_sdpa`) and a tree forward (`tree_sdpa`) return ``[b, q, heads, dv]``, equal to SDPA."""
     from hf_triforce.tree_attention import tree_sdpa
 
     torch.manual_seed(0)
