@@ -19,7 +19,8 @@ and reach anything else through the functions below:
   follows: ``"sliding_attention"`` layers with their ``sliding_window``), and the sliding-window mask built
   from a cache's ``is_sliding`` layers, ``get_mask_sizes`` and ``get_seq_length``;
 - ``GenerateDecoderOnlyOutput`` (the output class TriForce's output extends);
-- ``hf_quantizer.remove_quantization_config`` (a GGUF-loaded model is marked quantized until it is removed).
+- ``hf_quantizer.remove_quantization_config`` (a GGUF-loaded model is marked quantized until it is removed);
+- ``PrefixConstrainedLogitsProcessor``'s callback and rows per batch id (``prefix_constraint``).
 
 Other libraries' attributes read here, with the same contract tests:
 
@@ -61,6 +62,7 @@ __all__ = [
     "hook_state",
     "materialized",
     "offloaded_modules",
+    "prefix_constraint",
     "strip_hooks",
     "attention_implementation",
     "install_generate",
@@ -195,6 +197,12 @@ def remove_quantization_config(model) -> None:
     """Drop the quantization marker a GGUF load leaves (weights are already dequantized)."""
     if getattr(model, "hf_quantizer", None) is not None:
         model.hf_quantizer.remove_quantization_config(model)
+
+
+def prefix_constraint(processor) -> tuple[Callable, int]:
+    """A ``PrefixConstrainedLogitsProcessor``'s ``prefix_allowed_tokens_fn`` and its rows per batch id (``generate``
+    builds it with ``max(num_beams, num_return_sequences)``)."""
+    return processor._prefix_allowed_tokens_fn, processor._num_beams
 
 
 def bnb_outlier_threshold(module: torch.nn.Module) -> float | None:

@@ -87,7 +87,14 @@ FAMILIES: dict[str, tuple[type, type, dict, str]] = {
                          qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, kv_lora_rank=16, q_lora_rank=16,
                          n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1,
                          moe_intermediate_size=32, first_k_dense_replace=1),
-                    "multi-head latent attention (keys wider than values), MoE"),
+                    "multi-head latent attention (values as wide as keys), MoE"),
+    "deepseek-v3-narrow-values": (T.DeepseekV3Config, T.DeepseekV3ForCausalLM,
+                                  dict(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, head_dim=8,
+                                       qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, kv_lora_rank=16,
+                                       q_lora_rank=16, n_routed_experts=4, num_experts_per_tok=2, n_group=1,
+                                       topk_group=1, moe_intermediate_size=32, first_k_dense_replace=1),
+                                  "multi-head latent attention, values narrower than keys (8 < 8 + 8, as the real "
+                                  "model's 128 < 128 + 64), MoE"),
 }
 
 HYBRID = [name for name, (_, _, kwargs, _) in FAMILIES.items() if kwargs.get("sliding_window")]

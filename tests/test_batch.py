@@ -13,13 +13,39 @@ import itertools
 
 import pytest
 import torch
-from transformers import DynamicCache, LogitsProcessorList, StaticCache, TopKLogitsWarper, pipeline
+from transformers import (
+    DynamicCache,
+    EpsilonLogitsWarper,
+    EtaLogitsWarper,
+    ExponentialDecayLengthPenalty,
+    ForcedBOSTokenLogitsProcessor,
+    ForcedEOSTokenLogitsProcessor,
+    InfNanRemoveLogitsProcessor,
+    LogitNormalization,
+    LogitsProcessorList,
+    MinLengthLogitsProcessor,
+    MinNewTokensLengthLogitsProcessor,
+    MinPLogitsWarper,
+    NoBadWordsLogitsProcessor,
+    NoRepeatNGramLogitsProcessor,
+    SequenceBiasLogitsProcessor,
+    StaticCache,
+    SuppressTokensAtBeginLogitsProcessor,
+    SuppressTokensLogitsProcessor,
+    TemperatureLogitsWarper,
+    TopHLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+    TypicalLogitsWarper,
+    pipeline,
+)
 
 from hf_triforce import TriForceConfig
 from hf_triforce.decoding import forward as forward_module
 from hf_triforce.decoding.loop import Decoder
 from hf_triforce.decoding.policy import AdaptivePolicy, Plan
 from hf_triforce.integration import recording_attention
+from hf_triforce.verification.scoring import ROW_WISE
 
 from .conftest import make_model, random_prompt
 from .enumeration_util import enumerate_outcomes
@@ -332,3 +358,77 @@ def test_stopped_rows_padded_with_eos_when_no_pad_token(model):
     gen = dict(max_new_tokens=20, do_sample=False, eos_token_id=eos)  # no pad_token_id: plain pads with eos
     assert torch.equal(model.generate(ids, attention_mask=mask, triforce_config=_config(), **gen),
                        model.generate(ids, attention_mask=mask, **gen))
+
+
+def _parity(batch_id: int, sent: torch.Tensor) -> list[int]:
+    """Row ``batch_id``'s allowed tokens: its parity, never the token just emitted (the padded sentence)."""
+    return [t for t in range(batch_id % 2, 96, 2) if t != int(sent[-1])]
+
+
+def test_prefix_allowed_tokens_fn_sees_each_rows_batch_id(model):
+    """Every processor scores row ``b`` as batch row ``b`` (`scoring.row_processors`): ``batch_id`` is the row's,
+    and the callback is only ever called with a row's own batch id and that row's padded sentence."""
+    ids, mask = left_padded(PROMPTS[:2])
+    calls = []
+
+    def allowed(batch_id, sent):
+        calls.append((batch_id, sent.clone()))
+        return _parity(batch_id, sent)
+
+    gen = dict(attention_mask=mask, max_new_tokens=24, do_sample=False, pad_token_id=0)
+    plain = model.generate(ids, prefix_allowed_tokens_fn=_parity, **gen)
+    out = model.generate(ids, prefix_allowed_tokens_fn=allowed, triforce_config=_config(), **gen)
+    assert torch.equal(out, plain)
+    assert (plain[1, ids.shape[1]:] % 2 == 1).all()  # row 1 is constrained by its own (odd) set
+    assert calls and all(torch.equal(sent[: ids.shape[1]], ids[batch_id]) for batch_id, sent in calls)
+
+
+def test_prefix_allowed_tokens_fn_batch_id_with_num_return_sequences(model):
+    """``num_return_sequences``: expanded row ``e`` is batch ``e // num_return_sequences``, as in ``generate``."""
+    ids, mask = left_padded(PROMPTS[:2])
+    torch.manual_seed(0)
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=True, num_return_sequences=2,
+                         pad_token_id=0, prefix_allowed_tokens_fn=_parity, triforce_config=_config())
+    parities = (out[:, ids.shape[1]:] % 2).tolist()
+    assert parities == [[0] * 12, [0] * 12, [1] * 12, [1] * 12]
+
+
+@pytest.mark.parametrize("gen", [
+    dict(repetition_penalty=3.0),  # prompt_ignore_length: each row's padding length
+    dict(encoder_repetition_penalty=2.0),  # the prompts' ids, one row per prompt
+    dict(encoder_no_repeat_ngram_size=2),
+], ids=["repetition_penalty", "encoder_repetition_penalty", "encoder_no_repeat_ngram_size"])
+def test_processors_built_from_the_batch_inputs_equal_plain_batched_generate(model, gen):
+    """Processors holding per-row tensors of the left-padded batch see each row at its index."""
+    ids, mask = left_padded(PROMPTS)
+    gen = dict(gen, attention_mask=mask, max_new_tokens=30, do_sample=False, pad_token_id=0)
+    assert torch.equal(model.generate(ids, triforce_config=_config(), **gen), model.generate(ids, **gen))
+
+
+ROW_WISE_EXAMPLES = [
+    SequenceBiasLogitsProcessor([[[3, 4], 2.0], [[5], -1.0]]), NoRepeatNGramLogitsProcessor(2),
+    NoBadWordsLogitsProcessor([[7], [3, 4]], eos_token_id=1), MinLengthLogitsProcessor(20, eos_token_id=1),
+    MinNewTokensLengthLogitsProcessor(8, 10, eos_token_id=1), ForcedBOSTokenLogitsProcessor(2),
+    ForcedEOSTokenLogitsProcessor(13, eos_token_id=1), InfNanRemoveLogitsProcessor(),
+    ExponentialDecayLengthPenalty((5, 1.5), eos_token_id=1, input_ids_seq_length=4),
+    SuppressTokensLogitsProcessor([2, 3]), SuppressTokensAtBeginLogitsProcessor([2, 3], begin_index=12),
+    TemperatureLogitsWarper(0.7), TopHLogitsWarper(0.5), TopKLogitsWarper(5), TopPLogitsWarper(0.8),
+    MinPLogitsWarper(0.1), TypicalLogitsWarper(0.8), EpsilonLogitsWarper(0.02), EtaLogitsWarper(0.02),
+    LogitNormalization(),
+]
+
+
+def test_row_wise_processors_score_each_row_as_in_the_batch():
+    """`scoring.ROW_WISE` runs these on a batch row alone: each row of a batch is what that row gives alone."""
+    assert {type(p) for p in ROW_WISE_EXAMPLES} == set(ROW_WISE)
+    generator = torch.Generator().manual_seed(0)
+    for length in (1, 12, 14):  # forced BOS, begin suppression / forced EOS, past both
+        ids = torch.randint(0, 50, (3, length), generator=generator)
+        ids[1, -1] = 3  # the first token of a biased / bad sequence
+        scores = torch.randn(3, 50, generator=generator) * 3
+        scores[2, 6] = -float("inf")  # a token an earlier processor removed
+        for processor in ROW_WISE_EXAMPLES:
+            batch = processor(ids, scores.clone())
+            for row in range(3):
+                alone = processor(ids[row : row + 1], scores[row : row + 1].clone())
+                assert torch.equal(alone[0], batch[row]), (type(processor).__name__, length, row)

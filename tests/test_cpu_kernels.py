@@ -93,9 +93,37 @@ def test_split_kv_sdpa_matches_one_masked_call(heads, kv_heads, q_len, kv_len, t
 def test_split_kv_route_taken_only_for_few_rows_over_a_long_cpu_cache():
     module = nn.Module().eval()
     query, long_keys = torch.zeros(1, 9, 8, 64), torch.zeros(1, 3, attention.SPLIT_KV_MIN_CACHED + 8, 64)
-    assert attention._wants_split_kv(query, long_keys, 0.0, module)
-    assert not attention._wants_split_kv(query, long_keys[:, :, :-1], 0.0, module)  # cache one entry short
-    assert not attention._wants_split_kv(torch.zeros(1, 9, 1024, 64), long_keys, 0.0, module)  # a prefill chunk
+    assert attention._wants_split_kv(query, long_keys, long_keys, 0.0, module)
+    short = long_keys[:, :, :-1]
+    assert not attention._wants_split_kv(query, short, short, 0.0, module)  # cache one entry short
+    assert not attention._wants_split_kv(torch.zeros(1, 9, 1024, 64), long_keys, long_keys, 0.0, module)  # prefill
+    # values narrower than keys (multi-head latent attention): ATen's CPU flash kernel refuses them
+    assert not attention._wants_split_kv(query, long_keys, long_keys[..., :48], 0.0, module)
+
+
+@pytest.mark.parametrize("kv_len", [300, 9000])
+def test_routes_return_the_values_width(kv_len):
+    """Values narrower than keys (DeepSeek-V3's MLA: 128 against 192): a decoding step (`one_row_sdpa`; at 9000
+    entries, past `SPLIT_KV_MIN_CACHED`, not split: ATen's kernel refuses the widths), a masked GQA verification
+    (`gqa_sdpa`) and a tree forward (`tree_sdpa`) return ``[b, q, heads, dv]``, equal to SDPA."""
+    from hf_triforce.kernels.tree_attention import tree_sdpa
+
+    torch.manual_seed(0)
+    module = nn.Module().eval()
+    keys, values = torch.randn(1, 2, kv_len, 24), torch.randn(1, 2, kv_len, 16)
+    for q_len in (1, 5):
+        query = torch.randn(1, 6, q_len, 24)
+        mask = torch.ones(q_len, kv_len, dtype=torch.bool).tril(kv_len - q_len)[None, None]
+        expected = torch.nn.functional.scaled_dot_product_attention(
+            query, keys, values, attn_mask=mask, scale=0.2, enable_gqa=True).transpose(1, 2)
+        routes = {"tree": tree_sdpa(module, query, keys, values, mask[0, 0, :, -q_len:], scaling=0.2)[0]}
+        if q_len == 1:
+            routes["one_row"] = attention.one_row_sdpa(module, query, keys, values, None, scaling=0.2)[0]
+        else:
+            routes["gqa"] = attention.gqa_sdpa(module, query, keys, values, mask, scaling=0.2)[0]
+        for route, got in routes.items():
+            assert got.shape == (1, q_len, 6, 16), route
+            torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6, msg=route)
 
 
 def test_int8_copy_rows_do_not_depend_on_each_other():

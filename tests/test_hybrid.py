@@ -97,6 +97,28 @@ def test_continuing_from_a_returned_cache_and_from_a_dynamic_cache():
     assert torch.equal(out, expected)
 
 
+NARROW_VALUES = {  # plan -> config overrides: chains, trees at both levels, tree plans chosen by the policy
+    "chain": {},
+    "trees": dict(tree_nodes=8, tree_branch=3, force2_tree_nodes=9),
+    "auto-trees": dict(policy="auto", tree_nodes=8, tree_branch=3, force2_tree_nodes=9, explore_every=2),
+}
+
+
+@pytest.mark.parametrize("plan", list(NARROW_VALUES))
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_latent_attention_with_values_narrower_than_keys(attn, plan):
+    """DeepSeek-V3's values are narrower than its keys (``v_head_dim`` < ``qk_nope_head_dim + qk_rope_head_dim``):
+    every attention route (one-row steps, verification, tree forwards) returns the values' width."""
+    model = make_family("deepseek-v3-narrow-values")
+    model.set_attn_implementation(attn)
+    attention = model.model.layers[0].self_attn
+    assert attention.v_head_dim < attention.qk_head_dim
+    stats = assert_identical(model, random_prompt(PROMPT, VOCAB, period=37), _config(**NARROW_VALUES[plan]),
+                             max_new_tokens=40).triforce_stats
+    assert stats.force3_steps > 0 and stats.force1_proposed > 0
+    assert (stats.tree_nodes > 0) == (plan != "chain")
+
+
 def test_chunked_attention_is_refused_before_the_prefill():
     from transformers import Llama4ForCausalLM, Llama4TextConfig
 

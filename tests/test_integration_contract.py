@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 import transformers
 from packaging.specifiers import SpecifierSet
-from transformers import GenerationMixin
+from transformers import GenerationMixin, PrefixConstrainedLogitsProcessor
 from transformers.masking_utils import _preprocess_mask_arguments
 
 import hf_triforce
@@ -134,6 +134,27 @@ def test_output_class_and_quantizer_marker():
     model = make_model("llama-gqa")
     compat.remove_quantization_config(model)  # no marker: a no-op
     assert getattr(model, "hf_quantizer", None) is None
+
+
+def test_prefix_constraint_contract(monkeypatch):
+    """``generate`` builds the processor with ``max(num_beams, num_return_sequences)`` rows per batch id."""
+    seen = []
+    model = make_model("llama-gqa")
+
+    def allowed(batch_id, sentence):
+        return [batch_id]
+
+    real = GenerationMixin._get_logits_processor
+
+    def spy(self, *args, **kwargs):
+        processors = real(self, *args, **kwargs)
+        seen.extend(compat.prefix_constraint(p) for p in processors if type(p) is PrefixConstrainedLogitsProcessor)
+        return processors
+
+    monkeypatch.setattr(GenerationMixin, "_get_logits_processor", spy)
+    out = model.generate(torch.zeros(2, 3, dtype=torch.long), max_new_tokens=1, do_sample=True,
+                         num_return_sequences=3, prefix_allowed_tokens_fn=allowed)
+    assert seen == [(allowed, 3)] and out[:, -1].tolist() == [0, 0, 0, 1, 1, 1]
 
 
 def test_per_layer_cache_structure_and_sliding_mask_contract():

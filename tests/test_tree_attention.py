@@ -119,6 +119,7 @@ def varlen_stand_in(lse_layout: str):
     def varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
                softmax_scale=None, causal=False, return_attn_probs=False, **_):
         assert cu_seqlens_q.numel() == 2 and cu_seqlens_k.numel() == 2  # one sequence, as TriForce calls it
+        assert q.shape[-1] == k.shape[-1] == v.shape[-1], "flash-attn 2: one head dim for q, k and v"
         groups = q.shape[1] // k.shape[1]
         keys, values = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
         scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
@@ -158,6 +159,28 @@ def test_flash_prefix_path_reads_the_kernel_layout(monkeypatch, family, lse_layo
         got = tree_logits(model, filled_cache(model, sequence[:, :-1]), 199, sequence, TREE)
     assert any(calls), "the tree's prefix did not go through the varlen kernel"
     assert torch.allclose(got, expected, rtol=1e-4, atol=1e-4) == same
+
+
+def test_flash_routes_leave_values_narrower_than_keys_to_sdpa(monkeypatch):
+    """flash-attn 2 takes one head dim for q, k and v: DeepSeek-V3's narrower values (MLA) must not reach it,
+    neither from the prefill's multi-token calls (`flash_verify`) nor from a tree's prefix
+    (`flash_prefix_attention`): the tree forward is then the CPU path's."""
+    import hf_triforce.kernels.attention as attention
+
+    from .families import make_family
+
+    model = make_family("deepseek-v3-narrow-values")
+    sequence = random_prompt(200, vocab_size=96, seed=10)
+    with torch.no_grad(), recording_attention(model):
+        expected = tree_logits(model, filled_cache(model, sequence[:, :-1]), 199, sequence, TREE)
+        calls = []
+        stand_in = varlen_stand_in("unpadded")
+        monkeypatch.setattr(attention, "_flash_attn_varlen_func", lambda: lambda *a, **k: calls.append(1) or stand_in(
+            *a, **k))
+        monkeypatch.setattr(attention, "_flash_device", lambda query: True)
+        got = tree_logits(model, filled_cache(model, sequence[:, :-1]), 199, sequence, TREE)
+    assert not calls
+    assert torch.equal(got, expected)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA and flash-attn")

@@ -38,7 +38,7 @@ from ..kernels.quantized import drafting_model
 from ..kernels.row_mixing import RowsApart
 from ..stats import TriForceStats
 from ..verification.sampling import ChainVerifier, Sampler, TorchSampler, scores_to_probs
-from ..verification.scoring import process_rows
+from ..verification.scoring import process_rows, row_processors
 from ..verification.tree import TreeVerifier
 from .force3 import Force3, RaggedForce3
 from .levels import Candidates, Force1Only, Force2
@@ -108,7 +108,9 @@ class Decoder:
         batch = len(max_lengths)
         paddings = paddings if paddings is not None else [torch.empty(1, 0, dtype=torch.long)] * batch
         self.views = [PaddedView(padding) for padding in paddings]
-        self.processors = [view.processors(processors or LogitsProcessorList()) for view in self.views]
+        # row b's processors see row b as plain batched generate shows it: its padded view, at index b of the batch
+        self.processors = [view.processors(row_processors(processors or LogitsProcessorList(), b, batch))
+                           for b, view in enumerate(self.views)]
         self.criteria = stopping_criteria
         self.sampler = sampler if sampler is not None else TorchSampler()
         self.stats = [TriForceStats(draft_precision=config.draft_precision) for _ in range(batch)]

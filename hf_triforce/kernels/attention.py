@@ -72,7 +72,8 @@ def gqa_sdpa(module, query, key, value, attention_mask, scaling=None, dropout=0.
 
     transformers' SDPA path expands K/V to every query head (``repeat_kv``) whenever a mask is given;
     here ``[b, kv_heads * g, q, d]`` queries are viewed as ``[b, kv_heads, g * q, d]`` and the mask is
-    tiled ``g`` times, so K/V are read once per KV head. Returns ``[b, q, heads, d]`` like transformers.
+    tiled ``g`` times, so K/V are read once per KV head. Returns ``[b, q, heads, dv]`` like transformers (``dv``
+    the values' head dim: narrower than the keys' in multi-head latent attention).
     """
     batch, heads, q_len, dim = query.shape
     kv_heads = key.shape[1]
@@ -82,7 +83,7 @@ def gqa_sdpa(module, query, key, value, attention_mask, scaling=None, dropout=0.
         query.reshape(batch, kv_heads, groups * q_len, dim), key, value, attn_mask=mask,
         dropout_p=dropout if module.training else 0.0, scale=scaling,
     )
-    return out.reshape(batch, heads, q_len, dim).transpose(1, 2).contiguous(), None
+    return out.reshape(batch, heads, q_len, value.shape[-1]).transpose(1, 2).contiguous(), None
 
 
 # CPU verification: below this many cached entries one SDPA call is as fast or faster (SmolLM2, 2 threads,
@@ -103,7 +104,8 @@ def split_kv_sdpa(module, query, key, value, attention_mask, scaling=None, dropo
     that is 3 work items, so 2 threads run at 2/3 occupancy. Here the cached entries are cut into
     ``parts`` equal spans laid along the batch dimension (``parts * kv_heads`` items, strided views, no
     copy); the remainder and the new tokens (causal among themselves) take one small masked call, and
-    the partial results are merged exactly by their log-sum-exp. Returns ``[b, q, heads, d]``.
+    the partial results are merged exactly by their log-sum-exp. Returns ``[b, q, heads, dv]``. ATen's kernel
+    needs values as wide as keys (`_wants_split_kv`).
     """
     batch, heads, q_len, dim = query.shape
     kv_heads, kv_len = key.shape[1], key.shape[2]
@@ -124,7 +126,7 @@ def split_kv_sdpa(module, query, key, value, attention_mask, scaling=None, dropo
     out, lse = torch.cat((out, tail_out)), torch.cat((lse, tail_lse))
     weights = torch.exp(lse - lse.amax(0)).unsqueeze(-1)
     merged = ((out * weights).sum(0) / weights.sum(0)).to(query.dtype)  # the weights are fp32
-    return merged.reshape(batch, heads, q_len, dim).transpose(1, 2).contiguous(), None
+    return merged.reshape(batch, heads, q_len, value.shape[-1]).transpose(1, 2).contiguous(), None
 
 
 def one_row_sdpa(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -132,8 +134,8 @@ def one_row_sdpa(module, query, key, value, attention_mask, scaling=None, dropou
     heads of a GQA group become rows of one KV head (K/V read once). On CPU, 1.8x cheaper than SDPA with
     ``enable_gqa`` at 8k cached entries and 1.9x at 32k (SmolLM2 shapes, 2 threads); from
     `SPLIT_KV_MIN_CACHED` entries the cache is split across threads (`split_kv_sdpa`). Returns
-    ``[b, 1, heads, d]``."""
-    if _wants_split_kv(query, key, dropout, module):
+    ``[b, 1, heads, dv]`` (``dv`` the values' head dim)."""
+    if _wants_split_kv(query, key, value, dropout, module):
         return split_kv_sdpa(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
     batch, heads, _, dim = query.shape
     kv_heads = key.shape[1]
@@ -141,7 +143,7 @@ def one_row_sdpa(module, query, key, value, attention_mask, scaling=None, dropou
         query.reshape(batch, kv_heads, heads // kv_heads, dim), key, value,
         dropout_p=dropout if module.training else 0.0, scale=scaling,
     )
-    return out.reshape(batch, heads, 1, dim).transpose(1, 2).contiguous(), None
+    return out.reshape(batch, heads, 1, value.shape[-1]).transpose(1, 2).contiguous(), None
 
 
 @functools.cache
@@ -159,7 +161,8 @@ def flash_verify(module, query, key, value, attention_mask, scaling=None, dropou
 
     ``query`` is ``[1, heads, q, d]``, ``key``/``value`` ``[1, kv_heads, kv, d]`` (cached entries, then the q
     new ones), read in place from the cache's buffers (varlen takes ``[tokens, heads, d]`` views, one sequence
-    bounded by ``cu_seqlens``); returns ``[1, q, heads, d]`` like transformers' attention functions.
+    bounded by ``cu_seqlens``); returns ``[1, q, heads, d]`` like transformers' attention functions. flash-attn 2
+    needs values as wide as keys (`_wants_flash`).
     """
     q_len, kv_len = query.shape[2], key.shape[2]
     bounds = torch.tensor([[0, q_len], [0, kv_len]], dtype=torch.int32, device=query.device)
@@ -176,9 +179,16 @@ def _flash_device(query: torch.Tensor) -> bool:
     return query.is_cuda and query.dtype in (torch.float16, torch.bfloat16)
 
 
-def _wants_flash(query, kwargs) -> bool:
+def same_head_dims(key: torch.Tensor, value: torch.Tensor) -> bool:
+    """Keys and values of the same head dim: what flash-attn 2 and ATen's CPU flash kernel take (multi-head latent
+    attention has narrower values, DeepSeek-V3 128 against 192: those calls take SDPA or a matmul)."""
+    return key.shape[-1] == value.shape[-1]
+
+
+def _wants_flash(query, key, value, kwargs) -> bool:
     return (
         _flash_device(query)
+        and same_head_dims(key, value)
         and query.shape[0] == 1
         and query.shape[2] > 1
         and kwargs.get("softcap") is None
@@ -216,10 +226,11 @@ def _wants_one_row(base: str, query, attention_mask, kwargs) -> bool:
     )
 
 
-def _wants_split_kv(query, key, dropout, module) -> bool:
+def _wants_split_kv(query, key, value, dropout, module) -> bool:
     cached = key.shape[2] - query.shape[2]
     return (
         query.device.type == "cpu"
+        and same_head_dims(key, value)
         and query.shape[0] == 1  # batches (`force3.RaggedForce3`) carry per-row masks that only gqa_sdpa reads
         and query.shape[2] <= SPLIT_KV_MAX_QUERY
         and cached >= max(SPLIT_KV_MIN_CACHED, 16 * max(2, torch.get_num_threads()))
@@ -238,12 +249,12 @@ def _make_wrapper(base: str):
         tree = active_tree()
         if tree is not None:  # a candidate tree's forward (tree_attention.py): the tree mask replaces the causal one
             return tree_attention(module, query, key, value, tree, windowed, **kwargs)
-        if base == "sdpa" and not windowed and _wants_flash(query, kwargs):
+        if base == "sdpa" and not windowed and _wants_flash(query, key, value, kwargs):
             return flash_verify(module, query, key, value, attention_mask, **kwargs)
         if _wants_one_row(base, query, attention_mask, kwargs) and (attention_mask is None or not windowed):
             return one_row_sdpa(module, query, key, value, attention_mask, **kwargs)
         if _wants_gqa_sdpa(base, query, key, attention_mask, kwargs):
-            if not windowed and _wants_split_kv(query, key, kwargs.get("dropout", 0.0), module):
+            if not windowed and _wants_split_kv(query, key, value, kwargs.get("dropout", 0.0), module):
                 return split_kv_sdpa(module, query, key, value, attention_mask, **kwargs)
             return gqa_sdpa(module, query, key, value, attention_mask, **kwargs)
         return compat.attention_function(base, module)(module, query, key, value, attention_mask, **kwargs)

@@ -65,13 +65,14 @@ def _sdpa_with_lse():
 def flash_prefix_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                            scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """The prefix part through flash-attn's varlen kernel (CUDA, fp16/bf16): ``query`` ``[heads, m, d]`` over
-    ``keys``/``values`` ``[kv, c, d]`` (read in place), one sequence, not causal, GQA-native. Returns
-    `prefix_attention`'s layout: ``[1, kv, groups * m, d]`` and the fp32 log-sum-exp ``[1, kv, groups * m]``
+    ``keys``/``values`` ``[kv, c, d]`` (read in place; flash-attn 2 needs values as wide as keys,
+    `_wants_flash_prefix`), one sequence, not causal, GQA-native. Returns `prefix_attention`'s layout:
+    ``[1, kv, groups * m, dv]`` and the fp32 log-sum-exp ``[1, kv, groups * m]``
     (flash-attn 2 documents its ``softmax_lse`` as ``[heads, total_q]``; older releases pad it to ``[batch,
     heads, max_seqlen_q]``: with one sequence of ``m`` rows both read as ``[heads, m]``)."""
     from .attention import _flash_attn_varlen_func  # attention.py imports this module
 
-    heads, m, dim = query.shape
+    heads, m, _ = query.shape
     kv_heads, cached = keys.shape[0], keys.shape[1]
     bounds = torch.tensor([[0, m], [0, cached]], dtype=torch.int32, device=query.device)
     out, lse, _ = _flash_attn_varlen_func()(
@@ -79,16 +80,20 @@ def flash_prefix_attention(query: torch.Tensor, keys: torch.Tensor, values: torc
         cu_seqlens_k=bounds[1], max_seqlen_q=m, max_seqlen_k=cached, softmax_scale=scale, causal=False,
         return_attn_probs=True,
     )  # out: [m, heads, d]
-    out = out.transpose(0, 1).reshape(kv_heads, heads // kv_heads * m, dim)
+    out = out.transpose(0, 1).reshape(kv_heads, heads // kv_heads * m, values.shape[-1])
     lse = lse.reshape(heads, -1)[:, :m].reshape(kv_heads, heads // kv_heads * m)
     return out[None], lse[None].float()
 
 
 def prefix_attention(rows: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                      scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Unmasked attention of ``rows`` ``[kv, r, d]`` over ``keys``/``values`` ``[kv, c, d]``: ``(out, lse)`` as
-    ``[parts, kv, r, d]`` and ``[parts, kv, r]`` partial results (fp32 lse), to be merged by log-sum-exp."""
-    attend = _sdpa_with_lse() if rows.device.type == "cpu" else None
+    """Unmasked attention of ``rows`` ``[kv, r, d]`` over ``keys`` ``[kv, c, d]`` and ``values`` ``[kv, c, dv]``:
+    ``(out, lse)`` as ``[parts, kv, r, dv]`` and ``[parts, kv, r]`` partial results (fp32 lse), to be merged by
+    log-sum-exp. ATen's CPU kernel needs values as wide as keys; narrower ones (multi-head latent attention)
+    take the matmul."""
+    from .attention import same_head_dims  # attention.py imports this module
+
+    attend = _sdpa_with_lse() if rows.device.type == "cpu" and same_head_dims(keys, values) else None
     if attend is None:
         scores = torch.matmul(rows.float(), keys.float().transpose(-1, -2)) * scale
         lse = torch.logsumexp(scores, -1)
@@ -114,16 +119,17 @@ def prefix_attention(rows: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
     return torch.cat(outs), torch.cat(lses).float()
 
 
-def _wants_flash_prefix(query: torch.Tensor) -> bool:
-    from .attention import _flash_attn_varlen_func, _flash_device  # attention.py imports this module
+def _wants_flash_prefix(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
+    from .attention import _flash_attn_varlen_func, _flash_device, same_head_dims  # attention.py imports this
 
-    return _flash_device(query) and _flash_attn_varlen_func() is not None
+    return _flash_device(query) and same_head_dims(key, value) and _flash_attn_varlen_func() is not None
 
 
 def tree_sdpa(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, visible: torch.Tensor,
               scaling: float | None = None) -> tuple[torch.Tensor, None]:
     """Attention of the ``m`` new rows of a tree forward: ``query`` ``[1, heads, m, d]``, ``key``/``value``
-    ``[1, kv_heads, cached + m, d]``; returns ``[1, m, heads, d]`` like transformers' attention functions."""
+    ``[1, kv_heads, cached + m, d]`` (values ``dv`` wide: narrower than keys in multi-head latent attention);
+    returns ``[1, m, heads, dv]`` like transformers' attention functions."""
     batch, heads, m, dim = query.shape
     if batch != 1 or visible.shape != (m, m):
         raise ValueError(f"tree attention: batch 1 and a [{m}, {m}] block mask needed, got batch {batch} and "
@@ -138,7 +144,7 @@ def tree_sdpa(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     block_lse = torch.logsumexp(scores, -1)
     block_out = torch.matmul(torch.softmax(scores, -1), block_values)
     if cached:
-        if _wants_flash_prefix(query):
+        if _wants_flash_prefix(query, key, value):
             out, lse = flash_prefix_attention(query[0], key[0, :, :cached], value[0, :, :cached], scale)
         else:
             out, lse = prefix_attention(rows, key[0, :, :cached], value[0, :, :cached], scale)
@@ -147,7 +153,7 @@ def tree_sdpa(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
         merged = (out * weights).sum(0) / weights.sum(0)
     else:
         merged = block_out
-    return merged.to(query.dtype).reshape(1, heads, m, dim).transpose(1, 2).contiguous(), None
+    return merged.to(query.dtype).reshape(1, heads, m, value.shape[-1]).transpose(1, 2).contiguous(), None
 
 
 def tree_attention(module, query, key, value, visible, windowed: bool, **kwargs):
