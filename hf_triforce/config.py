@@ -6,9 +6,10 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 from .drafters import DRAFTERS, drafter_names
+from .kernels.lean import LEAN_PRECISIONS
 from .kernels.quantized import ROW_INDEPENDENT_MAX_ROWS
 
-DRAFT_PRECISIONS = ("model", "int8")
+DRAFT_PRECISIONS = ("model", "int8", *LEAN_PRECISIONS)
 FULL_CACHE_DEVICES = (None, "cpu")
 POLICIES = ("auto", "fixed")
 
@@ -40,8 +41,12 @@ class TriForceConfig:
     prefill_chunk_size: prompt tokens per forward during the chunked prefill of the full cache.
     show_progress: show a tqdm bar during prefill.
     draft_precision: ``"model"`` (Force 1 and Force 2 run the models as given) or ``"int8"`` (they run a
-        cached dynamic-int8 copy of each fp32 model's linear layers; CPU only). Force 3 always runs the target
-        as given, so the output is exact either way; int8 only changes how often drafts are accepted.
+        cached dynamic-int8 copy of each fp32 model's linear layers; CPU only), or ``"lean"`` / ``"lean-int8"`` /
+        ``"lean-int4"`` (a lean forward over a cached copy of the weights in fp32, weight-only int8 or weight-only
+        int4 with an int8 output layer: Llama, Mistral and Qwen2 fp32 models on CPU; other families draft with
+        their eager forward, and ``TriForceStats.draft_forward`` says so; `hf_triforce.kernels.lean`). Force 3
+        always runs the target as given, so the output is exact either way; the precision only changes how often
+        drafts are accepted and what they cost.
     levels: 3 (TriForce) or 2 (Force 1 verified directly by Force 3: with ``draft="self"`` the
         StreamingLLM-cache self-speculation baseline; Force-2 knobs are then unused).
     policy: ``"auto"`` (default): each Force-3 step runs the plan an online cost model predicts fastest —

@@ -25,7 +25,10 @@ class TriForceStats:
     lockstep_forwards: int = 0
     lockstep_requests: int = 0
     force2_sees_whole_cache: bool = False
-    draft_precision: str = "model"  # what Force 1 / Force 2 ran: "model" or "int8"
+    draft_precision: str = "model"  # TriForceConfig.draft_precision: "model", "int8", "lean", "lean-int8", "lean-int4"
+    # how Force 1 / Force 2 ran: "eager" (the transformers forward), "lean" (`kernels.lean`), or "eager (<why>)" where
+    # a lean precision was asked for a model the lean forward does not cover
+    draft_forward: str = "eager"
     weight_left_output_layer: bool = False  # the CPU multi-row output-layer path was used
     prefill_seconds: float = 0.0
     force1_seconds: float = 0.0

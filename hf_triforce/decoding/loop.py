@@ -33,8 +33,8 @@ from ..config import TriForceConfig
 from ..drafters import DRAFTERS, DraftContext, build_drafter
 from ..drafters.model import ModelDrafter
 from ..drafters.registry import MODEL_DRAFTER, spec_of
+from ..kernels.lean import draft_forward, tier_model
 from ..kernels.output_head import weight_left_output_layer
-from ..kernels.quantized import drafting_model
 from ..kernels.row_mixing import RowsApart
 from ..stats import TriForceStats
 from ..verification.sampling import ChainVerifier, Sampler, TorchSampler, scores_to_probs
@@ -69,7 +69,7 @@ def adaptive_policy(config: TriForceConfig, draft_name: str, max_length: int) ->
 def aggregate(row_stats: list[TriForceStats], force3_seconds: float, prefill_seconds: float) -> TriForceStats:
     """The call's statistics: counts and per-row seconds summed, flags true if true for any row, Force-3 and
     prefill seconds of the call (`Decoder` then counts each shared lower-tier forward once)."""
-    total = TriForceStats(draft_precision=row_stats[0].draft_precision)
+    total = TriForceStats(draft_precision=row_stats[0].draft_precision, draft_forward=row_stats[0].draft_forward)
     for f in fields(TriForceStats):
         values = [getattr(s, f.name) for s in row_stats]
         if isinstance(values[0], bool):
@@ -113,7 +113,8 @@ class Decoder:
                            for b, view in enumerate(self.views)]
         self.criteria = stopping_criteria
         self.sampler = sampler if sampler is not None else TorchSampler()
-        self.stats = [TriForceStats(draft_precision=config.draft_precision) for _ in range(batch)]
+        self.stats = [TriForceStats(draft_precision=config.draft_precision, draft_forward=draft_forward(config, model))
+                      for _ in range(batch)]
         # one verification rule per level (the same exact rule; separate objects so a test can alter one level)
         self.force2_verifier = ChainVerifier(do_sample, self.sampler)
         self.force3_verifier = ChainVerifier(do_sample, self.sampler)
@@ -160,7 +161,7 @@ class Decoder:
         key = (plan.levels, plan.drafter)
         if key not in self.levels:
             timed = self.policy.observe_forward if self.policy is not None else None
-            target = drafting_model(self.model, self.config.draft_precision)
+            target = tier_model(self.model, self.config.draft_precision, 2)
             rows = [Force1Only(self.drafter(r, plan.drafter), self.config, self.stats[r]) if plan.levels == 2
                     else Force2(target, self.drafter(r, plan.drafter), self.config, self.processors[r],
                                 self.force2_verifier, self.force3.row(r), self.stats[r], timed,

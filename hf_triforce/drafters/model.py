@@ -7,7 +7,7 @@ import torch
 from ..caches.sink_window import SinkWindowCache, make_layer_rerotations
 from ..compat import layer_devices, num_layers
 from ..decoding.steps import ForwardRequest, Steps, run_inline
-from ..kernels.quantized import drafting_model
+from ..kernels.lean import tier_model
 from ..verification.draft_tree import DraftTree, agreement
 from ..verification.sampling import Sampler, scores_to_probs
 from ..verification.scoring import process_rows
@@ -120,7 +120,7 @@ class ModelDrafter:
 
 def _build(context: DraftContext, model) -> ModelDrafter:
     config = context.config
-    return ModelDrafter(drafting_model(model, config.draft_precision), config.sink_tokens, config.window,
+    return ModelDrafter(tier_model(model, config.draft_precision, 1), config.sink_tokens, config.window,
                         context.processors, context.do_sample, context.sampler)
 
 

@@ -1,0 +1,420 @@
+"""A lean drafting forward for Llama-family decoders (Llama/SmolLM2, Mistral, Qwen2) on CPU.
+
+Force 1 and Force 2 may run any model, provided each hands up the exact law it drew from and that law is a
+deterministic function of the sequence so far (not of later drafts in the same forward, nor of other rows'
+values); Force 3 runs the target as given, so the output stays exactly the target's (docs/exactness.md). A
+`LeanModel` is such a model: the target's (or a draft model's) weights copied once, run by a forward with
+little per-op overhead:
+
+* fused projections: one matrix for Q, K and V (and their biases: Qwen2), one for gate and up;
+* weights in one of three precisions (`LEAN_PRECISIONS`): fp32 (``F.linear``), weight-only int8 (per output
+  channel, ``aten._weight_int8pack_mm``) or weight-only int4 (asymmetric, `INT4_GROUP_SIZE` inputs per
+  scale and zero point, ``aten._weight_int4pack_mm_for_cpu``). The quantized products take bf16 activations:
+  this torch's CPU kernels for them are vectorized for bf16 only (fp32 activations take a scalar path, 10-25x
+  slower than fp32 ``F.linear``; measured on SmolLM2 shapes, 1 thread); the residual stream, norms, rotary,
+  attention and the cache stay fp32;
+* RMSNorm as one ``F.rms_norm``, the rotary's cos/sin computed once per forward by the model's own rotary
+  module (scaled RoPE types included), attention by SDPA over the cache's buffers (GQA-native: a KV head's
+  query heads are extra rows), written through the same cache objects the eager forward uses
+  (``cache.layers[i].update``: `SinkWindowCache`, `RetrievalCache`, the batch's `RaggedBufferCache`).
+
+Row independence (exactness): every product is weight-only (activations are never quantized with a scale
+shared across rows), the norms act per row, and attention is causal (bottom-right; the tree mask inside a
+candidate tree's forward; a batch's per-row mask), so a row's logits do not depend on the values of later
+rows or of other batch rows (tests/test_lean.py checks bit-identity). They do depend on how many rows a call
+has (kernel blocking), which is fixed before the call's tokens are drawn.
+
+Models this forward does not cover (other families, sliding-window layers, adapters, biases on layers it
+does not expect, another activation) run their eager transformers forward instead: `lean_model` returns the
+model itself and `lean_support` says why (``TriForceStats.draft_forward``). Models it cannot copy raise a
+ValueError naming the setting (`check_lean_eligible`): weights not fp32, not on the CPU, or offloaded.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from .. import compat
+from .attention import _ACTIVE_RECORDER, RECORDER_KWARG
+from .tree_attention import active_tree
+
+PARTS = ("qkv", "o", "gate_up", "down", "head")  # the projections of a lean copy (qkv, gate_up: fused)
+# TriForceConfig.draft_precision values served by this module -> the precision of each part. The output layer of
+# "lean-int4" is int8: in int4 it costs 0.10 of agreement, in int8 0.01 (SmolLM2, 768 tokens of the essays,
+# E[sum min(p, q)] against the fp32 model at T=1: int4 everywhere 0.881, int4 with an int8 output layer 0.976,
+# with an fp32 one 0.988; benchmarks/lean_drafting.py --agreement)
+LEAN_PRECISIONS = {
+    "lean": dict.fromkeys(PARTS, "fp32"),
+    "lean-int8": dict.fromkeys(PARTS, "int8"),
+    "lean-int4": {**dict.fromkeys(PARTS, "int4"), "head": "int8"},
+}
+SUPPORTED_CLASSES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+# inputs per int4 scale/zero point: the smallest group the CPU kernel takes (32, 64, 128, 256; it must divide every
+# input width). On SmolLM2, 64 costs 0.23 of agreement (0.759 against 0.988 with an fp32 output layer) -- but the
+# bundled SmolLM2 is dequantized from a Q4_1 GGUF (blocks of 32), so 32 reproduces its grid almost exactly
+# (weights within 0.5%); on weights not quantized before, expect the usual int4 error at 32 too
+INT4_GROUP_SIZE = 32
+INT4_INNER_K_TILES = 2  # the packing's inner tiles (CPU kernel: no measured difference between 1, 2, 4, 8)
+
+_COPIES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {precision: LeanModel}
+
+
+@dataclass
+class LeanOutput:
+    """What the tiers read from a forward: ``logits`` ``[batch, keep, vocab]`` (fp32)."""
+
+    logits: torch.Tensor
+
+
+class Projection:
+    """One (fused) linear layer ``x @ W.T + b`` in fp32, weight-only int8 or weight-only int4."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, precision: str,
+                 group_size: int = INT4_GROUP_SIZE, weight_left: bool = False) -> None:
+        """``weight_left``: fp32 products of 2-16 rows run as ``(W @ x.T).T`` (the output layer: see
+        `output_head`; for the decoder's own projections ``F.linear`` is as fast or faster)."""
+        weight = weight.detach().float()
+        self.weight_left = weight_left
+        self.out_features, self.in_features = weight.shape
+        self.precision = precision
+        self.bias = None if bias is None else bias.detach().float().clone()
+        if precision == "fp32":
+            self.weight = weight.contiguous()  # a fused matrix is new; a single layer's weight is shared
+        elif precision == "int8":
+            self.weight, self.scales = quantize_int8(weight)
+        elif precision == "int4":
+            if self.in_features % group_size:
+                raise ValueError(f"int4 group size {group_size} does not divide the input width {self.in_features}")
+            self.group_size = group_size
+            self.weight, self.scales_zeros = quantize_int4(weight, group_size)
+        else:
+            raise ValueError(f"precision must be 'fp32', 'int8' or 'int4', got {precision!r}")
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` ``[rows, in]`` (fp32, or bf16 for the quantized products) -> ``[rows, out]``: fp32 for fp32
+        weights, bf16 for quantized ones (their kernels' output)."""
+        if self.precision == "fp32":
+            if self.weight_left and 2 <= x.shape[0] <= 16:
+                out = (self.weight @ x.T).T
+                return out if self.bias is None else out + self.bias
+            return F.linear(x, self.weight, self.bias)
+        x = x.to(torch.bfloat16)
+        if self.precision == "int8":
+            out = torch.ops.aten._weight_int8pack_mm(x, self.weight, self.scales)
+        else:
+            out = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.weight, self.group_size, self.scales_zeros)
+        return out if self.bias is None else out.float() + self.bias
+
+    def dequantized(self) -> torch.Tensor:
+        """The fp32 weight this projection multiplies by (for tests and agreement measurements)."""
+        if self.precision == "fp32":
+            return self.weight
+        if self.precision == "int8":
+            return self.weight.float() * self.scales.float()[:, None]
+        eye = torch.eye(self.in_features, dtype=torch.bfloat16)
+        columns = torch.ops.aten._weight_int4pack_mm_for_cpu(eye, self.weight, self.group_size, self.scales_zeros)
+        return columns.float().T.contiguous()
+
+    def nbytes(self) -> int:
+        tensors = [self.weight, self.bias, getattr(self, "scales", None), getattr(self, "scales_zeros", None)]
+        return sum(t.nbytes for t in tensors if t is not None)
+
+
+def _bf16_at_least(x: torch.Tensor) -> torch.Tensor:
+    """``x`` (positive fp32) rounded to a bf16 value no smaller than it."""
+    rounded = x.to(torch.bfloat16)
+    low = rounded.float() < x
+    return torch.where(low, torch.nextafter(rounded.float(), torch.tensor(float("inf"))).to(torch.bfloat16)
+                       .float().clamp(min=x).to(torch.bfloat16), rounded)
+
+
+def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-output-channel int8: ``W ~ q * scale`` with ``|q| <= 127``; the scales are bf16 (the
+    kernel's activation dtype) and rounded up before quantizing, so no weight is clipped."""
+    scales = _bf16_at_least((weight.abs().amax(dim=1) / 127).clamp(min=1e-8))
+    q = torch.round(weight / scales.float()[:, None]).clamp(-127, 127).to(torch.int8)
+    return q.contiguous(), scales
+
+
+def quantize_int4(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Asymmetric int4 per group of ``group_size`` inputs: ``W ~ (q - 8) * scale + zero`` with ``0 <= q <= 15``
+    (the kernel's convention), ``zero = min + 8 * scale``; scales and zero points are bf16 and quantization
+    uses the rounded values. Returns the packed weight and ``[in / group, out, 2]`` scales and zeros."""
+    out_features, in_features = weight.shape
+    groups = weight.reshape(out_features, in_features // group_size, group_size)
+    low, high = groups.amin(dim=-1), groups.amax(dim=-1)
+    scales = _bf16_at_least(((high - low) / 15).clamp(min=1e-8))
+    zeros = (low + 8 * scales.float()).to(torch.bfloat16)
+    q = torch.round((groups - zeros.float()[..., None]) / scales.float()[..., None] + 8).clamp(0, 15)
+    q = q.to(torch.int32).reshape(out_features, in_features)
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, INT4_INNER_K_TILES)
+    scales_zeros = torch.stack((scales, zeros), dim=-1).transpose(0, 1).contiguous()
+    return packed, scales_zeros
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+@dataclass
+class LeanLayer:
+    input_norm: torch.Tensor
+    post_norm: torch.Tensor
+    qkv: Projection
+    o: Projection
+    gate_up: Projection
+    down: Projection
+
+
+class LeanModel:
+    """The lean forward of one model at one precision (`lean_model` makes and caches it).
+
+    Called like the transformers model by the tiers: ``model(input_ids=, cache=, position_ids=,
+    attention_mask=None, use_cache=True, logits_to_keep=k)``; returns a `LeanOutput`. Every other attribute
+    (``config``, ``dtype``, ``device``, ``get_decoder``...) is the original model's, so cache set-up (layer
+    devices, the sink+window cache's re-rotations) reads the original.
+    """
+
+    def __init__(self, model: nn.Module, precision: str, parts: dict[str, str] | None = None,
+                 group_size: int = INT4_GROUP_SIZE) -> None:
+        """``parts``: per projection kind (``qkv``, ``o``, ``gate_up``, ``down``, ``head``) its precision; by
+        default `LEAN_PRECISIONS` ``[precision]`` for every part."""
+        self.original = model
+        self.precision = precision
+        parts = {**LEAN_PRECISIONS[precision], **(parts or {})}
+        config = model.config
+        decoder = model.get_decoder()
+        self.embed = decoder.embed_tokens
+        self.rotary = compat.rotary_embedding(model)
+        self.final_norm = decoder.norm.weight.detach().float().clone()
+        self.eps = float(decoder.norm.variance_epsilon)
+        first = decoder.layers[0].self_attn
+        self.head_dim = first.head_dim
+        self.heads = config.num_attention_heads
+        self.kv_heads = config.num_key_value_heads
+        self.scaling = float(first.scaling)
+        self.intermediate = config.intermediate_size
+        self.layers = []
+        for layer in decoder.layers:
+            attention, mlp = layer.self_attn, layer.mlp
+            projections = (attention.q_proj, attention.k_proj, attention.v_proj)
+            qkv_bias = None
+            if any(p.bias is not None for p in projections):
+                qkv_bias = torch.cat([p.bias if p.bias is not None else p.weight.new_zeros(p.out_features)
+                                      for p in projections])
+            gate_up_bias = None
+            if mlp.gate_proj.bias is not None or mlp.up_proj.bias is not None:
+                gate_up_bias = torch.cat([p.bias if p.bias is not None else p.weight.new_zeros(p.out_features)
+                                          for p in (mlp.gate_proj, mlp.up_proj)])
+            self.layers.append(LeanLayer(
+                input_norm=layer.input_layernorm.weight.detach().float().clone(),
+                post_norm=layer.post_attention_layernorm.weight.detach().float().clone(),
+                qkv=Projection(torch.cat([p.weight for p in projections]), qkv_bias, parts["qkv"], group_size),
+                o=Projection(attention.o_proj.weight, attention.o_proj.bias, parts["o"], group_size),
+                gate_up=Projection(torch.cat((mlp.gate_proj.weight, mlp.up_proj.weight)), gate_up_bias,
+                                   parts["gate_up"], group_size),
+                down=Projection(mlp.down_proj.weight, mlp.down_proj.bias, parts["down"], group_size),
+            ))
+        head = model.get_output_embeddings()
+        self.head = Projection(head.weight, head.bias, parts["head"], group_size, weight_left=True)
+
+    def __getattr__(self, name: str):
+        return getattr(self.original, name)
+
+    def nbytes(self) -> int:
+        """Bytes this copy holds (quantized or copied weights, norms); the embedding table is the model's."""
+        total = self.final_norm.nbytes + self.head.nbytes()
+        for layer in self.layers:
+            total += layer.input_norm.nbytes + layer.post_norm.nbytes
+            total += sum(p.nbytes() for p in (layer.qkv, layer.o, layer.gate_up, layer.down))
+        return total
+
+    @torch.no_grad()
+    def __call__(self, input_ids: torch.Tensor, cache=None, position_ids: torch.Tensor | None = None,
+                 attention_mask: torch.Tensor | None = None, use_cache: bool = True, logits_to_keep: int = 0,
+                 **kwargs) -> LeanOutput:
+        if kwargs.get(RECORDER_KWARG) is not None or _ACTIVE_RECORDER.get() is not None:
+            raise RuntimeError("LeanModel does not record queries: run the model itself where queries are recorded")
+        if cache is None or position_ids is None:
+            raise ValueError("LeanModel runs on a cache at explicit positions (cache=, position_ids=)")
+        batch, n = input_ids.shape
+        heads, kv_heads, dim = self.heads, self.kv_heads, self.head_dim
+        groups = heads // kv_heads
+        hidden = self.embed(input_ids).float().reshape(batch * n, -1)
+        cos, sin = self.rotary(hidden, position_ids)  # [batch, n, dim]
+        cos, sin = cos.float()[:, None], sin.float()[:, None]
+        mask = self._mask(attention_mask, batch, n)
+        layers = cache.layers
+        for index, layer in enumerate(self.layers):
+            normed = F.rms_norm(hidden, hidden.shape[-1:], layer.input_norm, self.eps)
+            qkv = layer.qkv(normed).float().view(batch, n, heads + 2 * kv_heads, dim).transpose(1, 2)
+            qk = qkv[:, : heads + kv_heads]
+            qk = qk * cos + _rotate_half(qk) * sin
+            keys, values = layers[index].update(qk[:, heads:], qkv[:, heads + kv_heads :])
+            query = qk[:, :heads]
+            if mask is None:  # one row per batch row seeing all its entries
+                out = F.scaled_dot_product_attention(query.reshape(batch, kv_heads, groups, dim), keys, values,
+                                                     scale=self.scaling)
+                out = out.reshape(batch * n, heads * dim)
+            else:
+                visible = mask if not isinstance(mask, int) else _bottom_right(n, keys.shape[2], hidden.device)
+                out = F.scaled_dot_product_attention(
+                    query.reshape(batch, kv_heads, groups * n, dim), keys, values,
+                    attn_mask=visible.expand(batch, 1, n, keys.shape[2]).repeat(1, 1, groups, 1), scale=self.scaling)
+                out = out.reshape(batch, heads, n, dim).transpose(1, 2).reshape(batch * n, heads * dim)
+            hidden = hidden + layer.o(out)
+            normed = F.rms_norm(hidden, hidden.shape[-1:], layer.post_norm, self.eps)
+            gate, up = layer.gate_up(normed).split(self.intermediate, dim=-1)
+            hidden = hidden + layer.down(F.silu(gate) * up)
+        keep = n if not logits_to_keep else min(logits_to_keep, n)
+        last = hidden.view(batch, n, -1)[:, n - keep :]
+        last = F.rms_norm(last, last.shape[-1:], self.final_norm, self.eps)
+        logits = self.head(last.reshape(batch * keep, -1)).float().view(batch, keep, -1)
+        return LeanOutput(logits)
+
+    def _mask(self, attention_mask: torch.Tensor | None, batch: int, n: int):
+        """None (one row per batch row, sees every entry), ``0`` (bottom-right causal, built per layer from the
+        keys' length), or a ``[batch, 1, n, width]`` mask (a tree's, or the batch's per-row mask)."""
+        tree = active_tree()
+        if tree is not None:
+            if batch != 1 or attention_mask is not None:
+                raise RuntimeError("LeanModel: a candidate tree's forward has batch size 1 and no mask")
+            return _TreeMask(tree)
+        if attention_mask is not None:
+            if attention_mask.dim() != 4:
+                raise RuntimeError(f"LeanModel takes 4-D attention masks, got shape {tuple(attention_mask.shape)}")
+            return attention_mask
+        return None if n == 1 else 0
+
+
+class _TreeMask:
+    """The mask of a candidate tree's forward: every cached entry, then the block's visibility."""
+
+    def __init__(self, visible: torch.Tensor) -> None:
+        self.visible = visible
+
+    def expand(self, batch: int, one: int, n: int, width: int) -> torch.Tensor:
+        cached = torch.ones(n, width - n, dtype=torch.bool, device=self.visible.device)
+        return torch.cat((cached, self.visible), dim=1).expand(batch, one, n, width)
+
+
+def _bottom_right(n: int, width: int, device) -> torch.Tensor:
+    return torch.ones(n, width, dtype=torch.bool, device=device).tril(width - n)
+
+
+def lean_support(model: nn.Module) -> str | None:
+    """None where the lean forward computes ``model``'s architecture, else why not (the model then drafts with
+    its eager forward)."""
+    name = type(model).__name__
+    if name not in SUPPORTED_CLASSES:
+        return f"{name} is not one of {SUPPORTED_CLASSES}"
+    config = model.config
+    if getattr(config, "hidden_act", None) != "silu":
+        return f"activation {getattr(config, 'hidden_act', None)!r} (the lean forward computes silu)"
+    if getattr(config, "pretraining_tp", 1) != 1:
+        return f"pretraining_tp={config.pretraining_tp}"
+    if any(window is not None for window in compat.layer_windows(config)):
+        return "sliding-window layers"
+    rotary = compat.rotary_embedding(model)
+    if rotary is None or compat.layer_rotary(model, 0) is not rotary:
+        return "no single decoder rotary embedding"
+    decoder = model.get_decoder()
+    for index, layer in enumerate(decoder.layers):
+        attention, mlp = layer.self_attn, layer.mlp
+        linears = (attention.q_proj, attention.k_proj, attention.v_proj, attention.o_proj, mlp.gate_proj,
+                   mlp.up_proj, mlp.down_proj, model.get_output_embeddings())
+        if any(type(linear) is not nn.Linear for linear in linears):
+            return f"decoder layer {index} has projections that are not plain nn.Linear (adapters, quantized layers)"
+        for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+            if getattr(norm, "variance_epsilon", None) != decoder.norm.variance_epsilon:
+                return f"decoder layer {index} has norms the lean forward does not compute"
+    head = model.get_output_embeddings()
+    if head.weight.shape[1] != config.hidden_size:
+        return "an output layer that does not read the hidden state"
+    return None
+
+
+def check_lean_eligible(model: nn.Module, precision: str) -> None:
+    """Raise the ValueError `lean_model` would raise for ``model`` (checked before a long prefill)."""
+    if precision not in LEAN_PRECISIONS:
+        raise ValueError(f"draft_precision must be one of {tuple(LEAN_PRECISIONS)} here, got {precision!r}")
+    if lean_support(model) is not None:
+        return  # drafts with its eager forward (TriForceStats.draft_forward says why)
+    for name, module in model.named_modules():
+        if compat.execution_device(module) is not None:
+            raise ValueError(f"TriForceConfig.draft_precision={precision!r} copies the weights of a model loaded in "
+                             f"one piece on the CPU; module {name or 'model'!r} runs under an accelerate hook "
+                             "(device_map=): use draft_precision='int8' or 'model'")
+    for name, parameter in model.named_parameters():
+        if parameter.device.type != "cpu":
+            raise ValueError(f"TriForceConfig.draft_precision={precision!r} runs on CPU only; parameter {name!r} is "
+                             f"on {parameter.device} (use draft_precision='model' there)")
+        if parameter.dtype != torch.float32:
+            raise ValueError(f"TriForceConfig.draft_precision={precision!r} copies an fp32 model; parameter "
+                             f"{name!r} is {parameter.dtype}")
+    config = model.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    widths = {"qkv": config.hidden_size, "o": config.num_attention_heads * head_dim, "gate_up": config.hidden_size,
+              "down": config.intermediate_size, "head": config.hidden_size}
+    bad = sorted({widths[part] for part, kind in LEAN_PRECISIONS[precision].items()
+                  if kind == "int4" and widths[part] % INT4_GROUP_SIZE})
+    if bad:
+        raise ValueError(f"TriForceConfig.draft_precision={precision!r}: input widths {bad} are not multiples of the "
+                         f"int4 group size {INT4_GROUP_SIZE}; use draft_precision='lean-int8'")
+    ops = {"int8": "_weight_int8pack_mm", "int4": "_weight_int4pack_mm_for_cpu"}
+    for op in sorted({ops[p] for p in LEAN_PRECISIONS[precision].values() if p in ops}):
+        if not hasattr(torch.ops.aten, op):
+            raise RuntimeError(f"TriForceConfig.draft_precision={precision!r} needs torch.ops.aten.{op}, which torch "
+                               f"{torch.__version__} does not provide")
+
+
+def lean_model(model: nn.Module, precision: str):
+    """The cached `LeanModel` of ``model`` at ``precision`` (a key of `LEAN_PRECISIONS`), or ``model`` itself
+    where `lean_support` says the lean forward does not cover it."""
+    if lean_support(model) is not None:
+        return model
+    copies = _COPIES.setdefault(model, {})
+    if precision not in copies:
+        check_lean_eligible(model, precision)
+        copies[precision] = LeanModel(model, precision)
+    return copies[precision]
+
+
+def lean_copy_bytes(model: nn.Module) -> int:
+    """Bytes the cached lean copies of ``model`` hold (0: none)."""
+    return sum(copy.nbytes() for copy in _COPIES.get(model, {}).values())
+
+
+def forget_lean_copy(model: nn.Module) -> None:
+    """Drop the cached lean copies of ``model`` (after its weights changed)."""
+    _COPIES.pop(model, None)
+
+
+def draft_forward(config, target: nn.Module) -> str:
+    """What Force 1 and Force 2 run for ``config.draft_precision``: ``"eager"`` (the transformers forward),
+    ``"lean"``, or ``"eager (<why>)"`` where a lean precision was asked for a model it does not cover."""
+    if config.draft_precision not in LEAN_PRECISIONS:
+        return "eager"
+    models = [target] + ([config.draft] if not isinstance(config.draft, str) else [])
+    reasons = [reason for reason in map(lean_support, models) if reason is not None]
+    return "lean" if not reasons else f"eager ({'; '.join(reasons)})"
+
+
+# what Force 2 runs for each lean draft precision (Force 1 runs the precision itself)
+FORCE2_PRECISION = {"lean": "lean", "lean-int8": "lean-int8", "lean-int4": "lean-int4"}
+
+
+def tier_model(model: nn.Module, precision: str, tier: int):
+    """The model Force ``tier`` (1 or 2) runs for ``TriForceConfig.draft_precision`` ``precision``: a lean copy
+    (`FORCE2_PRECISION` for Force 2), or `quantized.drafting_model` for ``"model"`` / ``"int8"``."""
+    if precision in LEAN_PRECISIONS:
+        return lean_model(model, precision if tier == 1 else FORCE2_PRECISION[precision])
+    from .quantized import drafting_model
+
+    return drafting_model(model, precision)
