@@ -1,0 +1,256 @@
+"""The lean drafting forward (`hf_triforce.kernels.lean`, ``draft_precision="lean"``, ``"lean-int8"``, ``"lean-int4"``).
+
+* fp32 lean computes the eager model: the same drafts and acceptances in every tier and cache (sink+window with
+  evictions, retrieval, trees, a batch's shared caches);
+* the quantized lean tiers keep greedy output token-identical to plain ``generate`` (families, two and three
+  levels, a draft model, a batch of 2, trees) and the sampled law exactly the target's (enumerated through the
+  library's own loop, Force 1 drafting 2 tokens per round); a lean forward whose rows depend on each other is
+  caught there;
+* a row's logits are bit-identical whatever the later rows' and the other batch rows' values;
+* copies are cached per model, quantized as documented, and bad inputs get clear errors.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LogitsProcessorList, TopKLogitsWarper
+
+from hf_triforce import TriForceConfig
+from hf_triforce.caches.buffer import BufferCache
+from hf_triforce.caches.ragged import RaggedBufferCache
+from hf_triforce.decoding.forward import ragged_forward
+from hf_triforce.kernels import lean
+from hf_triforce.kernels.lean import (
+    LEAN_PRECISIONS,
+    LeanModel,
+    Projection,
+    forget_lean_copy,
+    lean_copy_bytes,
+    lean_model,
+)
+
+from .conftest import make_model, random_prompt
+from .test_batch import PROMPTS, left_padded
+from .test_exact_enumeration import decoded_law, distance, exercised, target_law
+from .test_greedy_identity import assert_identical
+
+LEAN_FAMILIES = ["llama-gqa", "qwen2", "mistral"]  # Llama (GQA), Qwen2 (QKV biases), Mistral (MQA, no window)
+QUANTIZED = ["lean-int8", "lean-int4"]
+
+
+def _config(draft="self", **kw):
+    base = dict(draft=draft, policy="fixed", retrieval_budget=64, chunk_size=8, sink_tokens=4, window=24,
+                gamma1=2, gamma2=4)
+    return TriForceConfig(**{**base, **kw})
+
+
+@pytest.fixture
+def lean_calls(monkeypatch):
+    """Counts the lean forwards run (so that a test knows the lean tiers, not the eager ones, drafted)."""
+    calls = []
+    real = LeanModel.__call__
+    monkeypatch.setattr(LeanModel, "__call__",
+                        lambda self, *a, **k: calls.append(self.precision) or real(self, *a, **k))
+    return calls
+
+
+@pytest.mark.parametrize("family", LEAN_FAMILIES)
+def test_fp32_lean_drafts_what_the_eager_forward_drafts(family, lean_calls):
+    """Same model, same drafts: every count of every tier equal, chains and trees (a tree's mask), with the
+    sink+window cache evicting (window 24, 40 new tokens) and Force 2 on its retrieval cache."""
+    model = make_model(family, logit_scale=3.0)
+    prompt = random_prompt(150, period=37)
+    counts = ("force1_proposed", "force2_accepted", "force3_accepted", "force3_steps", "tree_nodes",
+              "tree_side_accepts")
+    for extra in ({}, dict(tree_nodes=6, tree_branch=3, gamma1=3), dict(levels=2)):
+        eager = assert_identical(model, prompt, _config(**extra))
+        fast = assert_identical(model, prompt, _config(draft_precision="lean", **extra))
+        assert fast.draft_forward == "lean" and eager.draft_forward == "eager"
+        assert {c: getattr(fast, c) for c in counts} == {c: getattr(eager, c) for c in counts}, extra
+    assert "lean" in lean_calls
+
+
+def test_fp32_lean_batch_drafts_what_the_eager_forward_drafts(lean_calls):
+    """A batch's rows draft together on shared caches (`Lockstep`, per-row masks): the same counts per row."""
+    model = make_model("llama-gqa", logit_scale=3.0)
+    ids, mask = left_padded(PROMPTS[:2])
+    gen = dict(max_new_tokens=30, do_sample=False, pad_token_id=0, return_dict_in_generate=True)
+    eager = model.generate(ids, attention_mask=mask, triforce_config=_config(), **gen)
+    fast = model.generate(ids, attention_mask=mask, triforce_config=_config(draft_precision="lean"), **gen)
+    assert torch.equal(fast.sequences, eager.sequences)
+    assert fast.triforce_stats.lockstep_forwards > 0
+    for a, b in zip(fast.triforce_row_stats, eager.triforce_row_stats):
+        assert (a.force1_proposed, a.force2_accepted, a.force3_accepted) == \
+               (b.force1_proposed, b.force2_accepted, b.force3_accepted)
+    assert "lean" in lean_calls
+
+
+@pytest.mark.parametrize("family", LEAN_FAMILIES)
+@pytest.mark.parametrize("precision", QUANTIZED)
+@pytest.mark.parametrize("draft,levels", [("self", 3), ("self", 2), ("model", 3)])
+def test_greedy_identity_with_quantized_lean_tiers(family, precision, draft, levels, lean_calls):
+    model = make_model(family, logit_scale=3.0)
+    if draft == "model":
+        draft = make_model(family, num_hidden_layers=1, seed=5)
+    stats = assert_identical(model, random_prompt(150, period=37), _config(draft, levels=levels,
+                                                                            draft_precision=precision))
+    assert stats.draft_forward == "lean" and stats.force3_steps > 0 and lean_calls == [precision] * len(lean_calls)
+    assert len(lean_calls) > 10
+
+
+@pytest.mark.parametrize("precision", QUANTIZED)
+def test_greedy_batch_of_two_with_lean_tiers(precision, lean_calls):
+    model = make_model("llama-gqa", logit_scale=3.0)
+    ids, mask = left_padded(PROMPTS[:2])
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=30, do_sample=False, pad_token_id=0,
+                         triforce_config=_config(draft_precision=precision), return_dict_in_generate=True)
+    for row, prompt in enumerate(PROMPTS[:2]):
+        alone = model.generate(prompt, max_new_tokens=30, do_sample=False)[0, prompt.shape[1]:]
+        assert torch.equal(out.sequences[row, ids.shape[1]:], alone), row
+    assert out.triforce_stats.lockstep_forwards > 0 and lean_calls
+
+
+@pytest.mark.parametrize("precision", QUANTIZED)
+@pytest.mark.parametrize("levels", [2, 3])
+def test_greedy_trees_with_lean_tiers(precision, levels, lean_calls):
+    model = make_model("qwen2", logit_scale=3.0)
+    config = _config(draft_precision=precision, levels=levels, tree_nodes=8, tree_branch=3, gamma1=3,
+                     **(dict(force2_tree_nodes=9) if levels == 3 else {}))
+    stats = assert_identical(model, random_prompt(150, period=37), config)
+    assert stats.tree_nodes > stats.force1_proposed and lean_calls
+
+
+def test_other_families_draft_with_their_eager_forward_and_say_so(lean_calls):
+    model = make_model("gemma")
+    stats = assert_identical(model, random_prompt(120, period=37), _config(draft_precision="lean-int4"))
+    assert stats.draft_forward.startswith("eager (GemmaForCausalLM is not one of") and not lean_calls
+
+
+# --- exactness of the sampled law -----------------------------------------------------------------------------
+
+VOCAB = 4
+NEW = 5  # the first token, then a round of Force 1 drafting 2 tokens (gamma2 = 3 tokens handed up)
+ENUMERATION = dict(policy="fixed", retrieval_budget=16, chunk_size=4, retrieval_recent=4, sink_tokens=2, window=8,
+                   gamma1=2, gamma2=3)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    model = make_model("llama-gqa", vocab_size=VOCAB, seed=3, initializer_range=0.3, num_hidden_layers=1)
+    return model, random_prompt(40, vocab_size=VOCAB, seed=4, period=13)
+
+
+@pytest.mark.parametrize("precision", ["lean-int4"])
+def test_enumerated_law_equals_the_target_law(tiny, precision, lean_calls):
+    """Force 1 drafts 2 tokens per round on the lean copy, Force 2 verifies them on it in one 3-row forward."""
+    model, prompt = tiny
+    processors = LogitsProcessorList([TopKLogitsWarper(2)])
+    config = TriForceConfig(draft="self", draft_precision=precision, **ENUMERATION)
+    law, paths, stats = decoded_law(model, prompt, config, processors, NEW)
+    exact = target_law(model, prompt, processors, NEW)
+    assert abs(sum(law.values()) - 1.0) < 1e-6 and paths > 10
+    assert set(law) <= {k for k, p in exact.items() if p > 0}
+    assert distance(law, exact) < 1e-5
+    exercised(stats, 3)
+    assert max(s.force1_proposed / max(s.force2_steps, 1) for s in stats) >= 2  # rounds of 2 drafts ran
+    assert lean_calls
+
+
+def test_rows_that_depend_on_each_other_are_caught(tiny, monkeypatch):
+    """A lean forward quantizing a call's activations with one scale (rows mixed, as dynamic int8 did) is off
+    the target law: the enumeration sees the lean tiers."""
+    real = Projection.__call__
+
+    def mixed(self, x):
+        scale = x.abs().amax() / 7  # one scale for every row of the call
+        return real(self, torch.round(x / scale) * scale)
+
+    monkeypatch.setattr(Projection, "__call__", mixed)
+    model, prompt = tiny
+    processors = LogitsProcessorList([TopKLogitsWarper(2)])
+    config = TriForceConfig(draft="self", draft_precision="lean-int4", **ENUMERATION)
+    law, _, _ = decoded_law(model, prompt, config, processors, 4)  # Force 2 verifies 2 rows: enough to mix them
+    assert distance(law, target_law(model, prompt, processors, 4)) > 1e-4
+
+
+# --- row independence -----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("precision", list(LEAN_PRECISIONS))
+def test_a_rows_logits_do_not_depend_on_later_rows(precision):
+    model = make_model("qwen2")
+    copy = LeanModel(model, precision)
+    prompt = random_prompt(30)
+
+    def last_rows(tokens):
+        cache = BufferCache(2, 64)
+        copy(prompt[:, :20], cache, torch.arange(20)[None])
+        return copy(tokens, cache, torch.arange(20, 25)[None], logits_to_keep=5).logits[0]
+
+    tokens = prompt[:, 20:25]
+    changed = tokens.clone()
+    changed[0, 2:] = (changed[0, 2:] + 1 + torch.arange(3)) % 96
+    a, b = last_rows(tokens), last_rows(changed)
+    assert torch.equal(a[:2], b[:2]) and not torch.equal(a[2:], b[2:])
+
+
+@pytest.mark.parametrize("precision", list(LEAN_PRECISIONS))
+def test_a_batch_rows_logits_do_not_depend_on_the_other_rows(precision):
+    """Two rows on a shared ragged cache (a batch drafting in lockstep): row 0's logits bit-identical whatever
+    row 1 holds and feeds (same row count)."""
+    model = make_model("llama-gqa")
+    copy = LeanModel(model, precision)
+
+    def row0(other_seed):
+        rows = {0: random_prompt(17, seed=1), 1: random_prompt(23, seed=other_seed)}
+        cache = RaggedBufferCache(2, 2, 64)
+        for b, ids in rows.items():
+            copy(ids[:, :-3], cache.row(b), torch.arange(ids.shape[1] - 3)[None])
+        logits = ragged_forward(copy, cache, {b: ids[:, -3:] for b, ids in rows.items()},
+                                {b: ids.shape[1] - 3 for b, ids in rows.items()})
+        return logits[0], logits[1]
+
+    (a0, a1), (b0, b1) = row0(2), row0(9)
+    assert torch.equal(a0, b0) and not torch.equal(a1, b1)
+
+
+# --- copies, quantization, errors -----------------------------------------------------------------------------
+
+
+def test_copies_are_cached_per_model_and_precision():
+    model = make_model("llama-gqa")
+    first = lean_model(model, "lean-int4")
+    assert lean_model(model, "lean-int4") is first and lean_model(model, "lean-int8") is not first
+    assert lean_copy_bytes(model) > 0
+    forget_lean_copy(model)
+    assert lean_copy_bytes(model) == 0 and lean_model(model, "lean-int4") is not first
+    assert lean_model(make_model("gemma"), "lean-int4").__class__.__name__ == "GemmaForCausalLM"
+
+
+def test_quantized_projections_multiply_by_their_documented_weights():
+    torch.manual_seed(0)
+    weight, x = torch.randn(96, 128) * 0.1, torch.randn(3, 128)
+    for kind in ("int8", "int4"):
+        projection = Projection(weight, None, kind, group_size=32)
+        dequantized = projection.dequantized()
+        if kind == "int8":
+            step = projection.scales.float()[:, None].expand_as(weight)
+        else:  # per group of 32 inputs
+            step = projection.scales_zeros[..., 0].float().T.repeat_interleave(32, dim=1)
+        assert ((dequantized - weight).abs() <= 0.5 * step + weight.abs().amax() * 2 ** -8).all()
+        expected = x.bfloat16().float() @ dequantized.T
+        assert torch.allclose(projection(x).float(), expected, rtol=1e-2, atol=1e-2)
+
+
+def test_errors_name_the_setting():
+    with pytest.raises(ValueError, match=r"draft_precision='lean-int4' copies an fp32 model"):
+        make_model("llama-gqa").to(torch.bfloat16).generate(
+            random_prompt(60), max_new_tokens=4, triforce_config=_config(draft_precision="lean-int4"))
+    narrow = make_model("llama-gqa", hidden_size=80)  # 80 inputs: not a multiple of the int4 group of 32
+    with pytest.raises(ValueError, match="not multiples of the int4 group size"):
+        narrow.generate(random_prompt(60), max_new_tokens=4, triforce_config=_config(draft_precision="lean-int4"))
+    assert_identical(narrow, random_prompt(100), _config(draft_precision="lean-int8"))
+    with pytest.raises(ValueError, match="draft_precision must be one of"):
+        TriForceConfig(draft_precision="int4")
+    assert lean.INT4_GROUP_SIZE == 32
