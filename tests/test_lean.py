@@ -174,6 +174,43 @@ def test_rows_that_depend_on_each_other_are_caught(tiny, monkeypatch):
     assert distance(law, target_law(model, prompt, processors, 4)) > 1e-4
 
 
+def test_a_restricted_drafting_vocabulary_keeps_the_law_exact(tiny, monkeypatch, lean_calls):
+    """Force 1 scoring tokens 0-2 only (q is 0 for token 3, in 86% of the target's continuations): the residual
+    covers it."""
+    from hf_triforce.drafters import model as drafter_module
+
+    real = drafter_module.tier_model
+    monkeypatch.setattr(drafter_module, "tier_model",
+                        lambda m, p, tier: real(m, p, tier).restricted(torch.tensor([0, 1, 2])))
+    model, prompt = tiny
+    processors = LogitsProcessorList([TopKLogitsWarper(2)])
+    config = TriForceConfig(draft="self", draft_precision="lean-int4", **ENUMERATION)
+    law, paths, stats = decoded_law(model, prompt, config, processors, 4)
+    exact = target_law(model, prompt, processors, 4)
+    assert distance(law, exact) < 1e-5 and paths > 10
+    assert sum(p for key, p in law.items() if 3 in key) > 0.5
+    exercised(stats, 3)
+
+
+def test_a_restricted_output_layer_scores_its_subset_only():
+    model = make_model("llama-gqa")
+    full = LeanModel(model, "lean-int8")
+    subset = torch.tensor([40, 0, 5, 7, 5])
+    view = full.restricted(subset)
+    prompt = random_prompt(20)
+
+    def logits(copy):
+        return copy(prompt, BufferCache(2, 32), torch.arange(20)[None], logits_to_keep=3).logits[0]
+
+    a, b = logits(full), logits(view)
+    inside = torch.tensor([0, 5, 7, 40])
+    outside = torch.ones(96, dtype=torch.bool)
+    outside[inside] = False
+    assert torch.allclose(a[:, inside], b[:, inside], atol=1e-2) and (b[:, outside] == lean.OUTSIDE_LOGIT).all()
+    assert (torch.softmax(b / 0.6, -1)[:, outside] == 0).all()
+    assert view.layers is full.layers and full.vocabulary is None
+
+
 # --- row independence -----------------------------------------------------------------------------------------
 
 

@@ -32,6 +32,7 @@ ValueError naming the setting (`check_lean_eligible`): weights not fp32, not on 
 
 from __future__ import annotations
 
+import copy
 import weakref
 from dataclasses import dataclass
 
@@ -60,6 +61,10 @@ SUPPORTED_CLASSES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM
 # (weights within 0.5%); on weights not quantized before, expect the usual int4 error at 32 too
 INT4_GROUP_SIZE = 32
 INT4_INNER_K_TILES = 2  # the packing's inner tiles (CPU kernel: no measured difference between 1, 2, 4, 8)
+
+# the logit of tokens outside a restricted drafting vocabulary (`LeanModel.restricted`): exp(-1e4 - x) is exactly 0
+# in fp32 for any real logit x, and it stays finite under temperature, penalties and the other processors
+OUTSIDE_LOGIT = -1.0e4
 
 _COPIES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {precision: LeanModel}
 
@@ -187,7 +192,10 @@ class LeanModel:
         default `LEAN_PRECISIONS` ``[precision]`` for every part."""
         self.original = model
         self.precision = precision
-        parts = {**LEAN_PRECISIONS[precision], **(parts or {})}
+        self.parts = parts = {**LEAN_PRECISIONS[precision], **(parts or {})}
+        self.group_size = group_size
+        self.vocabulary: torch.Tensor | None = None  # `restricted`: the token ids the output layer scores
+        self.vocab_size = model.get_output_embeddings().weight.shape[0]
         config = model.config
         decoder = model.get_decoder()
         self.embed = decoder.embed_tokens
@@ -225,6 +233,8 @@ class LeanModel:
         self.head = Projection(head.weight, head.bias, parts["head"], group_size, weight_left=True)
 
     def __getattr__(self, name: str):
+        if name.startswith("__") or name == "original":  # copy/pickle probes, or not initialized yet
+            raise AttributeError(name)
         return getattr(self.original, name)
 
     def nbytes(self) -> int:
@@ -275,8 +285,25 @@ class LeanModel:
         keep = n if not logits_to_keep else min(logits_to_keep, n)
         last = hidden.view(batch, n, -1)[:, n - keep :]
         last = F.rms_norm(last, last.shape[-1:], self.final_norm, self.eps)
-        logits = self.head(last.reshape(batch * keep, -1)).float().view(batch, keep, -1)
-        return LeanOutput(logits)
+        logits = self.head(last.reshape(batch * keep, -1)).float()
+        if self.vocabulary is not None:  # the subset's logits in place, `OUTSIDE_LOGIT` elsewhere
+            subset = logits
+            logits = subset.new_full((subset.shape[0], self.vocab_size), OUTSIDE_LOGIT)
+            logits[:, self.vocabulary] = subset
+        return LeanOutput(logits.view(batch, keep, -1))
+
+    def restricted(self, vocabulary: torch.Tensor) -> LeanModel:
+        """This copy with an output layer over the token ids ``vocabulary`` only (the layers are shared): every
+        other token gets the logit `OUTSIDE_LOGIT`, so its probability is exactly 0 next to any real logit (and a
+        processor that masks the whole subset leaves a uniform law over the rest, not NaN). Exact as any draft:
+        the tier hands up the law it drew from (q is 0 outside the subset; the residual covers those tokens)."""
+        view = copy.copy(self)  # shares the layers, norms, rotary and embedding
+        view.vocabulary = torch.unique(vocabulary.reshape(-1).to(torch.long))
+        head = self.original.get_output_embeddings()
+        bias = None if head.bias is None else head.bias[view.vocabulary]
+        view.head = Projection(head.weight[view.vocabulary], bias, self.parts["head"], self.group_size,
+                               weight_left=True)
+        return view
 
     def _mask(self, attention_mask: torch.Tensor | None, batch: int, n: int):
         """None (one row per batch row, sees every entry), ``0`` (bottom-right causal, built per layer from the
