@@ -12,8 +12,9 @@ One process, one prefill of a question about the essays in SmolLM2's chat templa
    ``lean-int4`` with a restricted output layer (the ``--vocab`` most frequent ids -- the lowest, BPE order --
    plus the prompt's tokens and the special ids).
 3. acceptance: ``generate`` of ``--new`` tokens from the shared prefill, three levels, fixed plan, gamma1 2,
-   gamma2 6, retrieval budget 1024, greedy and sampled (T=0.6, top-p 0.9, seed 0), per drafting variant: Force-2
-   acceptance (Force 1's drafts against Force 2) and Force-3 acceptance (Force 2's tokens against the target).
+   gamma2 6, retrieval budget 1024, greedy and sampled (T=0.6, top-p 0.9, ``--samples`` seeds, counts summed), per
+   drafting variant: Force-2 acceptance (Force 1's drafts against Force 2) and Force-3 acceptance (Force 2's tokens
+   against the target). Force-1 seconds per draft include the draft cache's fill (a 271-token forward per run).
    ``lean-int4/F2-<x>`` runs Force 2 on the lean copy ``<x>``; ``/vocab``: Force 1 with the restricted output layer.
 
     python benchmarks/lean_drafting.py --threads 2 --out docs/bench/lean-drafting/2-threads.json
@@ -146,7 +147,7 @@ def timings(model, ids, prefix, models: dict, repeats: int, draft: int, threads:
     return medians
 
 
-def acceptance(model, ids, prefix, new: int, frequent: int) -> dict:
+def acceptance(model, ids, prefix, new: int, frequent: int, samples: int) -> dict:
     # (label, draft_precision, what Force 2 runs instead of FORCE2_PRECISION's choice, restricted Force-1 vocabulary)
     variants = [("model", "model", None, False), ("int8", "int8", None, False), ("lean", "lean", None, False),
                 ("lean-int8", "lean-int8", None, False), ("lean-int4/F2-lean-int4", "lean-int4", "lean-int4", False),
@@ -162,27 +163,31 @@ def acceptance(model, ids, prefix, new: int, frequent: int) -> dict:
         if restricted:
             drafter_module.tier_model = lambda m, p, tier: real_tier_model(m, p, tier).restricted(subset)
         try:
-            for mode, sampling in (("greedy", {"do_sample": False}), ("sampled", SAMPLING)):
+            for mode, sampling, seeds in (("greedy", {"do_sample": False}, [0]), ("sampled", SAMPLING, range(samples))):
                 config = TriForceConfig(draft="self", policy="fixed", levels=3, gamma1=2, gamma2=6,
                                         retrieval_budget=1024, chunk_size=8, sink_tokens=16, window=256,
                                         draft_precision=precision)
-                torch.manual_seed(0)
-                start = time.perf_counter()
-                result = model.generate(ids, cache=prefix, triforce_config=config, max_new_tokens=new,
-                                        min_new_tokens=new, return_dict_in_generate=True, **sampling)
-                seconds = time.perf_counter() - start
-                stats = result.triforce_stats
+                runs = []
+                for seed in seeds:
+                    torch.manual_seed(seed)
+                    start = time.perf_counter()
+                    result = model.generate(ids, cache=prefix, triforce_config=config, max_new_tokens=new,
+                                            min_new_tokens=new, return_dict_in_generate=True, **sampling)
+                    runs.append((time.perf_counter() - start, result.triforce_stats))
+                total = {field: sum(getattr(stats, field) for _, stats in runs) for field in
+                         ("force1_proposed", "force2_accepted", "force2_proposed", "force3_accepted", "force2_steps",
+                          "force1_seconds", "force2_seconds")}
                 out[f"{label} {mode}"] = row = {
-                    "force2_acceptance": stats.force2_acceptance, "force3_acceptance": stats.force3_acceptance,
-                    "decode_seconds": seconds, "force1_seconds": stats.force1_seconds,
-                    "force1_proposed": stats.force1_proposed, "force2_seconds": stats.force2_seconds,
-                    "force2_steps": stats.force2_steps, "force3_seconds": stats.force3_seconds,
-                    "draft_forward": stats.draft_forward, "load": load()}
-                print(f"  {label:20s} {mode:8s} F2 acc {row['force2_acceptance']:.3f}  F3 acc "
-                      f"{row['force3_acceptance']:.3f}  decode {seconds:6.1f} s  F1 "
-                      f"{1e3 * stats.force1_seconds / max(stats.force1_proposed, 1):6.2f} ms/draft  F2 "
-                      f"{1e3 * stats.force2_seconds / max(stats.force2_steps, 1):6.2f} ms/verify  load {load()}",
-                      flush=True)
+                    "force2_acceptance": total["force2_accepted"] / max(total["force1_proposed"], 1),
+                    "force3_acceptance": total["force3_accepted"] / max(total["force2_proposed"], 1),
+                    "runs": len(runs), "decode_seconds": [seconds for seconds, _ in runs],
+                    "force1_seconds_per_draft": total["force1_seconds"] / max(total["force1_proposed"], 1),
+                    "force2_seconds_per_verification": total["force2_seconds"] / max(total["force2_steps"], 1),
+                    "draft_forward": runs[0][1].draft_forward, "load": load()}
+                print(f"  {label:28s} {mode:8s} F2 acc {row['force2_acceptance']:.3f}  F3 acc "
+                      f"{row['force3_acceptance']:.3f}  decode {statistics.median(row['decode_seconds']):6.1f} s  F1 "
+                      f"{1e3 * row['force1_seconds_per_draft']:6.2f} ms/draft  F2 "
+                      f"{1e3 * row['force2_seconds_per_verification']:6.2f} ms/verify  load {load()}", flush=True)
         finally:
             drafter_module.tier_model = real_tier_model
             lean.FORCE2_PRECISION.update(real_force2)
@@ -195,6 +200,7 @@ def main() -> None:
     parser.add_argument("--new", type=int, default=128)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--samples", type=int, default=3, help="sampled runs (seeds 0, 1, ...) per variant")
     parser.add_argument("--draft", type=int, default=4, help="tokens per timed Force-1 proposal")
     parser.add_argument("--vocab", type=int, default=8192, help="frequent ids in the restricted output layer")
     parser.add_argument("--agreement", action="store_true")
@@ -233,7 +239,7 @@ def main() -> None:
         results["load_after_timings"] = load()
     if "acceptance" not in args.skip:
         print(f"acceptance ({args.new} new tokens, budget 1024, gamma 2/6):", flush=True)
-        results["acceptance"] = acceptance(model, ids, prefix, args.new, args.vocab)
+        results["acceptance"] = acceptance(model, ids, prefix, args.new, args.vocab, args.samples)
     results["load_end"] = load()
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -30,7 +30,9 @@ def test_only_compat_touches_transformers_internals():
     private attribute of another object (``x._name``, ``getattr(x, "_name")``) and none of the internals
     `compat` wraps; `compat` is the one place for the rest."""
     wrapped = ("hf_quantizer", "rotary_emb", "eager_attention_forward")
-    torch_ops = {"_scaled_dot_product_flash_attention_for_cpu"}  # an ATen op (not transformers); see test_cpu_kernels
+    # ATen ops (not transformers); see test_cpu_kernels and test_lean
+    torch_ops = {"_scaled_dot_product_flash_attention_for_cpu", "_weight_int8pack_mm", "_weight_int4pack_mm_for_cpu",
+                 "_convert_weight_to_int4pack_for_cpu"}
     offenders = []
     for path in PACKAGE.rglob("*.py"):
         if path.name == "compat.py":

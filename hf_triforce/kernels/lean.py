@@ -66,6 +66,11 @@ INT4_INNER_K_TILES = 2  # the packing's inner tiles (CPU kernel: no measured dif
 # in fp32 for any real logit x, and it stays finite under temperature, penalties and the other processors
 OUTSIDE_LOGIT = -1.0e4
 
+# ATen's weight-only CPU kernels (None where this torch lacks them: `check_lean_eligible` says so)
+INT8_MM = getattr(torch.ops.aten, "_weight_int8pack_mm", None)
+INT4_MM = getattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu", None)
+INT4_PACK = getattr(torch.ops.aten, "_convert_weight_to_int4pack_for_cpu", None)
+
 _COPIES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {precision: LeanModel}
 
 
@@ -110,9 +115,9 @@ class Projection:
             return F.linear(x, self.weight, self.bias)
         x = x.to(torch.bfloat16)
         if self.precision == "int8":
-            out = torch.ops.aten._weight_int8pack_mm(x, self.weight, self.scales)
+            out = INT8_MM(x, self.weight, self.scales)
         else:
-            out = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.weight, self.group_size, self.scales_zeros)
+            out = INT4_MM(x, self.weight, self.group_size, self.scales_zeros)
         return out if self.bias is None else out.float() + self.bias
 
     def dequantized(self) -> torch.Tensor:
@@ -122,7 +127,7 @@ class Projection:
         if self.precision == "int8":
             return self.weight.float() * self.scales.float()[:, None]
         eye = torch.eye(self.in_features, dtype=torch.bfloat16)
-        columns = torch.ops.aten._weight_int4pack_mm_for_cpu(eye, self.weight, self.group_size, self.scales_zeros)
+        columns = INT4_MM(eye, self.weight, self.group_size, self.scales_zeros)
         return columns.float().T.contiguous()
 
     def nbytes(self) -> int:
@@ -157,7 +162,7 @@ def quantize_int4(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, 
     zeros = (low + 8 * scales.float()).to(torch.bfloat16)
     q = torch.round((groups - zeros.float()[..., None]) / scales.float()[..., None] + 8).clamp(0, 15)
     q = q.to(torch.int32).reshape(out_features, in_features)
-    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, INT4_INNER_K_TILES)
+    packed = INT4_PACK(q, INT4_INNER_K_TILES)
     scales_zeros = torch.stack((scales, zeros), dim=-1).transpose(0, 1).contiguous()
     return packed, scales_zeros
 
@@ -394,10 +399,11 @@ def check_lean_eligible(model: nn.Module, precision: str) -> None:
     if bad:
         raise ValueError(f"TriForceConfig.draft_precision={precision!r}: input widths {bad} are not multiples of the "
                          f"int4 group size {INT4_GROUP_SIZE}; use draft_precision='lean-int8'")
-    ops = {"int8": "_weight_int8pack_mm", "int4": "_weight_int4pack_mm_for_cpu"}
-    for op in sorted({ops[p] for p in LEAN_PRECISIONS[precision].values() if p in ops}):
-        if not hasattr(torch.ops.aten, op):
-            raise RuntimeError(f"TriForceConfig.draft_precision={precision!r} needs torch.ops.aten.{op}, which torch "
+    kernels = {"int8": ("_weight_int8pack_mm", INT8_MM), "int4": ("_weight_int4pack_mm_for_cpu", INT4_MM)}
+    for kind in sorted(set(LEAN_PRECISIONS[precision].values()) & set(kernels)):
+        name, kernel = kernels[kind]
+        if kernel is None or (kind == "int4" and INT4_PACK is None):
+            raise RuntimeError(f"TriForceConfig.draft_precision={precision!r} needs torch.ops.aten.{name}, which torch "
                                f"{torch.__version__} does not provide")
 
 
