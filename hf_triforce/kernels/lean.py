@@ -130,17 +130,17 @@ class Projection:
         columns = INT4_MM(eye, self.weight, self.group_size, self.scales_zeros)
         return columns.float().T.contiguous()
 
-    def nbytes(self) -> int:
+    def nbytes(self, shared: set[int] = frozenset()) -> int:
+        """Bytes of its tensors, except those whose storage is in ``shared`` (data pointers of the model's)."""
         tensors = [self.weight, self.bias, getattr(self, "scales", None), getattr(self, "scales_zeros", None)]
-        return sum(t.nbytes for t in tensors if t is not None)
+        return sum(t.nbytes for t in tensors if t is not None and t.data_ptr() not in shared)
 
 
 def _bf16_at_least(x: torch.Tensor) -> torch.Tensor:
-    """``x`` (positive fp32) rounded to a bf16 value no smaller than it."""
+    """``x`` (positive, finite fp32) rounded to the nearest bf16 value no smaller than it."""
     rounded = x.to(torch.bfloat16)
-    low = rounded.float() < x
-    return torch.where(low, torch.nextafter(rounded.float(), torch.tensor(float("inf"))).to(torch.bfloat16)
-                       .float().clamp(min=x).to(torch.bfloat16), rounded)
+    above = (rounded.view(torch.int16) + 1).view(torch.bfloat16)  # the next bf16 up (positive values)
+    return torch.where(rounded.float() < x, above, rounded)
 
 
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -243,11 +243,13 @@ class LeanModel:
         return getattr(self.original, name)
 
     def nbytes(self) -> int:
-        """Bytes this copy holds (quantized or copied weights, norms); the embedding table is the model's."""
-        total = self.final_norm.nbytes + self.head.nbytes()
+        """Bytes this copy holds beyond the model's own tensors (quantized or fused weights, norms): the embedding
+        table and fp32 weights used as they are (``"lean"``'s o, down and output layers) are the model's."""
+        shared = {p.data_ptr() for p in self.original.parameters()}
+        total = self.final_norm.nbytes + self.head.nbytes(shared)
         for layer in self.layers:
             total += layer.input_norm.nbytes + layer.post_norm.nbytes
-            total += sum(p.nbytes() for p in (layer.qkv, layer.o, layer.gate_up, layer.down))
+            total += sum(p.nbytes(shared) for p in (layer.qkv, layer.o, layer.gate_up, layer.down))
         return total
 
     @torch.no_grad()
