@@ -14,7 +14,8 @@ One process, one prefill of a question about the essays in SmolLM2's chat templa
 3. acceptance: ``generate`` of ``--new`` tokens from the shared prefill, three levels, fixed plan, gamma1 2,
    gamma2 6, retrieval budget 1024, greedy and sampled (T=0.6, top-p 0.9, ``--samples`` seeds, counts summed), per
    drafting variant: Force-2 acceptance (Force 1's drafts against Force 2) and Force-3 acceptance (Force 2's tokens
-   against the target). Force-1 seconds per draft include the draft cache's fill (a 271-token forward per run).
+   against the target), and decode seconds beside transformers' static-cache ``generate`` from the same prefill.
+   Force-1 seconds per draft include the draft cache's fill (a 271-token forward per run).
    ``lean-int4/F2-<x>`` runs Force 2 on the lean copy ``<x>``; ``/vocab``: Force 1 with the restricted output layer.
 
     python benchmarks/lean_drafting.py --threads 2 --out docs/bench/lean-drafting/2-threads.json
@@ -155,6 +156,17 @@ def acceptance(model, ids, prefix, new: int, frequent: int, samples: int) -> dic
                 ("lean-int4/F2-lean", "lean-int4", "lean", False),
                 ("lean-int4/F2-lean-int4/vocab", "lean-int4", "lean-int4", True)]
     out = {}
+    for mode, sampling, seeds in (("greedy", {"do_sample": False}, [0]), ("sampled", SAMPLING, range(samples))):
+        walls = []
+        for seed in seeds:  # the baseline: transformers' static-cache decoding from the same prefill
+            torch.manual_seed(seed)
+            static = static_copy(model, prefix, ids.shape[1] + new + 8)
+            start = time.perf_counter()
+            model.generate(ids, cache=static, max_new_tokens=new, min_new_tokens=new, **sampling)
+            walls.append(time.perf_counter() - start)
+        out[f"static {mode}"] = {"decode_seconds": walls, "load": load()}
+        print(f"  {'static (baseline)':28s} {mode:8s} decode {statistics.median(walls):6.1f} s  load {load()}",
+              flush=True)
     real_tier_model, real_force2 = drafter_module.tier_model, dict(lean.FORCE2_PRECISION)
     subset = vocabulary(model, ids, frequent)
     for label, precision, force2, restricted in variants:
