@@ -16,6 +16,8 @@ One process, one prefill of a question about the essays in SmolLM2's chat templa
    drafting variant: Force-2 acceptance (Force 1's drafts against Force 2) and Force-3 acceptance (Force 2's tokens
    against the target), and decode seconds beside transformers' static-cache ``generate`` from the same prefill.
    Force-1 seconds per draft include the draft cache's fill (a 271-token forward per run).
+4. the library's default config (``policy="auto"``) with ``draft_precision`` ``model``, ``int8`` and ``lean-int4``
+   (and budget 1024), beside static-cache ``generate``: decode tokens/s, one greedy and one sampled run.
    ``lean-int4/F2-<x>`` runs Force 2 on the lean copy ``<x>``; ``/vocab``: Force 1 with the restricted output layer.
 
     python benchmarks/lean_drafting.py --threads 2 --out docs/bench/lean-drafting/2-threads.json
@@ -206,6 +208,33 @@ def acceptance(model, ids, prefix, new: int, frequent: int, samples: int) -> dic
     return out
 
 
+def default_policy(model, ids, prefix, new: int) -> dict:
+    """The library's default config (``policy="auto"``) with each drafting precision, beside static-cache
+    ``generate``: one greedy and one sampled (seed 0) run each."""
+    variants = {"static": None, "default": TriForceConfig(), "default int8": TriForceConfig(draft_precision="int8"),
+                "default lean-int4": TriForceConfig(draft_precision="lean-int4"),
+                "default lean-int4, budget 1024": TriForceConfig(draft_precision="lean-int4", retrieval_budget=1024)}
+    out = {}
+    for mode, sampling in (("greedy", {"do_sample": False}), ("sampled", SAMPLING)):
+        for label, config in variants.items():
+            torch.manual_seed(0)
+            kwargs = dict(cache=static_copy(model, prefix, ids.shape[1] + new + 8)) if config is None else dict(
+                cache=prefix, triforce_config=config, return_dict_in_generate=True)
+            start = time.perf_counter()
+            result = model.generate(ids, max_new_tokens=new, min_new_tokens=new, **kwargs, **sampling)
+            seconds = time.perf_counter() - start
+            stats = getattr(result, "triforce_stats", None)
+            out[f"{label} {mode}"] = row = {"decode_seconds": seconds, "tokens_per_second": new / seconds,
+                                            "load": load()}
+            if stats is not None:
+                row.update(plan_steps=stats.plan_steps, force2_acceptance=stats.force2_acceptance,
+                           force3_acceptance=stats.force3_acceptance, draft_forward=stats.draft_forward)
+            print(f"  {mode:8s} {label:32s} {new / seconds:6.2f} tok/s "
+                  + ("" if stats is None else f"steps by levels {stats.plan_steps} F2 {stats.force2_acceptance:.2f} "
+                     f"F3 {stats.force3_acceptance:.2f}") + f" load {load()}", flush=True)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--context", type=int, default=8000)
@@ -217,7 +246,7 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=8192, help="frequent ids in the restricted output layer")
     parser.add_argument("--agreement", action="store_true")
     parser.add_argument("--agree-tokens", type=int, default=768)
-    parser.add_argument("--skip", nargs="*", default=[], choices=["timings", "acceptance"])
+    parser.add_argument("--skip", nargs="*", default=[], choices=["timings", "acceptance", "default"])
     parser.add_argument("--reuse-prefill", type=Path, default=None,
                         help="folder where the prompt's prefilled cache is saved and read back (skips the prefill)")
     parser.add_argument("--out", type=Path, default=None)
@@ -252,6 +281,9 @@ def main() -> None:
     if "acceptance" not in args.skip:
         print(f"acceptance ({args.new} new tokens, budget 1024, gamma 2/6):", flush=True)
         results["acceptance"] = acceptance(model, ids, prefix, args.new, args.vocab, args.samples)
+    if "default" not in args.skip:
+        print(f"the default config (policy auto), {args.new} new tokens:", flush=True)
+        results["default_policy"] = default_policy(model, ids, prefix, args.new)
     results["load_end"] = load()
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
