@@ -295,6 +295,16 @@ def test_errors_name_the_setting():
     assert lean.INT4_GROUP_SIZE == 32
 
 
+def test_a_dispatched_model_is_refused_by_name(tmp_path_factory):
+    """Weights under accelerate hooks (``device_map=``, here some offloaded to disk) are not copied: a clear error."""
+    from .test_device_map import DEVICE_MAP, _load
+
+    model = _load(tmp_path_factory, 4, DEVICE_MAP)
+    with pytest.raises(ValueError, match=r"draft_precision='lean-int4' copies the weights of a model loaded in one "
+                                         r"piece on the CPU; module .* runs under an accelerate hook"):
+        model.generate(random_prompt(60), max_new_tokens=4, triforce_config=_config(draft_precision="lean-int4"))
+
+
 def test_scales_round_up_to_bf16():
     x = torch.tensor([1.0, 1.001, 0.3, 3.14159, 1e-6, 250.7])
     rounded = lean._bf16_at_least(x)
