@@ -13,7 +13,7 @@ and itself. The attention is computed in two parts merged exactly by their log-s
 * the block, ``m x m``, with the tree mask, in fp32.
 
 No ``[m, cached]`` mask is ever built. The block mask reaches the attention function through a context
-(`tree_block`) set around the forward by `forward.forward_tree`, like the query recorder: the
+(`tree_block`) set around the forward by `decoding.tree_forward.tree_logits`, like the query recorder: the
 model's own causal mask is ignored while it is set. Sliding-window layers, soft-capping and position
 biases are refused (their masks/scores are not this computation).
 """
