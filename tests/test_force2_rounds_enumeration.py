@@ -35,11 +35,11 @@ from transformers import (
 from transformers.generation.stopping_criteria import EosTokenCriteria
 
 from hf_triforce import TriForceConfig
-from hf_triforce.batch import BatchDecoder
+from hf_triforce.decoding.loop import Decoder
 from hf_triforce.drafters.registry import DRAFTERS, DrafterSpec
 from hf_triforce.integration import recording_attention
-from hf_triforce.sampling import scores_to_probs
-from hf_triforce.tree import DraftTree
+from hf_triforce.verification.draft_tree import DraftTree
+from hf_triforce.verification.sampling import scores_to_probs
 
 from .conftest import make_model, random_prompt
 from .enumeration_util import enumerate_outcomes
@@ -93,9 +93,7 @@ def first_draft_laws(decoder) -> None:
         return len(proposals), chain.sampler.categorical(q[len(proposals)])
 
     chain.verify = verify_chain
-    tree = getattr(decoder, "force2_tree_verifier", None)  # the batch path verifies chains only
-    if tree is None:
-        return
+    tree = decoder.force2_tree_verifier
 
     def verify_tree(draft, target_scores):
         q = scores_to_probs(target_scores)
@@ -122,7 +120,7 @@ def recording(rounds: list, mutate=None, trees: list | None = None):
     def apply(decoder):
         if mutate is not None:
             mutate(decoder)
-        chain, tree = decoder.force2_verifier, getattr(decoder, "force2_tree_verifier", None)
+        chain, tree = decoder.force2_verifier, decoder.force2_tree_verifier
         verify_chain = chain.verify
 
         def recorded_chain(proposals, proposal_probs, target_scores):
@@ -131,17 +129,16 @@ def recording(rounds: list, mutate=None, trees: list | None = None):
             return accepted, token
 
         chain.verify = recorded_chain
-        if tree is not None:
-            verify_tree = tree.verify
+        verify_tree = tree.verify
 
-            def recorded_tree(draft, target_scores):
-                path, token = verify_tree(draft, target_scores)
-                rounds.append((max(draft.depths(), default=0), len(path)))
-                if trees is not None:
-                    trees.append(draft)
-                return path, token
+        def recorded_tree(draft, target_scores):
+            path, token = verify_tree(draft, target_scores)
+            rounds.append((max(draft.depths(), default=0), len(path)))
+            if trees is not None:
+                trees.append(draft)
+            return path, token
 
-            tree.verify = recorded_tree
+        tree.verify = recorded_tree
 
     return apply
 
@@ -276,8 +273,8 @@ def batch_laws(keyed_by: str, mutate=None):
     record = recording(rounds, mutate)
 
     def run(sampler):
-        decoder = BatchDecoder(model, config, processors, criteria, [ids.shape[1] - pad + NEW for pad in pads], True,
-                               [ids[r : r + 1, :pad] for r, pad in enumerate(pads)], sampler=sampler)
+        decoder = Decoder(model, config, processors, criteria, [ids.shape[1] - pad + NEW for pad in pads], True,
+                          [ids[r : r + 1, :pad] for r, pad in enumerate(pads)], sampler=sampler)
         record(decoder)
         with torch.no_grad(), recording_attention(model):
             result = decoder.run([p.reshape(1, -1) for p in prompts])
