@@ -243,8 +243,7 @@ def fused_verify(module, query, key, value, attention_mask, **kwargs):
     if route == "varlen":
         return native_attention.varlen_verify(module, query, key, value, attention_mask, **kwargs)
     if route in ("flex", "flex_tree"):
-        return native_attention.run_flex(native_attention.flex_verify, module, query, key, value, attention_mask,
-                                         **kwargs)
+        return native_attention.flex_verify(module, query, key, value, attention_mask, **kwargs)
     return None
 
 

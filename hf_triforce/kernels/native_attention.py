@@ -26,10 +26,8 @@ Dispatch (`attention.fused_route`), on CUDA, for the batch-1 multi-token calls o
 flash-attn when installed (fp16/bf16; the reference implementation these routes replace), then `varlen_attn`
 (fp16/bf16: the same FlashAttention 2 kernels, nothing to compile), then FlexAttention (what varlen cannot take:
 fp32, head dims it refuses, torch without it; compiled on first use, seconds per shape family), then the
-masked SDPA / matmul path. An automatic FlexAttention call that fails (a compiler error on an untested GPU or
-head dim) warns once and leaves FlexAttention off for the process: that call and every later one take the
-masked path, which computes the same values. `force_route` pins a route (tests, benchmarks); a pinned route
-raises instead.
+masked SDPA / matmul path. A route that fails raises (nothing is swallowed): pin another with `force_route`
+(tests, benchmarks, or a GPU whose compiler refuses a FlexAttention kernel: ``force_route("sdpa")``).
 """
 
 from __future__ import annotations
@@ -38,7 +36,6 @@ import contextlib
 import contextvars
 import functools
 import inspect
-import warnings
 from typing import Any, NamedTuple
 
 import torch
@@ -57,7 +54,6 @@ VARLEN_MAX_HEAD_DIM = 256
 FLEX_MIN_HEAD_DIM = 16
 
 _FORCED: contextvars.ContextVar[str | None] = contextvars.ContextVar("triforce_attention_route", default=None)
-_FLEX_FAILED: list[str] = []  # the first error of an automatic FlexAttention call; non-empty: off for the process
 
 
 @contextlib.contextmanager
@@ -177,7 +173,7 @@ def _triton() -> bool:
 def flex_runs(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
     """FlexAttention taken automatically: CUDA with Triton, head dims from `FLEX_MIN_HEAD_DIM`, one head dim for
     q, k and v (values of another width are untested there), unless an earlier automatic call failed."""
-    return (query.is_cuda and not _FLEX_FAILED and _flex_module() is not None and _triton()
+    return (query.is_cuda and _flex_module() is not None and _triton()
             and key.shape[-1] == value.shape[-1] >= FLEX_MIN_HEAD_DIM)
 
 
@@ -299,20 +295,3 @@ def flex_tree_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
     mask = _tree_block_mask(visible, groups, kv_len - m, query.device)
     out = _flex(_as_rows(query, kv_heads), key, value, mask, scale, False)
     return out.reshape(1, heads, m, value.shape[-1]).transpose(1, 2).contiguous()
-
-
-def run_flex(fn, *args, **kwargs):
-    """``fn(*args, **kwargs)`` (a FlexAttention route); where the route was chosen automatically, a failure
-    other than running out of memory warns once, turns FlexAttention off for the process and returns None (the
-    caller then takes the masked path: the same values)."""
-    if forced_route() is not None:
-        return fn(*args, **kwargs)
-    try:
-        return fn(*args, **kwargs)
-    except torch.OutOfMemoryError:
-        raise
-    except Exception as error:  # noqa: BLE001 - an untested compiled kernel must not end an exact decode
-        _FLEX_FAILED.append(f"{type(error).__name__}: {error}")
-        warnings.warn(f"FlexAttention failed ({_FLEX_FAILED[0][:300]}); hf_triforce uses masked SDPA from here on",
-                      RuntimeWarning, stacklevel=2)
-        return None

@@ -161,8 +161,8 @@ def tree_sdpa(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
             out, lse = flash_prefix_attention(*prefix)
         elif route == "varlen":
             out, lse = native_attention.varlen_prefix_attention(*prefix)
-        elif route == "flex":  # None where an automatic FlexAttention call failed: the matmul below
-            out, lse = native_attention.run_flex(native_attention.flex_prefix_attention, *prefix) or (None, None)
+        elif route == "flex":
+            out, lse = native_attention.flex_prefix_attention(*prefix)
         if out is None:
             out, lse = prefix_attention(rows, key[0, :, :cached], value[0, :, :cached], scale)
         out, lse = torch.cat((out.float(), block_out[None])), torch.cat((lse, block_lse[None]))
