@@ -6,7 +6,7 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 from .drafters import DRAFTERS, drafter_names
-from .quantized import ROW_INDEPENDENT_MAX_ROWS
+from .row_mixing import ROW_INDEPENDENT_MAX_ROWS
 
 DRAFT_PRECISIONS = ("model", "int8")
 FULL_CACHE_DEVICES = (None, "cpu")
@@ -161,12 +161,6 @@ class TriForceConfig:
         if self.draft_precision not in DRAFT_PRECISIONS:
             raise ValueError(
                 f"TriForceConfig.draft_precision must be one of {DRAFT_PRECISIONS}, got {self.draft_precision!r}"
-            )
-        if self.draft_precision == "int8" and self.gamma1 + 1 > ROW_INDEPENDENT_MAX_ROWS:
-            raise ValueError(
-                f"TriForceConfig.gamma1 must be at most {ROW_INDEPENDENT_MAX_ROWS - 1} with draft_precision='int8' "
-                f"(Force 2 verifies gamma1 + 1 rows, each quantized on its own up to {ROW_INDEPENDENT_MAX_ROWS}), "
-                f"got {self.gamma1}"
             )
         if self.tree_nodes > ROW_INDEPENDENT_MAX_ROWS - 1:
             raise ValueError(f"TriForceConfig.tree_nodes must be at most {ROW_INDEPENDENT_MAX_ROWS - 1} (a tree's rows "

@@ -27,8 +27,8 @@ from .batch import BatchDecoder, check_batch_request
 from .config import TriForceConfig
 from .decoder import TriForceDecoder
 from .preflight import check_model
-from .quantized import ROW_INDEPENDENT_MAX_ROWS, check_int8_eligible
-from .row_mixing import row_mixing_layers
+from .quantized import check_int8_eligible
+from .row_mixing import ROW_INDEPENDENT_MAX_ROWS, row_mixing_layers
 from .stats import TriForceStats
 
 TESTED_TRANSFORMERS = compat.TESTED_TRANSFORMERS

@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import copy
 import itertools
-import warnings
 import weakref
 
 import torch
@@ -47,27 +46,55 @@ from torch import nn
 from .compat import execution_device, hook_state, materialized, strip_hooks
 
 _COPIES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-ROW_INDEPENDENT_MAX_ROWS = 64  # >= gamma1 + 1 (checked by TriForceConfig)
+_SMALLEST_ROW_MAX = 1e-30  # a row of zeros gets this as its max: 127 / it stays finite in fp32, rows quantize to 0
 
 
-def _row_independent(layer: nn.Module) -> None:
-    """Make ``layer`` quantize each row of a call of up to `ROW_INDEPENDENT_MAX_ROWS` rows on its own."""
-    batched = layer.forward
+def _row_max(rows: torch.Tensor) -> torch.Tensor:
+    """``[n, 1]``: the largest magnitude of each row (its quantization scale is that / 127)."""
+    return rows.abs().amax(-1, keepdim=True).clamp_min_(_SMALLEST_ROW_MAX)
 
-    def forward(hidden: torch.Tensor) -> torch.Tensor:
-        rows = hidden.reshape(-1, hidden.shape[-1])
-        if not 1 < rows.shape[0] <= ROW_INDEPENDENT_MAX_ROWS:
-            return batched(hidden)
-        out = torch.cat([batched(rows[i : i + 1]) for i in range(rows.shape[0])])
-        return out.reshape(*hidden.shape[:-1], out.shape[-1])
 
-    layer.forward = forward
+class Int8Linear(nn.Module):
+    """An `nn.Linear` with int8 weights whose input rows are each quantized on their own (to int8, by max / 127).
+
+    Weights: symmetric per output channel (scale = the channel's max magnitude / 127). Output row ``i`` is
+    ``(round(x_i * 127 / m_i) @ W_q^T) * m_i * w_scale + bias`` with ``m_i`` = max |x_i|: the integer products
+    are summed exactly in int32 (`torch._int_mm`; |sum| <= 127^2 * in_features), and every other step is
+    elementwise or a reduction over row ``i`` alone, so each output row is a function of its input row only,
+    bit for bit, whatever the other rows of the call and however many there are. ``bias`` is the original's.
+    """
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        weight = linear.weight.detach().float()
+        channel_max = weight.abs().amax(1).clamp_min(_SMALLEST_ROW_MAX)
+        self.register_buffer("weight_int8", torch.round(weight * (127 / channel_max)[:, None]).to(torch.int8))
+        self.register_buffer("weight_scale", channel_max / (127 * 127))  # both int8 scales' 1/127
+        self.bias = linear.bias
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        rows = hidden.reshape(-1, self.in_features)
+        row_max = _row_max(rows)
+        quantized = rows.mul(127 / row_max).round_().to(torch.int8)
+        out = torch.mul(torch._int_mm(quantized, self.weight_int8.t()), row_max * self.weight_scale)
+        if self.bias is not None:
+            out.add_(self.bias)
+        return out.reshape(*hidden.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
 def int8_available() -> bool:
-    """Whether this torch build has dynamic int8 quantization for CPU."""
-    quantization = getattr(getattr(torch, "ao", None), "quantization", None)
-    return hasattr(quantization, "quantize_dynamic") and bool(torch.backends.quantized.supported_engines)
+    """Whether this torch build multiplies int8 matrices on the CPU (`torch._int_mm`)."""
+    if not hasattr(torch, "_int_mm"):
+        return False
+    try:
+        torch._int_mm(torch.ones(1, 8, dtype=torch.int8), torch.ones(8, 8, dtype=torch.int8))
+    except RuntimeError:
+        return False
+    return True
 
 
 def int8_copy(model: nn.Module) -> nn.Module:
@@ -83,14 +110,9 @@ def int8_copy(model: nn.Module) -> nn.Module:
         shared.update(hook_state(model))
         clone = copy.deepcopy(model, shared)  # new modules, the same tensors
         strip_hooks(clone)  # every execution device is the CPU (checked): the copy needs no device hooks
-        spec = {name: torch.ao.quantization.per_channel_dynamic_qconfig for name in int8_layer_names(clone)}
-        with warnings.catch_warnings():  # torch marks torch.ao as deprecated in favour of torchao; still shipped
-            warnings.filterwarnings("ignore", category=DeprecationWarning, module=r"torch\.ao")
-            warnings.filterwarnings("ignore", message=r".*quantize_per_(tensor|channel).*", category=UserWarning)
-            torch.ao.quantization.quantize_dynamic(clone, spec, dtype=torch.qint8, inplace=True)
-    for module in clone.modules():
-        if isinstance(module, torch.ao.nn.quantized.dynamic.Linear):
-            _row_independent(module)
+        for name in int8_layer_names(clone):
+            owner, _, attribute = name.rpartition(".")
+            setattr(clone.get_submodule(owner), attribute, Int8Linear(clone.get_submodule(name)))
     clone.eval()
     _COPIES[model] = (clone, state)
     return clone
@@ -104,9 +126,6 @@ def int8_copy_bytes(model: nn.Module) -> int:
     own = {t.data_ptr() for t in itertools.chain(model.parameters(), model.buffers())}
     total = 0
     for module in cached[0].modules():
-        if isinstance(module, torch.ao.nn.quantized.dynamic.Linear):
-            weight, bias = module.weight(), module.bias()
-            total += weight.numel() * weight.element_size() + (bias.nbytes if bias is not None else 0)
         for tensor in itertools.chain(module.parameters(recurse=False), module.buffers(recurse=False)):
             if tensor.data_ptr() not in own:
                 total += tensor.nbytes
@@ -142,7 +161,7 @@ def check_int8_eligible(model: nn.Module) -> None:
         raise ValueError("TriForceConfig.draft_precision='int8' quantizes an fp32 model; this one is "
                          f"{next(model.parameters()).dtype}")
     if not int8_available():
-        raise RuntimeError("TriForceConfig.draft_precision='int8' needs torch.ao.quantization.quantize_dynamic, "
+        raise RuntimeError("TriForceConfig.draft_precision='int8' needs torch._int_mm on the CPU, "
                            f"which torch {torch.__version__} does not provide")
 
 
