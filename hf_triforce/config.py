@@ -40,7 +40,7 @@ class TriForceConfig:
     prefill_chunk_size: prompt tokens per forward during the chunked prefill of the full cache.
     show_progress: show a tqdm bar during prefill.
     draft_precision: ``"model"`` (Force 1 and Force 2 run the models as given) or ``"int8"`` (they run a
-        cached dynamic-int8 copy of each fp32 model's linear layers; CPU only). Force 3 always runs the target
+        cached int8 copy of each fp32 model's linear layers; CPU only). Force 3 always runs the target
         as given, so the output is exact either way; int8 only changes how often drafts are accepted.
     levels: 3 (TriForce) or 2 (Force 1 verified directly by Force 3: with ``draft="self"`` the
         StreamingLLM-cache self-speculation baseline; Force-2 knobs are then unused).
