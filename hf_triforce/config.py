@@ -6,7 +6,7 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 from .drafters import DRAFTERS, drafter_names
-from .kernels.quantized import ROW_INDEPENDENT_MAX_ROWS
+from .kernels.row_mixing import ROW_INDEPENDENT_MAX_ROWS
 
 DRAFT_PRECISIONS = ("model", "int8")
 FULL_CACHE_DEVICES = (None, "cpu")
@@ -40,7 +40,7 @@ class TriForceConfig:
     prefill_chunk_size: prompt tokens per forward during the chunked prefill of the full cache.
     show_progress: show a tqdm bar during prefill.
     draft_precision: ``"model"`` (Force 1 and Force 2 run the models as given) or ``"int8"`` (they run a
-        cached dynamic-int8 copy of each fp32 model's linear layers; CPU only). Force 3 always runs the target
+        cached int8 copy of each fp32 model's linear layers; CPU only). Force 3 always runs the target
         as given, so the output is exact either way; int8 only changes how often drafts are accepted.
     levels: 3 (TriForce) or 2 (Force 1 verified directly by Force 3: with ``draft="self"`` the
         StreamingLLM-cache self-speculation baseline; Force-2 knobs are then unused).
@@ -161,12 +161,6 @@ class TriForceConfig:
         if self.draft_precision not in DRAFT_PRECISIONS:
             raise ValueError(
                 f"TriForceConfig.draft_precision must be one of {DRAFT_PRECISIONS}, got {self.draft_precision!r}"
-            )
-        if self.draft_precision == "int8" and self.gamma1 + 1 > ROW_INDEPENDENT_MAX_ROWS:
-            raise ValueError(
-                f"TriForceConfig.gamma1 must be at most {ROW_INDEPENDENT_MAX_ROWS - 1} with draft_precision='int8' "
-                f"(Force 2 verifies gamma1 + 1 rows, each quantized on its own up to {ROW_INDEPENDENT_MAX_ROWS}), "
-                f"got {self.gamma1}"
             )
         if self.tree_nodes > ROW_INDEPENDENT_MAX_ROWS - 1:
             raise ValueError(f"TriForceConfig.tree_nodes must be at most {ROW_INDEPENDENT_MAX_ROWS - 1} (a tree's rows "
