@@ -39,11 +39,10 @@ from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 
 import torch
-from transformers import AttentionInterface, GenerationMixin
+from transformers import GenerationMixin
 from transformers.cache_utils import Cache, CacheLayerMixin, get_layer_types_and_kwargs
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 TESTED_TRANSFORMERS = (">=5.24", "<6")
 ORIGINAL_GENERATE = GenerationMixin.generate
@@ -76,24 +75,36 @@ __all__ = [
 ]
 
 
+def _attention_registry():
+    """transformers' ``ALL_ATTENTION_FUNCTIONS`` (an ``AttentionInterface``), imported on first use:
+    ``transformers.modeling_utils`` imports every installed quantization stack (its quantizers import torchao,
+    which prints load failures and costs seconds), so ``import hf_triforce`` must not import it. Any model
+    already has it imported by the time one of the functions below runs."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    return ALL_ATTENTION_FUNCTIONS
+
+
 def attention_function(name: str, module: torch.nn.Module) -> Callable:
     """The attention function ``name`` as ``module`` would call it (eager lives in each model's file)."""
     if name == "eager":  # each model file defines its own eager attention (softcapping, sinks, ...)
         return sys.modules[type(module).__module__].eager_attention_forward
-    return ALL_ATTENTION_FUNCTIONS[name]
+    return _attention_registry()[name]
 
 
 def attention_names() -> list[str]:
     """Registered attention implementation names."""
-    return list(ALL_ATTENTION_FUNCTIONS.valid_keys())
+    return list(_attention_registry().valid_keys())
 
 
 def is_registered_attention(name: str) -> bool:
-    return name in ALL_ATTENTION_FUNCTIONS
+    return name in _attention_registry()
 
 
 def register_attention(name: str, function: Callable, masks_like: str) -> None:
     """Register ``function`` as attention implementation ``name``, building masks as ``masks_like`` does."""
+    from transformers.modeling_utils import AttentionInterface  # see _attention_registry
+
     AttentionInterface.register(name, function)
     AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[masks_like])
 
