@@ -201,6 +201,7 @@ def test_enumerated_law_of_a_hybrid_model_equals_the_target_law(family):
     exercised(stats, 3)
 
 
+@pytest.mark.extended  # 10-20 s; exact in the default tier: the enumerated hybrid families above (sliding layers)
 def test_sampled_distribution_of_a_hybrid_model(runs=400, new=4):
     """Chi-square through `generate` and torch's RNG on a Qwen2 layout (a full layer, a sliding layer of window 4).
     Kept small for the suite (400 runs; cells expecting fewer than 5 are pooled)."""
