@@ -20,7 +20,9 @@ and reach anything else through the functions below:
   from a cache's ``is_sliding`` layers, ``get_mask_sizes`` and ``get_seq_length``;
 - ``GenerateDecoderOnlyOutput`` (the output class TriForce's output extends);
 - ``hf_quantizer.remove_quantization_config`` (a GGUF-loaded model is marked quantized until it is removed);
-- ``PrefixConstrainedLogitsProcessor``'s callback and rows per batch id (``prefix_constraint``).
+- ``PrefixConstrainedLogitsProcessor``'s callback and rows per batch id (``prefix_constraint``);
+- ``CompileConfig._compile_all_devices``: ``generate`` compiles its decoding forward on CUDA-like devices only
+  unless it is set (``compile_everywhere``; the bench's compiled static-cache baseline on the CPU).
 
 Other libraries' attributes read here, with the same contract tests:
 
@@ -214,6 +216,16 @@ def prefix_constraint(processor) -> tuple[Callable, int]:
     """A ``PrefixConstrainedLogitsProcessor``'s ``prefix_allowed_tokens_fn`` and its rows per batch id (``generate``
     builds it with ``max(num_beams, num_return_sequences)``)."""
     return processor._prefix_allowed_tokens_fn, processor._num_beams
+
+
+def compile_everywhere():
+    """A ``CompileConfig`` that ``generate`` honours on every device, the CPU included: with a compileable cache
+    (``StaticCache``) it decodes through ``torch.compile`` of the model's forward."""
+    from transformers import CompileConfig
+
+    config = CompileConfig()
+    config._compile_all_devices = True
+    return config
 
 
 def bnb_outlier_threshold(module: torch.nn.Module) -> float | None:

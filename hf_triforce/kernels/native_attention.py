@@ -222,20 +222,13 @@ def _causal_block_mask(q_len: int, groups: int, kv_len: int, device: torch.devic
     return fa.create_block_mask(bottom_right_causal, None, None, groups * q_len, kv_len, device=device)
 
 
-# the last tree mask: (visible, its version, groups, cached, device) and the BlockMask. Every layer of a tree forward
-# passes the same ``visible`` object (`tree_attention.tree_block`); holding it keeps its id from being reused.
-_TREE_MASK: list = []
-
-
-def _tree_block_mask(visible: torch.Tensor, groups: int, cached: int, device: torch.device):
-    """`_build_tree_block_mask`, built once per tree forward (not once per layer)."""
-    key = (visible._version, groups, cached, device)
-    last = _TREE_MASK[:]  # a snapshot: another thread's tree may replace the slot meanwhile
-    if last and last[0] is visible and last[1] == key:
-        return last[2]
-    mask = _build_tree_block_mask(visible, groups, cached, device)
-    _TREE_MASK[:] = [visible, key, mask]
-    return mask
+def _tree_block_mask(visible: torch.Tensor, groups: int, cached: int, device: torch.device, derived: dict):
+    """`_build_tree_block_mask`, built once per tree forward: ``derived`` is that forward's own cache
+    (`tree_attention.tree_derived`: made with its block, shared by its layers, gone with it)."""
+    key = ("flex_tree", groups, cached, device)
+    if key not in derived:
+        derived[key] = _build_tree_block_mask(visible, groups, cached, device)
+    return derived[key]
 
 
 def _build_tree_block_mask(visible: torch.Tensor, groups: int, cached: int, device: torch.device):
@@ -284,14 +277,15 @@ def flex_prefix_attention(query: torch.Tensor, keys: torch.Tensor, values: torch
 
 
 def flex_tree_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, visible: torch.Tensor,
-                   scale: float) -> torch.Tensor:
+                   scale: float, derived: dict | None = None) -> torch.Tensor:
     """A whole tree forward's attention as one FlexAttention call: ``query`` ``[1, heads, m, d]`` over
     ``key``/``value`` ``[1, kv_heads, cached + m, d]``, every row seeing every cached entry and, inside the
     block, what ``visible`` ``[m, m]`` allows. Returns ``[1, m, heads, dv]`` (`tree_attention.tree_sdpa`'s
-    result; here without the prefix/block split and its fp32 block)."""
+    result; here without the prefix/block split and its fp32 block). ``derived``: the forward's cache of masks
+    built from ``visible`` (None: built for this call alone)."""
     _, heads, m, _ = query.shape
     kv_heads, kv_len = key.shape[1], key.shape[2]
     groups = heads // kv_heads
-    mask = _tree_block_mask(visible, groups, kv_len - m, query.device)
+    mask = _tree_block_mask(visible, groups, kv_len - m, query.device, {} if derived is None else derived)
     out = _flex(_as_rows(query, kv_heads), key, value, mask, scale, False)
     return out.reshape(1, heads, m, value.shape[-1]).transpose(1, 2).contiguous()

@@ -35,6 +35,8 @@ from ..verification.draft_tree import DraftTree
 from . import native_attention
 
 _ACTIVE_TREE: contextvars.ContextVar[torch.Tensor | None] = contextvars.ContextVar("triforce_tree", default=None)
+# what the layers of one tree forward derive from its block once and share (FlexAttention's BlockMask)
+_TREE_DERIVED: contextvars.ContextVar[dict | None] = contextvars.ContextVar("triforce_tree_derived", default=None)
 
 # below this many cached entries per thread the prefix is one call (splitting buys nothing): as split_kv_sdpa
 MIN_SPAN = 16
@@ -54,15 +56,21 @@ def block_visibility(uncached: int, tree: DraftTree, device: torch.device | None
 @contextlib.contextmanager
 def tree_block(visible: torch.Tensor):
     """Attention functions of forwards run inside see the new block through ``visible`` (this context only)."""
-    token = _ACTIVE_TREE.set(visible)
+    token, derived = _ACTIVE_TREE.set(visible), _TREE_DERIVED.set({})
     try:
         yield visible
     finally:
         _ACTIVE_TREE.reset(token)
+        _TREE_DERIVED.reset(derived)
 
 
 def active_tree() -> torch.Tensor | None:
     return _ACTIVE_TREE.get()
+
+
+def tree_derived() -> dict | None:
+    """The current tree forward's cache of what its layers derive from ``visible`` (None outside `tree_block`)."""
+    return _TREE_DERIVED.get()
 
 
 def _sdpa_with_lse():
@@ -147,7 +155,7 @@ def tree_sdpa(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     scale = scaling if scaling is not None else dim**-0.5
     route = _prefix_route(query, key, value) if cached else None
     if route == "flex_tree":
-        return native_attention.flex_tree_sdpa(query, key, value, visible, scale), None
+        return native_attention.flex_tree_sdpa(query, key, value, visible, scale, tree_derived()), None
     rows = query[0].reshape(kv_heads, groups * m, dim)
     block_keys, block_values = key[0, :, cached:].float(), value[0, :, cached:].float()
     scores = torch.matmul(rows.float(), block_keys.transpose(-1, -2)) * scale  # [kv, groups * m, m]

@@ -28,8 +28,9 @@ from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
-from transformers import CompileConfig, DynamicCache, StaticCache
+from transformers import DynamicCache, StaticCache
 
+from ..compat import compile_everywhere
 from ..decoding.forward import prefill
 from ..stats import TriForceStats
 from .methods import METHODS, TUNED_GAMMAS, chosen_gammas, method_named
@@ -86,9 +87,7 @@ def method_kwargs(method: str, model, prefix: DynamicCache, max_len: int, budget
     if method == "static":
         return {"cache": static_copy(model, prefix, max_len)}
     if method == "static-compiled":  # generate compiles the decoding forward; on the CPU only when told to
-        compile_config = CompileConfig()
-        compile_config._compile_all_devices = True
-        return {"cache": static_copy(model, prefix, max_len), "compile_config": compile_config}
+        return {"cache": static_copy(model, prefix, max_len), "compile_config": compile_everywhere()}
     if method == "lookup":  # from scratch: HF's assisted decoding mishandles a pre-filled cache (5.24)
         return {"prompt_lookup_num_tokens": 10}
     if method == "assisted":  # from scratch, like lookup
