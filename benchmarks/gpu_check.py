@@ -293,10 +293,12 @@ def environment(device: torch.device) -> dict:
 
 
 def write(out: Path | None, env: dict, rows: list[dict], skipped: list[str], extras: list[dict],
-          trees: list[dict] | None = None) -> None:
+          trees: list[dict] | None = None, routes: list[dict] | None = None) -> None:
     text = table(rows + extras)
     if trees:
         text += "\nTree verification cost (issue 12: 32 rows for at most 1.3x a decode):\n\n" + tree_cost_table(trees)
+    if routes:
+        text += "\nAttention routes, one layer (issue 24: GPU attention without flash-attn):\n\n" + routes_table(routes)
     if skipped:
         text += "\nSkipped (deadline or memory): " + "; ".join(skipped) + "\n"
     text += ("\nRandom weights: acceptance and tokens/F3 step measure nothing about real text; decode tok/s and"
@@ -306,7 +308,8 @@ def write(out: Path | None, env: dict, rows: list[dict], skipped: list[str], ext
         out.mkdir(parents=True, exist_ok=True)
         (out / "gpu_table.md").write_text(text)
         (out / "gpu_check.json").write_text(json.dumps(
-            dict(environment=env, rows=rows, extras=extras, skipped=skipped, tree_costs=trees or []), indent=1,
+            dict(environment=env, rows=rows, extras=extras, skipped=skipped, tree_costs=trees or [],
+                 attention_routes=routes or []), indent=1,
             default=str))
 
 
@@ -393,6 +396,121 @@ def tree_cost_table(rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def attention_routes(args, device: torch.device) -> list[dict]:
+    """Each fused attention route against today's masked path, on one layer's shapes (SmolLM2: 9 heads, 3 KV heads,
+    head dim 64) over a 32k cache of random entries: Force 3's verification (7 rows, bottom-right causal) and a
+    31-node tree (32 rows: prefix and fp32 block merged by log-sum-exp, or one FlexAttention call). Per route:
+    the first call (a FlexAttention compile included), the mean of the timed calls (FlexAttention's block mask
+    cached, as the layers of one forward share it; its build is timed apart), and the largest error against the
+    fp32 masked reference. Entries run in priority order until ``args.routes_budget_s`` is spent."""
+    from tree_verify_cost import branches_tree  # this folder (run as benchmarks/gpu_check.py)
+
+    from hf_triforce.kernels import attention, native_attention
+    from hf_triforce.kernels.tree_attention import block_visibility, tree_sdpa
+
+    context, heads, kv_heads, dim, q_len = (512, 4, 2, 16, 7) if args.tiny else (32768, 9, 3, 64, 7)
+    module = torch.nn.Module().eval()
+    visible = block_visibility(1, branches_tree(31, 4), device)
+    m = visible.shape[0]
+    generator = torch.Generator(device=device).manual_seed(0)
+
+    def randn(*shape):
+        return torch.randn(*shape, device=device, generator=generator) * 0.5
+
+    keys32, values32 = randn(1, kv_heads, context + m, dim), randn(1, kv_heads, context + m, dim)
+    query32, tree_query32 = randn(1, heads, q_len, dim), randn(1, heads, m, dim)
+    kv_len = context + q_len
+    mask = torch.ones(q_len, kv_len, dtype=torch.bool, device=device).tril(kv_len - q_len)[None, None]
+    with torch.no_grad(), native_attention.force_route("sdpa"):
+        reference = attention.gqa_sdpa(module, query32, keys32[:, :, :kv_len], values32[:, :, :kv_len], mask,
+                                       scaling=dim**-0.5)[0]
+        tree_reference = tree_sdpa(module, tree_query32, keys32, values32, visible, scaling=dim**-0.5)[0]
+    has_varlen = native_attention.varlen_function() is not None and device.type == "cuda"
+    has_flash = attention._flash_attn_varlen_func() is not None and device.type == "cuda"
+    plan = []
+    for dtype_name in ("bf16", "fp32"):
+        low = dtype_name == "bf16"
+        for kind in ("verify", "tree"):
+            routes = ["sdpa"] + ["flash_attn"] * (low and has_flash) + ["varlen"] * (low and has_varlen) + ["flex"]
+            plan += [(dtype_name, kind, route) for route in routes + ["flex_tree"] * (kind == "tree")]
+    start, rows = time.perf_counter(), []
+    for dtype_name, kind, route in plan:
+        row = dict(dtype=dtype_name, kind=kind, route=route, context=context, rows=q_len if kind == "verify" else m)
+        if time.perf_counter() - start > args.routes_budget_s:
+            row["error"] = "skipped: routes budget spent"
+            rows.append(row)
+            continue
+        dtype = DTYPES[dtype_name]
+        keys, values = keys32.to(dtype), values32.to(dtype)
+        if kind == "verify":
+            query, expected = query32.to(dtype), reference
+            k, v = keys[:, :, :kv_len], values[:, :, :kv_len]
+            functions = dict(sdpa=attention.gqa_sdpa, flash_attn=attention.flash_verify,
+                             varlen=native_attention.varlen_verify, flex=native_attention.flex_verify)
+
+            def call(query=query, k=k, v=v, fn=functions[route]):
+                return fn(module, query, k, v, mask, scaling=dim**-0.5)[0]
+        else:
+            query, expected = tree_query32.to(dtype), tree_reference
+
+            def call(query=query, keys=keys, values=values):
+                return tree_sdpa(module, query, keys, values, visible, scaling=dim**-0.5)[0]
+        try:
+            with torch.no_grad(), native_attention.force_route(route):
+                sync(device)
+                first = time.perf_counter()
+                out = call()
+                sync(device)
+                row["first_call_s"] = time.perf_counter() - first
+                repeats = 3 if args.tiny else 20
+                begin = time.perf_counter()
+                for _ in range(repeats):
+                    out = call()
+                sync(device)
+            row["ms"] = 1e3 * (time.perf_counter() - begin) / repeats
+            row["max_error"] = (out.float() - expected).abs().max().item()
+            if route in ("flex", "flex_tree") and (kind, route) != ("tree", "flex"):  # the prefix has no mask
+                sync(device)
+                begin = time.perf_counter()
+                if kind == "verify":  # built once per forward, shared by its layers: not in the per-call time
+                    native_attention._causal_block_mask.__wrapped__(q_len, heads // kv_heads, kv_len, device)
+                else:
+                    native_attention._build_tree_block_mask(visible, heads // kv_heads, context, device)
+                sync(device)
+                row["mask_ms"] = 1e3 * (time.perf_counter() - begin)
+        except Exception as error:  # noqa: BLE001 - one failing route must not hide the others
+            row["error"] = f"{type(error).__name__}: {str(error).splitlines()[0][:200] if str(error) else ''}"
+        base = next((r for r in rows if r["dtype"] == dtype_name and r["kind"] == kind and r["route"] == "sdpa"), None)
+        if base and base.get("ms") and row.get("ms"):
+            row["vs_sdpa"] = base["ms"] / row["ms"]
+        elif route == "sdpa" and row.get("ms"):
+            row["vs_sdpa"] = 1.0
+        rows.append(row)
+        log(f"  attention {dtype_name} {kind} {route}: " + (row.get("error") or
+            f"{row['ms']:.3f} ms (first call {row['first_call_s']:.2f} s), {row.get('vs_sdpa', 1.0):.2f}x masked, "
+            f"max error {row['max_error']:.2e}"))
+    del keys32, values32
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return rows
+
+
+def routes_table(rows: list[dict]) -> str:
+    lines = ["| dtype | call | rows | context | route | ms | vs masked SDPA | first call s"
+             " | block mask ms (per forward) | max error vs fp32 |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if "ms" not in r:
+            lines.append(f"| {r['dtype']} | {r['kind']} | {r['rows']} | {context_label(r['context'])} | {r['route']} |"
+                         f" {r.get('error', '')[:80]} | | | | |")
+            continue
+        lines.append(f"| {r['dtype']} | {r['kind']} | {r['rows']} | {context_label(r['context'])} | {r['route']} | "
+                     f"{r['ms']:.3f} | {fmt(r.get('vs_sdpa'))}x | {r['first_call_s']:.2f} | {fmt(r.get('mask_ms'))} | "
+                     f"{r['max_error']:.1e} |")
+    return "\n".join(lines) + "\n"
+
+
 def compiled_static_extra(args, device: torch.device) -> list[dict]:
     """transformers' own best plain decoding: StaticCache + its auto-compile (smollm2 bf16, 32k)."""
     model = build_model("smollm2-135m", torch.bfloat16, device)
@@ -433,6 +551,8 @@ def main(argv=None) -> int:
                         help="start no configuration that would likely end after this many seconds")
     parser.add_argument("--only", default=None, help="comma-separated shapes to run (default: all in the plan)")
     parser.add_argument("--no-extras", action="store_true", help="skip the bitsandbytes and compiled-static rows")
+    parser.add_argument("--routes-budget-s", type=float, default=20.0,
+                        help="seconds for the attention-route timings (compiles included); later entries are skipped")
     args = parser.parse_args(argv)
     args.new_tokens = args.new_tokens or (16 if args.tiny else 64)
     t0 = time.perf_counter()
@@ -461,6 +581,14 @@ def main(argv=None) -> int:
         skipped.append(f"tree cost ({type(error).__name__}: {error})")
         log(f"tree cost: {type(error).__name__}: {error}")
         traceback.print_exc()
+    routes: list[dict] = []
+    try:  # second: seconds (compiles included), no model: each attention route against the masked path at 32k
+        routes = attention_routes(args, device)
+    except Exception as error:  # noqa: BLE001 - reported, and the run goes on
+        skipped.append(f"attention routes ({type(error).__name__}: {error})")
+        log(f"attention routes: {type(error).__name__}: {error}")
+        traceback.print_exc()
+    write(args.out, env, rows, skipped, extras, trees, routes)
     durations: dict[tuple[str, str], tuple[int, float]] = {}
     longest = 0.0
     models: dict[tuple[str, str], torch.nn.Module] = {}
@@ -502,7 +630,7 @@ def main(argv=None) -> int:
         durations[key] = (context, took)
         longest = max(longest, took)
         log(f"  ({took:.1f} s, {time.perf_counter() - t0:.0f} s total)")
-        write(args.out, env, rows, skipped, extras, trees)
+        write(args.out, env, rows, skipped, extras, trees, routes)
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -523,13 +651,15 @@ def main(argv=None) -> int:
                 skipped.append(f"{name} ({type(error).__name__}: {error})")
                 log(f"{name}: {type(error).__name__}: {error}")
                 traceback.print_exc()
-            write(args.out, env, rows, skipped, extras, trees)
+            write(args.out, env, rows, skipped, extras, trees, routes)
 
-    write(args.out, env, rows, skipped, extras, trees)
+    write(args.out, env, rows, skipped, extras, trees, routes)
     log("")
     log(table(rows + extras))
     if trees:
         log(tree_cost_table(trees))
+    if routes:
+        log(routes_table(routes))
     if skipped:
         log("skipped: " + "; ".join(skipped))
     fp32_bad = [r for r in rows if r["dtype"] == "fp32" and r["method"].startswith("triforce-")

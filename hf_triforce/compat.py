@@ -20,7 +20,9 @@ and reach anything else through the functions below:
   from a cache's ``is_sliding`` layers, ``get_mask_sizes`` and ``get_seq_length``;
 - ``GenerateDecoderOnlyOutput`` (the output class TriForce's output extends);
 - ``hf_quantizer.remove_quantization_config`` (a GGUF-loaded model is marked quantized until it is removed);
-- ``PrefixConstrainedLogitsProcessor``'s callback and rows per batch id (``prefix_constraint``).
+- ``PrefixConstrainedLogitsProcessor``'s callback and rows per batch id (``prefix_constraint``);
+- ``CompileConfig._compile_all_devices``: ``generate`` compiles its decoding forward on CUDA-like devices only
+  unless it is set (``compile_everywhere``; the bench's compiled static-cache baseline on the CPU).
 
 Other libraries' attributes read here, with the same contract tests:
 
@@ -39,11 +41,10 @@ from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 
 import torch
-from transformers import AttentionInterface, GenerationMixin
+from transformers import GenerationMixin
 from transformers.cache_utils import Cache, CacheLayerMixin, get_layer_types_and_kwargs
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 TESTED_TRANSFORMERS = (">=5.24", "<6")
 ORIGINAL_GENERATE = GenerationMixin.generate
@@ -76,24 +77,36 @@ __all__ = [
 ]
 
 
+def _attention_registry():
+    """transformers' ``ALL_ATTENTION_FUNCTIONS`` (an ``AttentionInterface``), imported on first use:
+    ``transformers.modeling_utils`` imports every installed quantization stack (its quantizers import torchao,
+    which prints load failures and costs seconds), so ``import hf_triforce`` must not import it. Any model
+    already has it imported by the time one of the functions below runs."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    return ALL_ATTENTION_FUNCTIONS
+
+
 def attention_function(name: str, module: torch.nn.Module) -> Callable:
     """The attention function ``name`` as ``module`` would call it (eager lives in each model's file)."""
     if name == "eager":  # each model file defines its own eager attention (softcapping, sinks, ...)
         return sys.modules[type(module).__module__].eager_attention_forward
-    return ALL_ATTENTION_FUNCTIONS[name]
+    return _attention_registry()[name]
 
 
 def attention_names() -> list[str]:
     """Registered attention implementation names."""
-    return list(ALL_ATTENTION_FUNCTIONS.valid_keys())
+    return list(_attention_registry().valid_keys())
 
 
 def is_registered_attention(name: str) -> bool:
-    return name in ALL_ATTENTION_FUNCTIONS
+    return name in _attention_registry()
 
 
 def register_attention(name: str, function: Callable, masks_like: str) -> None:
     """Register ``function`` as attention implementation ``name``, building masks as ``masks_like`` does."""
+    from transformers.modeling_utils import AttentionInterface  # see _attention_registry
+
     AttentionInterface.register(name, function)
     AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[masks_like])
 
@@ -203,6 +216,16 @@ def prefix_constraint(processor) -> tuple[Callable, int]:
     """A ``PrefixConstrainedLogitsProcessor``'s ``prefix_allowed_tokens_fn`` and its rows per batch id (``generate``
     builds it with ``max(num_beams, num_return_sequences)``)."""
     return processor._prefix_allowed_tokens_fn, processor._num_beams
+
+
+def compile_everywhere():
+    """A ``CompileConfig`` that ``generate`` honours on every device, the CPU included: with a compileable cache
+    (``StaticCache``) it decodes through ``torch.compile`` of the model's forward."""
+    from transformers import CompileConfig
+
+    config = CompileConfig()
+    config._compile_all_devices = True
+    return config
 
 
 def bnb_outlier_threshold(module: torch.nn.Module) -> float | None:

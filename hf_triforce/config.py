@@ -7,7 +7,7 @@ from typing import Any
 
 from .drafters import DRAFTERS, drafter_names
 from .kernels.lean import LEAN_PRECISIONS
-from .kernels.quantized import ROW_INDEPENDENT_MAX_ROWS
+from .kernels.row_mixing import ROW_INDEPENDENT_MAX_ROWS
 
 DRAFT_PRECISIONS = ("model", "int8", *LEAN_PRECISIONS)
 FULL_CACHE_DEVICES = (None, "cpu")
@@ -41,7 +41,7 @@ class TriForceConfig:
     prefill_chunk_size: prompt tokens per forward during the chunked prefill of the full cache.
     show_progress: show a tqdm bar during prefill.
     draft_precision: ``"model"`` (Force 1 and Force 2 run the models as given) or ``"int8"`` (they run a
-        cached dynamic-int8 copy of each fp32 model's linear layers; CPU only), or ``"lean"`` / ``"lean-int8"`` /
+        cached int8 copy of each fp32 model's linear layers; CPU only), or ``"lean"`` / ``"lean-int8"`` /
         ``"lean-int4"`` (a lean forward over a cached copy of the weights in fp32, weight-only int8 or weight-only
         int4 with an int8 output layer: Llama, Mistral and Qwen2 fp32 models on CPU; other families draft with
         their eager forward, and ``TriForceStats.draft_forward`` says so; `hf_triforce.kernels.lean`). Force 3
@@ -166,12 +166,6 @@ class TriForceConfig:
         if self.draft_precision not in DRAFT_PRECISIONS:
             raise ValueError(
                 f"TriForceConfig.draft_precision must be one of {DRAFT_PRECISIONS}, got {self.draft_precision!r}"
-            )
-        if self.draft_precision == "int8" and self.gamma1 + 1 > ROW_INDEPENDENT_MAX_ROWS:
-            raise ValueError(
-                f"TriForceConfig.gamma1 must be at most {ROW_INDEPENDENT_MAX_ROWS - 1} with draft_precision='int8' "
-                f"(Force 2 verifies gamma1 + 1 rows, each quantized on its own up to {ROW_INDEPENDENT_MAX_ROWS}), "
-                f"got {self.gamma1}"
             )
         if self.tree_nodes > ROW_INDEPENDENT_MAX_ROWS - 1:
             raise ValueError(f"TriForceConfig.tree_nodes must be at most {ROW_INDEPENDENT_MAX_ROWS - 1} (a tree's rows "

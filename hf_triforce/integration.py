@@ -27,8 +27,8 @@ from .decoding.loop import Decoder
 from .decoding.preflight import check_batch_request, check_model
 from .kernels.attention import wrapped_name
 from .kernels.lean import LEAN_PRECISIONS, check_lean_eligible
-from .kernels.quantized import ROW_INDEPENDENT_MAX_ROWS, check_int8_eligible
-from .kernels.row_mixing import row_mixing_layers
+from .kernels.quantized import check_int8_eligible
+from .kernels.row_mixing import ROW_INDEPENDENT_MAX_ROWS, row_mixing_layers
 from .stats import TriForceStats
 
 TESTED_TRANSFORMERS = compat.TESTED_TRANSFORMERS

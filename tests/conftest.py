@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from transformers import (
@@ -16,6 +18,16 @@ from transformers import (
 )
 
 import hf_triforce  # noqa: F401  (installs triforce_config= on generate)
+
+
+def pytest_configure(config):
+    """Under pytest-xdist (scripts/test.sh: ``-n auto``, a worker per core), one torch thread per worker: the
+    workers' thread pools would otherwise oversubscribe the cores. Subprocesses that tests start inherit it, so they
+    compute with the threads their worker computes references with; tests about threads set their own counts."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        os.environ["OMP_NUM_THREADS"] = "1"
+        torch.set_num_threads(1)
+
 
 COMMON = dict(
     hidden_size=64,

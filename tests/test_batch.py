@@ -22,6 +22,7 @@ from transformers import (
     ForcedEOSTokenLogitsProcessor,
     InfNanRemoveLogitsProcessor,
     LogitNormalization,
+    LogitsProcessor,
     LogitsProcessorList,
     MinLengthLogitsProcessor,
     MinNewTokensLengthLogitsProcessor,
@@ -42,6 +43,7 @@ from transformers import (
 
 from hf_triforce import TriForceConfig
 from hf_triforce.decoding import forward as forward_module
+from hf_triforce.decoding.lockstep import Lockstep
 from hf_triforce.decoding.loop import Decoder
 from hf_triforce.decoding.policy import AdaptivePolicy, Plan
 from hf_triforce.integration import recording_attention
@@ -167,14 +169,15 @@ ENUM_CONFIG = dict(policy="fixed", retrieval_budget=16, chunk_size=4, retrieval_
                    gamma1=2, gamma2=2)
 
 
-def joint_law(model, prompts, config, processors, mutate=None):
-    """The exact joint law of the rows' continuations, over every path of the batched decoder's choices."""
+def joint_law(model, prompts, config, processors, mutate=None, new=NEW):
+    """The exact joint law of the rows' continuations (``new`` tokens), over every path of the batched decoder's
+    choices."""
     ids, mask = left_padded(prompts)
     pads = [ids.shape[1] - p.shape[1] for p in prompts]
     stats = []
 
     def run(sampler):
-        decoder = Decoder(model, config, processors, None, [ids.shape[1] - pad + NEW for pad in pads], True,
+        decoder = Decoder(model, config, processors, None, [ids.shape[1] - pad + new for pad in pads], True,
                           [ids[r : r + 1, :pad] for r, pad in enumerate(pads)], sampler=sampler)
         if mutate is not None:
             mutate(decoder)
@@ -223,6 +226,63 @@ def test_a_wrong_top_level_rule_is_caught(enum_setup):
     law, _, _ = joint_law(model, prompts, config, processors, mutate=top_resamples_from_p)
     exact = product_law(model, prompts, processors)
     assert max(abs(law.get(k, 0.0) - exact[k]) for k in exact) > 1e-3
+
+
+class RandomAfter(LogitsProcessor):
+    """Top-k 2 for the token after ``prompt`` plus one token, the argmax everywhere else (and in rows of other
+    prompts): one random token, the rest follows from it, so long chains enumerate in a few paths."""
+
+    def __init__(self, prompt: torch.Tensor) -> None:
+        self.prompt = prompt
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        length = self.prompt.shape[1]
+        random = input_ids.shape[1] == length + 1 and torch.equal(input_ids[:1, :length], self.prompt)
+        return TopKLogitsWarper(2 if random else 1)(input_ids, scores)
+
+
+def small_support_law(model, prompt, processors, new: int) -> dict[tuple[int, ...], float]:
+    """The processed target law of ``new`` tokens, by walking every continuation of positive probability."""
+    law = {(): 1.0}
+    for _ in range(new):
+        grown = {}
+        for tokens, probability in law.items():
+            sequence = torch.cat((prompt, torch.tensor([tokens], dtype=torch.long)), dim=1)
+            with torch.no_grad():
+                scores = processors(sequence, model(sequence).logits[:, -1].float())
+            probs = torch.softmax(scores.double(), -1)[0]
+            for token in probs.nonzero()[:, 0].tolist():
+                grown[tokens + (token,)] = probability * float(probs[token])
+        law = grown
+    return law
+
+
+def test_int8_force2_calls_over_64_rows_keep_the_joint_law_exact(enum_setup):
+    """Issue 23: a lockstep Force-2 verification of 2 rows x 33 tokens (66 rows) on the int8 copy. The copy's
+    rows must not depend on each other at any call size, or row 0's q depends on the draft it verifies next to it
+    (the old rule quantized calls of more than 64 rows with one scale: the law was off by 3e-2 here; with
+    gamma1=30, 62-row calls, exact)."""
+    model, _ = enum_setup
+    prompts = [random_prompt(40, vocab_size=VOCAB, seed=4 + row, period=13) for row in range(2)]
+    new = 35  # the first token from the prefill, then Force 2 is asked for 33: Force 1 drafts 32, the first random
+    processors = LogitsProcessorList([RandomAfter(prompts[0])])
+    config = TriForceConfig(draft="self", levels=3, draft_precision="int8",
+                            **{**ENUM_CONFIG, "gamma1": 32, "gamma2": 33, "retrieval_budget": 96, "window": 100})
+    rows = []
+    lockstep_forward = Lockstep.forward
+
+    def counted(self, requests):
+        rows.append(sum(request.tokens.shape[1] for request in requests.values()))
+        return lockstep_forward(self, requests)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(Lockstep, "forward", counted)
+        law, paths, _ = joint_law(model, prompts, config, processors, new=new)
+    assert max(rows) == 66 and paths >= 4
+    marginals = [small_support_law(model, p, processors, new) for p in prompts]
+    exact = {(a, b): pa * pb for a, pa in marginals[0].items() for b, pb in marginals[1].items()}
+    assert len(exact) == 2 and abs(sum(law.values()) - 1.0) < 1e-6
+    assert max(abs(law.get(k, 0.0) - exact[k]) for k in exact) < 1e-5
 
 
 AUTO = dict(retrieval_budget=48, chunk_size=8, sink_tokens=4, window=24, gamma1=2, gamma2=6, explore_every=4)

@@ -104,6 +104,10 @@ def test_bench_with_a_draft_model_and_sampling(tmp_path, capsys):
     assert main(argv + ["--sample", "--temperature", "0.7", "--top-p", "0.9"]) == 0
     sampled = json.loads((out_dir / "results.json").read_text())[0]
     assert set(sampled["methods"]) == set(METHODS) - set(DEFAULT_EXCLUDED)
+    # transformers' best plain decoding: static eager and compiled (warmed up apart), the faster one named
+    assert sampled["best_plain"] in ("static", "static-compiled")
+    assert sampled["methods"]["static-compiled"]["compile_seconds"] > 0
+    assert f"vs best plain ({sampled['best_plain']})" in (out_dir / "results.md").read_text()
     assert sampled["sampling"] == {"do_sample": True, "temperature": 0.7, "top_p": 0.9}
     assert all(m["new_tokens"] == 4 for m in sampled["methods"].values())
     assert "n/a (sampled)" in (out_dir / "results.md").read_text()
@@ -112,7 +116,7 @@ def test_bench_with_a_draft_model_and_sampling(tmp_path, capsys):
 
 def test_demo_and_bench_end_to_end_on_smollm2(tmp_path, capsys):
     assert main(["demo", "--context", "300", "--new-tokens", "6", "--methods", "default", "triforce-ngram-int8",
-                 "--budget", "64"]) == 0
+                 "--budget", "64", "--baselines", "static"]) == 0
     assert "Greedy outputs identical to plain generate: YES" in capsys.readouterr().out
     out_dir = tmp_path / "bench"
     assert main(["bench", "--contexts", "200", "--new-tokens", "4", "--repeats", "1", "--methods", "plain",

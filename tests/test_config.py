@@ -36,7 +36,6 @@ from .conftest import make_model
         (dict(refresh_below=True), "refresh_below"),
         (dict(policy="smart"), r"policy must be one of \('auto', 'fixed'\)"),
         (dict(explore_every=0), "explore_every"),
-        (dict(draft_precision="int8", gamma1=64, gamma2=70, window=256), "gamma1 must be at most 63"),
         (dict(draft_precision="fp8"),
          r"draft_precision must be one of \('model', 'int8', 'lean', 'lean-int8', 'lean-int4'\)"),
     ],

@@ -8,7 +8,7 @@ from torch import nn
 
 from hf_triforce.kernels import attention
 from hf_triforce.kernels.output_head import weight_left_output_layer
-from hf_triforce.kernels.quantized import forget_int8_copy, int8_copy
+from hf_triforce.kernels.quantized import Int8Linear, forget_int8_copy, int8_copy, int8_layer_names
 
 from .conftest import make_model
 
@@ -49,7 +49,7 @@ def test_int8_copy_shares_all_but_the_linear_layers():
     assert copy.config is model.config
     assert copy.model.embed_tokens.weight is model.model.embed_tokens.weight
     assert copy.model.norm.weight is model.model.norm.weight
-    assert type(copy.lm_head).__module__.startswith("torch.ao.nn.quantized")
+    assert type(copy.lm_head) is Int8Linear
     assert type(model.lm_head) is nn.Linear
     ids = torch.randint(0, 96, (1, 20))
     with torch.no_grad():
@@ -64,7 +64,7 @@ def test_int8_copy_keeps_the_mlp_output_projections_in_fp32():
     copy = int8_copy(model)
     down = [m for name, m in copy.named_modules() if name.endswith("mlp.down_proj")]
     assert down and all(type(m) is nn.Linear and m.weight is not None for m in down)
-    quantized = [name for name, m in copy.named_modules() if type(m).__module__.startswith("torch.ao.nn.quantized")]
+    quantized = [name for name, m in copy.named_modules() if type(m) is Int8Linear]
     assert any(name.endswith("mlp.up_proj") for name in quantized) and "lm_head" in quantized
     forget_int8_copy(model)
 
@@ -126,16 +126,27 @@ def test_routes_return_the_values_width(kv_len):
             torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6, msg=route)
 
 
-def test_int8_copy_rows_do_not_depend_on_each_other():
-    """Force 2's q for one row must not change with the drafts verified beside it (exactness)."""
+@pytest.mark.parametrize("shape", [(7,), (64,), (65,), (300,), (2, 40)])
+def test_int8_copy_rows_do_not_depend_on_each_other(shape):
+    """Force 2's q for one row must not change with the drafts verified beside it, or with the other rows of a
+    batch (exactness): each quantized layer's output row is the same, bit for bit, whatever values the other rows
+    of the call hold, for calls below and above 64 rows and batched ``[2, n]`` inputs."""
     model = make_model("llama-gqa")
     copy = int8_copy(model)
-    ids = torch.randint(0, 96, (1, 7))
+    generator = torch.Generator().manual_seed(0)
+    names = int8_layer_names(model)
+    assert names and all(not isinstance(copy.get_submodule(name), nn.Linear) for name in names)
     with torch.no_grad():
-        together = copy(ids).logits[0]
-        for extra in ([5], [5, 80, 3]):
-            longer = copy(torch.cat((ids, torch.tensor([extra])), dim=1)).logits[0, : ids.shape[1]]
-            assert torch.equal(longer, together)
+        for name in names:
+            layer = copy.get_submodule(name)
+            calls = torch.randn(*shape, model.get_submodule(name).in_features, generator=generator)
+            for kept in (0, calls[..., 0].numel() - 1):  # the first row, the last row
+                others = calls.clone()
+                rows = others.view(-1, others.shape[-1])
+                changed = torch.arange(rows.shape[0]) != kept
+                rows[changed] = 10 * torch.randn(rows[changed].shape, generator=generator)  # a larger max there
+                out, beside_others = (layer(x).reshape(-1, layer.out_features)[kept] for x in (calls, others))
+                assert torch.equal(out, beside_others), (name, shape, kept)
     forget_int8_copy(model)
 
 

@@ -1,4 +1,5 @@
-"""CUDA-only checks (skipped where no GPU is present; CI has none): the flash-attn verification route."""
+"""CUDA-only checks (skipped where no GPU is present; CI has none): the flash-attn verification route, torch's
+varlen_attn and FlexAttention routes (`kernels/native_attention.py`), greedy identity on CUDA."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import pytest
 import torch
 
 from hf_triforce import TriForceConfig
-from hf_triforce.kernels import attention
+from hf_triforce.kernels import attention, native_attention
 
 from .conftest import make_model, random_prompt
 
@@ -143,6 +144,178 @@ def test_tree_prefix_through_flash_attn_matches_fp32():
     expected_out, expected_lse = prefix_attention(rows.float(), keys.float(), values.float(), 0.125)
     torch.testing.assert_close(out.float(), expected_out, atol=2e-3, rtol=2e-3)
     torch.testing.assert_close(lse, expected_lse, atol=2e-3, rtol=2e-3)
+
+
+# ---------------------------------------------------------------- GPU attention without flash-attn (native_attention)
+
+varlen = pytest.mark.skipif(native_attention.varlen_function() is None,
+                            reason=f"torch {torch.__version__}: no varlen_attn with return_aux, scale and window_size")
+flex = pytest.mark.skipif(native_attention._flex_module() is None or not native_attention._triton(),
+                          reason="needs FlexAttention and Triton")
+# fp16 / bf16 against the fp32 reference: flash-attn's test above (fp16), test_cpu_kernels' bf16 test
+LOW = {torch.float16: dict(atol=2e-3, rtol=2e-3), torch.bfloat16: dict(atol=2e-2, rtol=2e-2),
+       torch.float32: dict(atol=1e-5, rtol=1e-5)}
+
+
+def _verify_inputs(q_len, kv_len, dtype, heads=12, kv_heads=2, dim=64):
+    torch.manual_seed(0)
+    query = torch.randn(1, heads, q_len, dim, device="cuda", dtype=dtype)
+    key, value = (torch.randn(1, kv_heads, kv_len + 40, dim, device="cuda", dtype=dtype)[:, :, :kv_len]
+                  for _ in range(2))
+    mask = torch.ones(q_len, kv_len, dtype=torch.bool, device="cuda").tril(kv_len - q_len)[None, None]
+    expected, _ = attention.gqa_sdpa(_Module().eval(), query.float(), key.float(), value.float(), mask, scaling=0.125)
+    return query, key, value, mask, expected
+
+
+@cuda
+@varlen
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("q_len,kv_len", [(7, 7), (7, 300), (2, 4096), (64, 1000)])
+def test_varlen_verify_matches_fp32(q_len, kv_len, dtype):
+    """torch's varlen_attn (bottom-right causal through window_size=(-1, 0), GQA 12/2) against masked fp32 SDPA."""
+    query, key, value, mask, expected = _verify_inputs(q_len, kv_len, dtype)
+    got, _ = native_attention.varlen_verify(_Module().eval(), query, key, value, mask, scaling=0.125)
+    assert got.shape == expected.shape
+    torch.testing.assert_close(got.float(), expected, **LOW[dtype])
+
+
+@cuda
+@flex
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("q_len,kv_len", [(7, 7), (7, 300), (2, 4096), (64, 1000)])
+def test_flex_verify_matches_fp32(q_len, kv_len, dtype):
+    """Compiled FlexAttention with the bottom-right causal BlockMask against masked fp32 SDPA (fp32: torch's default
+    "highest" matmul precision, no TF32)."""
+    query, key, value, mask, expected = _verify_inputs(q_len, kv_len, dtype)
+    got, _ = native_attention.flex_verify(_Module().eval(), query, key, value, mask, scaling=0.125)
+    assert got.shape == expected.shape
+    torch.testing.assert_close(got.float(), expected, **LOW[dtype])
+
+
+def _prefix_inputs(dtype, m):
+    from hf_triforce.kernels.tree_attention import prefix_attention
+
+    torch.manual_seed(0)
+    query = torch.randn(12, m, 64, device="cuda", dtype=dtype)
+    keys, values = (torch.randn(2, 3000, 64, device="cuda", dtype=dtype) for _ in range(2))
+    expected = prefix_attention(query.float().reshape(2, 6 * m, 64), keys.float(), values.float(), 0.125)
+    return query, keys, values, expected
+
+
+@cuda
+@varlen
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("m", [9, 12])  # 12 rows = 12 heads: a [T_q, H] log-sum-exp would still be caught
+def test_tree_prefix_through_varlen_matches_fp32(dtype, m):
+    """The prefix part of tree attention through varlen_attn, its log-sum-exp read as [heads, total_q]."""
+    query, keys, values, (expected_out, expected_lse) = _prefix_inputs(dtype, m)
+    out, lse = native_attention.varlen_prefix_attention(query, keys, values, 0.125)
+    torch.testing.assert_close(out.float(), expected_out, **LOW[dtype])
+    torch.testing.assert_close(lse, expected_lse, **LOW[dtype])
+
+
+@cuda
+@flex
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_tree_prefix_through_flex_matches_fp32(dtype):
+    query, keys, values, (expected_out, expected_lse) = _prefix_inputs(dtype, 9)
+    out, lse = native_attention.flex_prefix_attention(query, keys, values, 0.125)
+    torch.testing.assert_close(out.float(), expected_out, **LOW[dtype])
+    torch.testing.assert_close(lse, expected_lse, **LOW[dtype])
+
+
+@cuda
+@flex
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_tree_in_one_flex_call_matches_the_split(dtype):
+    """The whole tree as one FlexAttention call (mask reading the visibility matrix) against tree_sdpa in fp32."""
+    from hf_triforce.kernels.tree_attention import block_visibility, tree_sdpa
+
+    from .test_tree_attention import TREE
+
+    torch.manual_seed(0)
+    visible = block_visibility(3, TREE, torch.device("cuda"))
+    m = visible.shape[0]
+    query = torch.randn(1, 9, m, 64, device="cuda", dtype=dtype)
+    key, value = (torch.randn(1, 3, 3000 + m, 64, device="cuda", dtype=dtype) for _ in range(2))
+    with native_attention.force_route("sdpa"):
+        expected, _ = tree_sdpa(_Module().eval(), query.float(), key.float(), value.float(), visible, scaling=0.125)
+    got = native_attention.flex_tree_sdpa(query, key, value, visible, 0.125)
+    torch.testing.assert_close(got.float(), expected, **LOW[dtype])
+
+
+@cuda
+@pytest.mark.gpu
+def test_automatic_routes_on_cuda():
+    """Without flash-attn: fp16/bf16 take varlen_attn where this torch has it, fp32 FlexAttention (with Triton)."""
+    if attention._flash_attn_varlen_func() is not None:
+        pytest.skip("flash-attn installed: it is preferred")
+    key = torch.zeros(1, 2, 300, 64, device="cuda")
+    for dtype in (torch.float16, torch.bfloat16, torch.float32):
+        query = torch.zeros(1, 12, 7, 64, device="cuda", dtype=dtype)
+        varlen_ok = dtype != torch.float32 and native_attention.varlen_function() is not None
+        flex_ok = native_attention._flex_module() is not None and native_attention._triton()
+        expected = "varlen" if varlen_ok else "flex" if flex_ok else None
+        assert attention.fused_route(query, key.to(dtype), key.to(dtype)) == expected, dtype
+
+
+@cuda
+@flex
+@pytest.mark.gpu
+@pytest.mark.parametrize("route", ["flex", "sdpa"])
+@pytest.mark.parametrize("family", ["qwen2", "gemma"])
+def test_cuda_fp32_greedy_identity_with_the_route_forced(family, route):
+    """Every multi-token call through the pinned route (FlexAttention compiled, or the masked SDPA path) in fp32:
+    greedy output identical to plain generate."""
+    calls = []
+    real = native_attention.flex_verify
+    with pytest.MonkeyPatch.context() as patch, native_attention.force_route(route):
+        patch.setattr(native_attention, "flex_verify", lambda *a, **k: calls.append(1) or real(*a, **k))
+        _cuda_exact(family, "self")
+    assert bool(calls) == (route == "flex")
+
+
+@cuda
+@flex
+@pytest.mark.gpu
+@pytest.mark.parametrize("route", ["flex", "flex_tree"])
+def test_cuda_fp32_trees_exact_with_flex(route):
+    """Candidate trees with the prefix through FlexAttention (merged with the fp32 block), or the whole tree as one
+    FlexAttention call: greedy output identical to plain generate."""
+    model = make_model("llama-gqa", head_dim=16).to("cuda")
+    prompt = random_prompt(600, period=53).to("cuda")
+    config = TriForceConfig(draft="ngram", retrieval_budget=64, chunk_size=8, sink_tokens=4, window=24, gamma1=3,
+                            gamma2=6, tree_nodes=8, tree_branch=3, force2_tree_nodes=10, policy="fixed")
+    expected = model.generate(prompt, max_new_tokens=40, do_sample=False)
+    with native_attention.force_route(route):
+        out = model.generate(prompt, max_new_tokens=40, do_sample=False, triforce_config=config,
+                             return_dict_in_generate=True)
+    assert torch.equal(out.sequences, expected)
+    assert out.triforce_stats.tree_nodes > 0
+
+
+@cuda
+@varlen
+@pytest.mark.gpu
+def test_triforce_on_cuda_takes_the_varlen_route():
+    """As test_triforce_on_cuda_takes_the_flash_route, through torch's varlen_attn (fp16 only: it has no fp32)."""
+    calls = []
+    real = native_attention.varlen_verify
+    model = make_model("llama-gqa", logit_scale=8.0).to("cuda", torch.float16)
+    prompt = random_prompt(300, period=37).to("cuda")
+    config = TriForceConfig(draft="self", retrieval_budget=64, chunk_size=8, sink_tokens=4, window=24, gamma1=2,
+                            gamma2=4, policy="fixed")
+    expected = model.generate(prompt, max_new_tokens=24, do_sample=False)
+    with pytest.MonkeyPatch.context() as patch, native_attention.force_route("varlen"):
+        patch.setattr(native_attention, "varlen_verify", lambda *a, **k: calls.append(1) or real(*a, **k))
+        out = model.generate(prompt, max_new_tokens=24, do_sample=False, triforce_config=config)
+    assert calls, "the varlen route was not taken"
+    assert torch.equal(out, expected)
 
 
 # the offloaded full cache on a GPU (pinned host buffers, side-stream prefetch), collected here too so that the

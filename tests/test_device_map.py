@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM
 from hf_triforce import TriForceConfig
 from hf_triforce.caches.buffer import BufferCache
 from hf_triforce.compat import layer_devices, offloaded_modules
-from hf_triforce.kernels.quantized import forget_int8_copy, int8_copy, int8_copy_bytes
+from hf_triforce.kernels.quantized import Int8Linear, forget_int8_copy, int8_copy, int8_copy_bytes
 
 from .conftest import make_model, random_prompt
 
@@ -69,7 +69,7 @@ def test_int8_copy_of_an_offloaded_model(dispatched):
     forget_int8_copy(dispatched)
     copy = int8_copy(dispatched)
     # the copy holds the offloaded layers' weights (int8 linears) in CPU memory; the model stays offloaded
-    assert isinstance(copy.model.layers[1].self_attn.q_proj, torch.ao.nn.quantized.dynamic.Linear)
+    assert isinstance(copy.model.layers[1].self_attn.q_proj, Int8Linear)
     assert copy.model.layers[1].mlp.down_proj.weight.device.type == "cpu"
     assert not any(hasattr(module, "_hf_hook") for module in copy.modules())
     assert dispatched.model.layers[2].mlp.down_proj.weight.device.type == "meta"

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 
+import pytest
 import torch
 from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
@@ -16,6 +17,12 @@ from hf_triforce import TriForceConfig
 
 from .conftest import make_model, random_prompt
 from .stats_util import chi_square_pvalue
+
+# The extended tier: 20-70 s each on 2 cores. The default tier checks the same rules exactly, by enumerating
+# the library's own loop (tests/test_exact_enumeration.py: "self top-k 2, 5 tokens", "self top-k 3, T 0.8",
+# "ngram top-k 3", "two levels, self", "int8 drafting tiers"; tests/test_tree_enumeration.py: "ngram trees at
+# both levels"), and torch's RNG draws (`TorchSampler`) by Monte Carlo (tests/test_sampling.py).
+pytestmark = pytest.mark.extended
 
 VOCAB, NEW, RUNS = 8, 4, 1500
 

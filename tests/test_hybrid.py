@@ -16,6 +16,7 @@ from hf_triforce import TriForceConfig
 from hf_triforce.caches.sink_window import make_layer_rerotations
 from hf_triforce.caches.window import WindowLayer
 from hf_triforce.compat import layer_windows
+from hf_triforce.decoding.policy import AdaptivePolicy, Plan
 
 from .conftest import random_prompt
 from .families import FAMILIES, HYBRID, PROMPT, VOCAB, WINDOW, make_family
@@ -97,18 +98,28 @@ def test_continuing_from_a_returned_cache_and_from_a_dynamic_cache():
     assert torch.equal(out, expected)
 
 
-NARROW_VALUES = {  # plan -> config overrides: chains, trees at both levels, tree plans chosen by the policy
+NARROW_VALUES = {  # plan -> config overrides: chains, trees at both levels, tree plans under the policy
     "chain": {},
     "trees": dict(tree_nodes=8, tree_branch=3, force2_tree_nodes=9),
     "auto-trees": dict(policy="auto", tree_nodes=8, tree_branch=3, force2_tree_nodes=9, explore_every=2),
 }
+# under policy="auto" the plans run in this rotation (the policy's own choice depends on timings): tree plans at
+# three and two levels between plain steps
+TREE_PLAN_ROTATION = [Plan(3, "self", 2, 5, force1_tree=True, force2_tree=True), Plan(1),
+                      Plan(2, "self", gamma2=4, force1_tree=True), Plan(3, "self", 2, 5, force2_tree=True)]
 
 
 @pytest.mark.parametrize("plan", list(NARROW_VALUES))
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
-def test_latent_attention_with_values_narrower_than_keys(attn, plan):
+def test_latent_attention_with_values_narrower_than_keys(monkeypatch, attn, plan):
     """DeepSeek-V3's values are narrower than its keys (``v_head_dim`` < ``qk_nope_head_dim + qk_rope_head_dim``):
     every attention route (one-row steps, verification, tree forwards) returns the values' width."""
+    if plan == "auto-trees":
+        def choose(self, remaining_tokens=None):
+            self.current = TREE_PLAN_ROTATION[sum(r.steps for r in self.records.values()) % len(TREE_PLAN_ROTATION)]
+            return self.current
+
+        monkeypatch.setattr(AdaptivePolicy, "choose", choose)
     model = make_family("deepseek-v3-narrow-values")
     model.set_attn_implementation(attn)
     attention = model.model.layers[0].self_attn
@@ -201,6 +212,7 @@ def test_enumerated_law_of_a_hybrid_model_equals_the_target_law(family):
     exercised(stats, 3)
 
 
+@pytest.mark.extended  # 10-20 s; exact in the default tier: the enumerated hybrid families above (sliding layers)
 def test_sampled_distribution_of_a_hybrid_model(runs=400, new=4):
     """Chi-square through `generate` and torch's RNG on a Qwen2 layout (a full layer, a sliding layer of window 4).
     Kept small for the suite (400 runs; cells expecting fewer than 5 are pooled)."""

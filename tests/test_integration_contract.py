@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import copy
 import inspect
 from pathlib import Path
 
@@ -30,9 +31,9 @@ def test_only_compat_touches_transformers_internals():
     private attribute of another object (``x._name``, ``getattr(x, "_name")``) and none of the internals
     `compat` wraps; `compat` is the one place for the rest."""
     wrapped = ("hf_quantizer", "rotary_emb", "eager_attention_forward")
-    # ATen ops (not transformers); see test_cpu_kernels and test_lean
-    torch_ops = {"_scaled_dot_product_flash_attention_for_cpu", "_weight_int8pack_mm", "_weight_int4pack_mm_for_cpu",
-                 "_convert_weight_to_int4pack_for_cpu"}
+    # torch's own private ops (not transformers'), each checked by its kernel tests (test_cpu_kernels, test_lean)
+    torch_ops = {"_scaled_dot_product_flash_attention_for_cpu", "_int_mm", "_weight_int8pack_mm",
+                 "_weight_int4pack_mm_for_cpu", "_convert_weight_to_int4pack_for_cpu"}
     offenders = []
     for path in PACKAGE.rglob("*.py"):
         if path.name == "compat.py":
@@ -47,7 +48,8 @@ def test_only_compat_touches_transformers_internals():
             if isinstance(node, ast.Attribute):
                 private = node.attr.startswith("_") and not node.attr.startswith("__")
                 on_self = isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")
-                if (private and not on_self) or node.attr in wrapped:
+                on_torch = isinstance(node.value, ast.Name) and node.value.id == "torch" and node.attr in torch_ops
+                if (private and not on_self and not on_torch) or node.attr in wrapped:
                     offenders.append(f"{where}:{node.lineno}: .{node.attr}")
             if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "getattr" and len(node.args) > 1:
                 name = node.args[1]
@@ -251,3 +253,17 @@ def test_hybrid_decoders_name_their_sliding_masks():
         hidden_size=64, num_attention_heads=4, num_key_value_heads=4, num_hidden_layers=2, intermediate_size=96,
         vocab_size=96, sliding_window=16))
     assert not compat.builds_sliding_masks(moshi)
+
+
+def test_compile_everywhere_makes_generate_compile_on_the_cpu():
+    """`compat.compile_everywhere`: generate's auto-compile criteria accept the CPU with a StaticCache (and refuse
+    it without the config), the check generate makes before decoding through ``torch.compile``."""
+    from transformers import StaticCache
+
+    model = make_model("llama-gqa")
+    config = copy.deepcopy(model.generation_config)
+    cache = StaticCache(config=model.config, max_cache_len=16)
+    assert not model._valid_auto_compile_criteria({"cache": cache}, config)
+    config.compile_config = compat.compile_everywhere()
+    assert model._valid_auto_compile_criteria({"cache": cache}, config)
+

@@ -11,7 +11,7 @@ import torch
 from peft import LoraConfig, get_peft_model
 
 from hf_triforce import TriForceConfig
-from hf_triforce.kernels.quantized import adapter_state, forget_int8_copy, int8_copy
+from hf_triforce.kernels.quantized import Int8Linear, adapter_state, forget_int8_copy, int8_copy
 
 from .conftest import make_model, random_prompt
 
@@ -74,7 +74,7 @@ def test_int8_copy_follows_the_active_adapter(peft_model):
     # the adapter weights stay fp32 linears (their owner layers read .weight); the base layers are int8
     attention = second.model.layers[0].self_attn.q_proj
     assert type(attention.lora_A["second"]) is torch.nn.Linear
-    assert isinstance(attention.base_layer, torch.ao.nn.quantized.dynamic.Linear)
+    assert isinstance(attention.base_layer, Int8Linear)
     peft_model.set_adapter("first")
 
 

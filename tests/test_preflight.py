@@ -137,3 +137,38 @@ def test_a_multimodal_model_given_text_only_runs_three_levels():
                          return_dict_in_generate=True)
     assert torch.equal(out.sequences, expected)
     assert out.triforce_stats.force2_steps > 0 and not out.triforce_stats.force2_sees_whole_cache
+
+
+def latent_attention():
+    """DeepSeek-V3's multi-head latent attention caching latents 32 wide for a query 8 + 8 = 16 wide per head (the
+    real model: 512 against 128 + 64); `tests/families.py`'s deepseek-v3 has the two widths equal (16)."""
+    from .families import make_family
+
+    return make_family("deepseek-v3", kv_lora_rank=32)
+
+
+LATENT_PLANS = {"fixed": dict(policy="fixed"), "auto": dict(policy="auto")}
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+@pytest.mark.parametrize("plan", sorted(LATENT_PLANS))
+def test_cached_latents_of_another_width_than_the_query_are_refused_for_three_levels(no_prefill, plan, batch):
+    """Force-2 retrieval scores the query against chunk means of the cached entries: latents 32 wide against a
+    16-wide query failed after the prefill (an einsum size error; under ``policy="auto"`` only once a three-level
+    plan ran)."""
+    prompt = torch.cat([random_prompt(80, period=17, seed=1 + b) for b in range(batch)])
+    config = _config(draft="self", **LATENT_PLANS[plan])
+    with pytest.raises(ValueError, match=r"DeepseekV3ForCausalLM \(model_type 'deepseek_v3'\) caches entries 32 "
+                                         r"wide in decoder layer 0, .* 16 wide per head .*TriForceConfig\(levels=2\)"):
+        latent_attention().generate(prompt, max_new_tokens=4, do_sample=False, triforce_config=config)
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+@pytest.mark.parametrize("plan", sorted(LATENT_PLANS))
+def test_two_levels_on_cached_latents_wider_than_the_query(plan, batch):
+    model = latent_attention()
+    prompt = torch.cat([random_prompt(120, period=17, seed=1 + b) for b in range(batch)])
+    expected = model.generate(prompt, max_new_tokens=24, do_sample=False)
+    out = model.generate(prompt, max_new_tokens=24, do_sample=False,
+                         triforce_config=_config(draft="self", levels=2, **LATENT_PLANS[plan]))
+    assert torch.equal(out, expected)

@@ -1,4 +1,4 @@
-"""The tree rule (`tree_verification.TreeVerifier`), enumerated exactly over one drafted-and-verified tree.
+"""The tree rule (`verification.tree.TreeVerifier`), enumerated exactly over one drafted-and-verified tree.
 
 A target ``p`` and a draft ``q`` are random functions of the context (vocabulary 4, some zero-probability
 tokens). One step drafts a tree from ``q`` (siblings i.i.d., without replacement, deterministic top-k, or a

@@ -1,9 +1,13 @@
 """The levels that propose to Force 3: Force 2 over Force 1 (three levels), or Force 1 alone (two levels).
 
-A level's ``get_candidates(sequence, limit)`` returns a `Candidates`: up to ``limit`` tokens and, row by
-row, the exact distribution each was drawn from (``None``: point masses, or greedy decoding). After Force 3
-has committed, ``commit(sequence, queries)`` is told the committed sequence (its last token not yet cached)
-and the verifier's queries at the last cached row; every cache rolls back or catches up.
+A level's ``start(sequence, queries)`` catches it up before a step that uses it (a draft cache's fill, the first
+retrieval selection, a sync after steps without it). ``candidate_steps(sequence, limit, gamma1, gamma2,
+force1_tree, force2_tree)`` is a generator of its forwards (`hf_triforce.decoding.steps`: a batch's rows run them
+in lockstep) that returns a `Candidates`: up to ``limit`` tokens and, row by row, the exact distribution each was
+drawn from (``None``: point masses, or greedy decoding), or a candidate tree. After Force 3 has committed,
+``commit(sequence, accepted, proposed, queries)`` is told the committed sequence (its last token not yet
+cached), how many of the ``proposed`` it accepted, and the verifier's queries at the last cached row; every cache
+rolls back or catches up.
 
 Force 2 verifies Force 1's chain with its `ChainVerifier` (accept with min(1, q/r), else draw from the
 residual) and hands up the tokens it emitted with q: each emitted token is distributed exactly as q, so
@@ -111,7 +115,7 @@ class Force2:
 
     def verify_tree(self, sequence: torch.Tensor, depth: int):
         """Force 1's tree of depth ``depth`` verified in one tree forward on the retrieval cache; its accepted
-        path's entries are compacted into place. Returns what the chain branch of `get_candidates` has: the
+        path's entries are compacted into place. Returns what the chain branch of `candidate_steps` has: the
         accepted path as ``proposals``, ``None`` (their laws: unused past verification), ``accepted``, the next
         token, the q rows of the root and path, and the tree's depth."""
         config = self.config
@@ -146,18 +150,12 @@ class Force2:
         draft and a residual resample are both distributed exactly as q, whatever Force 1 drew from)."""
         return q_scores[: accepted + 1]
 
-    def get_candidates(self, sequence: torch.Tensor, limit: int, gamma1: int | None = None,
-                       gamma2: int | None = None, force1_tree: bool | None = None,
-                       force2_tree: bool | None = None) -> Candidates:
-        """Up to ``min(gamma2, limit)`` tokens (gammas default to the config's); ``force1_tree``: Force 1
-        proposes trees of ``tree_nodes``, ``force2_tree``: a tree of ``force2_tree_nodes`` goes up (both default
-        to whether the config sets those)."""
-        return run_inline(self.candidate_steps(sequence, limit, gamma1, gamma2, force1_tree, force2_tree))
-
     def candidate_steps(self, sequence: torch.Tensor, limit: int, gamma1: int | None = None,
                         gamma2: int | None = None, force1_tree: bool | None = None,
                         force2_tree: bool | None = None) -> Steps[Candidates]:
-        """`get_candidates` as a generator of its forwards (`hf_triforce.decoding.steps`)."""
+        """Up to ``min(gamma2, limit)`` tokens (gammas default to the config's); ``force1_tree``: Force 1
+        proposes trees of ``tree_nodes``, ``force2_tree``: a tree of ``force2_tree_nodes`` goes up (both default
+        to whether the config sets those). A generator of its forwards (`hf_triforce.decoding.steps`)."""
         force1_tree = bool(self.config.tree_nodes) if force1_tree is None else force1_tree
         force2_tree = bool(self.config.force2_tree_nodes) if force2_tree is None else force2_tree
         gamma1 = self.config.gamma1 if gamma1 is None else gamma1
@@ -245,17 +243,12 @@ class Force1Only:
             self.drafter.prefill(sequence)
             self.started = True
 
-    def get_candidates(self, sequence: torch.Tensor, limit: int, gamma1: int | None = None,
-                       gamma2: int | None = None, force1_tree: bool | None = None,
-                       force2_tree: bool | None = None) -> Candidates:
-        """Up to ``min(gamma2, limit)`` tokens, or (``force1_tree``, default: whether the config sets
-        ``tree_nodes``) Force 1's tree of that depth; ``gamma1`` and ``force2_tree`` are unused (no Force 2)."""
-        return run_inline(self.candidate_steps(sequence, limit, gamma1, gamma2, force1_tree))
-
     def candidate_steps(self, sequence: torch.Tensor, limit: int, gamma1: int | None = None,
                         gamma2: int | None = None, force1_tree: bool | None = None,
                         force2_tree: bool | None = None) -> Steps[Candidates]:
-        """`get_candidates` as a generator of its forwards (`hf_triforce.decoding.steps`)."""
+        """Up to ``min(gamma2, limit)`` tokens, or (``force1_tree``, default: whether the config sets
+        ``tree_nodes``) Force 1's tree of that depth; ``gamma1`` and ``force2_tree`` are unused (no Force 2). A
+        generator of its forwards (`hf_triforce.decoding.steps`)."""
         force1_tree = bool(self.config.tree_nodes) if force1_tree is None else force1_tree
         wanted = min(self.config.gamma2 if gamma2 is None else gamma2, limit)
         if wanted <= 0:

@@ -9,7 +9,9 @@ one-token forward through the same cache class and attention wrapper the tiers u
   writes extra entries — CPM-Ant prepends its prompt embeddings — or that shares one layer's entries with
   another cannot be rolled back by a length);
 - with three levels, every layer's attention goes through transformers' ``AttentionInterface``, where the
-  wrapper records the query Force-2 retrieval scores chunks with;
+  wrapper records the query Force-2 retrieval scores chunks with, and every layer Force 2 scores (the
+  full-attention ones) caches keys as wide as that query's heads (multi-head latent attention caches its
+  compressed latents, ``kv_lora_rank`` wide, not the keys the query meets);
 - a model drafter (``draft="self"`` or a draft model) can re-rotate its keys (`make_layer_rerotations`).
 
 Each failure is a ValueError naming the model, the layer and the option that avoids it.
@@ -22,6 +24,7 @@ import torch
 from .. import compat
 from ..caches.buffer import BufferCache
 from ..caches.sink_window import make_layer_rerotations
+from ..caches.window import WindowLayer
 from ..compat import CacheLayerMixin
 from ..config import TriForceConfig
 from ..drafters.registry import spec_of
@@ -33,13 +36,37 @@ PROBE_CAPACITY = 256
 
 
 @torch.no_grad()
-def _probe(model, token: torch.Tensor) -> tuple[list[int], set[int]]:
-    """One token at position 0 on an empty `BufferCache`: entries stored per layer, layers that recorded a query."""
+def _probe(model, token: torch.Tensor) -> tuple[list[int], dict[int, int], dict[int, int]]:
+    """One token at position 0 on an empty `BufferCache`: entries stored per layer, the recorded query's per-head
+    width by layer, and the cached keys' width by layer that Force 2 scores (not the window layers)."""
     # room for models that write more than one entry per token (counted below, not an overflow error)
     cache = BufferCache(compat.num_layers(model.config), PROBE_CAPACITY, compat.layer_windows(model.config), rollback=1)
     recorder = QueryRecorder()
     forward_logits(model, token.to(model.device), cache, 0, 1, recorder)
-    return [layer.length for layer in cache.layers], set(recorder.queries)
+    queries = {index: query.shape[-1] for index, query in recorder.queries.items()}
+    keys = {index: layer.keys.shape[-1] for index, layer in enumerate(cache.layers)
+            if not isinstance(layer, WindowLayer) and layer.is_initialized}
+    return [layer.length for layer in cache.layers], queries, keys
+
+
+def _check_retrieval_widths(model, queries: dict[int, int], keys: dict[int, int]) -> None:
+    """Force 2 scores a layer's recorded query against the chunk means of its cached keys: the widths must agree.
+
+    Multi-head latent attention (DeepSeek-V3 and the families built on its attention, transformers 5.x) caches its
+    compressed latents (``kv_lora_rank`` wide) and expands them into keys inside the attention, so its query
+    (``qk_nope_head_dim + qk_rope_head_dim`` wide) has no cached keys to be scored against. Where the two widths
+    happen to agree the selection runs (exact, but scored against latents); where they differ, retrieval would
+    fail after the prefill: refused here, naming the model, the layer, both widths and ``levels=2``.
+    """
+    for index, width in sorted(keys.items()):
+        if index in queries and queries[index] != width:
+            kind = getattr(model.config, "model_type", None)
+            raise ValueError(
+                f"triforce_config=: {type(model).__name__} (model_type {kind!r}) caches entries {width} wide in "
+                f"decoder layer {index}, but the query Force-2 retrieval scores them with is {queries[index]} wide "
+                "per head (multi-head latent attention caches compressed latents, not keys); use "
+                "TriForceConfig(levels=2) with this model"
+            )
 
 
 def check_model(model, config: TriForceConfig, token: torch.Tensor) -> None:
@@ -63,7 +90,7 @@ def check_model(model, config: TriForceConfig, token: torch.Tensor) -> None:
             "attention (its attention sees whatever its cache keeps, all of it in the prefill, the last window when "
             "decoding); TriForce cannot reproduce that exactly: this model is not supported"
         )
-    entries, recorded = _probe(model, token)
+    entries, recorded, cached = _probe(model, token)
     odd = {index: n for index, n in enumerate(entries) if n != 1}
     if odd:
         raise ValueError(
@@ -71,13 +98,15 @@ def check_model(model, config: TriForceConfig, token: torch.Tensor) -> None:
             f"layers {sorted(odd)} (one per token is what TriForce's caches roll back by length); this model is not "
             "supported"
         )
-    missing = sorted(set(range(len(entries))) - recorded)
+    missing = sorted(set(range(len(entries))) - set(recorded))
     if config.levels == 3 and missing:
         raise ValueError(
             f"triforce_config=: the attention of {name}'s decoder layers {missing} does not go through "
             "transformers' AttentionInterface, where TriForce records the query Force-2 retrieval needs; use "
             "TriForceConfig(levels=2) with this model"
         )
+    if config.levels == 3:
+        _check_retrieval_widths(model, recorded, cached)
     if spec_of(config.draft).kind == "model":
         draft = model if isinstance(config.draft, str) else config.draft
         make_layer_rerotations(draft)  # a ValueError naming the layer whose keys cannot be moved

@@ -17,7 +17,7 @@ confident position gets none, and a deep position gets fewer as the chain's reac
 values fall with the alternative's rank, so the choice is always a position's top alternatives.
 
 Only the chain and its laws enter, so each alternative is a function of the chain (point masses) or a draw
-made after it (`tree.draw_siblings`): the exact tree rule's contract (`tree_verification`).
+made after it (`draft_tree.draw_siblings`): the exact tree rule's contract (`verification.tree`).
 """
 
 from __future__ import annotations
@@ -62,8 +62,8 @@ def branched_chain(chain: list[int], laws: list[torch.Tensor], chain_laws: list[
 
     The alternatives are the position's likeliest tokens after the chain's, as point masses; with a
     ``sampler``, drawn from ``laws[i]`` without replacement after the chain's token, each carrying the law it
-    was drawn with (`tree.draw_siblings`). Either way each is a function of, or a fresh draw given, the chain
-    and the siblings before it: the exact tree rule's contract (`tree_verification`)."""
+    was drawn with (`draft_tree.draw_siblings`). Either way each is a function of, or a fresh draw given, the chain
+    and the siblings before it: the exact tree rule's contract (`verification.tree`)."""
     counts = sibling_counts(laws, chain, nodes - len(chain), branch - 1)
     builder = TreeBuilder(nodes, branch)
     parents, parent = [], -1

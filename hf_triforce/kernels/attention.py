@@ -4,8 +4,9 @@
 the model's own attention implementation ``<base>`` (sdpa, eager, ...) and records the post-RoPE query of
 each layer into the `QueryRecorder` passed to the model's forward as ``triforce_recorder=`` (forward kwargs
 reach the attention function; one recorder per call, no shared state). Multi-token calls (verification,
-chunked prefill) stay GQA-native: on CUDA with flash-attn installed and fp16/bf16 tensors they take
-`flash_verify` (the varlen kernel); on CPU a few query rows over a long cache take `split_kv_sdpa` (the
+chunked prefill) stay GQA-native: on CUDA they take a mask-free fused kernel where `fused_route` finds one
+(flash-attn's `flash_verify` where installed, else torch's own `native_attention.varlen_verify` in fp16/bf16,
+else `native_attention.flex_verify`); on CPU a few query rows over a long cache take `split_kv_sdpa` (the
 cache split across threads, partial results merged by log-sum-exp); other masked SDPA calls on GQA models
 take `gqa_sdpa`, which does not expand K/V. One-row calls (decoding steps of every tier) take
 `one_row_sdpa`: no mask, GQA-native. Everything else is ``<base>``.
@@ -14,7 +15,7 @@ Invariant relied upon (TriForce's caches guarantee it): batch size 1, no padding
 appended after all cached entries, so the mask of a multi-token call of a full-attention layer is "all cached
 entries, then causal among the new tokens" — bottom-right-aligned causal attention. Batches
 (`hf_triforce.decoding.force3.RaggedForce3`) break it — rows of different lengths under a per-row 4-D mask — so
-every path that skips the mask (`one_row_sdpa`, `split_kv_sdpa`, `flash_verify`) requires batch size 1, and a batch
+every path that skips the mask (`one_row_sdpa`, `split_kv_sdpa`, the fused routes) requires batch size 1, and a batch
 takes `gqa_sdpa` or ``<base>``. Sliding-window layers
 (`compat.module_window`) take only the paths that apply the mask transformers built for them (each row cut at
 its own window): `gqa_sdpa` or ``<base>``, and `one_row_sdpa` only when that mask is None (nothing cut).
@@ -29,6 +30,7 @@ import functools
 import torch
 
 from .. import compat
+from . import native_attention
 from .tree_attention import active_tree, tree_attention
 
 PREFIX = "triforce_"
@@ -162,7 +164,7 @@ def flash_verify(module, query, key, value, attention_mask, scaling=None, dropou
     ``query`` is ``[1, heads, q, d]``, ``key``/``value`` ``[1, kv_heads, kv, d]`` (cached entries, then the q
     new ones), read in place from the cache's buffers (varlen takes ``[tokens, heads, d]`` views, one sequence
     bounded by ``cu_seqlens``); returns ``[1, q, heads, d]`` like transformers' attention functions. flash-attn 2
-    needs values as wide as keys (`_wants_flash`).
+    needs values as wide as keys (`fused_route`).
     """
     q_len, kv_len = query.shape[2], key.shape[2]
     bounds = torch.tensor([[0, q_len], [0, kv_len]], dtype=torch.int32, device=query.device)
@@ -185,18 +187,64 @@ def same_head_dims(key: torch.Tensor, value: torch.Tensor) -> bool:
     return key.shape[-1] == value.shape[-1]
 
 
-def _wants_flash(query, key, value, kwargs) -> bool:
+def _wants_fused(query, kwargs) -> bool:
+    """A call a mask-free fused route may take: batch 1, several new rows, nothing but plain scaled attention."""
     return (
-        _flash_device(query)
-        and same_head_dims(key, value)
-        and query.shape[0] == 1
+        query.shape[0] == 1
         and query.shape[2] > 1
         and kwargs.get("softcap") is None
         and kwargs.get("position_bias") is None
         and kwargs.get("sliding_window") is None
         and not kwargs.get("output_attentions", False)
-        and _flash_attn_varlen_func() is not None
     )
+
+
+def fused_route(query, key, value, dropout: bool = False) -> str | None:
+    """The fused kernel for a batch-1 multi-token call of a full-attention layer (verification, chunked prefill,
+    a candidate tree's cached prefix), or None for the masked SDPA / matmul path. In order (reasons in
+    `native_attention`'s header): flash-attn where installed (CUDA fp16/bf16), torch's ``varlen_attn`` (CUDA
+    fp16/bf16), FlexAttention (CUDA: what varlen cannot take, fp32 included). ``dropout``: attention dropout
+    in training mode, which only flash-attn applies. A route pinned by `native_attention.force_route` is
+    returned as is where the call has one head dim for q, k and v (else None), or raises where it cannot run."""
+    forced = native_attention.forced_route()
+    if forced is not None:
+        if forced == "sdpa" or not same_head_dims(key, value):
+            return None
+        runs = {"flash_attn": lambda: _flash_device(query) and _flash_attn_varlen_func() is not None,
+                "varlen": lambda: native_attention.varlen_runs(query, key, value),
+                "flex": lambda: native_attention.flex_device(query),
+                "flex_tree": lambda: native_attention.flex_device(query)}[forced]
+        if not runs():
+            raise ValueError(f"attention route {forced!r} cannot run a {query.dtype} call on {query.device} with head "
+                             f"dim {key.shape[-1]} here (flash_attn: flash-attn installed, CUDA fp16/bf16; varlen: "
+                             "torch's varlen_attn, CUDA sm80+ fp16/bf16, head dim a multiple of 8 up to 256; flex: "
+                             "FlexAttention on the CPU or on CUDA with Triton)")
+        return forced
+    if not same_head_dims(key, value):
+        return None
+    if _flash_device(query) and _flash_attn_varlen_func() is not None:
+        return "flash_attn"
+    if dropout:
+        return None
+    if native_attention.varlen_runs(query, key, value):
+        return "varlen"
+    if native_attention.flex_runs(query, key, value):
+        return "flex"
+    return None
+
+
+def fused_verify(module, query, key, value, attention_mask, **kwargs):
+    """`flash_verify`, `native_attention.varlen_verify` or `native_attention.flex_verify` as `fused_route`
+    chooses; None where it chooses none (or an automatic FlexAttention call failed): the caller goes on."""
+    dropout = bool(kwargs.get("dropout")) and module.training
+    route = fused_route(query, key, value, dropout)
+    if route == "flash_attn":
+        return flash_verify(module, query, key, value, attention_mask, **kwargs)
+    if route == "varlen":
+        return native_attention.varlen_verify(module, query, key, value, attention_mask, **kwargs)
+    if route in ("flex", "flex_tree"):
+        return native_attention.flex_verify(module, query, key, value, attention_mask, **kwargs)
+    return None
 
 
 def _wants_gqa_sdpa(base: str, query, key, attention_mask, kwargs) -> bool:
@@ -249,8 +297,10 @@ def _make_wrapper(base: str):
         tree = active_tree()
         if tree is not None:  # a candidate tree's forward (tree_attention.py): the tree mask replaces the causal one
             return tree_attention(module, query, key, value, tree, windowed, **kwargs)
-        if base == "sdpa" and not windowed and _wants_flash(query, key, value, kwargs):
-            return flash_verify(module, query, key, value, attention_mask, **kwargs)
+        if base == "sdpa" and not windowed and _wants_fused(query, kwargs):
+            fused = fused_verify(module, query, key, value, attention_mask, **kwargs)
+            if fused is not None:
+                return fused
         if _wants_one_row(base, query, attention_mask, kwargs) and (attention_mask is None or not windowed):
             return one_row_sdpa(module, query, key, value, attention_mask, **kwargs)
         if _wants_gqa_sdpa(base, query, key, attention_mask, kwargs):

@@ -1,18 +1,47 @@
-"""Dynamic-int8 copies of a model's linear layers, for the drafting tiers (CPU only).
+"""Int8 copies of a model's linear layers, for the drafting tiers (CPU only).
 
 Force 1 and Force 2 only have to report the distribution they drew from (`sampling.verify_chain` does
 the rest), so they may run a cheaper copy of a model; Force 3 always runs the target as given, so the
-output stays exactly the target's. On a 2-core CPU an int8 linear over 1-8 rows costs about a third of
-the fp32 one, and SmolLM2's 49152-row output layer about a seventh (`docs/results.md`).
+output stays exactly the target's.
 
 The copy shares the config, every non-linear parameter and every buffer with the original (no second
-embedding table, the same attention implementation); each `nn.Linear` is replaced by
-`torch.ao.nn.quantized.dynamic.Linear` (per-channel int8 weights, activations quantized per call,
-fbgemm/x86 kernels) except the MLP output projections (``intermediate_size -> hidden_size``): their inputs
-carry activation outliers (max/rms up to ~600 in SmolLM2, vs ~20 elsewhere) and quantizing them halves the
-agreement with the fp32 model (measured on SmolLM2-135M, 1024 tokens of Macbeth, expected acceptance
-sum(min(p, q)): all linears int8 0.57, MLP output projections kept fp32 0.81). It is made once per
+embedding table, the same attention implementation); each `nn.Linear` is replaced by an `Int8Linear`
+(int8 weights per output channel, each input row quantized to int8 on its own, int32 sums by
+`torch._int_mm`) except the MLP output projections (``intermediate_size -> hidden_size``), kept fp32: their
+inputs carry activation outliers (max/rms up to ~600 in SmolLM2, vs ~20 elsewhere). It is made once per
 model object and reused: if you change the model's weights afterwards, call `forget_int8_copy`.
+
+Row independence (exactness): Force 2's q at row ``i`` of a verification must be a function of the
+sequence up to ``i`` only, never of the values of the other rows of the call (the drafts being verified,
+other rows of a batch, which `lockstep` runs as one forward): otherwise the token it emits is not distributed
+as the q it hands up. `Int8Linear` quantizes every row with its own scale, and nothing else in it reaches
+across rows, so each output row is a function of its input row alone, bit for bit, at every call size. (The
+previous copy used torch.ao dynamic-int8 linears, one activation scale per call, run row by row only in calls
+of up to 64 rows; a batch's lockstep Force-2 calls of more than 64 rows — 2 rows x gamma1 32, or 22 rows x the
+default gamma1 2 — mixed rows, and the enumerated law was off by 3e-2, tests/test_batch.py.)
+
+Measured on SmolLM2-135M shapes (30 layers, hidden 576, intermediate 1536, vocab 49152), 1 thread, a shared
+2-core AMD EPYC (AVX512-VNNI), min of repeats; the machine was not quiet enough for 2-thread figures:
+
+| SmolLM2-135M, one call of n rows                        | n = 1   | n = 8   | n = 33  | n = 512 |
+|---------------------------------------------------------|---------|---------|---------|---------|
+| linear stack, fp32                                       | 47 ms   | 87 ms   | 186 ms  | 2080 ms |
+| old: fbgemm dynamic int8 row by row (<= 64 rows)         | 17 ms   | 71 ms   | 261 ms  | 3800 ms |
+| old: fbgemm dynamic int8, one scale (> 64 rows, inexact) | 17 ms   | 26 ms   | 64 ms   | 758 ms  |
+| `Int8Linear`, down projections fp32 (this copy)          | 18 ms   | 41 ms   | 70 ms   | 927 ms  |
+| `Int8Linear`, every linear                               | 12 ms   | 30 ms   | 47 ms   | 580 ms  |
+| whole forward over a 272-entry cache, fp32               | 38 ms   | 74 ms   |         |         |
+| ... old row by row / `Int8Linear` (this copy)            | 19 / 20 | 61 / 39 |         |         |
+| ... `Int8Linear`, every linear                           | 16 ms   | 32 ms   |         |         |
+
+Weight-only int8 (``aten._weight_int8pack_mm``: fp32 activations, rows independent by construction) costs
+102 ms for the 1-row stack and 950 ms for 8 rows here (slower than fp32), and the torch.ao row-by-row loop at
+every call size makes a 512-row prefill chunk 4x slower than `Int8Linear`: both rejected. Agreement with
+the fp32 model (1024 tokens of Macbeth / Hamlet, expected acceptance sum(min(p, q)), argmax agreement): this
+copy 0.916 / 0.922 and 0.866 / 0.879; every linear int8 0.905 / 0.911 and 0.865 / 0.862; the old copy row by
+row 0.887 / 0.893 (every linear 0.867 / 0.876), with one scale over the 1024 rows 0.762 / 0.767. Quantizing the
+down projections too would make drafting forwards ~16% cheaper for ~1 point of acceptance (not measured end to
+end); they stay fp32.
 
 Device maps (accelerate ``device_map=``, ``offload_folder=``): every execution device must be the CPU. The
 copy is made once from the loaded weights (offloaded layers are read from CPU or disk for it) and holds them
@@ -24,21 +53,12 @@ Adapters (PEFT LoRA and the like): linears held in a `nn.ModuleDict` — the per
 The adapted base layers are quantized. A copy remembers which adapters were active and merged when it was
 made (`adapter_state`); `set_adapter`, `merge_adapter` or disabling adapters afterwards makes the next
 call build a fresh copy, so the drafting tiers follow the adapter Force 3 runs.
-
-Row independence (exactness): a dynamic-int8 linear quantizes its whole input with one scale, so each output
-row depends on the other rows of the call. When Force 2 verifies Force 1's drafts in one forward, the q of
-row 0 would then depend on the drafts being verified, and the emitted token would no longer be distributed as
-the q handed up (measured by exact enumeration: 1.2e-4 off the target law on a 4-token vocabulary,
-tests/test_exact_enumeration.py). The copy's linears therefore quantize calls of up to
-`ROW_INDEPENDENT_MAX_ROWS` rows one row at a time (verification sizes); longer calls (the draft cache's
-prefill, whose rows are all committed tokens) keep one batched call.
 """
 
 from __future__ import annotations
 
 import copy
 import itertools
-import warnings
 import weakref
 
 import torch
@@ -47,31 +67,59 @@ from torch import nn
 from ..compat import execution_device, hook_state, materialized, strip_hooks
 
 _COPIES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-ROW_INDEPENDENT_MAX_ROWS = 64  # >= gamma1 + 1 (checked by TriForceConfig)
+_SMALLEST_ROW_MAX = 1e-30  # a row of zeros gets this as its max: 127 / it stays finite in fp32, rows quantize to 0
 
 
-def _row_independent(layer: nn.Module) -> None:
-    """Make ``layer`` quantize each row of a call of up to `ROW_INDEPENDENT_MAX_ROWS` rows on its own."""
-    batched = layer.forward
+def _row_max(rows: torch.Tensor) -> torch.Tensor:
+    """``[n, 1]``: the largest magnitude of each row (its quantization scale is that / 127)."""
+    return rows.abs().amax(-1, keepdim=True).clamp_min_(_SMALLEST_ROW_MAX)
 
-    def forward(hidden: torch.Tensor) -> torch.Tensor:
-        rows = hidden.reshape(-1, hidden.shape[-1])
-        if not 1 < rows.shape[0] <= ROW_INDEPENDENT_MAX_ROWS:
-            return batched(hidden)
-        out = torch.cat([batched(rows[i : i + 1]) for i in range(rows.shape[0])])
-        return out.reshape(*hidden.shape[:-1], out.shape[-1])
 
-    layer.forward = forward
+class Int8Linear(nn.Module):
+    """An `nn.Linear` with int8 weights whose input rows are each quantized on their own (to int8, by max / 127).
+
+    Weights: symmetric per output channel (scale = the channel's max magnitude / 127). Output row ``i`` is
+    ``(round(x_i * 127 / m_i) @ W_q^T) * m_i * w_scale + bias`` with ``m_i`` = max |x_i|: the integer products
+    are summed in int32 (`torch._int_mm`, exact with VNNI; |sum| <= 127^2 * in_features), and every other step
+    is elementwise or a reduction over row ``i`` alone, so each output row is a function of its input row only,
+    bit for bit, whatever the other rows of the call hold. ``bias`` is the original's (shared).
+    """
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        weight = linear.weight.detach().float()
+        channel_max = weight.abs().amax(1).clamp_min(_SMALLEST_ROW_MAX)
+        self.register_buffer("weight_int8", torch.round(weight * (127 / channel_max)[:, None]).to(torch.int8))
+        self.register_buffer("weight_scale", channel_max / (127 * 127))  # both int8 scales' 1/127
+        self.bias = linear.bias
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        rows = hidden.reshape(-1, self.in_features)
+        row_max = _row_max(rows)
+        quantized = rows.mul(127 / row_max).round_().to(torch.int8)
+        out = torch.mul(torch._int_mm(quantized, self.weight_int8.t()), row_max * self.weight_scale)
+        if self.bias is not None:
+            out.add_(self.bias)
+        return out.reshape(*hidden.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
 def int8_available() -> bool:
-    """Whether this torch build has dynamic int8 quantization for CPU."""
-    quantization = getattr(getattr(torch, "ao", None), "quantization", None)
-    return hasattr(quantization, "quantize_dynamic") and bool(torch.backends.quantized.supported_engines)
+    """Whether this torch build multiplies int8 matrices on the CPU (`torch._int_mm`)."""
+    if not hasattr(torch, "_int_mm"):
+        return False
+    try:
+        torch._int_mm(torch.ones(1, 8, dtype=torch.int8), torch.ones(8, 8, dtype=torch.int8))
+    except RuntimeError:
+        return False
+    return True
 
 
 def int8_copy(model: nn.Module) -> nn.Module:
-    """The cached dynamic-int8 copy of ``model`` (an fp32 model on CPU)."""
+    """The cached int8 copy of ``model`` (an fp32 model on CPU)."""
     cached = _COPIES.get(model)
     state = adapter_state(model)
     if cached is not None and cached[1] == state:
@@ -83,14 +131,9 @@ def int8_copy(model: nn.Module) -> nn.Module:
         shared.update(hook_state(model))
         clone = copy.deepcopy(model, shared)  # new modules, the same tensors
         strip_hooks(clone)  # every execution device is the CPU (checked): the copy needs no device hooks
-        spec = {name: torch.ao.quantization.per_channel_dynamic_qconfig for name in int8_layer_names(clone)}
-        with warnings.catch_warnings():  # torch marks torch.ao as deprecated in favour of torchao; still shipped
-            warnings.filterwarnings("ignore", category=DeprecationWarning, module=r"torch\.ao")
-            warnings.filterwarnings("ignore", message=r".*quantize_per_(tensor|channel).*", category=UserWarning)
-            torch.ao.quantization.quantize_dynamic(clone, spec, dtype=torch.qint8, inplace=True)
-    for module in clone.modules():
-        if isinstance(module, torch.ao.nn.quantized.dynamic.Linear):
-            _row_independent(module)
+        for name in int8_layer_names(clone):
+            owner, _, attribute = name.rpartition(".")
+            setattr(clone.get_submodule(owner), attribute, Int8Linear(clone.get_submodule(name)))
     clone.eval()
     _COPIES[model] = (clone, state)
     return clone
@@ -104,9 +147,6 @@ def int8_copy_bytes(model: nn.Module) -> int:
     own = {t.data_ptr() for t in itertools.chain(model.parameters(), model.buffers())}
     total = 0
     for module in cached[0].modules():
-        if isinstance(module, torch.ao.nn.quantized.dynamic.Linear):
-            weight, bias = module.weight(), module.bias()
-            total += weight.numel() * weight.element_size() + (bias.nbytes if bias is not None else 0)
         for tensor in itertools.chain(module.parameters(recurse=False), module.buffers(recurse=False)):
             if tensor.data_ptr() not in own:
                 total += tensor.nbytes
@@ -142,7 +182,7 @@ def check_int8_eligible(model: nn.Module) -> None:
         raise ValueError("TriForceConfig.draft_precision='int8' quantizes an fp32 model; this one is "
                          f"{next(model.parameters()).dtype}")
     if not int8_available():
-        raise RuntimeError("TriForceConfig.draft_precision='int8' needs torch.ao.quantization.quantize_dynamic, "
+        raise RuntimeError("TriForceConfig.draft_precision='int8' needs torch._int_mm on the CPU, "
                            f"which torch {torch.__version__} does not provide")
 
 

@@ -20,7 +20,8 @@ import torch
 from torch import nn
 
 from ..compat import bnb_outlier_threshold
-from .quantized import ROW_INDEPENDENT_MAX_ROWS
+
+ROW_INDEPENDENT_MAX_ROWS = 64  # >= gamma1 + 1, gamma2 + 1 (checked before decoding) and tree sizes (TriForceConfig)
 
 
 def row_mixing_layers(model: nn.Module) -> list[str]:

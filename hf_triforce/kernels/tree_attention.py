@@ -7,13 +7,19 @@ and itself. The attention is computed in two parts merged exactly by their log-s
 
 * the cached prefix, unmasked: on CPU ATen's flash attention returning its log-sum-exp, the prefix split
   into spans laid along the batch dimension (as `attention.split_kv_sdpa`: 2 threads busy with few KV
-  heads), GQA-native (the query heads of a group are extra rows of their KV head); on CUDA in fp16/bf16
-  with flash-attn installed, `flash_attn_varlen_func` (``return_attn_probs`` gives its log-sum-exp;
-  `flash_prefix_attention`); elsewhere one matmul;
+  heads), GQA-native (the query heads of a group are extra rows of their KV head); on CUDA the fused route
+  `attention.fused_route` picks: flash-attn's `flash_attn_varlen_func` where installed (``return_attn_probs``
+  gives its log-sum-exp; `flash_prefix_attention`), torch's ``varlen_attn`` in fp16/bf16
+  (`native_attention.varlen_prefix_attention`), FlexAttention (`native_attention.flex_prefix_attention`);
+  elsewhere one matmul;
 * the block, ``m x m``, with the tree mask, in fp32.
 
+Pinned to ``"flex_tree"`` (`native_attention.force_route`), the whole tree is one FlexAttention call whose mask
+reads ``visible`` (`native_attention.flex_tree_sdpa`) instead; the split stays the default (its block in fp32, and
+the one-call form is unmeasured on a GPU: `benchmarks/gpu_check.py` times both).
+
 No ``[m, cached]`` mask is ever built. The block mask reaches the attention function through a context
-(`tree_block`) set around the forward by `forward.forward_tree`, like the query recorder: the
+(`tree_block`) set around the forward by `decoding.tree_forward.tree_logits`, like the query recorder: the
 model's own causal mask is ignored while it is set. Sliding-window layers, soft-capping and position
 biases are refused (their masks/scores are not this computation).
 """
@@ -26,8 +32,11 @@ import contextvars
 import torch
 
 from ..verification.draft_tree import DraftTree
+from . import native_attention
 
 _ACTIVE_TREE: contextvars.ContextVar[torch.Tensor | None] = contextvars.ContextVar("triforce_tree", default=None)
+# what the layers of one tree forward derive from its block once and share (FlexAttention's BlockMask)
+_TREE_DERIVED: contextvars.ContextVar[dict | None] = contextvars.ContextVar("triforce_tree_derived", default=None)
 
 # below this many cached entries per thread the prefix is one call (splitting buys nothing): as split_kv_sdpa
 MIN_SPAN = 16
@@ -47,15 +56,21 @@ def block_visibility(uncached: int, tree: DraftTree, device: torch.device | None
 @contextlib.contextmanager
 def tree_block(visible: torch.Tensor):
     """Attention functions of forwards run inside see the new block through ``visible`` (this context only)."""
-    token = _ACTIVE_TREE.set(visible)
+    token, derived = _ACTIVE_TREE.set(visible), _TREE_DERIVED.set({})
     try:
         yield visible
     finally:
         _ACTIVE_TREE.reset(token)
+        _TREE_DERIVED.reset(derived)
 
 
 def active_tree() -> torch.Tensor | None:
     return _ACTIVE_TREE.get()
+
+
+def tree_derived() -> dict | None:
+    """The current tree forward's cache of what its layers derive from ``visible`` (None outside `tree_block`)."""
+    return _TREE_DERIVED.get()
 
 
 def _sdpa_with_lse():
@@ -66,7 +81,7 @@ def flash_prefix_attention(query: torch.Tensor, keys: torch.Tensor, values: torc
                            scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """The prefix part through flash-attn's varlen kernel (CUDA, fp16/bf16): ``query`` ``[heads, m, d]`` over
     ``keys``/``values`` ``[kv, c, d]`` (read in place; flash-attn 2 needs values as wide as keys,
-    `_wants_flash_prefix`), one sequence, not causal, GQA-native. Returns `prefix_attention`'s layout:
+    `attention.fused_route`), one sequence, not causal, GQA-native. Returns `prefix_attention`'s layout:
     ``[1, kv, groups * m, dv]`` and the fp32 log-sum-exp ``[1, kv, groups * m]``
     (flash-attn 2 documents its ``softmax_lse`` as ``[heads, total_q]``; older releases pad it to ``[batch,
     heads, max_seqlen_q]``: with one sequence of ``m`` rows both read as ``[heads, m]``)."""
@@ -119,10 +134,11 @@ def prefix_attention(rows: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
     return torch.cat(outs), torch.cat(lses).float()
 
 
-def _wants_flash_prefix(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
-    from .attention import _flash_attn_varlen_func, _flash_device, same_head_dims  # attention.py imports this
+def _prefix_route(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> str | None:
+    """`attention.fused_route` for a tree's prefix (no dropout: `tree_attention` refuses it)."""
+    from .attention import fused_route  # attention.py imports this module
 
-    return _flash_device(query) and same_head_dims(key, value) and _flash_attn_varlen_func() is not None
+    return fused_route(query, key, value)
 
 
 def tree_sdpa(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, visible: torch.Tensor,
@@ -137,6 +153,9 @@ def tree_sdpa(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     kv_heads, kv_len = key.shape[1], key.shape[2]
     groups, cached = heads // kv_heads, kv_len - m
     scale = scaling if scaling is not None else dim**-0.5
+    route = _prefix_route(query, key, value) if cached else None
+    if route == "flex_tree":
+        return native_attention.flex_tree_sdpa(query, key, value, visible, scale, tree_derived()), None
     rows = query[0].reshape(kv_heads, groups * m, dim)
     block_keys, block_values = key[0, :, cached:].float(), value[0, :, cached:].float()
     scores = torch.matmul(rows.float(), block_keys.transpose(-1, -2)) * scale  # [kv, groups * m, m]
@@ -144,9 +163,15 @@ def tree_sdpa(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     block_lse = torch.logsumexp(scores, -1)
     block_out = torch.matmul(torch.softmax(scores, -1), block_values)
     if cached:
-        if _wants_flash_prefix(query, key, value):
-            out, lse = flash_prefix_attention(query[0], key[0, :, :cached], value[0, :, :cached], scale)
-        else:
+        prefix = (query[0], key[0, :, :cached], value[0, :, :cached], scale)
+        out, lse = None, None
+        if route == "flash_attn":
+            out, lse = flash_prefix_attention(*prefix)
+        elif route == "varlen":
+            out, lse = native_attention.varlen_prefix_attention(*prefix)
+        elif route == "flex":
+            out, lse = native_attention.flex_prefix_attention(*prefix)
+        if out is None:
             out, lse = prefix_attention(rows, key[0, :, :cached], value[0, :, :cached], scale)
         out, lse = torch.cat((out.float(), block_out[None])), torch.cat((lse, block_lse[None]))
         weights = torch.exp(lse - lse.amax(0)).unsqueeze(-1)

@@ -1,18 +1,20 @@
 """Side-by-side decoding benchmark: one prefill, then every method alternating on copies of that prefix.
 
 Decode time excludes the prefill (reported apart); each method's median over ``repeats`` rounds is
-reported with its ratio to plain `generate` and to the static-cache baseline, acceptance per tier and
-cache memory. ``lookup`` and ``assisted`` run from scratch (transformers' assisted decoding mishandles a
-pre-filled cache) and the shared prefill time is subtracted from their totals: an approximation;
-``assisted`` still pays its draft model's prefill of the whole prompt, as it does on every call.
-Methods: ``plain`` (DynamicCache), ``static`` (StaticCache), ``lookup`` (HF prompt lookup), ``assisted``
-(HF assisted generation with the draft model), ``streaming-self`` (StreamingLLM-cache self-speculation:
-TriForce without its middle tier), ``triforce-self``, ``triforce-ngram`` and ``triforce-draft`` (the draft
-model as Force 1); a ``-int8`` suffix runs Force 1 and Force 2 on int8 copies (``draft_precision="int8"``).
-Greedy by default; with ``sampling`` every method samples with the same settings and
-seed, and the "identical" column does not apply. ``llama.cpp`` and ``llama.cpp-lookup`` run another engine on
-the same GGUF (`llama_cpp_engine.LlamaCppEngine`, prefilled once each, passed to `compare` as ``engines``);
-their greedy rows say how many leading tokens match plain `generate` (its arithmetic differs).
+reported with its ratio to plain `generate` and to the best plain decoding (the faster of ``static`` and
+``static-compiled``: a StaticCache, eager or with ``generate``'s own compile), acceptance per tier and cache
+memory. ``static-compiled`` compiles on a warm-up call before the timed rounds (its compile seconds reported).
+``lookup`` and ``assisted`` run from scratch (transformers' assisted decoding mishandles a pre-filled cache) and
+the shared prefill time is subtracted from their totals: an approximation; ``assisted`` still pays its draft
+model's prefill of the whole prompt, as it does on every call. Methods: ``plain`` (DynamicCache), ``static``
+(StaticCache), ``static-compiled``, ``lookup`` (HF prompt lookup), ``assisted`` (HF assisted generation with the
+draft model), ``streaming-self`` (StreamingLLM-cache self-speculation: TriForce without its middle tier),
+``triforce-self``, ``triforce-ngram`` and ``triforce-draft`` (the draft model as Force 1); a ``-int8`` suffix runs
+Force 1 and Force 2 on int8 copies (``draft_precision="int8"``). Greedy by default; with ``sampling`` every method
+samples with the same settings and seed, and the "identical" column does not apply. ``llama.cpp`` and
+``llama.cpp-lookup`` run another engine on the same GGUF (`llama_cpp_engine.LlamaCppEngine`, prefilled once each,
+passed to `compare` as ``engines``); their greedy rows say how many leading tokens match plain `generate` (its
+arithmetic differs).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import DynamicCache, StaticCache
 
+from ..compat import compile_everywhere
 from ..decoding.forward import prefill
 from ..stats import TriForceStats
 from .methods import METHODS, TUNED_GAMMAS, chosen_gammas, method_named
@@ -45,6 +48,7 @@ class Run:
     new_tokens: int = 0
     sequences: torch.Tensor | None = None
     stats: TriForceStats | None = None
+    compile_seconds: float | None = None  # the warm-up call of a compiled method (compile + a few tokens)
 
     @property
     def label(self) -> str:
@@ -82,6 +86,8 @@ def method_kwargs(method: str, model, prefix: DynamicCache, max_len: int, budget
         return {"cache": copy.deepcopy(prefix)}
     if method == "static":
         return {"cache": static_copy(model, prefix, max_len)}
+    if method == "static-compiled":  # generate compiles the decoding forward; on the CPU only when told to
+        return {"cache": static_copy(model, prefix, max_len), "compile_config": compile_everywhere()}
     if method == "lookup":  # from scratch: HF's assisted decoding mishandles a pre-filled cache (5.24)
         return {"prompt_lookup_num_tokens": 10}
     if method == "assisted":  # from scratch, like lookup
@@ -146,6 +152,13 @@ def compare(model, ids, methods, new_tokens: int, repeats: int, budget: int | li
     prefix, prefill_seconds = prefilled
     several = len(budgets) > 1
     runs = [Run(m, b) for m in methods for b in (budgets if several and speculative(m) else [None])]
+    for run in runs:  # compile outside the timed rounds (once per model and shape; generate keeps the compiled call)
+        if method_named(run.method).compiled:
+            warm_up = Run(run.method)
+            start = time.perf_counter()
+            measure(model, ids, prefix, run.method, min(new_tokens, 4), budgets[0], warm_up, prefill_seconds,
+                    draft_model, sampling, gammas=gammas, knobs=knobs, engines=engines)
+            run.compile_seconds = time.perf_counter() - start
     for round_index in tqdm(range(repeats), desc=f"decode {ids.shape[1]} ctx", unit="round"):
         for run in runs:
             measure(model, ids, prefix, run.method, new_tokens, run.budget or budgets[0], run, prefill_seconds,
@@ -153,11 +166,19 @@ def compare(model, ids, methods, new_tokens: int, repeats: int, budget: int | li
     return runs, prefill_seconds
 
 
+def best_plain(runs: list[Run]) -> Run | None:
+    """The faster of ``static`` and ``static-compiled`` among ``runs`` (None: neither ran)."""
+    candidates = [run for run in runs if run.method in ("static", "static-compiled")]
+    return max(candidates, key=lambda run: run.tokens_per_second) if candidates else None
+
+
 def table(runs: list[Run], sampled: bool = False) -> str:
-    """Markdown table; ratios against ``plain`` and ``static`` where present (no identity check if ``sampled``)."""
+    """Markdown table; ratios against ``plain`` and the best plain decoding where present (`best_plain`), no
+    identity check if ``sampled``."""
     by_name = {run.label: run for run in runs}
-    base, static = by_name.get("plain", runs[0]), by_name.get("static")
-    lines = ["| method | decode tok/s | vs plain | vs static | F2 acc. | F3 acc. | tok/F3 step | "
+    base, best = by_name.get("plain", runs[0]), best_plain(runs)
+    best_name = f"vs best plain ({best.method})" if best else "vs best plain"
+    lines = [f"| method | decode tok/s | vs plain | {best_name} | F2 acc. | F3 acc. | tok/F3 step | "
              "cache MB full/retr./draft | steps plain/2/3 levels | identical |", "|" + "---|" * 10]
     for run in runs:
         s = run.stats
@@ -165,10 +186,11 @@ def table(runs: list[Run], sampled: bool = False) -> str:
                  f"{s.full_cache_bytes / 2**20:.0f}/{s.retrieval_cache_bytes / 2**20:.1f}/"
                  f"{s.draft_cache_bytes / 2**20:.1f}",
                  "/".join(str(s.plan_steps.get(levels, 0)) for levels in (1, 2, 3))] if s else ["-"] * 5
-        vs_static = f"{run.tokens_per_second / static.tokens_per_second:.2f}x" if static else "-"
+        vs_best = f"{run.tokens_per_second / best.tokens_per_second:.2f}x" if best else "-"
         same = "n/a (sampled)" if sampled else identity(run, base)
-        lines.append(f"| {run.label} | {run.tokens_per_second:.2f} | "
-                     f"{run.tokens_per_second / base.tokens_per_second:.2f}x | {vs_static} | "
+        label = run.label if run.compile_seconds is None else f"{run.label} (compile {run.compile_seconds:.0f} s)"
+        lines.append(f"| {label} | {run.tokens_per_second:.2f} | "
+                     f"{run.tokens_per_second / base.tokens_per_second:.2f}x | {vs_best} | "
                      + " | ".join(cells) + f" | {same} |")
     return "\n".join(lines)
 
@@ -194,12 +216,14 @@ def to_json(context: int, runs: list[Run], prefill_seconds: float, sampling: dic
         "sampling": sampling,
         "budgets": budgets,
         "gammas": {kind: chosen_gammas(gammas, kind) for kind in TUNED_GAMMAS},
+        "best_plain": best.method if (best := best_plain(runs)) else None,
         "methods": {
             run.label: {
                 "decode_tokens_per_second": run.tokens_per_second,
                 "seconds": run.seconds,
                 "new_tokens": run.new_tokens,
                 "stats": run.stats.to_dict() if run.stats else None,
+                "compile_seconds": run.compile_seconds,
             }
             for run in runs
         },

@@ -54,6 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
                                                        if not spec.baseline and not spec.needs_draft_model],
                       default=["default"], help="TriForce methods beside plain generate (default: 'default', "
                       "i.e. TriForceConfig() with no argument)")
+    demo.add_argument("--baselines", nargs="*", choices=["static", "static-compiled"],
+                      default=["static", "static-compiled"], help="transformers' best plain decoding beside plain "
+                      "generate: a StaticCache eager and with generate's compile (default both; the faster counts)")
     demo.add_argument("--prompt", choices=PROMPTS, default="question",
                       help="'question' (default): the play in the chat template and a question about it; "
                       "'continue': the raw play, continued")

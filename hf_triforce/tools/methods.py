@@ -5,7 +5,9 @@ A TriForce method is a drafter from the registry (``hf_triforce.drafters.DRAFTER
 ``triforce-<drafter>[-int8]`` and the two-level ``streaming-self[-int8]``; or the adaptive policy:
 ``triforce-auto[-int8]`` (self drafts, free n-gram lookups, three levels, the bench's knobs) and ``default``
 (``TriForceConfig()`` with no argument: what a user gets). Baselines: ``plain`` (DynamicCache), ``static``
-(StaticCache), ``lookup`` (HF prompt lookup), ``assisted`` (HF assisted generation with the draft model);
+(StaticCache, eager) and ``static-compiled`` (StaticCache with ``generate``'s own ``torch.compile`` of the decoding
+forward, told to compile on every device): the faster of these two is "the best plain decoding" that every table
+compares with; ``lookup`` (HF prompt lookup), ``assisted`` (HF assisted generation with the draft model);
 another engine where installed: ``llama.cpp`` and ``llama.cpp-lookup`` (its prompt-lookup speculative decoding)
 on the same GGUF (`llama_cpp_engine`).
 """
@@ -41,6 +43,11 @@ class Method:
     engine: str = "transformers"  # "llama.cpp": another engine on the same GGUF (a baseline)
 
     @property
+    def compiled(self) -> bool:
+        """Compiles on its first call (`bench.compare` warms it up outside the timed rounds)."""
+        return self.name == "static-compiled"
+
+    @property
     def needs_draft_model(self) -> bool:
         return self.name == "assisted" or self.drafter == "draft"
 
@@ -71,7 +78,8 @@ class Method:
 
 
 def _all_methods() -> dict[str, Method]:
-    methods = [Method("plain", baseline=True), Method("static", baseline=True), Method("lookup", baseline=True),
+    methods = [Method("plain", baseline=True), Method("static", baseline=True),
+               Method("static-compiled", baseline=True), Method("lookup", baseline=True),
                Method("assisted", baseline=True), Method("llama.cpp", baseline=True, engine="llama.cpp"),
                Method("llama.cpp-lookup", baseline=True, engine="llama.cpp")]
     methods.append(Method("default", drafter="self", policy="auto", library_default=True))

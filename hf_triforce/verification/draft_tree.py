@@ -2,7 +2,7 @@
 
 Node ``i`` proposes ``tokens[i]`` after its parent (``parents[i]``; ``-1``: after the last committed token,
 the *root*). Nodes are listed parents first (``parents[i] < i``) and the children of one node in the order
-they were drawn: that order is the order in which verification tries them (`tree_verification`).
+they were drawn: that order is the order in which verification tries them (`verification.tree`).
 
 ``laws[i]`` is the distribution node ``i`` was actually drawn from, *conditional on its ancestors and on its
 earlier siblings* (``None``: a point mass, a deterministic proposal such as an n-gram match or a top-k pick).

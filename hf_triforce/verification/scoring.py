@@ -77,7 +77,7 @@ def row_processors(processors: LogitsProcessorList, row: int, batch: int) -> Log
     batch's rows advance at different rates): each returns what it returns for that row in plain batched
     ``generate`` (``ROW_WISE`` ones on the row alone, ``prefix_allowed_tokens_fn`` bound to the row's batch id,
     any other in a batch of the call's size, `InBatch`). The row is the expanded row of ``num_return_sequences``,
-    shown in its own padded view (`decoder.PaddedView`, applied outside this), as ``generate`` shows it."""
+    shown in its own padded view (`decoding.output.PaddedView`, applied outside this), as ``generate`` shows it."""
     if batch == 1 or not processors:
         return processors
     return LogitsProcessorList(
