@@ -7,9 +7,10 @@ values); Force 3 runs the target as given, so the output stays exactly the targe
 little per-op overhead:
 
 * fused projections: one matrix for Q, K and V (and their biases: Qwen2), one for gate and up;
-* weights in one of three precisions (`LEAN_PRECISIONS`): fp32 (``F.linear``), weight-only int8 (per output
-  channel, ``aten._weight_int8pack_mm``) or weight-only int4 (asymmetric, `INT4_GROUP_SIZE` inputs per
-  scale and zero point, ``aten._weight_int4pack_mm_for_cpu``). The quantized products take bf16 activations:
+* weights per `LEAN_PRECISIONS`: ``"lean"`` fp32 (``F.linear``), ``"lean-int8"`` weight-only int8 (per output
+  channel, ``aten._weight_int8pack_mm``), ``"lean-int4"`` weight-only int4 (asymmetric, `INT4_GROUP_SIZE` inputs
+  per scale and zero point, ``aten._weight_int4pack_mm_for_cpu``) with an int8 output layer; Force 2 runs
+  `FORCE2_PRECISION` (the same precision: measured fastest). The quantized products take bf16 activations:
   this torch's CPU kernels for them are vectorized for bf16 only (fp32 activations take a scalar path, 10-25x
   slower than fp32 ``F.linear``; measured on SmolLM2 shapes, 1 thread); the residual stream, norms, rotary,
   attention and the cache stay fp32;
@@ -441,7 +442,10 @@ def draft_forward(config, target: nn.Module) -> str:
     return "lean" if not reasons else f"eager ({'; '.join(reasons)})"
 
 
-# what Force 2 runs for each lean draft precision (Force 1 runs the precision itself)
+# what Force 2 runs for each lean draft precision (Force 1 runs the precision itself). For "lean-int4", Force 2 on the
+# int4 copy lowers Force-3 acceptance (SmolLM2 at 8k, greedy: 0.879 against 0.947 with fp32) but costs 14 ms per
+# verification against 67 ms, and decodes fastest (7.8 s for 192 tokens; int8: 7.5 s; fp32: 11.5 s; sampled 9.0 /
+# 9.8 / 14.5 s; docs/results.md). Measured on a model dequantized from 4-bit (see INT4_GROUP_SIZE) only.
 FORCE2_PRECISION = {"lean": "lean", "lean-int8": "lean-int8", "lean-int4": "lean-int4"}
 
 
