@@ -99,16 +99,18 @@ def method_kwargs(method: str, model, prefix: DynamicCache, max_len: int, budget
 def measure(model, ids, prefix, method: str, new_tokens: int, budget: int, run: Run, prefill_seconds: float,
             draft_model=None, sampling: dict | None = None, seed: int = 0,
             gammas: tuple[int | None, int | None] = (None, None), knobs: dict | None = None,
-            engines: dict | None = None) -> None:
+            engines: dict | None = None, cache_tokens: int | None = None) -> None:
     """One timed run (greedy, or ``sampling`` kwargs seeded with ``seed``); ``lookup`` and ``assisted``
     prefill the prompt themselves, so the shared prefill time is subtracted from theirs. Methods of another
-    engine run on ``engines[method]`` (prefilled already)."""
+    engine run on ``engines[method]`` (prefilled already). ``cache_tokens``: new tokens the static caches make room
+    for (default ``new_tokens``): a short warm-up compiles the shape of the timed run."""
     if method_named(method).other_engine:
         seconds, sequences = engines[method].decode(ids, new_tokens, sampling, seed)
         run.seconds.append(seconds)
         run.new_tokens, run.sequences = sequences.shape[1] - ids.shape[1], sequences
         return
-    kwargs = method_kwargs(method, model, prefix, ids.shape[1] + new_tokens + 16, budget, draft_model, gammas, knobs)
+    room = cache_tokens if cache_tokens is not None else new_tokens  # the static caches' length: the compiled shape
+    kwargs = method_kwargs(method, model, prefix, ids.shape[1] + room + 16, budget, draft_model, gammas, knobs)
     kwargs.update(sampling or {"do_sample": False})
     torch.manual_seed(seed)
     start = time.perf_counter()
@@ -157,7 +159,7 @@ def compare(model, ids, methods, new_tokens: int, repeats: int, budget: int | li
             warm_up = Run(run.method)
             start = time.perf_counter()
             measure(model, ids, prefix, run.method, min(new_tokens, 4), budgets[0], warm_up, prefill_seconds,
-                    draft_model, sampling, gammas=gammas, knobs=knobs, engines=engines)
+                    draft_model, sampling, gammas=gammas, knobs=knobs, engines=engines, cache_tokens=new_tokens)
             run.compile_seconds = time.perf_counter() - start
     for round_index in tqdm(range(repeats), desc=f"decode {ids.shape[1]} ctx", unit="round"):
         for run in runs:
