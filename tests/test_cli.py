@@ -116,7 +116,7 @@ def test_bench_with_a_draft_model_and_sampling(tmp_path, capsys):
 
 def test_demo_and_bench_end_to_end_on_smollm2(tmp_path, capsys):
     assert main(["demo", "--context", "300", "--new-tokens", "6", "--methods", "default", "triforce-ngram-int8",
-                 "--budget", "64", "--baselines", "static"]) == 0
+                 "triforce-auto-lean-int4", "--budget", "64", "--baselines", "static"]) == 0
     assert "Greedy outputs identical to plain generate: YES" in capsys.readouterr().out
     out_dir = tmp_path / "bench"
     assert main(["bench", "--contexts", "200", "--new-tokens", "4", "--repeats", "1", "--methods", "plain",

@@ -3,7 +3,7 @@
 A TriForce method is a drafter from the registry (``hf_triforce.drafters.DRAFTERS``; ``draft`` names the
 ``--draft-model``), a number of levels and a drafting precision, with a fixed plan:
 ``triforce-<drafter>[-int8]`` and the two-level ``streaming-self[-int8]``; or the adaptive policy:
-``triforce-auto[-int8]`` (self drafts, free n-gram lookups, three levels, the bench's knobs) and ``default``
+``triforce-auto[-int8|-lean-int4]`` (self drafts, free n-gram lookups, three levels, the bench's knobs) and ``default``
 (``TriForceConfig()`` with no argument: what a user gets). Baselines: ``plain`` (DynamicCache), ``static``
 (StaticCache, eager) and ``static-compiled`` (StaticCache with ``generate``'s own ``torch.compile`` of the decoding
 forward, told to compile on every device): the faster of these two is "the best plain decoding" that every table
@@ -84,7 +84,7 @@ def _all_methods() -> dict[str, Method]:
                Method("llama.cpp-lookup", baseline=True, engine="llama.cpp")]
     methods.append(Method("default", drafter="self", policy="auto", library_default=True))
     methods += [Method(f"triforce-auto{s}", drafter="self", policy="auto", precision=p)
-                for p, s in (("model", ""), ("int8", "-int8"))]
+                for p, s in (("model", ""), ("int8", "-int8"), ("lean-int4", "-lean-int4"))]
     drafters = [name if name != MODEL_DRAFTER else "draft" for name in DRAFTERS]
     for precision, suffix in (("model", ""), ("int8", "-int8")):
         methods.append(Method(f"streaming-self{suffix}", drafter="self", levels=2, precision=precision))
@@ -94,6 +94,7 @@ def _all_methods() -> dict[str, Method]:
 
 METHODS: dict[str, Method] = _all_methods()
 DEFAULT_EXCLUDED = ("streaming-self-int8", "triforce-draft-int8", "triforce-suffix", "triforce-suffix-int8",
+                    "triforce-auto-lean-int4",  # fp32 Llama/Mistral/Qwen2 on CPU only: named with --methods
                     "llama.cpp", "llama.cpp-lookup")  # optional engine: named with --methods
 
 
