@@ -52,7 +52,10 @@ ROUNDS = dict(gamma1=2, gamma2=3)
 # measured total variation under the wrong rule: 0.227 (single row, default and extended chains), 0.155 (sampled
 # siblings), 0.049 (the batch's joint law, int8 tiers with per-row scales; 0.114 with one scale per call); under the
 # right rule below 1e-6 everywhere
-WRONG_RULE_TV = 0.01  # caught: the wrong rule's law is >= 1000x the right rule's tolerance (TOLERANCE) away
+WRONG_RULE_TV = 0.05  # single rows: the planted rule moves the law this far at least
+# the batch: its joint law moves less under the int8 tiers' per-row scales (0.049); caught all the same when the
+# moved law is >= 1000x the right rule's tolerance (TOLERANCE) away
+WRONG_RULE_BATCH_TV = 1000 * TOLERANCE
 
 
 class FreeThenGreedy(LogitsProcessor):
@@ -307,4 +310,4 @@ def test_batch_wrong_force2_rule_is_caught():
     law, exact, _, rounds, _ = batch_laws("row content", first_draft_laws)
     second_drafts_verified(rounds)
     gap = total_variation(law, exact)
-    assert gap > WRONG_RULE_TV, f"the wrong Force-2 rule moved the batch's joint law by {gap:.2g} only"
+    assert gap > WRONG_RULE_BATCH_TV, f"the wrong Force-2 rule moved the batch's joint law by {gap:.2g} only"
