@@ -8,6 +8,7 @@ from transformers import LogitsProcessorList
 from ..kernels.attention import RECORDER_KWARG, QueryRecorder, recording
 from ..kernels.tree_attention import block_visibility, tree_block
 from ..verification.draft_tree import DraftTree
+from ..verification.scoring import process_each
 
 
 def tree_logits(model, cache, cached: int, sequence: torch.Tensor, tree: DraftTree,
@@ -39,18 +40,12 @@ def process_tree_rows(processors: LogitsProcessorList, sequence: torch.Tensor, t
                       logits: torch.Tensor) -> torch.Tensor:
     """Processed fp32 scores of `tree_logits`' rows, each with its own context (``sequence`` + the node's path),
     as ``generate`` would process it decoding that path one token at a time."""
-    scores = logits.float()
-    if processors:
-        rows = []
-        for row in range(len(tree) + 1):
-            path = tree.path_tokens(row - 1)
-            context = torch.cat((sequence, sequence.new_tensor([path])), dim=1) if path else sequence
-            rows.append(processors(context, scores[row : row + 1].clone())[0])
-        scores = torch.stack(rows)
-    if torch.isnan(scores).any():
-        raise FloatingPointError("NaN in the logits of a TriForce tier (tree verification): refusing to pick tokens "
-                                 "from garbage (overflow in float16? try bfloat16 or float32)")
-    return scores
+
+    def context_of(row: int) -> torch.Tensor:
+        path = tree.path_tokens(row - 1)
+        return torch.cat((sequence, sequence.new_tensor([path])), dim=1) if path else sequence
+
+    return process_each(processors, context_of, logits)
 
 
 def score_tree(model, cache, cached: int, sequence: torch.Tensor, tree: DraftTree,

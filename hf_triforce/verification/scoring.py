@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from transformers import (
     EpsilonLogitsWarper,
@@ -88,6 +90,22 @@ def row_processors(processors: LogitsProcessorList, row: int, batch: int) -> Log
     )
 
 
+def process_each(processors: LogitsProcessorList, context_of: Callable[[int], torch.Tensor],
+                 logits: torch.Tensor) -> torch.Tensor:
+    """Processed fp32 scores ``[n, vocab]`` for ``n`` logit rows, row ``i`` processed with the sequence
+    ``context_of(i)`` it predicts the next token of (asked only where there are processors); the one NaN guard of
+    every tier's scores."""
+    scores = logits.float()
+    if processors:
+        scores = torch.stack([processors(context_of(i), scores[i : i + 1].clone())[0] for i in range(scores.shape[0])])
+    if torch.isnan(scores).any():
+        raise FloatingPointError(
+            "NaN in the logits of a TriForce tier: the model produced NaN (overflow in float16? try bfloat16 "
+            "or float32); refusing to pick tokens from garbage"
+        )
+    return scores
+
+
 def process_rows(
     processors: LogitsProcessorList, sequence: torch.Tensor, logits: torch.Tensor, first_prefix: int
 ) -> torch.Tensor:
@@ -96,14 +114,4 @@ def process_rows(
     Row ``i`` predicts the token after ``sequence[:, :first_prefix + i]`` and is processed with exactly that
     prefix, as `generate` would process it when decoding one token at a time.
     """
-    scores = logits.float()
-    if processors:
-        scores = torch.stack(
-            [processors(sequence[:, : first_prefix + i], scores[i : i + 1].clone())[0] for i in range(scores.shape[0])]
-        )
-    if torch.isnan(scores).any():
-        raise FloatingPointError(
-            "NaN in the logits of a TriForce tier: the model produced NaN (overflow in float16? try bfloat16 "
-            "or float32); refusing to pick tokens from garbage"
-        )
-    return scores
+    return process_each(processors, lambda i: sequence[:, : first_prefix + i], logits)
