@@ -201,6 +201,8 @@ class LeanModel:
         self.parts = parts = {**LEAN_PRECISIONS[precision], **(parts or {})}
         self.group_size = group_size
         self.vocabulary: torch.Tensor | None = None  # `restricted`: the token ids the output layer scores
+        self.fixed_shape = None  # `compiled`: a `fixed_shape.FixedShapeForward` for the forwards it covers
+        self._compiled_views: dict[str, LeanModel] = {}
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
         config = model.config
         decoder = model.get_decoder()
@@ -262,34 +264,78 @@ class LeanModel:
         if cache is None or position_ids is None:
             raise ValueError("LeanModel runs on a cache at explicit positions (cache=, position_ids=)")
         batch, n = input_ids.shape
+        mask = self._mask(attention_mask, batch, n)
+        fixed = self.fixed_shape
+        if fixed is not None and mask in (None, 0) and batch == 1 and fixed.covers(cache):
+            hidden = fixed(self, input_ids, position_ids, cache)
+        else:
+            hidden = self._layers(input_ids, position_ids, self._cache_attention(cache.layers, mask))
+        return self._logits(hidden, batch, n, logits_to_keep)
+
+    def _layers(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attend) -> torch.Tensor:
+        """The decoder: ``input_ids`` ``[batch, n]`` at ``position_ids`` -> the last hidden state ``[batch * n,
+        hidden]`` (fp32). ``attend(index, query, keys, values)`` (``[batch, heads | kv_heads, n, dim]``, rotated)
+        stores the new entries of layer ``index`` and returns its attention output ``[batch * n, heads * dim]``."""
+        batch, n = input_ids.shape
         heads, kv_heads, dim = self.heads, self.kv_heads, self.head_dim
-        groups = heads // kv_heads
         hidden = self.embed(input_ids).float().reshape(batch * n, -1)
         cos, sin = self.rotary(hidden, position_ids)  # [batch, n, dim]
         cos, sin = cos.float()[:, None], sin.float()[:, None]
-        mask = self._mask(attention_mask, batch, n)
-        layers = cache.layers
         for index, layer in enumerate(self.layers):
             normed = F.rms_norm(hidden, hidden.shape[-1:], layer.input_norm, self.eps)
             qkv = layer.qkv(normed).float().view(batch, n, heads + 2 * kv_heads, dim).transpose(1, 2)
             qk = qkv[:, : heads + kv_heads]
             qk = qk * cos + _rotate_half(qk) * sin
-            keys, values = layers[index].update(qk[:, heads:], qkv[:, heads + kv_heads :])
-            query = qk[:, :heads]
-            if mask is None:  # one row per batch row seeing all its entries
-                out = F.scaled_dot_product_attention(query.reshape(batch, kv_heads, groups, dim), keys, values,
-                                                     scale=self.scaling)
-                out = out.reshape(batch * n, heads * dim)
-            else:
-                visible = mask if not isinstance(mask, int) else _bottom_right(n, keys.shape[2], hidden.device)
-                out = F.scaled_dot_product_attention(
-                    query.reshape(batch, kv_heads, groups * n, dim), keys, values,
-                    attn_mask=visible.expand(batch, 1, n, keys.shape[2]).repeat(1, 1, groups, 1), scale=self.scaling)
-                out = out.reshape(batch, heads, n, dim).transpose(1, 2).reshape(batch * n, heads * dim)
+            out = attend(index, qk[:, :heads], qk[:, heads:], qkv[:, heads + kv_heads :])
             hidden = hidden + layer.o(out)
             normed = F.rms_norm(hidden, hidden.shape[-1:], layer.post_norm, self.eps)
             gate, up = layer.gate_up(normed).split(self.intermediate, dim=-1)
             hidden = hidden + layer.down(F.silu(gate) * up)
+        return hidden
+
+    def _cache_attention(self, layers, mask):
+        """`_layers`' ``attend`` through the cache objects (``layers[i].update``) under ``mask`` (`_mask`)."""
+        kv_heads, groups, dim = self.kv_heads, self.heads // self.kv_heads, self.head_dim
+
+        def attend(index: int, query: torch.Tensor, new_keys: torch.Tensor, new_values: torch.Tensor):
+            batch, heads, n, _ = query.shape
+            keys, values = layers[index].update(new_keys, new_values)
+            if mask is None:  # one row per batch row seeing all its entries
+                out = F.scaled_dot_product_attention(query.reshape(batch, kv_heads, groups, dim), keys, values,
+                                                     scale=self.scaling)
+                return out.reshape(batch * n, heads * dim)
+            visible = mask if not isinstance(mask, int) else _bottom_right(n, keys.shape[2], query.device)
+            out = F.scaled_dot_product_attention(
+                query.reshape(batch, kv_heads, groups * n, dim), keys, values,
+                attn_mask=visible.expand(batch, 1, n, keys.shape[2]).repeat(1, 1, groups, 1), scale=self.scaling)
+            return out.reshape(batch, heads, n, dim).transpose(1, 2).reshape(batch * n, heads * dim)
+
+        return attend
+
+    def fixed_shape_layers(self, input_ids: torch.Tensor, position_ids: torch.Tensor, write_index: torch.Tensor,
+                           keys: list[torch.Tensor], values: list[torch.Tensor]) -> torch.Tensor:
+        """`_layers` on whole cache buffers, so that every shape is fixed by ``n`` and the buffers' capacity
+        (what `fixed_shape.FixedShapeForward` compiles or captures): ``input_ids`` ``[1, n]`` at ``position_ids``
+        ``[1, n]``; layer ``i``'s new entries are written into ``keys[i]`` / ``values[i]`` (``[1, kv_heads,
+        capacity, dim]``) at the cache indices ``write_index`` ``[n]`` (increasing, consecutive), and query row
+        ``r`` attends to the entries at indices ``<= write_index[r]`` -- exactly the entries the cache's own
+        ``update`` would have shown it (the rest get probability exactly 0)."""
+        kv_heads, groups, dim = self.kv_heads, self.heads // self.kv_heads, self.head_dim
+        n = input_ids.shape[1]
+        capacity = keys[0].shape[2]
+        visible = torch.arange(capacity, device=write_index.device)[None, :] <= write_index[:, None]  # [n, capacity]
+        visible = visible[None, None].expand(1, groups, n, capacity).reshape(1, 1, groups * n, capacity)
+
+        def attend(index: int, query: torch.Tensor, new_keys: torch.Tensor, new_values: torch.Tensor):
+            keys[index].index_copy_(2, write_index, new_keys.to(keys[index].dtype))
+            values[index].index_copy_(2, write_index, new_values.to(values[index].dtype))
+            out = F.scaled_dot_product_attention(query.reshape(1, kv_heads, groups * n, dim), keys[index],
+                                                 values[index], attn_mask=visible, scale=self.scaling)
+            return out.reshape(1, groups * kv_heads, n, dim).transpose(1, 2).reshape(n, groups * kv_heads * dim)
+
+        return self._layers(input_ids, position_ids, attend)
+
+    def _logits(self, hidden: torch.Tensor, batch: int, n: int, logits_to_keep: int) -> LeanOutput:
         keep = n if not logits_to_keep else min(logits_to_keep, n)
         last = hidden.view(batch, n, -1)[:, n - keep :]
         last = F.rms_norm(last, last.shape[-1:], self.final_norm, self.eps)
@@ -306,12 +352,27 @@ class LeanModel:
         processor that masks the whole subset leaves a uniform law over the rest, not NaN). Exact as any draft:
         the tier hands up the law it drew from (q is 0 outside the subset; the residual covers those tokens)."""
         view = copy.copy(self)  # shares the layers, norms, rotary and embedding
+        view._compiled_views = {}
         view.vocabulary = torch.unique(vocabulary.reshape(-1).to(torch.long))
         head = self.original.get_output_embeddings()
         bias = None if head.bias is None else head.bias[view.vocabulary]
         view.head = Projection(head.weight[view.vocabulary], bias, self.parts["head"], self.group_size,
                                weight_left=True)
         return view
+
+    def compiled(self, mode: str) -> LeanModel:
+        """This copy (weights shared) whose forwards run `fixed_shape.FixedShapeForward` ``(mode)`` where it covers
+        them (batch 1, no tree, no mask, a cache of plain `BufferLayer`s: Force 1's sink+window cache, Force 2's
+        retrieval cache) and the eager lean forward elsewhere. Made once per mode and kept: what it compiled
+        serves every later call."""
+        if mode not in self._compiled_views:
+            from .fixed_shape import FixedShapeForward
+
+            view = copy.copy(self)
+            view._compiled_views = {}
+            view.fixed_shape = FixedShapeForward(mode)
+            self._compiled_views[mode] = view
+        return self._compiled_views[mode]
 
     def _mask(self, attention_mask: torch.Tensor | None, batch: int, n: int):
         """None (one row per batch row, sees every entry), ``0`` (bottom-right causal, built per layer from the

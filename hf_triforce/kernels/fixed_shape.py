@@ -1,0 +1,106 @@
+"""Tier forwards at fixed shapes: the lean forward on whole cache buffers, compiled once per model.
+
+Force 1 runs on a sink+window cache of constant capacity (``sink_tokens + window``) and Force 2 on a retrieval
+cache of constant capacity (``retrieval_budget`` + its tail), so their forwards have fixed shapes once they read
+the whole buffer (`LeanModel.fixed_shape_layers`: new entries written at a position tensor with ``index_copy_``,
+entries past a row's own masked out -- the cache's length stays a Python integer outside, so a rejection is
+still a length). Such a forward can be compiled once and replayed at every step, length and call:
+
+* ``"eager"``: the fixed-shape forward run eagerly (what the compiled forms compute; for tests and timing);
+* ``"compile"``: ``torch.compile`` (inductor, ``fullgraph=True``: a graph break raises instead of running
+  slower) -- on CUDA with CUDA graphs (inductor's ``reduce-overhead`` mode: cache buffers and weights are marked
+  static, so a replay copies nothing in). One graph for one-token forwards and one for several tokens per cache
+  capacity (dynamo makes the second dimension dynamic on its second size), all made in the first call of a
+  model: later steps, prompt lengths and calls reuse them (`compiles` counts them; tests assert no growth).
+
+Exactness is unchanged: Force 1 and Force 2 hand up the law they drew from, whatever forward computed it
+(docs/exactness.md); every row still sees only its own and earlier entries, and a row's result does not depend on
+later rows (masked entries get probability exactly 0).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from ..caches.buffer import BufferLayer
+
+TIER_COMPILE_MODES = ("eager", "compile")
+
+
+def _counting_inductor(forward: FixedShapeForward, cuda_graphs: bool):
+    """The inductor backend of ``torch.compile``, counting each graph it compiles into ``forward.compiles``."""
+    from torch._inductor import list_mode_options
+    from torch._inductor.compile_fx import compile_fx
+
+    patches = list_mode_options("reduce-overhead") if cuda_graphs else {}
+
+    def backend(graph, example_inputs):
+        forward.compiles += 1
+        return compile_fx(graph, example_inputs, config_patches=patches)
+
+    return backend
+
+
+class FixedShapeForward:
+    """Runs a `LeanModel`'s forward on a cache of plain `BufferLayer`s through `LeanModel.fixed_shape_layers`,
+    eagerly or compiled (`TIER_COMPILE_MODES`). Counters (read by `TriForceStats.tier_compile`): ``calls``
+    (forwards it ran), ``compiles`` (graphs compiled), ``compile_seconds`` (wall of the calls that compiled)."""
+
+    def __init__(self, mode: str) -> None:
+        if mode not in TIER_COMPILE_MODES:
+            raise ValueError(f"TriForceConfig.tier_compile must be one of {TIER_COMPILE_MODES}, got {mode!r}")
+        self.mode = mode
+        self.calls = 0
+        self.compiles = 0
+        self.compile_seconds = 0.0
+        self._function = None
+        self._static: set[int] = set()  # data pointers already marked static (CUDA graphs)
+
+    @staticmethod
+    def covers(cache) -> bool:
+        """Whether every layer of ``cache`` is a plain, allocated `BufferLayer` holding the same length."""
+        layers = getattr(cache, "layers", None)
+        if not layers or any(type(layer) is not BufferLayer or not layer.is_initialized for layer in layers):
+            return False
+        return len({layer.length for layer in layers}) == 1
+
+    def _compiled(self, lean):
+        if self._function is None:
+            cuda_graphs = next(iter(lean.layers)).qkv.weight.is_cuda
+            if self.mode == "eager":
+                self._function = lean.fixed_shape_layers
+            else:
+                self._function = torch.compile(lean.fixed_shape_layers, fullgraph=True,
+                                               backend=_counting_inductor(self, cuda_graphs))
+            self._cuda_graphs = self.mode == "compile" and cuda_graphs
+        return self._function
+
+    def _mark_static(self, tensors) -> None:
+        """CUDA graphs replay fixed addresses: buffers and weights marked static are read in place."""
+        for tensor in tensors:
+            if tensor.data_ptr() not in self._static:
+                torch._dynamo.mark_static_address(tensor)
+                self._static.add(tensor.data_ptr())
+
+    def __call__(self, lean, input_ids: torch.Tensor, position_ids: torch.Tensor, cache) -> torch.Tensor:
+        """``input_ids`` ``[1, n]`` at ``position_ids`` after the cache's entries -> hidden ``[n, hidden]``; the
+        cache's layers grow by ``n`` entries as their own ``update`` would have grown them."""
+        layers = cache.layers
+        n, start, capacity = input_ids.shape[1], layers[0].length, layers[0].capacity
+        if start + n > capacity:
+            raise RuntimeError(f"BufferLayer overflow: {start} + {n} entries exceed its capacity {capacity}")
+        function = self._compiled(lean)
+        keys, values = [layer.keys for layer in layers], [layer.values for layer in layers]
+        if self._cuda_graphs:
+            self._mark_static(keys + values)
+        write_index = torch.arange(start, start + n, device=input_ids.device)
+        compiles, began = self.compiles, time.perf_counter()
+        hidden = function(input_ids, position_ids, write_index, keys, values)
+        if self.compiles != compiles:
+            self.compile_seconds += time.perf_counter() - began
+        for layer in layers:
+            layer.length += n
+        self.calls += 1
+        return hidden.clone() if self._cuda_graphs else hidden  # a graph's output is overwritten by its next replay
