@@ -16,7 +16,7 @@ import hf_triforce
 
 # Optional stacks (extras) and the transformers module that imports every installed quantization stack.
 OPTIONAL = ("torchao", "peft", "bitsandbytes", "llama_cpp", "matplotlib", "gguf", "transformers.modeling_utils")
-COMMANDS = ("demo", "bench", "needle", "generate")
+COMMANDS = ("demo", "bench", "needle", "generate", "project")
 
 
 def _environment() -> dict[str, str]:

@@ -1,4 +1,4 @@
-"""`hf-triforce demo | bench | generate` (also `python -m hf_triforce ...`)."""
+"""`hf-triforce demo | bench | needle | generate | project` (also `python -m hf_triforce ...`)."""
 
 from __future__ import annotations
 
@@ -39,6 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
     from ..drafters import drafter_names
     from .assets import MODELS, TEXTS
     from .methods import METHODS, add_triforce_arguments
+    from .project import add_arguments as add_project_arguments
     from .prompts import PROMPTS
 
 
@@ -109,6 +110,11 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--int8", action="store_true", help="run Force 1 and Force 2 on int8 copies (CPU, fp32 model)")
     gen.add_argument("--stats", action="store_true", help="print the per-tier statistics at the end")
     add_triforce_arguments(gen, _positive)
+
+    project = commands.add_parser("project", help="PROJECTED (not measured) seconds per forward of each tier and "
+                                  "tokens/s of each plan for a model, device, context and acceptance (a roofline "
+                                  "model priced by the adaptive policy's own formulas; hf_triforce.tools.project)")
+    add_project_arguments(project)
     return parser
 
 
@@ -279,6 +285,13 @@ def main(argv: list[str] | None = None) -> int:
         return _generate(args)
     if args.command == "needle":
         return _needle(args)
+    if args.command == "project":
+        from .project import run
+
+        try:
+            return run(args)
+        except ValueError as error:
+            raise SystemExit(f"hf-triforce project: {error}") from error
     return _bench(args)
 
 
