@@ -6,10 +6,12 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 from .drafters import DRAFTERS, drafter_names
+from .kernels.fixed_shape import TIER_COMPILE_MODES
 from .kernels.lean import LEAN_PRECISIONS
 from .kernels.row_mixing import ROW_INDEPENDENT_MAX_ROWS
 
 DRAFT_PRECISIONS = ("model", "int8", *LEAN_PRECISIONS)
+TIER_COMPILE = ("off", *TIER_COMPILE_MODES)
 FULL_CACHE_DEVICES = (None, "cpu")
 POLICIES = ("auto", "fixed")
 
@@ -47,6 +49,13 @@ class TriForceConfig:
         their eager forward, and ``TriForceStats.draft_forward`` says so; `hf_triforce.kernels.lean`). Force 3
         always runs the target as given, so the output is exact either way; the precision only changes how often
         drafts are accepted and what they cost.
+    tier_compile: how the lean tier forwards run (a lean ``draft_precision`` only; `hf_triforce.kernels.fixed_shape`):
+        ``"off"`` (default): the lean forward through the caches' own ``update``; ``"fixed"``: the same on whole
+        cache buffers (fixed shapes, eager); ``"compile"``: that fixed-shape forward compiled once per model with
+        ``torch.compile`` (on CUDA as CUDA graphs), reused by every later step and call
+        (``TriForceStats.tier_compile`` reports graphs compiled and compile seconds). Forwards it does not cover
+        (batches, candidate trees) run the lean forward. On the CPUs measured here compiling costs minutes per
+        model and gains little (docs/results.md). The output is exact either way.
     levels: 3 (TriForce) or 2 (Force 1 verified directly by Force 3: with ``draft="self"`` the
         StreamingLLM-cache self-speculation baseline; Force-2 knobs are then unused).
     policy: ``"auto"`` (default): each Force-3 step runs the plan an online cost model predicts fastest —
@@ -93,6 +102,7 @@ class TriForceConfig:
     show_progress: bool = False
     levels: int = 3
     draft_precision: str = "model"
+    tier_compile: str = "off"
     policy: str = "auto"
     explore_every: int = 16
     tree_nodes: int = 0
@@ -167,6 +177,12 @@ class TriForceConfig:
             raise ValueError(
                 f"TriForceConfig.draft_precision must be one of {DRAFT_PRECISIONS}, got {self.draft_precision!r}"
             )
+        if self.tier_compile not in TIER_COMPILE:
+            raise ValueError(f"TriForceConfig.tier_compile must be one of {TIER_COMPILE}, got {self.tier_compile!r}")
+        if self.tier_compile != "off" and self.draft_precision not in LEAN_PRECISIONS:
+            raise ValueError(f"TriForceConfig.tier_compile={self.tier_compile!r} runs the lean tier forward: set "
+                             f"draft_precision to one of {tuple(LEAN_PRECISIONS)} (got {self.draft_precision!r}), "
+                             "or tier_compile='off'")
         if self.tree_nodes > ROW_INDEPENDENT_MAX_ROWS - 1:
             raise ValueError(f"TriForceConfig.tree_nodes must be at most {ROW_INDEPENDENT_MAX_ROWS - 1} (a tree's rows "
                              f"are verified in one forward), got {self.tree_nodes}")

@@ -29,6 +29,9 @@ class TriForceStats:
     # how Force 1 / Force 2 ran: "eager" (the transformers forward), "lean" (`kernels.lean`), or "eager (<why>)" where
     # a lean precision was asked for a model the lean forward does not cover
     draft_forward: str = "eager"
+    # TriForceConfig.tier_compile other than "off": {"mode", "forwards" (fixed-shape forwards run), "compiles" (graphs
+    # compiled in this call: 0 once a model's first call has compiled), "compile_seconds"} (`kernels.fixed_shape`)
+    tier_compile: dict = field(default_factory=dict)
     weight_left_output_layer: bool = False  # the CPU multi-row output-layer path was used
     prefill_seconds: float = 0.0
     force1_seconds: float = 0.0

@@ -161,7 +161,7 @@ class Decoder:
         key = (plan.levels, plan.drafter)
         if key not in self.levels:
             timed = self.policy.observe_forward if self.policy is not None else None
-            target = tier_model(self.model, self.config.draft_precision, 2)
+            target = tier_model(self.model, self.config.draft_precision, 2, self.config.tier_compile)
             rows = [Force1Only(self.drafter(r, plan.drafter), self.config, self.stats[r]) if plan.levels == 2
                     else Force2(target, self.drafter(r, plan.drafter), self.config, self.processors[r],
                                 self.force2_verifier, self.force3.row(r), self.stats[r], timed,
@@ -176,11 +176,28 @@ class Decoder:
             keep_logits: bool = False) -> DecodeResult:
         """Decode ``rows`` (per row ``[1, n_b]``, without padding); ``streamer``, ``keep_scores`` and
         ``keep_logits``: batch size 1."""
+        fixed_shapes = self._fixed_shapes()
+        before = [(f.calls, f.compiles, f.compile_seconds) for f in fixed_shapes]
         with weight_left_output_layer(self.model) as weight_left, RowsApart(self.model) as rows_apart:
             result = self._run(rows, prefix_cache, streamer, keep_scores, keep_logits, rows_apart)
+        compiled = {} if not fixed_shapes else {
+            "mode": self.config.tier_compile,
+            "forwards": sum(f.calls - b[0] for f, b in zip(fixed_shapes, before)),
+            "compiles": sum(f.compiles - b[1] for f, b in zip(fixed_shapes, before)),
+            "compile_seconds": sum(f.compile_seconds - b[2] for f, b in zip(fixed_shapes, before))}
         for stats in {id(s): s for s in [*result.row_stats, result.stats]}.values():
             stats.weight_left_output_layer = weight_left
+            stats.tier_compile = dict(compiled)
         return result
+
+    def _fixed_shapes(self) -> list:
+        """The `FixedShapeForward` of each lean tier model this call may run (``tier_compile`` other than "off")."""
+        if self.config.tier_compile == "off":
+            return []
+        models = [self.model] + ([self.config.draft] if not isinstance(self.config.draft, str) else [])
+        found = [getattr(tier_model(model, self.config.draft_precision, tier, self.config.tier_compile),
+                         "fixed_shape", None) for model in models for tier in (1, 2)]
+        return list({id(f): f for f in found if f is not None}.values())
 
     def _run(self, rows, prefix_cache, streamer, keep_scores, keep_logits, rows_apart) -> DecodeResult:
         policy, force3 = self.policy, self.force3

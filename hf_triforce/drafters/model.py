@@ -120,8 +120,8 @@ class ModelDrafter:
 
 def _build(context: DraftContext, model) -> ModelDrafter:
     config = context.config
-    return ModelDrafter(tier_model(model, config.draft_precision, 1), config.sink_tokens, config.window,
-                        context.processors, context.do_sample, context.sampler)
+    return ModelDrafter(tier_model(model, config.draft_precision, 1, config.tier_compile), config.sink_tokens,
+                        config.window, context.processors, context.do_sample, context.sampler)
 
 
 register_drafter("self", lambda context: _build(context, context.target), "model",

@@ -6,7 +6,7 @@ the whole buffer (`LeanModel.fixed_shape_layers`: new entries written at a posit
 entries past a row's own masked out -- the cache's length stays a Python integer outside, so a rejection is
 still a length). Such a forward can be compiled once and replayed at every step, length and call:
 
-* ``"eager"``: the fixed-shape forward run eagerly (what the compiled forms compute; for tests and timing);
+* ``"fixed"``: the fixed-shape forward run eagerly (what the compiled form computes);
 * ``"compile"``: ``torch.compile`` (inductor, ``fullgraph=True``: a graph break raises instead of running
   slower) -- on CUDA with CUDA graphs (inductor's ``reduce-overhead`` mode: cache buffers and weights are marked
   static, so a replay copies nothing in). One graph for one-token forwards and one for several tokens per cache
@@ -26,7 +26,7 @@ import torch
 
 from ..caches.buffer import BufferLayer
 
-TIER_COMPILE_MODES = ("eager", "compile")
+TIER_COMPILE_MODES = ("fixed", "compile")  # TriForceConfig.tier_compile, but "off"
 
 
 def _counting_inductor(forward: FixedShapeForward, cuda_graphs: bool):
@@ -69,7 +69,7 @@ class FixedShapeForward:
     def _compiled(self, lean):
         if self._function is None:
             cuda_graphs = next(iter(lean.layers)).qkv.weight.is_cuda
-            if self.mode == "eager":
+            if self.mode == "fixed":
                 self._function = lean.fixed_shape_layers
             else:
                 self._function = torch.compile(lean.fixed_shape_layers, fullgraph=True,

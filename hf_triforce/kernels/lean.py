@@ -510,11 +510,13 @@ def draft_forward(config, target: nn.Module) -> str:
 FORCE2_PRECISION = {"lean": "lean", "lean-int8": "lean-int8", "lean-int4": "lean-int4"}
 
 
-def tier_model(model: nn.Module, precision: str, tier: int):
+def tier_model(model: nn.Module, precision: str, tier: int, tier_compile: str = "off"):
     """The model Force ``tier`` (1 or 2) runs for ``TriForceConfig.draft_precision`` ``precision``: a lean copy
-    (`FORCE2_PRECISION` for Force 2), or `quantized.drafting_model` for ``"model"`` / ``"int8"``."""
+    (`FORCE2_PRECISION` for Force 2; its `LeanModel.compiled` view unless ``tier_compile`` is ``"off"``), or
+    `quantized.drafting_model` for ``"model"`` / ``"int8"``."""
     if precision in LEAN_PRECISIONS:
-        return lean_model(model, precision if tier == 1 else FORCE2_PRECISION[precision])
+        lean = lean_model(model, precision if tier == 1 else FORCE2_PRECISION[precision])
+        return lean if tier_compile == "off" or not isinstance(lean, LeanModel) else lean.compiled(tier_compile)
     from .quantized import drafting_model
 
     return drafting_model(model, precision)

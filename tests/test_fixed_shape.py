@@ -1,0 +1,116 @@
+"""Tier forwards at fixed shapes (`hf_triforce.kernels.fixed_shape`, ``TriForceConfig.tier_compile``).
+
+* ``"fixed"`` (the lean forward on whole cache buffers) drafts what the lean forward drafts: the same counts in
+  every tier (fp32), with the sink+window cache evicting and Force 2 on its retrieval cache;
+* entries past a row's own (stale values in the buffer) contribute exactly nothing;
+* ``"compile"``: greedy output token-identical, the sampled law exactly the target's (enumerated, Force 1
+  drafting 2 tokens per round), and no recompilation after a model's first call (other prompt lengths, other
+  numbers of new tokens, sampled and greedy);
+* bad settings get clear errors.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LogitsProcessorList, TopKLogitsWarper
+
+from hf_triforce import TriForceConfig
+from hf_triforce.caches.buffer import BufferCache
+from hf_triforce.kernels.fixed_shape import FixedShapeForward
+from hf_triforce.kernels.lean import lean_model
+
+from .conftest import make_model, random_prompt
+from .test_exact_enumeration import decoded_law, distance, exercised, target_law
+from .test_greedy_identity import assert_identical
+
+COUNTS = ("force1_proposed", "force2_accepted", "force3_accepted", "force3_steps")
+
+
+def _config(**kw):
+    base = dict(draft="self", policy="fixed", retrieval_budget=64, chunk_size=8, sink_tokens=4, window=24,
+                gamma1=2, gamma2=4)
+    return TriForceConfig(**{**base, **kw})
+
+
+@pytest.mark.parametrize("family", ["llama-gqa", "qwen2"])
+@pytest.mark.parametrize("levels", [2, 3])
+def test_fixed_shapes_draft_what_the_lean_forward_drafts(family, levels):
+    model = make_model(family, logit_scale=3.0)
+    prompt = random_prompt(150, period=37)
+    lean = assert_identical(model, prompt, _config(draft_precision="lean", levels=levels))
+    fixed = assert_identical(model, prompt, _config(draft_precision="lean", levels=levels, tier_compile="fixed"))
+    assert {c: getattr(fixed, c) for c in COUNTS} == {c: getattr(lean, c) for c in COUNTS}
+    assert fixed.tier_compile["mode"] == "fixed" and fixed.tier_compile["forwards"] > 20
+    assert fixed.tier_compile["compiles"] == 0 and lean.tier_compile == {}
+
+
+def test_stale_entries_past_a_row_contribute_nothing():
+    """The fixed-shape forward reads the whole buffer: entries past the cache's length (here: garbage) are
+    masked exactly, so the logits equal those of the same cache with zeros there."""
+    model = make_model("llama-gqa", logit_scale=3.0)
+    lean = lean_model(model, "lean")
+    fixed = lean.compiled("fixed")
+    prompt = random_prompt(40, period=13)
+    logits = []
+    for fill in (0.0, 1e3):
+        cache = BufferCache(model.config.num_hidden_layers, 64)
+        lean(input_ids=prompt[:, :30], cache=cache, position_ids=torch.arange(30)[None])
+        for layer in cache.layers:
+            layer.keys[:, :, 30:].fill_(fill)
+            layer.values[:, :, 30:].fill_(fill)
+        assert FixedShapeForward.covers(cache)
+        out = fixed(input_ids=prompt[:, 30:34], cache=cache, position_ids=torch.arange(30, 34)[None],
+                    logits_to_keep=4).logits
+        assert cache.length == 34
+        logits.append(out)
+    assert torch.equal(logits[0], logits[1])
+    eager_cache = BufferCache(model.config.num_hidden_layers, 64)
+    lean(input_ids=prompt[:, :30], cache=eager_cache, position_ids=torch.arange(30)[None])
+    eager = lean(input_ids=prompt[:, 30:34], cache=eager_cache, position_ids=torch.arange(30, 34)[None],
+                 logits_to_keep=4).logits
+    torch.testing.assert_close(logits[0], eager, rtol=0, atol=1e-4)  # fp32: summation order only
+
+
+def test_compiled_tiers_keep_greedy_identity_and_never_recompile():
+    """One model's first call compiles its graphs; later calls (other prompt lengths and new tokens, greedy and
+    sampled) compile nothing."""
+    model = make_model("llama-gqa", logit_scale=3.0, num_hidden_layers=2, seed=11)
+    config = _config(draft_precision="lean-int4", tier_compile="compile")
+    first = assert_identical(model, random_prompt(150, period=37), config)
+    assert first.tier_compile["compiles"] >= 1 and first.tier_compile["compile_seconds"] > 0
+    assert first.force2_accepted > 0 and first.tier_compile["forwards"] > 20
+    for length, new in ((97, 25), (203, 41)):
+        later = assert_identical(model, random_prompt(length, period=29, seed=length), config, max_new_tokens=new)
+        assert later.tier_compile["compiles"] == 0 and later.tier_compile["forwards"] > 10, later.tier_compile
+    sampled = model.generate(random_prompt(120, period=31), max_new_tokens=20, do_sample=True, top_k=20,
+                             triforce_config=config, return_dict_in_generate=True).triforce_stats
+    assert sampled.tier_compile["compiles"] == 0 and sampled.tier_compile["forwards"] > 10
+
+
+VOCAB = 4
+NEW = 5  # the first token, then a round of Force 1 drafting 2 tokens (gamma2 = 3 tokens handed up)
+ENUMERATION = dict(policy="fixed", retrieval_budget=16, chunk_size=4, retrieval_recent=4, sink_tokens=2, window=8,
+                   gamma1=2, gamma2=3)
+
+
+@pytest.mark.parametrize("tier_compile", ["fixed", "compile"])
+def test_enumerated_law_equals_the_target_law(tier_compile):
+    model = make_model("llama-gqa", vocab_size=VOCAB, seed=3, initializer_range=0.3, num_hidden_layers=1)
+    prompt = random_prompt(40, vocab_size=VOCAB, seed=4, period=13)
+    processors = LogitsProcessorList([TopKLogitsWarper(2)])
+    config = TriForceConfig(draft="self", draft_precision="lean-int4", tier_compile=tier_compile, **ENUMERATION)
+    law, paths, stats = decoded_law(model, prompt, config, processors, NEW)
+    exact = target_law(model, prompt, processors, NEW)
+    assert abs(sum(law.values()) - 1.0) < 1e-6 and paths > 10
+    assert distance(law, exact) < 1e-5
+    exercised(stats, 3)
+    assert max(s.force1_proposed / max(s.force2_steps, 1) for s in stats) >= 2  # rounds of 2 drafts ran
+    assert all(s.tier_compile["forwards"] > 0 for s in stats)
+
+
+def test_bad_settings_are_refused():
+    with pytest.raises(ValueError, match="tier_compile must be one of"):
+        TriForceConfig(draft_precision="lean", tier_compile="cuda")
+    with pytest.raises(ValueError, match="set draft_precision to one of"):
+        TriForceConfig(tier_compile="compile")
