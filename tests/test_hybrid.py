@@ -185,14 +185,19 @@ def test_each_layer_is_moved_by_its_own_rotation():
 ENUM_VOCAB = 4
 
 
-# family -> overrides: Gemma 2 (sliding 3 + full, attention softcapping, eager attention), Mixtral (MoE, sliding),
-# Qwen3 (qk-norm), Gemma 3's text decoder (the VLM's language model, per-layer-type RoPE), DeepSeek-V3 (MLA, MoE)
+# family -> (model overrides, retrieval budget): Gemma 2 (sliding 3 + full, attention softcapping, eager attention),
+# Mixtral (MoE), Qwen3 (qk-norm), Gemma 3's text decoder (the VLM's language model, per-layer-type RoPE, sliding and
+# full layers alternating), DeepSeek-V3 (MLA, MoE). Each chosen so that both levels reject and accept on paths of real
+# probability (`exercised`): Gemma's scaled, tied embeddings at the default init 0.3 give point masses (every tier
+# agrees), so Gemma runs at 0.05; every Mixtral layer slides when a window is set, so every tier would see the same
+# window, and Mixtral runs with full attention here (its window: `test_family_greedy_identity`).
 ENUMERATED_FAMILIES = {
-    "gemma2": dict(sliding_window=3, final_logit_softcapping=None),
-    "mixtral": dict(sliding_window=3),
-    "qwen3": {},
-    "gemma3": dict(sliding_window=3),
-    "deepseek-v3": {},
+    "gemma2": (dict(sliding_window=3, final_logit_softcapping=None, initializer_range=0.05), 8),
+    "mixtral": (dict(sliding_window=None), 16),
+    "qwen3": ({}, 16),
+    "gemma3": (dict(sliding_window=3, initializer_range=0.05, layer_types=["sliding_attention", "full_attention"] * 3),
+               8),
+    "deepseek-v3": ({}, 16),
 }
 
 
@@ -200,10 +205,11 @@ ENUMERATED_FAMILIES = {
 def test_enumerated_law_of_a_hybrid_model_equals_the_target_law(family):
     """Exact: every random path of one decode vs the target's sequence law, through the library's own loop, levels
     and caches."""
-    model = make_family(family, vocab_size=ENUM_VOCAB, seed=3, initializer_range=0.3, **ENUMERATED_FAMILIES[family])
+    overrides, budget = ENUMERATED_FAMILIES[family]
+    model = make_family(family, vocab_size=ENUM_VOCAB, seed=3, **{"initializer_range": 0.3, **overrides})
     prompt = random_prompt(40, vocab_size=ENUM_VOCAB, seed=4, period=13)
     processors = LogitsProcessorList([TopKLogitsWarper(2)])
-    config = TriForceConfig(draft="self", policy="fixed", retrieval_budget=16, chunk_size=4, retrieval_recent=4,
+    config = TriForceConfig(draft="self", policy="fixed", retrieval_budget=budget, chunk_size=4, retrieval_recent=4,
                             sink_tokens=2, window=8, gamma1=2, gamma2=2)
     law, paths, stats = decoded_law(model, prompt, config, processors, 4)  # 4 tokens: both levels propose
     exact = target_law(model, prompt, processors, 4)

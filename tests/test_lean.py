@@ -181,7 +181,7 @@ def test_a_restricted_drafting_vocabulary_keeps_the_law_exact(tiny, monkeypatch,
 
     real = drafter_module.tier_model
     monkeypatch.setattr(drafter_module, "tier_model",
-                        lambda m, p, tier: real(m, p, tier).restricted(torch.tensor([0, 1, 2])))
+                        lambda m, p, tier, *mode: real(m, p, tier, *mode).restricted(torch.tensor([0, 1, 2])))
     model, prompt = tiny
     processors = LogitsProcessorList([TopKLogitsWarper(2)])
     config = TriForceConfig(draft="self", draft_precision="lean-int4", **ENUMERATION)

@@ -351,14 +351,11 @@ class LeanModel:
         other token gets the logit `OUTSIDE_LOGIT`, so its probability is exactly 0 next to any real logit (and a
         processor that masks the whole subset leaves a uniform law over the rest, not NaN). Exact as any draft:
         the tier hands up the law it drew from (q is 0 outside the subset; the residual covers those tokens)."""
-        view = copy.copy(self)  # shares the layers, norms, rotary and embedding
-        view._compiled_views = {}
-        view.vocabulary = torch.unique(vocabulary.reshape(-1).to(torch.long))
+        vocabulary = torch.unique(vocabulary.reshape(-1).to(torch.long))
         head = self.original.get_output_embeddings()
-        bias = None if head.bias is None else head.bias[view.vocabulary]
-        view.head = Projection(head.weight[view.vocabulary], bias, self.parts["head"], self.group_size,
-                               weight_left=True)
-        return view
+        bias = None if head.bias is None else head.bias[vocabulary]
+        return self._view(vocabulary=vocabulary, head=Projection(head.weight[vocabulary], bias, self.parts["head"],
+                                                                 self.group_size, weight_left=True))
 
     def compiled(self, mode: str) -> LeanModel:
         """This copy (weights shared) whose forwards run `fixed_shape.FixedShapeForward` ``(mode)`` where it covers
@@ -368,11 +365,15 @@ class LeanModel:
         if mode not in self._compiled_views:
             from .fixed_shape import FixedShapeForward
 
-            view = copy.copy(self)
-            view._compiled_views = {}
-            view.fixed_shape = FixedShapeForward(mode)
-            self._compiled_views[mode] = view
+            self._compiled_views[mode] = self._view(fixed_shape=FixedShapeForward(mode))
         return self._compiled_views[mode]
+
+    def _view(self, **changes) -> LeanModel:
+        """A copy sharing this one's layers, norms, rotary and embedding, with the attributes ``changes`` and no
+        compiled views yet (a view compiles its own forwards)."""
+        view = copy.copy(self)
+        vars(view).update(_compiled_views={}, **changes)
+        return view
 
     def _mask(self, attention_mask: torch.Tensor | None, batch: int, n: int):
         """None (one row per batch row, sees every entry), ``0`` (bottom-right causal, built per layer from the
