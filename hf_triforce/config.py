@@ -10,7 +10,7 @@ from .kernels.fixed_shape import TIER_COMPILE_MODES
 from .kernels.lean import LEAN_PRECISIONS
 from .kernels.row_mixing import ROW_INDEPENDENT_MAX_ROWS
 
-DRAFT_PRECISIONS = ("model", "int8", *LEAN_PRECISIONS)
+DRAFT_PRECISIONS = ("auto", "model", "int8", *LEAN_PRECISIONS)
 TIER_COMPILE = ("off", *TIER_COMPILE_MODES)
 FULL_CACHE_DEVICES = (None, "cpu")
 POLICIES = ("auto", "fixed")
@@ -42,20 +42,24 @@ class TriForceConfig:
     ngram_max, ngram_min: longest and shortest suffix matched by the ``"ngram"`` drafter.
     prefill_chunk_size: prompt tokens per forward during the chunked prefill of the full cache.
     show_progress: show a tqdm bar during prefill.
-    draft_precision: ``"model"`` (Force 1 and Force 2 run the models as given) or ``"int8"`` (they run a
+    draft_precision: ``"auto"`` (default): ``"lean-int4"`` where the lean forward covers the target (and the draft
+        model), i.e. fp32 Llama, Mistral and Qwen2 models on the CPU, else ``"model"`` (`kernels.lean.AUTO_PRECISION`;
+        ``TriForceStats.draft_precision`` says which ran and ``draft_forward`` why not lean); ``"model"`` (Force 1
+        and Force 2 run the models as given) or ``"int8"`` (they run a
         cached int8 copy of each fp32 model's linear layers; CPU only), or ``"lean"`` / ``"lean-int8"`` /
         ``"lean-int4"`` (a lean forward over a cached copy of the weights in fp32, weight-only int8 or weight-only
         int4 with an int8 output layer: Llama, Mistral and Qwen2 fp32 models on CPU; other families draft with
         their eager forward, and ``TriForceStats.draft_forward`` says so; `hf_triforce.kernels.lean`). Force 3
         always runs the target as given, so the output is exact either way; the precision only changes how often
         drafts are accepted and what they cost.
-    tier_compile: how the lean tier forwards run (a lean ``draft_precision`` only; `hf_triforce.kernels.fixed_shape`):
-        ``"off"`` (default): the lean forward through the caches' own ``update``; ``"fixed"``: the same on whole
-        cache buffers (fixed shapes, eager); ``"compile"``: that fixed-shape forward compiled once per model with
-        ``torch.compile`` (on CUDA as CUDA graphs), reused by every later step and call
+    tier_compile: how the lean tier forwards run (a lean or ``"auto"`` ``draft_precision`` only;
+        `hf_triforce.kernels.fixed_shape`): ``"off"`` (default): the lean forward through the caches' own ``update``;
+        ``"fixed"``: the same on whole cache buffers (fixed shapes, eager); ``"compile"``: that fixed-shape forward
+        compiled once per model with ``torch.compile`` (on CUDA as CUDA graphs), reused by every later step and call
         (``TriForceStats.tier_compile`` reports graphs compiled and compile seconds). Forwards it does not cover
-        (batches, candidate trees) run the lean forward. On the CPUs measured here compiling costs minutes per
-        model and gains little (docs/results.md). The output is exact either way.
+        (batches, candidate trees) run the lean forward. Measured on a 2-core Xeon (SmolLM2, lean-int4): compiling
+        takes ~54 s once per model and process and makes Force 1 28% and Force 2 15% cheaper (docs/results.md),
+        so it pays only over long or many generations. The output is exact either way.
     levels: 3 (TriForce) or 2 (Force 1 verified directly by Force 3: with ``draft="self"`` the
         StreamingLLM-cache self-speculation baseline; Force-2 knobs are then unused).
     policy: ``"auto"`` (default): each Force-3 step runs the plan an online cost model predicts fastest —
@@ -101,7 +105,7 @@ class TriForceConfig:
     prefill_chunk_size: int = 2048
     show_progress: bool = False
     levels: int = 3
-    draft_precision: str = "model"
+    draft_precision: str = "auto"
     tier_compile: str = "off"
     policy: str = "auto"
     explore_every: int = 16
@@ -179,9 +183,9 @@ class TriForceConfig:
             )
         if self.tier_compile not in TIER_COMPILE:
             raise ValueError(f"TriForceConfig.tier_compile must be one of {TIER_COMPILE}, got {self.tier_compile!r}")
-        if self.tier_compile != "off" and self.draft_precision not in LEAN_PRECISIONS:
+        if self.tier_compile != "off" and self.draft_precision not in ("auto", *LEAN_PRECISIONS):
             raise ValueError(f"TriForceConfig.tier_compile={self.tier_compile!r} runs the lean tier forward: set "
-                             f"draft_precision to one of {tuple(LEAN_PRECISIONS)} (got {self.draft_precision!r}), "
+                             f"draft_precision to one of {('auto', *LEAN_PRECISIONS)} (got {self.draft_precision!r}), "
                              "or tier_compile='off'")
         if self.tree_nodes > ROW_INDEPENDENT_MAX_ROWS - 1:
             raise ValueError(f"TriForceConfig.tree_nodes must be at most {ROW_INDEPENDENT_MAX_ROWS - 1} (a tree's rows "

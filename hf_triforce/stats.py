@@ -25,13 +25,15 @@ class TriForceStats:
     lockstep_forwards: int = 0
     lockstep_requests: int = 0
     force2_sees_whole_cache: bool = False
-    draft_precision: str = "model"  # TriForceConfig.draft_precision: "model", "int8", "lean", "lean-int8", "lean-int4"
+    # the drafting precision that ran: TriForceConfig.draft_precision, "auto" made concrete ("lean-int4" or "model")
+    draft_precision: str = "model"
     # how Force 1 / Force 2 ran: "eager" (the transformers forward), "lean" (`kernels.lean`), or "eager (<why>)" where
     # a lean precision was asked for a model the lean forward does not cover
     draft_forward: str = "eager"
     # TriForceConfig.tier_compile other than "off": {"mode", "forwards" (fixed-shape forwards run), "compiles" (graphs
     # compiled in this call: 0 once a model's first call has compiled), "compile_seconds"} (`kernels.fixed_shape`)
     tier_compile: dict = field(default_factory=dict)
+    draft_copy_seconds: float = 0.0  # making the drafting tiers' weight copies (lean, int8): on a model's first call
     weight_left_output_layer: bool = False  # the CPU multi-row output-layer path was used
     prefill_seconds: float = 0.0
     force1_seconds: float = 0.0

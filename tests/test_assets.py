@@ -60,5 +60,7 @@ def test_registered_models_and_texts():
     assert len(assets.QWEN_CODER_1_5B.parts) == 22 and len(assets.QWEN_CODER_0_5B.parts) == 6
     assert all(len(a.sha256) == 64 for a in assets.MODELS.values())
     assert "def " in assets.TEXTS["python"]()[:100000]
+    wikipedia = assets.TEXTS["wikipedia"]()
+    assert wikipedia.startswith("Normans\n\nThe Normans (Norman: Nourmands;") and len(wikipedia) > 900_000
     with pytest.raises(FileNotFoundError, match="must be one of"):
         assets.load_model("no-such-model")

@@ -27,8 +27,9 @@ from .conftest import make_model, random_prompt
 from .enumeration_util import enumerate_outcomes
 
 VOCAB, TOLERANCE = 4, 1e-5
+# the tiers run the model as given ("model"); the default "auto" (lean-int4 tiers here) is a case of its own
 CONFIG = dict(policy="fixed", retrieval_budget=16, chunk_size=4, retrieval_recent=4, sink_tokens=2, window=8,
-              gamma1=2, gamma2=2)
+              gamma1=2, gamma2=2, draft_precision="model")
 
 
 @pytest.fixture(scope="module")
@@ -105,6 +106,8 @@ CASES = {
     "ngram top-k 3": ("ngram", LogitsProcessorList([TopKLogitsWarper(3)]), 4, {}),
     "two levels, self": ("self", LogitsProcessorList([TopKLogitsWarper(3)]), 4, {"levels": 2}),
     "int8 drafting tiers": ("self", LogitsProcessorList([TopKLogitsWarper(2)]), 4, {"draft_precision": "int8"}),
+    "default drafting tiers (auto)": ("self", LogitsProcessorList([TopKLogitsWarper(2)]), 4,
+                                      {"draft_precision": "auto"}),
 }
 
 

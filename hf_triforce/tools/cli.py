@@ -70,8 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--draft-model", default=None,
                        help=f"draft for the 'assisted' and 'triforce-draft' methods: {model_help}")
     bench.add_argument("--text", choices=sorted(TEXTS), default="essays",
-                       help="prompt text: Paul Graham's essays (default), Shakespeare's tragedies or Python's "
-                       "standard-library source")
+                       help="prompt text: Paul Graham's essays (default), SQuAD's Wikipedia articles, Shakespeare's "
+                       "tragedies or Python's standard-library source")
     bench.add_argument("--prompt", choices=PROMPTS, default="question",
                        help="'question': the text in the chat template followed by a question about it (what an "
                        "instruct model gets; default); 'continue': the raw text, continued")
