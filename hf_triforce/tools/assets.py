@@ -16,9 +16,9 @@ with the Python version).
 from __future__ import annotations
 
 import hashlib
-import json
 import importlib
 import importlib.util
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
