@@ -7,7 +7,16 @@ import torch
 from transformers import LogitsProcessorList, TopKLogitsWarper
 
 from hf_triforce import TriForceConfig
-from hf_triforce.decoding.policy import AcceptanceRate, AdaptivePolicy, Plan, TierCosts, expected_tokens
+from hf_triforce.decoding.loop import Decoder
+from hf_triforce.decoding.policy import (
+    UNMEASURED_FRACTION,
+    AcceptanceRate,
+    AdaptivePolicy,
+    Plan,
+    TierCosts,
+    expected_tokens,
+)
+from hf_triforce.integration import recording_attention
 
 from .conftest import FAMILIES, make_model, random_prompt
 from .test_exact_enumeration import CONFIG, decoded_law, distance, target_law
@@ -149,6 +158,41 @@ def test_three_level_lookup_plan_when_force2_is_cheap_and_not_when_it_is_not():
     cheap = policy_with(0.04).choose()
     assert cheap.levels == 3 and cheap.drafter == "ngram", cheap
     assert policy_with(0.2).choose().levels != 3
+
+
+def test_unmeasured_tiers_are_priced_at_their_prior_fraction_of_force3():
+    """Until a tier is timed, its one-row forward costs its given fraction of Force 3's (bytes read, from the
+    decoder), else `UNMEASURED_FRACTION`: a cheap self drafter (0.15) is predicted to pay and runs; priced at half
+    a Force-3 step it never would (no plan with its set-up unpaid is explored)."""
+    def policy_with(fractions: dict[str, float]) -> AdaptivePolicy:
+        policy = AdaptivePolicy({"self": "model"}, (), 2, 6, explore_every=1000, prior_fractions=fractions)
+        for rows in range(1, 8):
+            policy.observe_forward("force3", rows, 0.1 * (1 + 0.3 * (rows - 1)))  # verification dear (CPU)
+        return policy
+
+    cheap = policy_with({"draft:self": 0.15})
+    assert cheap._drafter_seconds("self", 2) == pytest.approx(2 * 0.15 * 0.1)
+    assert cheap.choose(remaining_tokens=1000).drafter == "self"
+    dear = policy_with({})
+    assert dear._drafter_seconds("self", 2) == pytest.approx(2 * UNMEASURED_FRACTION * 0.1)
+    assert dear.choose(remaining_tokens=1000) == Plan(1)
+    cheap.observe_forward("draft:self", 1, 0.06)  # timed: the measurement replaces the prior
+    assert cheap._drafter_seconds("self", 2) == pytest.approx(0.12)
+
+
+def test_the_decoder_prices_the_target_s_tiers_by_the_bytes_they_read():
+    model = make_model("llama-gqa")
+    prompt = random_prompt(300, period=37)
+    fractions = {}
+    for precision in ("model", "lean-int4"):
+        config = TriForceConfig(draft="self", draft_precision=precision, retrieval_budget=64, window=24)
+        decoder = Decoder(model, config, None, None, [prompt.shape[1] + 4], False)
+        with torch.no_grad(), recording_attention(model):
+            decoder.run([prompt])  # the prefill allocates the full cache
+        fractions[precision] = decoder.tier_fractions(prompt.shape[1])
+    model_f, lean_f = fractions["model"], fractions["lean-int4"]
+    assert 0 < lean_f["draft:self"] < model_f["draft:self"] < model_f["force2"] < 1  # smaller cache, fewer bytes
+    assert lean_f["draft:self"] < lean_f["force2"] < model_f["force2"]
 
 
 def test_three_level_drafters_must_be_known():

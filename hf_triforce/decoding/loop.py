@@ -33,7 +33,7 @@ from ..config import TriForceConfig
 from ..drafters import DRAFTERS, DraftContext, build_drafter
 from ..drafters.model import ModelDrafter
 from ..drafters.registry import MODEL_DRAFTER, spec_of
-from ..kernels.lean import draft_forward, resolve_draft_precision, tier_model
+from ..kernels.lean import LeanModel, draft_forward, resolve_draft_precision, tier_model
 from ..kernels.output_head import weight_left_output_layer
 from ..kernels.row_mixing import RowsApart
 from ..stats import TriForceStats
@@ -64,6 +64,16 @@ def adaptive_policy(config: TriForceConfig, draft_name: str, max_length: int) ->
     return AdaptivePolicy(kinds, three, config.gamma1, config.gamma2, config.explore_every,
                           tree_drafters=trees, tree_nodes=config.tree_nodes if trees else 0,
                           force2_tree_nodes=config.force2_tree_nodes, tree_branch=config.tree_branch)
+
+
+def weight_bytes(model) -> int:
+    """Bytes of weights one forward of ``model`` reads: a lean copy's (`LeanModel.weight_bytes`), or every parameter
+    but an input embedding that is not also the output layer (a forward reads one row of it)."""
+    if isinstance(model, LeanModel):
+        return model.weight_bytes()
+    embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
+    skip = set() if head is not None and head.weight is embedding.weight else {id(embedding.weight)}
+    return sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in skip)
 
 
 def aggregate(row_stats: list[TriForceStats], force3_seconds: float, prefill_seconds: float) -> TriForceStats:
@@ -196,6 +206,19 @@ class Decoder:
             stats.draft_copy_seconds = copy_seconds
         return result
 
+    def tier_fractions(self, context: int) -> dict[str, float]:
+        """The target's own tiers' one-row forwards as fractions of Force 3's at ``context`` tokens, by bytes read
+        (a one-row forward is memory-bound): Force 1 self-drafting (``"draft:self"``: its tier weights and a
+        sink+window cache) and Force 2 (``"force2"``: its tier weights and the retrieval budget), against the
+        target's weights and the full cache (the policy's priors until each tier is timed)."""
+        per_token = self.force3.nbytes() / max(self.max_lengths)  # the full cache's bytes per position
+        force3 = weight_bytes(self.model) + context * per_token
+        window = self.config.sink_tokens + self.config.window
+        force1 = weight_bytes(tier_model(self.model, self.config.draft_precision, 1)) + window * per_token
+        force2 = weight_bytes(tier_model(self.model, self.config.draft_precision, 2)) + \
+            min(self.config.retrieval_budget, context) * per_token
+        return {"draft:self": force1 / force3, "force2": force2 / force3}
+
     def _tier_models(self) -> list:
         """The models Force 1 and Force 2 run for the config's drafting precision, for the target and a draft model
         (`lean.tier_model`: the models themselves for ``"model"``)."""
@@ -220,6 +243,7 @@ class Decoder:
             rows_to_fill = self.config.sink_tokens + self.config.window
             policy.setup_seconds = {name: None if seconds_per_token is None else rows_to_fill * seconds_per_token
                                     for name, kind in policy.drafters.items() if kind == "model"}
+            policy.prior_fractions.update(self.tier_fractions(max(ids.shape[1] for ids in rows)))
         lookups = [name for name, kind in (policy.drafters.items() if policy else []) if kind == "lookup"]
         force3_seconds = 0.0
         while not all(done):

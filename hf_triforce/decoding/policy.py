@@ -43,6 +43,11 @@ EMA = 0.3  # weight of the newest timing in the moving averages
 # not time a short-context chunk (a cache= prefix), that fill is priced as this many one-token Force-3 steps:
 # SmolLM2 on 2 CPU threads, 272 rows at short context cost ~0.3 s, 5x a one-token step at 1k, 0.75x at 32k.
 SETUP_IN_STEPS = 4
+# A one-row forward of a tier not timed yet, as a fraction of Force 3's, where the decoder gives no fraction of its
+# own (a draft model): the eager SmolLM2 on its 272-entry cache cost ~0.5 of a Force-3 step at 4-8k on 2 CPU threads.
+# For the target's own tiers the decoder gives the fraction of bytes they read (`Decoder.tier_fractions`): without
+# it the lean-int4 self drafter (0.12 of a step at 8k) was priced at 0.5 and never ran (docs/results.md).
+UNMEASURED_FRACTION = 0.5
 # Until a tree plan's own steps are measured, its acceptance rate is its chain's current rate plus this much: its
 # first path is the chain (accepted at least as often), and a hopeful prior gets each tree plan tried once.
 TREE_PRIOR_BONUS = 0.1
@@ -139,7 +144,8 @@ class AdaptivePolicy:
 
     ``drafters``: ``{name: kind}`` of the drafters it may use (kind "model" or "lookup"); ``three_level``:
     the drafters TriForce's three-level plan may use as Force 1 (empty: no three-level plan);
-    ``max_gamma1/2``: bounds. ``tree_drafters``: the drafters that may propose trees of ``tree_nodes`` nodes
+    ``max_gamma1/2``: bounds. ``prior_fractions``: ``{tier: fraction}``, a one-row forward of a tier not yet
+    timed as a fraction of Force 3's. ``tree_drafters``: the drafters that may propose trees of ``tree_nodes`` nodes
     (plans with ``force1_tree``: gammas below ``tree_nodes``); ``force2_tree_nodes > 0``: three-level plans may
     have Force 2 hand Force 3 a tree of that many nodes (``force2_tree``); ``tree_branch``: children per node.
     """
@@ -147,7 +153,7 @@ class AdaptivePolicy:
     def __init__(self, drafters: dict[str, str], three_level: tuple[str, ...], max_gamma1: int, max_gamma2: int,
                  explore_every: int, setup_seconds: dict[str, float | None] | None = None,
                  tree_drafters: tuple[str, ...] = (), tree_nodes: int = 0, force2_tree_nodes: int = 0,
-                 tree_branch: int = 2) -> None:
+                 tree_branch: int = 2, prior_fractions: dict[str, float] | None = None) -> None:
         unknown = [name for name in (*three_level, *tree_drafters) if name not in drafters]
         if unknown:
             raise ValueError(f"three_level / tree drafters {unknown} are not among the drafters {tuple(drafters)}")
@@ -164,6 +170,9 @@ class AdaptivePolicy:
         self.remaining_tokens = 1 << 30
         self.max_gamma1, self.max_gamma2 = max_gamma1, max_gamma2
         self.costs = TierCosts()
+        # a one-row forward of a tier not timed yet ("draft:<name>", "force2"), as a fraction of Force 3's one-row
+        # forward (`UNMEASURED_FRACTION` where not given; the decoder gives the bytes each reads, `tier_fractions`)
+        self.prior_fractions: dict[str, float] = dict(prior_fractions or {})
         self.overhead: dict[int, float] = {}  # seconds per step outside the forwards, by plan levels
         # acceptance priors: hopeful enough that each plan is tried once, then measured
         self.direct = {name: AcceptanceRate(0.6 if kind == "model" else 0.3) for name, kind in drafters.items()}
@@ -228,11 +237,14 @@ class AdaptivePolicy:
                     self._tree_tier("force3", rows, self._force3(rows)))
         return expected_tokens(self.force3_rate.rate, plan.gamma2), self._force3(plan.gamma2 + 1)
 
+    def _prior(self, tier: str) -> float:
+        """Seconds of a one-row forward of ``tier`` before it is timed (`prior_fractions` of Force 3's)."""
+        return self.prior_fractions.get(tier, UNMEASURED_FRACTION) * self._force3(1)
+
     def _drafter_seconds(self, name: str, tokens: int) -> float:
         if self.drafters[name] == "lookup":
             return self.costs.estimate(f"draft:{name}", 1, 0.0) if tokens else 0.0
-        one = self.costs.estimate(f"draft:{name}", 1, 0.5 * self._force3(1))
-        return tokens * one
+        return tokens * self.costs.estimate(f"draft:{name}", 1, self._prior(f"draft:{name}"))
 
     def predict(self, plan: Plan) -> tuple[float, float]:
         """``(expected tokens, predicted seconds)`` of one step of ``plan``, its drafter's set-up (if still to
@@ -271,7 +283,7 @@ class AdaptivePolicy:
         per_round = 1.0 + coverage * (expected_tokens(self.force1_rate(plan.drafter, plan.force1_tree), plan.gamma1)
                                       - 1.0)
         rounds = plan.gamma2 / per_round
-        fallback = 0.5 * self._force3(1)
+        fallback = self._prior("force2")
         verify2 = self.costs.estimate("force2", plan.gamma1 + 1, fallback)
         if plan.force1_tree:
             rows = self.tree_rows(self.tree_nodes, plan.gamma1, plan.drafter in self.lookup_coverage)

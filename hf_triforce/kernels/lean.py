@@ -250,6 +250,11 @@ class LeanModel:
             raise AttributeError(name)
         return getattr(self.original, name)
 
+    def weight_bytes(self) -> int:
+        """Bytes of the weights one forward reads: every projection and the output layer, shared or not."""
+        return self.head.nbytes() + sum(p.nbytes() for layer in self.layers
+                                        for p in (layer.qkv, layer.o, layer.gate_up, layer.down))
+
     def nbytes(self) -> int:
         """Bytes this copy holds beyond the model's own tensors (quantized or fused weights, norms): the embedding
         table and fp32 weights used as they are (``"lean"``'s o, down and output layers) are the model's."""
