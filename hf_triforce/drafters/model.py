@@ -46,6 +46,14 @@ class ModelDrafter:
         return logits
 
     def prefill(self, prompt: torch.Tensor) -> None:
+        """Ready to propose after ``prompt``: on the first call, the cache filled with the prompt's first
+        ``sink_tokens`` and last ``window`` tokens but the last; later (the levels of a call share one drafter, and
+        each starts it) nothing: drafting catches up with the sequence (`_draft_steps`). Before, a second level's
+        start filled it again: 0.43 s of a 16k call (SmolLM2, 272 rows, 2 threads)."""
+        if not self.seen:
+            self._fill(prompt)
+
+    def _fill(self, prompt: torch.Tensor) -> None:
         """(Re)fill the cache with the prompt's first ``sink_tokens`` and last ``window`` tokens, except the last."""
         self.cache.rollback(0)
         body = prompt[:, :-1]
@@ -72,7 +80,7 @@ class ModelDrafter:
             self.rollback(start + agreement(sequence, start, drafted))
             self.drafted = None
         if sequence.shape[1] - self.seen > self.cache.window // 2:  # far behind (steps ran without it)
-            self.prefill(sequence)
+            self._fill(sequence)
         tokens: list[int] = []
         rows, probs = [], []
         pending = sequence[:, self.seen :]
