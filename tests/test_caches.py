@@ -116,3 +116,47 @@ def test_retrieval_copies_exactly_the_top_chunks_of_keys_and_values():
         assert torch.equal(kept_keys[:, :, chunk : chunk + k * chunk], keys.gather(2, index_))
         assert torch.equal(kept_values[:, :, chunk : chunk + k * chunk], values.gather(2, index_))
         assert torch.equal(kept_values[:, :, -recent:], values[:, :, -recent:])
+
+
+def _entry_set(tensor: torch.Tensor) -> torch.Tensor:
+    """``[batch, heads, n, dim]`` with each ``[b, h]``'s entries in one canonical order (sorted by every column)."""
+    out = tensor.clone()
+    for b in range(tensor.shape[0]):
+        for h in range(tensor.shape[1]):
+            rows = tensor[b, h]
+            for column in reversed(range(rows.shape[1])):
+                rows = rows[rows[:, column].argsort(stable=True)]
+            out[b, h] = rows
+    return out
+
+
+def test_a_reselection_copies_only_new_chunks_and_holds_what_a_fresh_selection_holds(monkeypatch):
+    """Re-selecting with another query, after the context grew and speculative entries were written: the entry set
+    of every layer, batch row and KV head equals a fresh cache's selection (order aside), and only the chunks that
+    changed are copied."""
+    torch.manual_seed(1)
+    chunk, budget, recent = 8, 96, 16
+    full = BufferCache(2, 260)
+    for layer in full.layers:
+        layer.write(torch.randn(2, 3, 203, 4), torch.randn(2, 3, 203, 4))
+    incremental = RetrievalCache(2, budget=budget, chunk_size=chunk, recent=recent, tail_capacity=40)
+    incremental.select(full, 203, {i: torch.randn(2, 6, 4) for i in range(2)})
+    for layer in incremental.layers:  # Force 2's speculative entries past the selection
+        layer.write(torch.randn(2, 3, 5, 4), torch.randn(2, 3, 5, 4))
+    for layer in full.layers:  # the context grows by accepted tokens
+        layer.write(torch.randn(2, 3, 20, 4), torch.randn(2, 3, 20, 4))
+    queries = {i: torch.randn(2, 6, 4) for i in range(2)}
+    copied = []  # chunks gathered by `BufferLayer.replace_chunks` (a full selection gathers with torch.index_select)
+    index_select = torch.Tensor.index_select
+    monkeypatch.setattr(torch.Tensor, "index_select",
+                        lambda self, dim, index: (copied.append(index.numel()), index_select(self, dim, index))[1])
+    incremental.select(full, 223, queries)
+    monkeypatch.undo()
+    fresh = RetrievalCache(2, budget=budget, chunk_size=chunk, recent=recent, tail_capacity=40)
+    fresh.select(full, 223, queries)
+    k = (budget - chunk - recent) // chunk
+    assert 0 < sum(copied) < 2 * 2 * 2 * 3 * k  # some chunks, not every chunk of every (layer, K/V, row, head)
+    for mine, theirs in zip(incremental.layers, fresh.layers):
+        assert mine.length == theirs.length == budget
+        for a, b in zip(mine.valid(), theirs.valid()):
+            assert torch.equal(_entry_set(a), _entry_set(b))

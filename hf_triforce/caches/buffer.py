@@ -85,6 +85,31 @@ class BufferLayer(CacheLayerMixin):
                         out.copy_(torch.index_select(rows, 0, index))
         self.length = end
 
+    def replace_chunks(self, keys: torch.Tensor, values: torch.Tensor, start: int, held: torch.Tensor,
+                       chunks: torch.Tensor, chunk_size: int) -> torch.Tensor:
+        """Make the entries ``[start, start + k * chunk_size)``, which hold the chunks ``held`` (``[batch, heads,
+        k]``, in slot order) of ``keys``/``values``, hold the chunks ``chunks`` (``[batch, heads, k]``) instead,
+        copying only those not held already into the slots of those no longer wanted; returns the new slot order.
+        The order of a selection's entries does not matter to attention (positions are in the rotated keys, and
+        every later row sees them all). Source layout as in `write_chunks`."""
+        k = held.shape[-1]
+        whole = keys.shape[2] // chunk_size * chunk_size
+        order = held.clone()
+        chunks = chunks.to(held.device)
+        for b in range(held.shape[0]):
+            for h in range(held.shape[1]):
+                incoming = chunks[b, h][~torch.isin(chunks[b, h], held[b, h])]
+                if not incoming.numel():
+                    continue
+                free = (~torch.isin(held[b, h], chunks[b, h])).nonzero()[:, 0]
+                order[b, h, free] = incoming
+                for source, target in ((keys, self.keys), (values, self.values)):
+                    rows = source[b, h, :whole].view(whole // chunk_size, chunk_size * source.shape[-1])
+                    slots = target[b, h, start : start + k * chunk_size].view(k, chunk_size * source.shape[-1])
+                    slots.index_copy_(0, free.to(slots.device), rows.index_select(0, incoming.to(rows.device))
+                                      .to(slots.device))
+        return order
+
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         self.check_device(key_states)
         self.write(key_states, value_states)
