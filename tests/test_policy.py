@@ -197,7 +197,7 @@ def test_the_decoder_prices_the_target_s_tiers_by_the_bytes_they_read():
     model = make_model("llama-gqa")
     prompt = random_prompt(300, period=37)
     fractions = {}
-    for precision in ("model", "lean-int4"):
+    for precision in ("model", "int8", "lean-int4"):
         config = TriForceConfig(draft="self", draft_precision=precision, retrieval_budget=64, window=24)
         decoder = Decoder(model, config, None, None, [prompt.shape[1] + 4], False)
         with torch.no_grad(), recording_attention(model):
@@ -206,6 +206,7 @@ def test_the_decoder_prices_the_target_s_tiers_by_the_bytes_they_read():
     model_f, lean_f = fractions["model"], fractions["lean-int4"]
     assert 0 < lean_f["draft:self"] < model_f["draft:self"] < model_f["force2"] < 1  # smaller cache, fewer bytes
     assert lean_f["draft:self"] < lean_f["force2"] < model_f["force2"]
+    assert lean_f["draft:self"] < fractions["int8"]["draft:self"] < model_f["draft:self"]  # int8 buffers counted
 
 
 def test_three_level_drafters_must_be_known():

@@ -72,8 +72,10 @@ def weight_bytes(model) -> int:
     if isinstance(model, LeanModel):
         return model.weight_bytes()
     embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
-    skip = set() if head is not None and head.weight is embedding.weight else {id(embedding.weight)}
-    return sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in skip)
+    tied = getattr(head, "weight", None) is embedding.weight  # an int8 copy's output layer holds int8 buffers
+    skip = set() if tied else {id(embedding.weight)}
+    tensors = {id(t): t for t in [*model.parameters(), *model.buffers()] if id(t) not in skip}
+    return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
 def aggregate(row_stats: list[TriForceStats], force3_seconds: float, prefill_seconds: float) -> TriForceStats:
