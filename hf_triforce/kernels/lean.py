@@ -56,9 +56,10 @@ LEAN_PRECISIONS = {
     "lean-int4": {**dict.fromkeys(PARTS, "int4"), "head": "int8"},
 }
 # what TriForceConfig(draft_precision="auto"), the default, runs where the lean forward covers the model: the fastest
-# drafter measured (SmolLM2 at 8k, 2 threads: Force 1 at 0.12 of a static decode step per drafted token against 0.64
-# for the eager fp32 forward, Force-2 acceptance 0.77; the adaptive policy 1.77x static-cache generate greedy,
-# 1.63x sampled, against 1.28x / 1.31x with "model"; docs/results.md)
+# drafter measured (SmolLM2 at 8k on Paul Graham's essays, 2 threads: Force 1 at 0.12 of a static decode step per
+# drafted token against 0.64 for the eager fp32 forward, Force-2 acceptance 0.77; the adaptive policy with it 1.77x
+# static-cache generate greedy, 1.63x sampled; on SQuAD's Wikipedia 1.04x / 0.95x at 8k, 1.82x / 1.33x at 32k;
+# docs/results.md)
 AUTO_PRECISION = "lean-int4"
 SUPPORTED_CLASSES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 # inputs per int4 scale/zero point: the smallest group the CPU kernel takes (32, 64, 128, 256; it must divide every
