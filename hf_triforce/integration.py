@@ -26,7 +26,7 @@ from .config import TriForceConfig
 from .decoding.loop import Decoder
 from .decoding.preflight import check_batch_request, check_model
 from .kernels.attention import wrapped_name
-from .kernels.lean import LEAN_PRECISIONS, check_lean_eligible
+from .kernels.lean import LEAN_PRECISIONS, check_lean_eligible, drafting_models
 from .kernels.quantized import check_int8_eligible
 from .kernels.row_mixing import ROW_INDEPENDENT_MAX_ROWS, row_mixing_layers
 from .stats import TriForceStats
@@ -89,7 +89,7 @@ def _check_request(model, input_ids: torch.Tensor, config: TriForceConfig, gener
         if not isinstance(config.draft, str):
             check_int8_eligible(config.draft)
     if config.draft_precision in LEAN_PRECISIONS:
-        for drafting in [model] + ([config.draft] if not isinstance(config.draft, str) else []):
+        for drafting in drafting_models(config, model):
             check_lean_eligible(drafting, config.draft_precision)
     for processor in logits_processor or []:
         for refused, why in _REFUSED_PROCESSORS.items():

@@ -33,7 +33,7 @@ from ..config import TriForceConfig
 from ..drafters import DRAFTERS, DraftContext, build_drafter
 from ..drafters.model import ModelDrafter
 from ..drafters.registry import MODEL_DRAFTER, spec_of
-from ..kernels.lean import LeanModel, draft_forward, resolve_draft_precision, tier_model
+from ..kernels.lean import LeanModel, draft_forward, drafting_models, resolve_draft_precision, tier_model
 from ..kernels.output_head import weight_left_output_layer
 from ..kernels.row_mixing import RowsApart
 from ..stats import TriForceStats
@@ -224,9 +224,8 @@ class Decoder:
     def _tier_models(self) -> list:
         """The models Force 1 and Force 2 run for the config's drafting precision, for the target and a draft model
         (`lean.tier_model`: the models themselves for ``"model"``)."""
-        models = [self.model] + ([self.config.draft] if not isinstance(self.config.draft, str) else [])
         return [tier_model(model, self.config.draft_precision, tier, self.config.tier_compile)
-                for model in models for tier in (1, 2)]
+                for model in drafting_models(self.config, self.model) for tier in (1, 2)]
 
     def _run(self, rows, prefix_cache, streamer, keep_scores, keep_logits, rows_apart) -> DecodeResult:
         policy, force3 = self.policy, self.force3

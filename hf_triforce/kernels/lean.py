@@ -502,10 +502,12 @@ def resolve_draft_precision(config, target: nn.Module):
     ``"model"``, with ``why`` naming what kept it from the lean forward (None: it runs lean, or was not "auto")."""
     if config.draft_precision != "auto":
         return config, None
-    models = [target] + ([config.draft] if not isinstance(config.draft, str) else [])
-    reasons = [str(refusal) if refusal is not None else support for model in models
-               for support, refusal in [(lean_support(model), lean_refusal(model, AUTO_PRECISION))]
-               if support is not None or refusal is not None]
+    reasons = []
+    for model in drafting_models(config, target):
+        refusal = lean_refusal(model, AUTO_PRECISION)  # None where lean_support says the lean forward does not cover it
+        reason = lean_support(model) or (str(refusal) if refusal is not None else None)
+        if reason is not None:
+            reasons.append(reason)
     if reasons and config.tier_compile != "off":
         raise ValueError(f"TriForceConfig(draft_precision='auto', tier_compile={config.tier_compile!r}): this model "
                          f"drafts with its eager forward ({'; '.join(reasons)}), which tier_compile does not compile; "
@@ -535,13 +537,17 @@ def forget_lean_copy(model: nn.Module) -> None:
     _COPIES.pop(model, None)
 
 
+def drafting_models(config, target: nn.Module) -> list[nn.Module]:
+    """The models Force 1 and Force 2 run copies of: the target, and the draft model ``config.draft`` if it is one."""
+    return [target] + ([config.draft] if not isinstance(config.draft, str) else [])
+
+
 def draft_forward(config, target: nn.Module) -> str:
     """What Force 1 and Force 2 run for ``config.draft_precision``: ``"eager"`` (the transformers forward),
     ``"lean"``, or ``"eager (<why>)"`` where a lean precision was asked for a model it does not cover."""
     if config.draft_precision not in LEAN_PRECISIONS:
         return "eager"
-    models = [target] + ([config.draft] if not isinstance(config.draft, str) else [])
-    reasons = [reason for reason in map(lean_support, models) if reason is not None]
+    reasons = [reason for reason in map(lean_support, drafting_models(config, target)) if reason is not None]
     return "lean" if not reasons else f"eager ({'; '.join(reasons)})"
 
 
