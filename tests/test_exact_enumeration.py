@@ -150,7 +150,8 @@ MUTATIONS = ["middle level resamples from q", "top level resamples from p", "For
 # Each rule mutated under a model drafter, a point-mass (n-gram) drafter and two levels (no middle level
 # there). The five-token and int8 cases run the same verification code as the self case; the int8 tiers
 # have their own mutation below. (Mutated rules multiply the paths: these cases keep the suite short.)
-MUTATED_CASES = [(case, mutation) for case in ("self top-k 3, T 0.8", "ngram top-k 3", "two levels, self")
+MUTATED_CASES = [(case, mutation) for case in ("self top-k 3, T 0.8", "ngram top-k 3", "two levels, self",
+                                               "default drafting tiers (auto)")
                  for mutation in MUTATIONS if CASES[case][3].get("levels", 3) == 3 or mutation.startswith("top")]
 
 
