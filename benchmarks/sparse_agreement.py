@@ -36,6 +36,9 @@ from hf_triforce.kernels.lean import tier_model
 from hf_triforce.tools import assets
 from hf_triforce.tools.prompts import document_prompt
 
+FORCE1_VARIANTS = {"forward-slots": (False, "slots"), "copy-slots": (True, "slots"),
+                   "forward-absolute": (False, "absolute"), "copy-absolute": (True, "absolute")}
+
 
 def agreement(p_logits: torch.Tensor, q_logits: torch.Tensor) -> dict[str, float]:
     out = {}
@@ -60,6 +63,9 @@ def main() -> None:
     parser.add_argument("--force1-sink", type=int, default=16)
     parser.add_argument("--force1-window", type=int, default=256, help="0: no Force-1 rows")
     parser.add_argument("--force1-precision", default="model", help="a TriForceConfig.draft_precision but 'auto'")
+    parser.add_argument("--force1-variants", nargs="+", default=list(FORCE1_VARIANTS), choices=list(FORCE1_VARIANTS),
+                        help="how Force 1's cache is filled (a forward over the sinks and window, or a copy of the "
+                             "full cache's entries) and which positions it uses (in-cache slots or absolute)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     overrides = assets.yarn_rope(args.rope_factor) if args.rope_factor else {}
@@ -110,9 +116,11 @@ def main() -> None:
                     print(f"| {name} | {budget} | {chunk} | {'every position' if refreshed else 'end of prompt'} | "
                           f"{scores['accept T=1.0']:.3f} | {scores['accept T=0.6']:.3f} | {scores['greedy']:.2f} |",
                           flush=True)
-        if args.force1_window:
+        for variant in args.force1_variants if args.force1_window else ():
+            copy, positions = FORCE1_VARIANTS[variant]
             drafter = ModelDrafter(tier_model(model, args.force1_precision, 1), args.force1_sink, args.force1_window,
-                                   LogitsProcessorList(), False, None)
+                                   LogitsProcessorList(), False, None, source=full if copy else None,
+                                   positions=positions)
             sequence = ids[:, :-1]
             drafter.prefill(torch.cat((sequence, ids[:, -1:]), dim=1))
             force1 = []
@@ -121,7 +129,7 @@ def main() -> None:
                 _, rows, _ = run_inline(drafter._draft_steps(sequence, 1))
                 force1.append(rows[0])
             force1 = torch.stack(force1)
-            window = f"sink {args.force1_sink} + window {args.force1_window}, {args.force1_precision}"
+            window = f"sink {args.force1_sink} + window {args.force1_window}, {args.force1_precision}, {variant}"
             scores = agreement(p, force1)
             print(f"| Force 1 vs Force 3 | {window} | - | - | {scores['accept T=1.0']:.3f} | "
                   f"{scores['accept T=0.6']:.3f} | {scores['greedy']:.2f} |")
@@ -130,7 +138,6 @@ def main() -> None:
                 print(f"| Force 1 vs Force 2 ({budget}, chunk {chunk}) | {window} | - | every position | "
                       f"{scores['accept T=1.0']:.3f} | {scores['accept T=0.6']:.3f} | {scores['greedy']:.2f} |",
                       flush=True)
-
 
 if __name__ == "__main__":
     main()

@@ -33,6 +33,9 @@ class TriForceStats:
     # TriForceConfig.tier_compile other than "off": {"mode", "forwards" (fixed-shape forwards run), "compiles" (graphs
     # compiled in this call: 0 once a model's first call has compiled), "compile_seconds"} (`kernels.fixed_shape`)
     tier_compile: dict = field(default_factory=dict)
+    # per model drafter that ran ("self", "model"), its sink+window cache: its positions and how it was filled
+    # (`ModelDrafter.fill`: copied from the full cache, or a forward and why)
+    draft_caches: dict = field(default_factory=dict)
     draft_copy_seconds: float = 0.0  # making the drafting tiers' weight copies (lean, int8): on a model's first call
     weight_left_output_layer: bool = False  # the CPU multi-row output-layer path was used
     prefill_seconds: float = 0.0

@@ -86,6 +86,24 @@ def test_a_drafter_shared_by_two_levels_fills_its_cache_once(monkeypatch):
     assert set(out.triforce_stats.plan_steps) == {1, 2, 3} and len(fills) == 1, fills
 
 
+def test_a_drafter_that_fills_by_copy_has_no_setup_price(monkeypatch):
+    """The self drafter copies its first entries from the full cache (a few milliseconds): the policy does not charge
+    its first use a fill; a draft model, which must run a forward over them, is charged."""
+    seen = []
+    choose = AdaptivePolicy.choose
+    monkeypatch.setattr(AdaptivePolicy, "choose", lambda self, *a: (seen.append(dict(self.setup_seconds)),
+                                                                    choose(self, *a))[1])
+    model, draft = make_model("llama-gqa"), make_model("llama-gqa", seed=4)
+    prompt = random_prompt(120, period=41)
+    for config in (auto("self"), auto(draft)):
+        seen.clear()
+        out = model.generate(prompt, max_new_tokens=8, do_sample=False, triforce_config=config,
+                             return_dict_in_generate=True)
+        name = "self" if config.draft == "self" else "model"
+        assert (name in seen[0]) == (name == "model"), seen[0]
+        assert out.triforce_stats.draft_caches[name].startswith("absolute positions, filled by a ")
+
+
 def rotation_law(monkeypatch, plans: list[Plan], top_k: int, new: int, mutate=None, **config):
     """The policy's choices depend on timings, which a replayed enumeration cannot hold fixed; here the plan of
     each step is ``plans[i]`` with ``i`` a deterministic function of the path so far (steps and tokens

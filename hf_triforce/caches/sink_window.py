@@ -129,26 +129,35 @@ def make_layer_rerotations(model) -> list[Rerotate | None]:
     return rerotations
 
 
-class SinkWindowCache(BufferCache):
-    """``sink_tokens`` first entries + the last ``window`` entries, at in-cache positions.
+POSITIONS = ("slots", "absolute")
 
-    Positions are slots: the next token is at position ``length``, so a short-context draft never sees a
-    position beyond ``sink_tokens + window``. `make_room` evicts the oldest window entries before a forward
-    and re-rotates the kept keys to their new slots (each layer with its own rotation; NoPE layers stay as they
-    are). Memory is independent of the context length. Sliding-window layers keep the same layout: the model's
-    sliding mask cuts them at its window in slot coordinates, so with ``window >= sliding_window`` they attend to
-    the last ``sliding_window`` tokens, as the model does (a draft's output law never needs to be the target's).
+
+class SinkWindowCache(BufferCache):
+    """``sink_tokens`` first entries + the last ``window`` entries.
+
+    ``positions="slots"`` (TriForce's and StreamingLLM's layout): positions are slots, the next token is at position
+    ``length``, so a short-context draft never sees a position beyond ``sink_tokens + window``; `make_room` evicts
+    the oldest window entries before a forward and re-rotates the kept keys to their new slots (each layer with its
+    own rotation; NoPE layers stay as they are). ``positions="absolute"``: every entry keeps its token's position in
+    the sequence (the caller feeds tokens at their own positions), so eviction moves entries without re-rotating
+    them and the window sees the sinks as far away as the full model does. Memory is independent of the context
+    length either way. Sliding-window layers keep the same layout: the model's sliding mask cuts them at its window
+    in cache coordinates, so with ``window >= sliding_window`` they attend to the last ``sliding_window`` tokens, as
+    the model does (a draft's output law never needs to be the target's).
     """
 
     def __init__(self, num_layers: int, sink_tokens: int, window: int,
-                 rerotate: Rerotate | Sequence[Rerotate | None]) -> None:
+                 rerotate: Rerotate | Sequence[Rerotate | None], positions: str = "slots") -> None:
         super().__init__(num_layers, sink_tokens + window)
         if callable(rerotate):
             rerotate = [rerotate] * num_layers
         if len(rerotate) != num_layers:
             raise ValueError(f"SinkWindowCache: {len(rerotate)} re-rotations for {num_layers} layers")
+        if positions not in POSITIONS:
+            raise ValueError(f"SinkWindowCache: positions must be one of {POSITIONS}, got {positions!r}")
         self.sink_tokens = sink_tokens
         self.window = window
+        self.positions = positions
         self.rerotate = list(rerotate)  # per layer; None: keys that do not depend on the position (NoPE)
         self.evict_block = max(1, window // 16)
 
@@ -165,10 +174,37 @@ class SinkWindowCache(BufferCache):
         for layer, rerotate in zip(self.layers, self.rerotate):
             end = layer.length
             kept_keys = layer.keys[:, :, s + excess : end].clone()
-            layer.keys[:, :, s : end - excess] = kept_keys if rerotate is None else rerotate(kept_keys, -excess)
+            if rerotate is not None and self.positions == "slots":
+                kept_keys = rerotate(kept_keys, -excess)
+            layer.keys[:, :, s : end - excess] = kept_keys
             layer.values[:, :, s : end - excess] = layer.values[:, :, s + excess : end].clone()
             layer.length = end - excess
 
-    def next_positions(self, n: int, device: torch.device | None = None) -> torch.Tensor:
-        """Position ids ``[1, n]`` for the next ``n`` tokens (call `make_room` first)."""
-        return torch.arange(self.length, self.length + n, device=device).unsqueeze(0)
+    def copy_from(self, source: BufferCache, upto: int) -> None:
+        """Hold what a fill with the first ``upto`` tokens would hold -- their first ``sink_tokens`` and last
+        ``window - evict_block`` -- taken from ``source``, a full cache holding them at their absolute positions
+        (`copy_refusal` says which can), instead of computed by a forward: the entries are the full model's (their
+        keys and values saw the whole context), the window's keys re-rotated to their slots under
+        ``positions="slots"``."""
+        sink = min(self.sink_tokens, upto)
+        window = min(self.window - self.evict_block, upto - sink)
+        first = upto - window  # the window's first absolute position; its slot is `sink`
+        self.rollback(0)
+        for layer, held, rerotate in zip(self.layers, source.layers, self.rerotate):
+            device = layer.expected_device if layer.expected_device is not None else held.keys.device
+            window_keys = held.keys[:, :, first:upto].to(device)
+            if rerotate is not None and self.positions == "slots" and first != sink:
+                window_keys = rerotate(window_keys, sink - first)
+            layer.write(torch.cat((held.keys[:, :, :sink].to(device), window_keys), dim=2),
+                        torch.cat((held.values[:, :, :sink], held.values[:, :, first:upto]), dim=2).to(device))
+
+
+def copy_refusal(source: BufferCache) -> str | None:
+    """Why `SinkWindowCache.copy_from` cannot read ``source`` (None: it can): it reads full-attention layers holding
+    every entry at its absolute position (a `BufferCache`, a batch's row of one, an offloaded one); a sliding-window
+    layer keeps only its window."""
+    from .window import WindowLayer
+
+    if any(isinstance(layer, WindowLayer) for layer in source.layers):
+        return "the full cache has sliding-window layers (they keep only their window)"
+    return None

@@ -91,8 +91,8 @@ def aggregate(row_stats: list[TriForceStats], force3_seconds: float, prefill_sec
         elif isinstance(values[0], dict):
             merged: dict = {}
             for value in values:
-                for key, count in value.items():
-                    merged[key] = merged.get(key, 0) + count
+                for key, count in value.items():  # counts summed; descriptions (the same in every row) kept
+                    merged[key] = count if isinstance(count, str) else merged.get(key, 0) + count
             setattr(total, f.name, merged)
     total.force3_steps = max(s.force3_steps for s in row_stats)  # Force-3 forwards
     total.force3_seconds, total.prefill_seconds = force3_seconds, prefill_seconds
@@ -156,8 +156,12 @@ class Decoder:
         a batch model drafters' caches share storage."""
         if name not in self.drafters:
             config = self.config if name == self.draft_name else replace(self.config, draft=name)
-            rows = [build_drafter(DraftContext(self.model, config, processors, self.do_sample, self.sampler))
-                    for processors in self.processors]
+            rows = [build_drafter(DraftContext(self.model, config, processors, self.do_sample, self.sampler,
+                                               self.force3.row(r)))
+                    for r, processors in enumerate(self.processors)]
+            for stats, drafter in zip(self.stats, rows):
+                if isinstance(drafter, ModelDrafter):
+                    stats.draft_caches[name] = f"{drafter.cache.positions} positions, filled by {drafter.fill}"
             if self.batch > 1 and all(isinstance(drafter, ModelDrafter) for drafter in rows):
                 self.lockstep.share([drafter.cache for drafter in rows], f"draft:{name}")
             self.drafters[name] = rows
@@ -243,7 +247,8 @@ class Decoder:
         if policy is not None:  # a draft cache's fill is a short-context prefill, priced at the prefill's speed
             rows_to_fill = self.config.sink_tokens + self.config.window
             policy.setup_seconds = {name: None if seconds_per_token is None else rows_to_fill * seconds_per_token
-                                    for name, kind in policy.drafters.items() if kind == "model"}
+                                    for name, kind in policy.drafters.items()
+                                    if kind == "model" and self.drafter(0, name).source is None}  # a copy: ~free
             policy.prior_fractions.update(self.tier_fractions(max(ids.shape[1] for ids in rows)))
         lookups = [name for name, kind in (policy.drafters.items() if policy else []) if kind == "lookup"]
         force3_seconds = 0.0

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from ..caches.sink_window import SinkWindowCache, make_layer_rerotations
+from ..caches.buffer import BufferCache
+from ..caches.sink_window import SinkWindowCache, copy_refusal, make_layer_rerotations
 from ..compat import layer_devices, num_layers
 from ..decoding.steps import ForwardRequest, Steps, run_inline
 from ..kernels.lean import tier_model
@@ -14,18 +15,30 @@ from ..verification.scoring import process_rows
 from .branching import branched_chain
 from .registry import MODEL_DRAFTER, DraftContext, register_drafter
 
+# a drafter filling by copy refills once it is more than this many tokens behind the sequence (steps ran without
+# it); catching up costs a forward of that many rows, a copy a few milliseconds. One filling by forwards refills
+# only when half its window behind (a fill is a 272-row forward: 0.35-0.5 s for SmolLM2 on 2 cores).
+COPY_REFILL_BEHIND = 8
+
 
 class ModelDrafter:
-    """A causal LM on a constant-size sink+window cache with in-cache positions."""
+    """A causal LM on a constant-size sink+window cache (`SinkWindowCache`, in-cache or absolute positions)."""
 
     def __init__(self, model, sink_tokens: int, window: int, processors, do_sample: bool, sampler: Sampler,
-                 sampled_siblings: bool = False):
+                 sampled_siblings: bool = False, source: BufferCache | None = None, positions: str = "slots"):
         """``sampled_siblings``: when sampling, a tree's alternatives are the draft's top-ranked tokens (False,
         the default: they accepted more, docs/results.md) or drawn without replacement (True); see
-        `propose_tree`."""
+        `propose_tree`. ``source``: the target's full cache, when ``model`` drafts for itself (the target or a
+        copy of its weights): fills copy their entries from it (`SinkWindowCache.copy_from`) instead of running a
+        forward over them, where it can (`copy_refusal`; `fill` says how). ``positions``: the cache's
+        (`SinkWindowCache`): ``"slots"`` (in-cache) or ``"absolute"`` (the tokens' own)."""
         self.model = model
-        self.cache = SinkWindowCache(num_layers(model.config), sink_tokens, window, make_layer_rerotations(model))
+        self.cache = SinkWindowCache(num_layers(model.config), sink_tokens, window, make_layer_rerotations(model),
+                                     positions)
         self.cache.expect_devices(layer_devices(model))
+        refusal = copy_refusal(source) if source is not None else "drafting with another model than the target"
+        self.source = source if refusal is None else None
+        self.fill = "a copy of the full cache's entries" if refusal is None else f"a forward ({refusal})"
         self.processors = processors
         self.do_sample = do_sample
         self.sampler = sampler
@@ -38,7 +51,8 @@ class ModelDrafter:
     def _forward_steps(self, tokens: torch.Tensor) -> Steps[torch.Tensor]:
         """The last row's logits ``[1, vocab]`` of ``tokens`` fed at the next in-cache positions."""
         self.cache.make_room(tokens.shape[1])
-        request = ForwardRequest(self.model, self.cache, tokens, self.cache.length, 1)
+        start = self.seen if self.cache.positions == "absolute" else self.cache.length
+        request = ForwardRequest(self.model, self.cache, tokens, start, 1)
         logits = yield request
         self.seconds += request.seconds
         self.forwards += 1
@@ -54,15 +68,26 @@ class ModelDrafter:
             self._fill(prompt)
 
     def _fill(self, prompt: torch.Tensor) -> None:
-        """(Re)fill the cache with the prompt's first ``sink_tokens`` and last ``window`` tokens, except the last."""
+        """(Re)fill the cache with the prompt's first ``sink_tokens`` and last ``window`` tokens, except the last:
+        copied from ``source`` as far as it holds them (drafting feeds the rest), else by a forward."""
+        if self.source is not None and self.source.length:
+            self.seen = min(self.source.length, prompt.shape[1] - 1)
+            self.cache.copy_from(self.source, self.seen)
+            return
         self.cache.rollback(0)
-        body = prompt[:, :-1]
+        n = prompt.shape[1] - 1
         sink, window = self.cache.sink_tokens, self.cache.window - self.cache.evict_block
-        if body.shape[1] > sink + window:
-            body = torch.cat((body[:, :sink], body[:, -window:]), dim=1)
-        if body.shape[1]:
-            run_inline(self._forward_steps(body))
-        self.seen = prompt.shape[1] - 1
+        spans = [(0, n)] if n <= sink + window else [(0, sink), (n - window, n)]
+        if self.cache.positions == "absolute":  # each span at its own positions
+            for begin, end in spans:
+                self.seen = begin
+                if end > begin:
+                    run_inline(self._forward_steps(prompt[:, begin:end]))
+        else:  # one forward: the slots are the positions
+            body = torch.cat([prompt[:, begin:end] for begin, end in spans], dim=1)
+            if body.shape[1]:
+                run_inline(self._forward_steps(body))
+        self.seen = n
 
     def propose(self, sequence: torch.Tensor, n: int) -> tuple[list[int], torch.Tensor | None]:
         return run_inline(self.propose_steps(sequence, n))
@@ -79,7 +104,8 @@ class ModelDrafter:
             start, drafted = self.drafted
             self.rollback(start + agreement(sequence, start, drafted))
             self.drafted = None
-        if sequence.shape[1] - self.seen > self.cache.window // 2:  # far behind (steps ran without it)
+        behind = COPY_REFILL_BEHIND if self.source is not None else self.cache.window // 2
+        if sequence.shape[1] - self.seen > behind:  # far behind (steps ran without it)
             self._fill(sequence)
         tokens: list[int] = []
         rows, probs = [], []
@@ -126,10 +152,23 @@ class ModelDrafter:
         return self.cache.nbytes()
 
 
+def draft_positions(config, target, model) -> str:
+    """`TriForceConfig.draft_positions` made concrete for drafting ``model`` for ``target`` (``"auto"``: absolute
+    unless ``model`` takes fewer positions than the target)."""
+    if config.draft_positions != "auto":
+        return config.draft_positions
+    if model is target:
+        return "absolute"
+    fewer = getattr(model.config, "max_position_embeddings", 0) < getattr(target.config, "max_position_embeddings", 0)
+    return "slots" if fewer else "absolute"
+
+
 def _build(context: DraftContext, model) -> ModelDrafter:
     config = context.config
+    source = context.full_cache if model is context.target else None  # its own entries: copied, not recomputed
     return ModelDrafter(tier_model(model, config.draft_precision, 1, config.tier_compile), config.sink_tokens,
-                        config.window, context.processors, context.do_sample, context.sampler)
+                        config.window, context.processors, context.do_sample, context.sampler, source=source,
+                        positions=draft_positions(config, context.target, model))
 
 
 register_drafter("self", lambda context: _build(context, context.target), "model",

@@ -46,13 +46,16 @@ def proposal_steps(drafter: Drafter, sequence: torch.Tensor, n: int) -> Steps[tu
 
 @dataclass(frozen=True)
 class DraftContext:
-    """What a drafter may use: the target, the config, the call's processors, sampling mode and sampler."""
+    """What a drafter may use: the target, the config, the call's processors, sampling mode and sampler, and the
+    target's full cache (its row of it, in a batch; None where there is none): a drafter running the target's own
+    weights may copy entries from it."""
 
     target: Any
     config: Any  # TriForceConfig
     processors: LogitsProcessorList
     do_sample: bool
     sampler: Sampler
+    full_cache: Any = None  # BufferCache
 
 
 @dataclass(frozen=True)

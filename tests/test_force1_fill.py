@@ -1,0 +1,115 @@
+"""Force 1's sink+window cache filled by copying the full cache's entries, at in-cache or absolute positions."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LogitsProcessorList
+
+from hf_triforce import TriForceConfig
+from hf_triforce.caches import BufferCache
+from hf_triforce.caches.sink_window import SinkWindowCache, copy_refusal, make_layer_rerotations
+from hf_triforce.decoding.forward import forward_logits, prefill
+from hf_triforce.drafters.model import ModelDrafter, draft_positions
+
+from .conftest import make_model, random_prompt
+
+SINK, WINDOW = 4, 32  # the cache keeps 4 + 30 entries at a fill (window - evict_block)
+
+
+def full_cache(model, prompt: torch.Tensor) -> BufferCache:
+    cache = BufferCache(model.config.num_hidden_layers, prompt.shape[1] + 8)
+    with torch.no_grad():
+        prefill(model, prompt, cache, chunk_size=64)
+    return cache
+
+
+@pytest.mark.parametrize("positions", ["slots", "absolute"])
+def test_copied_entries_are_the_full_caches_moved_to_their_slots(positions):
+    """The copy holds the sinks and the window's last entries of the full cache; at in-cache positions the window's
+    keys are re-rotated to their slots: in the first layer (its input is the token alone) exactly the keys a forward
+    at those slots computes; at absolute positions they are the full cache's unchanged."""
+    model = make_model("llama-gqa")
+    prompt = random_prompt(100, seed=2)
+    full = full_cache(model, prompt)
+    cache = SinkWindowCache(model.config.num_hidden_layers, SINK, WINDOW, make_layer_rerotations(model), positions)
+    cache.copy_from(full, 100)
+    kept = WINDOW - cache.evict_block
+    assert cache.length == SINK + kept
+    at_slots = BufferCache(model.config.num_hidden_layers, SINK + kept)
+    with torch.no_grad():  # the same tokens fed at their slots 0 .. SINK + kept - 1
+        forward_logits(model, torch.cat((prompt[:, :SINK], prompt[:, 100 - kept :]), 1), at_slots, 0, 1)
+    for layer, held in zip(cache.layers, full.layers):
+        torch.testing.assert_close(layer.keys[:, :, :SINK], held.keys[:, :, :SINK], rtol=0, atol=0)
+        torch.testing.assert_close(layer.values[:, :, SINK : SINK + kept], held.values[:, :, 100 - kept : 100],
+                                   rtol=0, atol=0)
+        window_keys = layer.keys[:, :, SINK : SINK + kept]
+        if positions == "absolute":
+            torch.testing.assert_close(window_keys, held.keys[:, :, 100 - kept : 100], rtol=0, atol=0)
+    first = cache.layers[0].keys[:, :, SINK : SINK + kept]
+    if positions == "slots":
+        torch.testing.assert_close(first, at_slots.layers[0].keys[:, :, SINK : SINK + kept], rtol=1e-5, atol=1e-5)
+    else:
+        assert (first - at_slots.layers[0].keys[:, :, SINK : SINK + kept]).abs().max() > 1e-2
+
+
+def test_an_absolute_drafter_predicts_at_the_tokens_own_positions():
+    """At absolute positions a drafter's next scores are the model's over the kept entries with the new token at its
+    own position (at in-cache positions they are not: the token sits at slot ``length``)."""
+    model = make_model("llama-gqa")
+    sequence = random_prompt(101, seed=5)
+    full = full_cache(model, sequence[:, :100])
+    kept = WINDOW - max(1, WINDOW // 16)
+    reference = BufferCache(model.config.num_hidden_layers, SINK + kept + 1)
+    for layer, held in zip(reference.layers, full.layers):
+        layer.write(torch.cat((held.keys[:, :, :SINK], held.keys[:, :, 100 - kept : 100]), 2),
+                    torch.cat((held.values[:, :, :SINK], held.values[:, :, 100 - kept : 100]), 2))
+    rows = {}
+    with torch.no_grad():
+        expected = forward_logits(model, sequence[:, 100:101], reference, 100, 1)
+        for positions in ("absolute", "slots"):
+            drafter = ModelDrafter(model, SINK, WINDOW, LogitsProcessorList(), False, None, source=full,
+                                   positions=positions)
+            drafter.prefill(sequence)
+            assert drafter.forwards == 0 and drafter.seen == 100  # filled by a copy, no forward
+            rows[positions] = _run(drafter, sequence)[1][0]
+    torch.testing.assert_close(rows["absolute"], expected[0], rtol=1e-4, atol=1e-5)
+    assert (rows["slots"] - expected[0]).abs().max() > 1e-3
+
+
+def _run(drafter: ModelDrafter, sequence: torch.Tensor):
+    from hf_triforce.decoding.steps import run_inline
+
+    return run_inline(drafter._draft_steps(sequence, 1))
+
+
+def test_a_drafter_far_behind_refills_by_copy_without_a_forward():
+    model = make_model("llama-gqa")
+    sequence = random_prompt(160, seed=7)
+    full = full_cache(model, sequence[:, :150])
+    drafter = ModelDrafter(model, SINK, WINDOW, LogitsProcessorList(), False, None, source=full)
+    assert drafter.fill == "a copy of the full cache's entries"
+    with torch.no_grad():
+        drafter.prefill(sequence[:, :101])  # the full cache holds 150: the first 100 are copied
+        assert drafter.seen == 100 and drafter.forwards == 0
+        _run(drafter, sequence[:, :151])  # 51 behind (> COPY_REFILL_BEHIND): re-copied up to 150, then one forward
+    assert drafter.forwards == 1 and drafter.seen == 151
+    no_source = ModelDrafter(model, SINK, WINDOW, LogitsProcessorList(), False, None)
+    assert no_source.fill.startswith("a forward (")
+
+
+def test_copy_is_refused_for_sliding_window_layers_and_positions_resolve():
+    windowed = make_model("mistral", sliding_window=16)
+    from hf_triforce import compat
+
+    cache = BufferCache(2, 64, compat.layer_windows(windowed.config))
+    assert "sliding-window" in copy_refusal(cache)
+    assert ModelDrafter(windowed, SINK, WINDOW, LogitsProcessorList(), False, None, source=cache).source is None
+    target, short = make_model("llama-gqa"), make_model("llama-gqa", max_position_embeddings=512)
+    auto = TriForceConfig()
+    assert draft_positions(auto, target, target) == "absolute"
+    assert draft_positions(auto, target, short) == "slots"  # fewer positions than the target: in-cache ones
+    assert draft_positions(auto, target, make_model("llama-gqa", seed=1)) == "absolute"
+    assert draft_positions(TriForceConfig(draft_positions="slots"), target, target) == "slots"
+    with pytest.raises(ValueError, match="draft_positions must be one of"):
+        TriForceConfig(draft_positions="relative")
