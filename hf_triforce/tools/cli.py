@@ -90,6 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--rope-factor", type=_positive_float, default=None,
                        help="extend SmolLM2's RoPE by this YaRN factor (needed beyond 8192 tokens)")
     bench.add_argument("--threads", type=_positive, default=None)
+    bench.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                       help="dtype of the target and the draft model (default float32; bfloat16 is faster where the "
+                            "CPU has AMX or AVX512-BF16, and the lean drafting copies cover float32 models only)")
     bench.add_argument("--out", type=Path, default=Path("bench-results"), help="folder for JSON and markdown")
     add_triforce_arguments(bench, _positive)
 
@@ -143,11 +146,13 @@ def _generate(args) -> int:
     return 0
 
 
-def _load(command: str, option: str, name_or_path: str | None, **config_overrides):
+def _load(command: str, option: str, name_or_path: str | None, dtype: str = "float32", **config_overrides):
+    import torch
+
     from .assets import load_model
 
     try:
-        return load_model(name_or_path, **config_overrides)
+        return load_model(name_or_path, getattr(torch, dtype), **config_overrides)
     except FileNotFoundError as error:
         raise SystemExit(f"hf-triforce {command}: {option}: {error}") from error
 
@@ -189,9 +194,9 @@ def _bench(args) -> int:
         if not llama_cpp_available():
             raise SystemExit(f"hf-triforce bench: methods {engine_methods} need llama-cpp-python "
                              "(pip install llama-cpp-python; it compiles llama.cpp)")
-    model, tokenizer = _load("bench", "--model", args.model, **overrides)
+    model, tokenizer = _load("bench", "--model", args.model, args.dtype, **overrides)
     _check_contexts(args, getattr(model.config, "max_position_embeddings", None) or 1 << 30)
-    draft_model = _load("bench", "--draft-model", args.draft_model)[0] if args.draft_model else None
+    draft_model = _load("bench", "--draft-model", args.draft_model, args.dtype)[0] if args.draft_model else None
     text = assets.TEXTS[args.text]()
     try:
         prompts = {context: document_prompt(tokenizer, text, context, args.prompt) for context in args.contexts}
@@ -215,12 +220,14 @@ def _bench(args) -> int:
             engine_prefill = "".join(f", {m} prefill {e.prefill_seconds:.1f} s" for m, e in engines.items())
             rendered = (f"### context {context} tokens, {args.text}, prompt '{args.prompt}', {described} "
                         f"(prefill {prefill_seconds:.1f} s{engine_prefill}, {args.new_tokens} new tokens, "
-                        f"median of {args.repeats}, "
+                        f"median of {args.repeats}, {args.dtype}, "
                         f"{describe_gammas(gammas)}, torch threads {torch.get_num_threads()})\n\n"
                         + table(runs, sampled=sampling is not None))
             print(rendered, flush=True)
-            results.append(to_json(context, runs, prefill_seconds, sampling, gammas, args.budget, args.text,
-                                   args.prompt))
+            results.append({**to_json(context, runs, prefill_seconds, sampling, gammas, args.budget, args.text,
+                                      args.prompt),
+                            "model": args.model or "smollm2-135m", "draft_model": args.draft_model,
+                            "dtype": args.dtype})
             tables.append(rendered)
             write_results(results, tables, args.out)
     print(f"wrote {args.out}/results.json and results.md")
