@@ -7,6 +7,7 @@ import json
 import pytest
 import torch
 
+from hf_triforce.tools import bench
 from hf_triforce.tools.cli import build_parser, main
 from hf_triforce.tools.methods import DEFAULT_EXCLUDED, METHODS
 
@@ -107,6 +108,12 @@ def test_bench_with_a_draft_model_and_sampling(tmp_path, capsys):
     # transformers' best plain decoding: static eager and compiled (warmed up apart), the faster one named
     assert sampled["best_plain"] in ("static", "static-compiled")
     assert sampled["methods"]["static-compiled"]["compile_seconds"] > 0
+    # a first call's drafting weight copies (the default's lean-int4 copy of the fp32 target) made by a warm-up call
+    # outside the timed rounds, and reported; the library default with the draft model drafts with it
+    default = sampled["methods"]["default"]
+    assert default["stats"]["draft_precision"] == "lean-int4" and default["copy_seconds"] > 0
+    assert sampled["methods"]["plain"]["copy_seconds"] is None  # a baseline: no warm-up
+    assert "model" in sampled["methods"]["default-draft"]["stats"]["draft_caches"]
     assert f"vs best plain ({sampled['best_plain']})" in (out_dir / "results.md").read_text()
     assert sampled["sampling"] == {"do_sample": True, "temperature": 0.7, "top_p": 0.9}
     assert all(m["new_tokens"] == 4 for m in sampled["methods"].values())
@@ -120,9 +127,12 @@ def test_demo_and_bench_end_to_end_on_smollm2(tmp_path, capsys):
     assert "Greedy outputs identical to plain generate: YES" in capsys.readouterr().out
     out_dir = tmp_path / "bench"
     assert main(["bench", "--contexts", "200", "--new-tokens", "4", "--repeats", "1", "--methods", "plain",
-                 "static", "triforce-ngram", "--budget", "64", "--out", str(out_dir)]) == 0
+                 "static", "triforce-ngram", "--budget", "64", "--text", "essays", "shakespeare",
+                 "--out", str(out_dir)]) == 0
     results = json.loads((out_dir / "results.json").read_text())
+    assert [r["text"] for r in results] == ["essays", "shakespeare"]
     assert set(results[0]["methods"]) == {"plain", "static", "triforce-ngram"}
+    assert bench.speedups(results[1])["static"] == 1.0 and results[1]["best_plain"] == "static"
     assert "| triforce-ngram |" in (out_dir / "results.md").read_text()
     assert (out_dir / "results.png").stat().st_size > 1000
     capsys.readouterr()

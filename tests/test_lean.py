@@ -285,8 +285,8 @@ def test_quantized_projections_multiply_by_their_documented_weights():
 
 
 def test_errors_name_the_setting():
-    with pytest.raises(ValueError, match=r"draft_precision='lean-int4' copies an fp32 model"):
-        make_model("llama-gqa").to(torch.bfloat16).generate(
+    with pytest.raises(ValueError, match=r"draft_precision='lean-int4' copies a float32 or bfloat16 model"):
+        make_model("llama-gqa").to(torch.float16).generate(
             random_prompt(60), max_new_tokens=4, triforce_config=_config(draft_precision="lean-int4"))
     narrow = make_model("llama-gqa", hidden_size=80)  # 80 inputs: not a multiple of the int4 group of 32
     with pytest.raises(ValueError, match="not multiples of the int4 group size"):
@@ -326,12 +326,30 @@ def test_the_default_precision_runs_lean_int4_where_the_lean_forward_covers_the_
     assert first.force2_accepted > 0
     again = assert_identical(model, random_prompt(90, period=31, seed=2), config)
     assert again.draft_precision == "lean-int4" and again.draft_copy_seconds < 1e-3  # the kept copy: a lookup
-    bf16 = make_model("llama-gqa", logit_scale=3.0, seed=5).to(torch.bfloat16)
-    out = bf16.generate(random_prompt(60), max_new_tokens=6, triforce_config=config, return_dict_in_generate=True)
+    half = make_model("llama-gqa", logit_scale=3.0, seed=5).to(torch.float16)
+    out = half.generate(random_prompt(60), max_new_tokens=6, triforce_config=config, return_dict_in_generate=True)
     stats = out.triforce_stats
     assert stats.draft_precision == "model" and stats.draft_forward.startswith("eager (draft_precision='auto': ")
-    assert "copies an fp32 model" in stats.draft_forward
+    assert "copies a float32 or bfloat16 model" in stats.draft_forward
     gemma = make_family("gemma2")
     stats = gemma.generate(random_prompt(60), max_new_tokens=6, triforce_config=config,
                            return_dict_in_generate=True).triforce_stats
     assert stats.draft_precision == "model" and "Gemma2ForCausalLM is not one of" in stats.draft_forward
+
+
+def test_a_bf16_model_drafts_on_a_quantized_lean_copy():
+    """A bf16 model's int4 copy quantizes its weights as an fp32 model's with the same values would (the same
+    products), keeps bf16 caches, and decodes greedy-identically to plain ``generate`` (sharp laws: no bf16 ties);
+    ``"lean"`` (fp32 weights) is refused by name for it."""
+    fp32 = make_model("llama-gqa", logit_scale=3.0, seed=5)
+    fp32.load_state_dict({k: v.bfloat16().float() for k, v in fp32.state_dict().items()})
+    bf16 = make_model("llama-gqa", logit_scale=3.0, seed=5).to(torch.bfloat16)
+    wide, narrow = lean.LeanModel(fp32, "lean-int4"), lean.LeanModel(bf16, "lean-int4")
+    for a, b in zip(wide.layers, narrow.layers):
+        torch.testing.assert_close(a.qkv.dequantized(), b.qkv.dequantized(), rtol=0, atol=0)
+    config = TriForceConfig(draft="self", policy="fixed", retrieval_budget=64, chunk_size=8, sink_tokens=4,
+                            window=24, gamma1=2, gamma2=4)
+    stats = assert_identical(bf16, random_prompt(120, period=37), config)
+    assert (stats.draft_precision, stats.draft_forward) == ("lean-int4", "lean") and stats.force2_accepted > 0
+    with pytest.raises(ValueError, match="'lean' copies a float32 model; parameter"):
+        lean.check_lean_eligible(bf16, "lean")

@@ -12,8 +12,8 @@ little per-op overhead:
   per scale and zero point, ``aten._weight_int4pack_mm_for_cpu``) with an int8 output layer; Force 2 runs
   `FORCE2_PRECISION` (the same precision: measured fastest). The quantized products take bf16 activations:
   this torch's CPU kernels for them are vectorized for bf16 only (fp32 activations take a scalar path, 10-25x
-  slower than fp32 ``F.linear``; measured on SmolLM2 shapes, 1 thread); the residual stream, norms, rotary,
-  attention and the cache stay fp32;
+  slower than fp32 ``F.linear``; measured on SmolLM2 shapes, 1 thread); the residual stream, norms and rotary
+  stay fp32, attention and the cache run in the model's dtype (fp32; bf16 for a bf16 model's int8/int4 copy);
 * RMSNorm as one ``F.rms_norm``, the rotary's cos/sin computed once per forward by the model's own rotary
   module (scaled RoPE types included), attention by SDPA over the cache's buffers (GQA-native: a KV head's
   query heads are extra rows), written through the same cache objects the eager forward uses
@@ -28,7 +28,8 @@ has (kernel blocking), which is fixed before the call's tokens are drawn.
 Models this forward does not cover (other families, sliding-window layers, adapters, biases on layers it
 does not expect, another activation) run their eager transformers forward instead: `lean_model` returns the
 model itself and `lean_support` says why (``TriForceStats.draft_forward``). Models it cannot copy raise a
-ValueError naming the setting (`check_lean_eligible`): weights not fp32, not on the CPU, or offloaded.
+ValueError naming the setting (`check_lean_eligible`): weights not fp32 (or bf16, for the quantized precisions:
+`LEAN_DTYPES`), not on the CPU, or offloaded.
 """
 
 from __future__ import annotations
@@ -61,6 +62,11 @@ LEAN_PRECISIONS = {
 # static-cache generate greedy, 1.63x sampled; on SQuAD's Wikipedia 1.04x / 0.95x at 8k, 1.82x / 1.33x at 32k;
 # docs/results.md)
 AUTO_PRECISION = "lean-int4"
+# the model dtypes each lean precision copies: the quantized ones quantize fp32 or bf16 weights; "lean" multiplies by
+# the fp32 weights themselves (a bf16 model's would be an fp32 copy twice its size). A bf16 model's activations are
+# fp32 in the lean forward too; its caches keep the model's dtype (attention runs in it)
+LEAN_DTYPES = {"lean": (torch.float32,), "lean-int8": (torch.float32, torch.bfloat16),
+               "lean-int4": (torch.float32, torch.bfloat16)}
 SUPPORTED_CLASSES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 # inputs per int4 scale/zero point: the smallest group the CPU kernel takes (32, 64, 128, 256; it must divide every
 # input width). On SmolLM2, 64 costs 0.23 of agreement (0.759 against 0.988 with an fp32 output layer) -- but the
@@ -210,6 +216,7 @@ class LeanModel:
         self.fixed_shape = None  # `compiled`: a `fixed_shape.FixedShapeForward` for the forwards it covers
         self._compiled_views: dict[str, LeanModel] = {}
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
+        self.cache_dtype = next(model.parameters()).dtype  # the entries it writes: the model's own dtype
         config = model.config
         decoder = model.get_decoder()
         self.embed = decoder.embed_tokens
@@ -310,16 +317,17 @@ class LeanModel:
 
         def attend(index: int, query: torch.Tensor, new_keys: torch.Tensor, new_values: torch.Tensor):
             batch, heads, n, _ = query.shape
-            keys, values = layers[index].update(new_keys, new_values)
+            keys, values = layers[index].update(new_keys.to(self.cache_dtype), new_values.to(self.cache_dtype))
+            query = query.to(keys.dtype)  # a bf16 model's caches are bf16
             if mask is None:  # one row per batch row seeing all its entries
                 out = F.scaled_dot_product_attention(query.reshape(batch, kv_heads, groups, dim), keys, values,
                                                      scale=self.scaling)
-                return out.reshape(batch * n, heads * dim)
+                return out.reshape(batch * n, heads * dim).float()
             visible = mask if not isinstance(mask, int) else _bottom_right(n, keys.shape[2], query.device)
             out = F.scaled_dot_product_attention(
                 query.reshape(batch, kv_heads, groups * n, dim), keys, values,
                 attn_mask=visible.expand(batch, 1, n, keys.shape[2]).repeat(1, 1, groups, 1), scale=self.scaling)
-            return out.reshape(batch, heads, n, dim).transpose(1, 2).reshape(batch * n, heads * dim)
+            return out.reshape(batch, heads, n, dim).transpose(1, 2).reshape(batch * n, heads * dim).float()
 
         return attend
 
@@ -340,9 +348,9 @@ class LeanModel:
         def attend(index: int, query: torch.Tensor, new_keys: torch.Tensor, new_values: torch.Tensor):
             keys[index].index_copy_(2, write_index, new_keys.to(keys[index].dtype))
             values[index].index_copy_(2, write_index, new_values.to(values[index].dtype))
-            out = F.scaled_dot_product_attention(query.reshape(1, kv_heads, groups * n, dim), keys[index],
-                                                 values[index], attn_mask=visible, scale=self.scaling)
-            return out.reshape(1, groups * kv_heads, n, dim).transpose(1, 2).reshape(n, groups * kv_heads * dim)
+            out = F.scaled_dot_product_attention(query.reshape(1, kv_heads, groups * n, dim).to(keys[index].dtype),
+                                                 keys[index], values[index], attn_mask=visible, scale=self.scaling)
+            return out.reshape(1, groups * kv_heads, n, dim).transpose(1, 2).reshape(n, groups * kv_heads * dim).float()
 
         return self._layers(input_ids, position_ids, attend)
 
@@ -468,8 +476,9 @@ def lean_refusal(model: nn.Module, precision: str) -> Exception | None:
         if parameter.device.type != "cpu":
             return ValueError(f"TriForceConfig.draft_precision={precision!r} runs on CPU only; parameter {name!r} "
                               f"is on {parameter.device} (use draft_precision='model' there)")
-        if parameter.dtype != torch.float32:
-            return ValueError(f"TriForceConfig.draft_precision={precision!r} copies an fp32 model; parameter "
+        if parameter.dtype not in LEAN_DTYPES[precision]:
+            allowed = " or ".join(str(dtype).removeprefix("torch.") for dtype in LEAN_DTYPES[precision])
+            return ValueError(f"TriForceConfig.draft_precision={precision!r} copies a {allowed} model; parameter "
                               f"{name!r} is {parameter.dtype}")
     config = model.config
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads

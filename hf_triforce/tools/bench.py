@@ -49,6 +49,7 @@ class Run:
     sequences: torch.Tensor | None = None
     stats: TriForceStats | None = None
     compile_seconds: float | None = None  # the warm-up call of a compiled method (compile + a few tokens)
+    copy_seconds: float | None = None  # a TriForce method's drafting weight copies, made by its warm-up call
 
     @property
     def label(self) -> str:
@@ -99,11 +100,13 @@ def method_kwargs(method: str, model, prefix: DynamicCache, max_len: int, budget
 def measure(model, ids, prefix, method: str, new_tokens: int, budget: int, run: Run, prefill_seconds: float,
             draft_model=None, sampling: dict | None = None, seed: int = 0,
             gammas: tuple[int | None, int | None] = (None, None), knobs: dict | None = None,
-            engines: dict | None = None, cache_tokens: int | None = None) -> None:
+            engines: dict | None = None, cache_tokens: int | None = None,
+            draft_prefill_seconds: float = 0.0) -> None:
     """One timed run (greedy, or ``sampling`` kwargs seeded with ``seed``); ``lookup`` and ``assisted``
-    prefill the prompt themselves, so the shared prefill time is subtracted from theirs. Methods of another
-    engine run on ``engines[method]`` (prefilled already). ``cache_tokens``: new tokens the static caches make room
-    for (default ``new_tokens``): a short warm-up compiles the shape of the timed run."""
+    prefill the prompt themselves, so the shared prefill time is subtracted from theirs (and from ``assisted``'s the
+    draft model's own prefill of the prompt, ``draft_prefill_seconds``: decoding is timed, not prompt processing).
+    Methods of another engine run on ``engines[method]`` (prefilled already). ``cache_tokens``: new tokens the static
+    caches make room for (default ``new_tokens``): a short warm-up compiles the shape of the timed run."""
     if method_named(method).other_engine:
         seconds, sequences = engines[method].decode(ids, new_tokens, sampling, seed)
         run.seconds.append(seconds)
@@ -116,7 +119,10 @@ def measure(model, ids, prefix, method: str, new_tokens: int, budget: int, run: 
     start = time.perf_counter()
     out = model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **kwargs)
     seconds = time.perf_counter() - start
-    run.seconds.append(seconds - prefill_seconds if method in ("lookup", "assisted") else seconds)
+    # lookup and assisted prefill the prompt themselves (assisted: the draft model too, `draft_prefill_seconds`)
+    if method in ("lookup", "assisted"):
+        seconds -= prefill_seconds + (draft_prefill_seconds if method == "assisted" else 0.0)
+    run.seconds.append(seconds)
     sequences = out.sequences if hasattr(out, "sequences") else out
     run.new_tokens = sequences.shape[1] - ids.shape[1]
     run.sequences = sequences
@@ -154,17 +160,30 @@ def compare(model, ids, methods, new_tokens: int, repeats: int, budget: int | li
     prefix, prefill_seconds = prefilled
     several = len(budgets) > 1
     runs = [Run(m, b) for m in methods for b in (budgets if several and speculative(m) else [None])]
-    for run in runs:  # compile outside the timed rounds (once per model and shape; generate keeps the compiled call)
-        if method_named(run.method).compiled:
+    # outside the timed rounds, what a model's first call pays once: generate's compile (kept per model and shape), a
+    # TriForce method's drafting weight copies (lean, int8: kept per model; 23 s for Qwen2.5-1.5B's int4 copy)
+    for run in runs:
+        spec = method_named(run.method)
+        if spec.compiled or not spec.baseline:
             warm_up = Run(run.method)
             start = time.perf_counter()
-            measure(model, ids, prefix, run.method, min(new_tokens, 4), budgets[0], warm_up, prefill_seconds,
-                    draft_model, sampling, gammas=gammas, knobs=knobs, engines=engines, cache_tokens=new_tokens)
-            run.compile_seconds = time.perf_counter() - start
+            measure(model, ids, prefix, run.method, min(new_tokens, 4), run.budget or budgets[0], warm_up,
+                    prefill_seconds, draft_model, sampling, gammas=gammas, knobs=knobs, engines=engines,
+                    cache_tokens=new_tokens)
+            if spec.compiled:
+                run.compile_seconds = time.perf_counter() - start
+            else:
+                run.copy_seconds = warm_up.stats.draft_copy_seconds
+    draft_prefill_seconds = 0.0
+    if "assisted" in methods:  # the draft model's prefill of the prompt, inside assisted generation's call
+        start = time.perf_counter()
+        prefill_prefix(draft_model, ids)
+        draft_prefill_seconds = time.perf_counter() - start
     for round_index in tqdm(range(repeats), desc=f"decode {ids.shape[1]} ctx", unit="round"):
         for run in runs:
             measure(model, ids, prefix, run.method, new_tokens, run.budget or budgets[0], run, prefill_seconds,
-                    draft_model, sampling, seed=round_index, gammas=gammas, knobs=knobs, engines=engines)
+                    draft_model, sampling, seed=round_index, gammas=gammas, knobs=knobs, engines=engines,
+                    draft_prefill_seconds=draft_prefill_seconds)
     return runs, prefill_seconds
 
 
@@ -191,6 +210,8 @@ def table(runs: list[Run], sampled: bool = False) -> str:
         vs_best = f"{run.tokens_per_second / best.tokens_per_second:.2f}x" if best else "-"
         same = "n/a (sampled)" if sampled else identity(run, base)
         label = run.label if run.compile_seconds is None else f"{run.label} (compile {run.compile_seconds:.0f} s)"
+        if run.copy_seconds is not None and run.copy_seconds >= 0.5:
+            label += f" (weight copies {run.copy_seconds:.0f} s, first call)"
         lines.append(f"| {label} | {run.tokens_per_second:.2f} | "
                      f"{run.tokens_per_second / base.tokens_per_second:.2f}x | {vs_best} | "
                      + " | ".join(cells) + f" | {same} |")
@@ -226,14 +247,24 @@ def to_json(context: int, runs: list[Run], prefill_seconds: float, sampling: dic
                 "new_tokens": run.new_tokens,
                 "stats": run.stats.to_dict() if run.stats else None,
                 "compile_seconds": run.compile_seconds,
+                "copy_seconds": run.copy_seconds,
             }
             for run in runs
         },
     }
 
 
+def speedups(result: dict) -> dict[str, float]:
+    """Each method's decode speed over the best plain decoding of ``result`` (its ``best_plain``; plain ``generate``
+    where no static run was made)."""
+    methods = result["methods"]
+    base = methods.get(result.get("best_plain") or "plain") or next(iter(methods.values()))
+    return {name: m["decode_tokens_per_second"] / base["decode_tokens_per_second"] for name, m in methods.items()}
+
+
 def plot(results: list[dict], path: Path) -> bool:
-    """Speedup over plain `generate` vs context, and Force-2/Force-3 acceptance; False without matplotlib."""
+    """Speedup over the best plain decoding vs context (a line per method, text and mode: greedy solid, sampled
+    dashed), and each TriForce method's Force-2/Force-3 acceptance; False without matplotlib."""
     try:
         import matplotlib
 
@@ -241,24 +272,38 @@ def plot(results: list[dict], path: Path) -> bool:
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    contexts = [r["context"] for r in results]
-    methods = list(results[0]["methods"])
-    fig, (speed, accept) = plt.subplots(1, 2, figsize=(11, 4))
-    for method in methods:
-        ratios = [r["methods"][method]["decode_tokens_per_second"]
-                  / r["methods"].get("plain", r["methods"][methods[0]])["decode_tokens_per_second"] for r in results]
-        speed.plot(contexts, ratios, marker="o", label=method)
-        stats = [r["methods"][method]["stats"] for r in results]
-        if all(stats):
-            accept.plot(contexts, [s["force3_acceptance"] for s in stats], marker="o", label=f"{method} F3")
+    series: dict[tuple, list[tuple[int, float, dict | None]]] = {}
+    for result in results:
+        mode = "sampled" if result.get("sampling") else "greedy"
+        for method, ratio in speedups(result).items():
+            key = (method, result.get("text"), mode)
+            series.setdefault(key, []).append((result["context"], ratio, result["methods"][method]["stats"]))
+    texts = sorted({key[1] or "" for key in series})
+    colors = {}  # one color per method and text; greedy solid, sampled dashed
+    fig, (speed, accept) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for (method, text, mode), points in series.items():
+        if method in ("plain", "static", "static-compiled"):  # the baselines: plain's ratio is below 1, static's 1
+            continue
+        points.sort(key=lambda point: point[0])
+        contexts = [point[0] for point in points]
+        label = method + (f", {text}" if len(texts) > 1 else "") + f", {mode}"
+        color = colors.setdefault((method, text), f"C{len(colors) % 10}")
+        style = "-" if mode == "greedy" else "--"
+        speed.plot(contexts, [point[1] for point in points], style, color=color, marker="o", label=label)
+        stats = [point[2] for point in points]
+        if all(stats) and mode == "greedy":
+            accept.plot(contexts, [s["force3_acceptance"] for s in stats], "-", color=color, marker="o",
+                        label=f"{label} F3")
             if any(s["force1_proposed"] for s in stats):
-                accept.plot(contexts, [s["force2_acceptance"] for s in stats], marker="x", ls="--",
-                            label=f"{method} F2")
-    speed.set(xlabel="context tokens", ylabel="decode speed vs plain generate", title="speedup")
-    accept.set(xlabel="context tokens", ylabel="acceptance", title="acceptance per tier", ylim=(0, 1.05))
+                accept.plot(contexts, [s["force2_acceptance"] for s in stats], ":", color=color, marker="x",
+                            label=f"{label} F2")
+    speed.axhline(1.0, color="grey", lw=0.8)
+    speed.set(xlabel="context tokens", ylabel="decode speed / best plain decoding", title="speedup", xscale="log")
+    accept.set(xlabel="context tokens", ylabel="acceptance", title="acceptance per tier (greedy)", ylim=(0, 1.05),
+               xscale="log")
     for axis in (speed, accept):
         axis.grid(alpha=0.3)
-        axis.legend(fontsize=7)
+        axis.legend(fontsize=6)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

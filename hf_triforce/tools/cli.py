@@ -69,9 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--model", default=None, help=f"target: {model_help} (default smollm2-135m)")
     bench.add_argument("--draft-model", default=None,
                        help=f"draft for the 'assisted' and 'triforce-draft' methods: {model_help}")
-    bench.add_argument("--text", choices=sorted(TEXTS), default="essays",
-                       help="prompt text: Paul Graham's essays (default), SQuAD's Wikipedia articles, Shakespeare's "
-                       "tragedies or Python's standard-library source")
+    bench.add_argument("--text", choices=sorted(TEXTS), nargs="+", default=["essays"],
+                       help="prompt text(s), each run at every context: Paul Graham's essays (default), SQuAD's "
+                       "Wikipedia articles, Shakespeare's tragedies or Python's standard-library source")
     bench.add_argument("--prompt", choices=PROMPTS, default="question",
                        help="'question': the text in the chat template followed by a question about it (what an "
                        "instruct model gets; default); 'continue': the raw text, continued")
@@ -197,17 +197,20 @@ def _bench(args) -> int:
     model, tokenizer = _load("bench", "--model", args.model, args.dtype, **overrides)
     _check_contexts(args, getattr(model.config, "max_position_embeddings", None) or 1 << 30)
     draft_model = _load("bench", "--draft-model", args.draft_model, args.dtype)[0] if args.draft_model else None
-    text = assets.TEXTS[args.text]()
-    try:
-        prompts = {context: document_prompt(tokenizer, text, context, args.prompt) for context in args.contexts}
-    except ValueError as error:
-        raise SystemExit(f"hf-triforce bench: --text {args.text} --prompt {args.prompt}: {error}") from error
+    prompts = {}
+    for text in dict.fromkeys(args.text):
+        document = assets.TEXTS[text]()
+        try:
+            prompts.update({(text, context): document_prompt(tokenizer, document, context, args.prompt)
+                            for context in args.contexts})
+        except ValueError as error:
+            raise SystemExit(f"hf-triforce bench: --text {text} --prompt {args.prompt}: {error}") from error
     modes = ["sampled"] if args.sample else list(dict.fromkeys(args.modes))
     sampled = {"do_sample": True, "temperature": args.temperature, "top_p": args.top_p}
     gammas = (args.gamma1, args.gamma2)
     results, tables = [], []
-    for context in args.contexts:
-        ids = prompts[context]
+    for text, context in prompts:
+        ids = prompts[text, context]
         start = time.perf_counter()
         prefilled = prefill_prefix(model, ids), time.perf_counter() - start
         engines = _llama_cpp_engines(args, engine_methods, ids)
@@ -218,13 +221,13 @@ def _bench(args) -> int:
                                             draft_model, sampling, gammas, knobs_from_args(args), prefilled,
                                             engines)
             engine_prefill = "".join(f", {m} prefill {e.prefill_seconds:.1f} s" for m, e in engines.items())
-            rendered = (f"### context {context} tokens, {args.text}, prompt '{args.prompt}', {described} "
+            rendered = (f"### context {context} tokens, {text}, prompt '{args.prompt}', {described} "
                         f"(prefill {prefill_seconds:.1f} s{engine_prefill}, {args.new_tokens} new tokens, "
                         f"median of {args.repeats}, {args.dtype}, "
                         f"{describe_gammas(gammas)}, torch threads {torch.get_num_threads()})\n\n"
                         + table(runs, sampled=sampling is not None))
             print(rendered, flush=True)
-            results.append({**to_json(context, runs, prefill_seconds, sampling, gammas, args.budget, args.text,
+            results.append({**to_json(context, runs, prefill_seconds, sampling, gammas, args.budget, text,
                                       args.prompt),
                             "model": args.model or "smollm2-135m", "draft_model": args.draft_model,
                             "dtype": args.dtype})

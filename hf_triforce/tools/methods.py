@@ -2,9 +2,10 @@
 
 A TriForce method is a drafter from the registry (``hf_triforce.drafters.DRAFTERS``; ``draft`` names the
 ``--draft-model``), a number of levels and a drafting precision, with a fixed plan:
-``triforce-<drafter>[-int8]`` and the two-level ``streaming-self[-int8]``; or the adaptive policy:
-``triforce-auto[-int8|-lean-int4]`` (self drafts, free n-gram lookups, three levels, the bench's knobs) and ``default``
-(``TriForceConfig()`` with no argument: what a user gets). Baselines: ``plain`` (DynamicCache), ``static``
+``triforce-<drafter>[-int8|-lean-int4]`` and the two-level ``streaming-self[-int8|-lean-int4]``; or the adaptive policy:
+``triforce-auto[-int8|-lean-int4]`` (self drafts, free n-gram lookups, three levels, the bench's knobs), ``default``
+(``TriForceConfig()`` with no argument: what a user gets) and ``default-draft`` (``TriForceConfig(draft=<the draft
+model>)``, nothing else set). Baselines: ``plain`` (DynamicCache), ``static``
 (StaticCache, eager) and ``static-compiled`` (StaticCache with ``generate``'s own ``torch.compile`` of the decoding
 forward, told to compile on every device): the faster of these two is "the best plain decoding" that every table
 compares with; ``lookup`` (HF prompt lookup), ``assisted`` (HF assisted generation with the draft model);
@@ -65,8 +66,8 @@ class Method:
         """The `TriForceConfig` of this method (None gammas: `TUNED_GAMMAS` for its kind)."""
         if self.baseline:
             raise ValueError(f"method {self.name!r} is a transformers baseline, not a TriForce method")
-        if self.library_default:
-            return TriForceConfig()
+        if self.library_default:  # what a user gets: TriForceConfig() (with the draft model, if the method has one)
+            return TriForceConfig(draft=overrides["draft_model"]) if self.drafter == "draft" else TriForceConfig()
         gamma1, gamma2 = chosen_gammas(gammas, self.kind)
         draft_model = overrides.pop("draft_model", None)
         draft = draft_model if self.drafter == "draft" else self.drafter
@@ -83,10 +84,11 @@ def _all_methods() -> dict[str, Method]:
                Method("assisted", baseline=True), Method("llama.cpp", baseline=True, engine="llama.cpp"),
                Method("llama.cpp-lookup", baseline=True, engine="llama.cpp")]
     methods.append(Method("default", drafter="self", policy="auto", library_default=True))
+    methods.append(Method("default-draft", drafter="draft", policy="auto", library_default=True))
     methods += [Method(f"triforce-auto{s}", drafter="self", policy="auto", precision=p)
                 for p, s in (("model", ""), ("int8", "-int8"), ("lean-int4", "-lean-int4"))]
     drafters = [name if name != MODEL_DRAFTER else "draft" for name in DRAFTERS]
-    for precision, suffix in (("model", ""), ("int8", "-int8")):
+    for precision, suffix in (("model", ""), ("int8", "-int8"), ("lean-int4", "-lean-int4")):
         methods.append(Method(f"streaming-self{suffix}", drafter="self", levels=2, precision=precision))
         methods += [Method(f"triforce-{d}{suffix}", drafter=d, precision=precision) for d in drafters]
     return {m.name: m for m in methods}
@@ -94,7 +96,8 @@ def _all_methods() -> dict[str, Method]:
 
 METHODS: dict[str, Method] = _all_methods()
 DEFAULT_EXCLUDED = ("streaming-self-int8", "triforce-draft-int8", "triforce-suffix", "triforce-suffix-int8",
-                    "triforce-auto-lean-int4",  # fp32 Llama/Mistral/Qwen2 on CPU only: named with --methods
+                    # fp32 / bf16 Llama, Mistral, Qwen2 on the CPU only: named with --methods
+                    *(name for name in METHODS if name.endswith("-lean-int4")),
                     "llama.cpp", "llama.cpp-lookup")  # optional engine: named with --methods
 
 
