@@ -86,6 +86,27 @@ def test_a_drafter_shared_by_two_levels_fills_its_cache_once(monkeypatch):
     assert set(out.triforce_stats.plan_steps) == {1, 2, 3} and len(fills) == 1, fills
 
 
+def test_lookup_chains_may_be_longer_than_gamma2():
+    """Under the auto policy a lookup drafter's two-level chains go up to `LOOKUP_GAMMA2` (model drafters' stay within
+    gamma2); on a repeating prompt it runs such chains, greedy-identically, and Force 3 keeps room for their rows."""
+    from hf_triforce.config import LOOKUP_GAMMA2
+    from hf_triforce.decoding.loop import adaptive_policy
+
+    config = auto("self", gamma2=4)
+    assert config.force3_rows == LOOKUP_GAMMA2 and TriForceConfig(policy="fixed", gamma2=4).force3_rows == 4
+    plans = adaptive_policy(config, "self", 10_000).candidates()
+    assert max(p.gamma2 for p in plans if p.levels == 2 and p.drafter == "ngram") == LOOKUP_GAMMA2
+    assert max(p.gamma2 for p in plans if p.levels == 2 and p.drafter == "self") == 4
+    model = make_model("llama-gqa")
+    prompt = random_prompt(200, period=23)
+    expected = model.generate(prompt, max_new_tokens=60, do_sample=False)
+    out = model.generate(prompt, max_new_tokens=60, do_sample=False, triforce_config=auto("ngram", gamma2=4),
+                         return_dict_in_generate=True)
+    assert torch.equal(out.sequences, expected)
+    longest = max(int(name.split(" g")[1]) for name in out.triforce_stats.plans if name.startswith("ngram g"))
+    assert longest > 4, out.triforce_stats.plans
+
+
 def test_a_drafter_that_fills_by_copy_has_no_setup_price(monkeypatch):
     """The self drafter copies its first entries from the full cache (a few milliseconds): the policy does not charge
     its first use a fill; a draft model, which must run a forward over them, is charged."""

@@ -46,7 +46,7 @@ class Force3:
         cache_class = OffloadedBufferCache if config.full_cache_device == "cpu" else BufferCache
         # sliding-window layers keep their window plus room for the deepest rollback (a rejected chain, a stop)
         self.cache = cache_class(compat.num_layers(model.config), max_length + config.force3_rows + 2,
-                                 compat.layer_windows(model.config), rollback=config.gamma2 + 2)
+                                 compat.layer_windows(model.config), rollback=config.force3_rows + 2)
         self.cache.expect_devices(layer_devices(model))
         self.recorder = QueryRecorder()
         self.uncached = 1  # tokens of the sequence fed before the candidates in the last `score`

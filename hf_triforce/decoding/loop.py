@@ -63,7 +63,8 @@ def adaptive_policy(config: TriForceConfig, draft_name: str, max_length: int) ->
     trees = tuple(name for name in kinds if DRAFTERS[name].trees) if config.tree_nodes else ()
     return AdaptivePolicy(kinds, three, config.gamma1, config.gamma2, config.explore_every,
                           tree_drafters=trees, tree_nodes=config.tree_nodes if trees else 0,
-                          force2_tree_nodes=config.force2_tree_nodes, tree_branch=config.tree_branch)
+                          force2_tree_nodes=config.force2_tree_nodes, tree_branch=config.tree_branch,
+                          max_lookup_gamma2=config.lookup_gamma2)
 
 
 def weight_bytes(model) -> int:

@@ -144,7 +144,8 @@ class AdaptivePolicy:
 
     ``drafters``: ``{name: kind}`` of the drafters it may use (kind "model" or "lookup"); ``three_level``:
     the drafters TriForce's three-level plan may use as Force 1 (empty: no three-level plan);
-    ``max_gamma1/2``: bounds. ``prior_fractions``: ``{tier: fraction}``, a one-row forward of a tier not yet
+    ``max_gamma1/2``: bounds (``max_lookup_gamma2``: of a lookup drafter's two-level chains, default ``max_gamma2``).
+    ``prior_fractions``: ``{tier: fraction}``, a one-row forward of a tier not yet
     timed as a fraction of Force 3's. ``tree_drafters``: the drafters that may propose trees of ``tree_nodes`` nodes
     (plans with ``force1_tree``: gammas below ``tree_nodes``); ``force2_tree_nodes > 0``: three-level plans may
     have Force 2 hand Force 3 a tree of that many nodes (``force2_tree``); ``tree_branch``: children per node.
@@ -153,7 +154,8 @@ class AdaptivePolicy:
     def __init__(self, drafters: dict[str, str], three_level: tuple[str, ...], max_gamma1: int, max_gamma2: int,
                  explore_every: int, setup_seconds: dict[str, float | None] | None = None,
                  tree_drafters: tuple[str, ...] = (), tree_nodes: int = 0, force2_tree_nodes: int = 0,
-                 tree_branch: int = 2, prior_fractions: dict[str, float] | None = None) -> None:
+                 tree_branch: int = 2, prior_fractions: dict[str, float] | None = None,
+                 max_lookup_gamma2: int | None = None) -> None:
         unknown = [name for name in (*three_level, *tree_drafters) if name not in drafters]
         if unknown:
             raise ValueError(f"three_level / tree drafters {unknown} are not among the drafters {tuple(drafters)}")
@@ -169,6 +171,8 @@ class AdaptivePolicy:
         self.setup_seconds: dict[str, float | None] = dict(setup_seconds or {})
         self.remaining_tokens = 1 << 30
         self.max_gamma1, self.max_gamma2 = max_gamma1, max_gamma2
+        # a lookup drafter's two-level chains may be longer (they cost nothing to draft)
+        self.max_lookup_gamma2 = max(max_gamma2, max_lookup_gamma2 or 0)
         self.costs = TierCosts()
         # a one-row forward of a tier not timed yet ("draft:<name>", "force2"), as a fraction of Force 3's one-row
         # forward (`UNMEASURED_FRACTION` where not given; the decoder gives the bytes each reads, `tier_fractions`)
@@ -303,7 +307,8 @@ class AdaptivePolicy:
         plans = [Plan(1)]
         for name in self.drafters:
             trees = (False, True) if name in self.tree_drafters else (False,)
-            plans += [Plan(2, name, gamma2=g, force1_tree=tree) for g in range(1, self.max_gamma2 + 1)
+            longest = self.max_lookup_gamma2 if self.drafters[name] == "lookup" else self.max_gamma2
+            plans += [Plan(2, name, gamma2=g, force1_tree=tree) for g in range(1, longest + 1)
                       for tree in trees if not tree or g < self.tree_nodes]
         force2_trees = (False, True) if self.force2_tree_nodes else (False,)
         for name in self.three_level:

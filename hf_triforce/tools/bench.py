@@ -50,6 +50,7 @@ class Run:
     stats: TriForceStats | None = None
     compile_seconds: float | None = None  # the warm-up call of a compiled method (compile + a few tokens)
     copy_seconds: float | None = None  # a TriForce method's drafting weight copies, made by its warm-up call
+    setup_seconds: float | None = None  # lookup / assisted: a `SETUP_TOKENS`-token call of theirs (prefills included)
 
     @property
     def label(self) -> str:
@@ -57,7 +58,17 @@ class Run:
 
     @property
     def tokens_per_second(self) -> float:
-        return self.new_tokens / statistics.median(self.seconds) if self.seconds else 0.0
+        """Decode speed: tokens over the median seconds; a method that prefills the prompt itself (lookup, assisted)
+        has its ``setup_seconds`` call (`SETUP_TOKENS` tokens: prefill, its draft model's prefill, a first step)
+        taken out of each round's seconds and those tokens out of the count."""
+        tokens = self.new_tokens - (SETUP_TOKENS if self.setup_seconds is not None else 0)
+        return tokens / statistics.median(self.seconds) if self.seconds else 0.0
+
+
+# lookup and assisted generation prefill the prompt (and the draft model) inside their own call: a call of this many
+# tokens times that (and a first step), subtracted from every round (subtracting the shared prefill instead gave
+# negative times at 8k: a one-shot bf16 prefill is faster than the chunked shared one)
+SETUP_TOKENS = 2
 
 
 def prefill_prefix(model, ids: torch.Tensor, chunk_size: int = 1024) -> DynamicCache:
@@ -100,11 +111,10 @@ def method_kwargs(method: str, model, prefix: DynamicCache, max_len: int, budget
 def measure(model, ids, prefix, method: str, new_tokens: int, budget: int, run: Run, prefill_seconds: float,
             draft_model=None, sampling: dict | None = None, seed: int = 0,
             gammas: tuple[int | None, int | None] = (None, None), knobs: dict | None = None,
-            engines: dict | None = None, cache_tokens: int | None = None,
-            draft_prefill_seconds: float = 0.0) -> None:
+            engines: dict | None = None, cache_tokens: int | None = None) -> None:
     """One timed run (greedy, or ``sampling`` kwargs seeded with ``seed``); ``lookup`` and ``assisted``
-    prefill the prompt themselves, so the shared prefill time is subtracted from theirs (and from ``assisted``'s the
-    draft model's own prefill of the prompt, ``draft_prefill_seconds``: decoding is timed, not prompt processing).
+    prefill the prompt themselves (and assisted its draft model), so ``run.setup_seconds`` is subtracted from theirs
+    (`Run.tokens_per_second`: decoding is timed, not prompt processing).
     Methods of another engine run on ``engines[method]`` (prefilled already). ``cache_tokens``: new tokens the static
     caches make room for (default ``new_tokens``): a short warm-up compiles the shape of the timed run."""
     if method_named(method).other_engine:
@@ -119,10 +129,7 @@ def measure(model, ids, prefix, method: str, new_tokens: int, budget: int, run: 
     start = time.perf_counter()
     out = model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **kwargs)
     seconds = time.perf_counter() - start
-    # lookup and assisted prefill the prompt themselves (assisted: the draft model too, `draft_prefill_seconds`)
-    if method in ("lookup", "assisted"):
-        seconds -= prefill_seconds + (draft_prefill_seconds if method == "assisted" else 0.0)
-    run.seconds.append(seconds)
+    run.seconds.append(seconds - (run.setup_seconds or 0.0))
     sequences = out.sequences if hasattr(out, "sequences") else out
     run.new_tokens = sequences.shape[1] - ids.shape[1]
     run.sequences = sequences
@@ -174,16 +181,16 @@ def compare(model, ids, methods, new_tokens: int, repeats: int, budget: int | li
                 run.compile_seconds = time.perf_counter() - start
             else:
                 run.copy_seconds = warm_up.stats.draft_copy_seconds
-    draft_prefill_seconds = 0.0
-    if "assisted" in methods:  # the draft model's prefill of the prompt, inside assisted generation's call
-        start = time.perf_counter()
-        prefill_prefix(draft_model, ids)
-        draft_prefill_seconds = time.perf_counter() - start
+    for run in runs:  # what lookup and assisted spend before decoding: timed by a call of `SETUP_TOKENS` tokens
+        if run.method in ("lookup", "assisted"):
+            setup = Run(run.method)
+            measure(model, ids, prefix, run.method, SETUP_TOKENS, budgets[0], setup, prefill_seconds, draft_model,
+                    sampling)
+            run.setup_seconds = setup.seconds[0]
     for round_index in tqdm(range(repeats), desc=f"decode {ids.shape[1]} ctx", unit="round"):
         for run in runs:
             measure(model, ids, prefix, run.method, new_tokens, run.budget or budgets[0], run, prefill_seconds,
-                    draft_model, sampling, seed=round_index, gammas=gammas, knobs=knobs, engines=engines,
-                    draft_prefill_seconds=draft_prefill_seconds)
+                    draft_model, sampling, seed=round_index, gammas=gammas, knobs=knobs, engines=engines)
     return runs, prefill_seconds
 
 
@@ -248,6 +255,7 @@ def to_json(context: int, runs: list[Run], prefill_seconds: float, sampling: dic
                 "stats": run.stats.to_dict() if run.stats else None,
                 "compile_seconds": run.compile_seconds,
                 "copy_seconds": run.copy_seconds,
+                "setup_seconds": run.setup_seconds,
             }
             for run in runs
         },
