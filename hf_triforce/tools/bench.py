@@ -50,7 +50,7 @@ class Run:
     stats: TriForceStats | None = None
     compile_seconds: float | None = None  # the warm-up call of a compiled method (compile + a few tokens)
     copy_seconds: float | None = None  # a TriForce method's drafting weight copies, made by its warm-up call
-    setup_seconds: float | None = None  # lookup / assisted: a `SETUP_TOKENS`-token call of theirs (prefills included)
+    decoded: int = 0  # lookup / assisted: tokens timed after their first new token (`DecodeClock`)
 
     @property
     def label(self) -> str:
@@ -58,17 +58,29 @@ class Run:
 
     @property
     def tokens_per_second(self) -> float:
-        """Decode speed: tokens over the median seconds; a method that prefills the prompt itself (lookup, assisted)
-        has its ``setup_seconds`` call (`SETUP_TOKENS` tokens: prefill, its draft model's prefill, a first step)
-        taken out of each round's seconds and those tokens out of the count."""
-        tokens = self.new_tokens - (SETUP_TOKENS if self.setup_seconds is not None else 0)
-        return tokens / statistics.median(self.seconds) if self.seconds else 0.0
+        """Decode speed: tokens over the median seconds (lookup, assisted: those after their first new token, over
+        the seconds after it, `DecodeClock`)."""
+        return (self.decoded or self.new_tokens) / statistics.median(self.seconds) if self.seconds else 0.0
 
 
-# lookup and assisted generation prefill the prompt (and the draft model) inside their own call: a call of this many
-# tokens times that (and a first step), subtracted from every round (subtracting the shared prefill instead gave
-# negative times at 8k: a one-shot bf16 prefill is faster than the chunked shared one)
-SETUP_TOKENS = 2
+class DecodeClock:
+    """A `generate` streamer that notes when the first new tokens arrive: lookup and assisted generation prefill the
+    prompt (and the draft model) inside their own call, so they are timed from there. Subtracting the shared prefill
+    gave negative times at 8k (a one-shot bf16 prefill is faster than the chunked one), subtracting a 2-token call of
+    their own 8.6x "speedups" at 16k (decoding is a tenth of such a call: its noise swamps it)."""
+
+    def __init__(self) -> None:
+        self.calls, self.first, self.after_first = 0, 0.0, 0
+
+    def put(self, value) -> None:
+        self.calls += 1
+        if self.calls == 2:  # the first put is the prompt; the second, the first new token(s)
+            self.first = time.perf_counter()
+        elif self.calls > 2:
+            self.after_first += value.numel()
+
+    def end(self) -> None:
+        pass
 
 
 def prefill_prefix(model, ids: torch.Tensor, chunk_size: int = 1024) -> DynamicCache:
@@ -113,8 +125,8 @@ def measure(model, ids, prefix, method: str, new_tokens: int, budget: int, run: 
             gammas: tuple[int | None, int | None] = (None, None), knobs: dict | None = None,
             engines: dict | None = None, cache_tokens: int | None = None) -> None:
     """One timed run (greedy, or ``sampling`` kwargs seeded with ``seed``); ``lookup`` and ``assisted``
-    prefill the prompt themselves (and assisted its draft model), so ``run.setup_seconds`` is subtracted from theirs
-    (`Run.tokens_per_second`: decoding is timed, not prompt processing).
+    prefill the prompt themselves (and assisted its draft model): they are timed from their first new token on
+    (`DecodeClock`: decoding is timed, not prompt processing).
     Methods of another engine run on ``engines[method]`` (prefilled already). ``cache_tokens``: new tokens the static
     caches make room for (default ``new_tokens``): a short warm-up compiles the shape of the timed run."""
     if method_named(method).other_engine:
@@ -125,11 +137,17 @@ def measure(model, ids, prefix, method: str, new_tokens: int, budget: int, run: 
     room = cache_tokens if cache_tokens is not None else new_tokens  # the static caches' length: the compiled shape
     kwargs = method_kwargs(method, model, prefix, ids.shape[1] + room + 16, budget, draft_model, gammas, knobs)
     kwargs.update(sampling or {"do_sample": False})
+    clock = DecodeClock() if method in ("lookup", "assisted") else None
+    if clock is not None:
+        kwargs["streamer"] = clock
     torch.manual_seed(seed)
     start = time.perf_counter()
     out = model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **kwargs)
     seconds = time.perf_counter() - start
-    run.seconds.append(seconds - (run.setup_seconds or 0.0))
+    if clock is not None:  # from the first new token on: their prefills (the draft model's included) are not timed
+        seconds = time.perf_counter() - clock.first
+        run.decoded = clock.after_first
+    run.seconds.append(seconds)
     sequences = out.sequences if hasattr(out, "sequences") else out
     run.new_tokens = sequences.shape[1] - ids.shape[1]
     run.sequences = sequences
@@ -181,12 +199,6 @@ def compare(model, ids, methods, new_tokens: int, repeats: int, budget: int | li
                 run.compile_seconds = time.perf_counter() - start
             else:
                 run.copy_seconds = warm_up.stats.draft_copy_seconds
-    for run in runs:  # what lookup and assisted spend before decoding: timed by a call of `SETUP_TOKENS` tokens
-        if run.method in ("lookup", "assisted"):
-            setup = Run(run.method)
-            measure(model, ids, prefix, run.method, SETUP_TOKENS, budgets[0], setup, prefill_seconds, draft_model,
-                    sampling)
-            run.setup_seconds = setup.seconds[0]
     for round_index in tqdm(range(repeats), desc=f"decode {ids.shape[1]} ctx", unit="round"):
         for run in runs:
             measure(model, ids, prefix, run.method, new_tokens, run.budget or budgets[0], run, prefill_seconds,
@@ -255,7 +267,7 @@ def to_json(context: int, runs: list[Run], prefill_seconds: float, sampling: dic
                 "stats": run.stats.to_dict() if run.stats else None,
                 "compile_seconds": run.compile_seconds,
                 "copy_seconds": run.copy_seconds,
-                "setup_seconds": run.setup_seconds,
+                "decoded_tokens": run.decoded or run.new_tokens,
             }
             for run in runs
         },
