@@ -41,7 +41,7 @@ def main() -> None:
     runs = {"plain": Run("plain"), **{s: Run(args.method) for s in settings}}
     for round_index in range(args.repeats):
         for key, run in runs.items():
-            measure(model, ids, prefix, run.method, args.new_tokens, args.budget, run, prefill_seconds,
+            measure(model, ids, prefix, run.method, args.new_tokens, args.budget, run,
                     gammas=(None, None) if key == "plain" else key)
         print("round", round_index, {k: round(v.tokens_per_second, 2) for k, v in runs.items()}, flush=True)
     base = runs["plain"]

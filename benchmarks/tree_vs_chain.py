@@ -125,7 +125,7 @@ def main() -> None:
         for seed in range(args.repeats):
             for name, run in runs.items():
                 if name in ("plain", "static"):
-                    measure(model, ids, prefix, name, args.new_tokens, 512, run, prefill_seconds, sampling=sampling,
+                    measure(model, ids, prefix, name, args.new_tokens, 512, run, sampling=sampling,
                             seed=seed)
                 else:
                     triforce_run(model, ids, prefix, TriForceConfig(**{**FIXED, **CONFIGS[name]}), args.new_tokens,

@@ -120,7 +120,7 @@ def method_kwargs(method: str, model, prefix: DynamicCache, max_len: int, budget
     return {"cache": prefix, "triforce_config": config, "return_dict_in_generate": True}
 
 
-def measure(model, ids, prefix, method: str, new_tokens: int, budget: int, run: Run, prefill_seconds: float,
+def measure(model, ids, prefix, method: str, new_tokens: int, budget: int, run: Run,
             draft_model=None, sampling: dict | None = None, seed: int = 0,
             gammas: tuple[int | None, int | None] = (None, None), knobs: dict | None = None,
             engines: dict | None = None, cache_tokens: int | None = None) -> None:
@@ -193,7 +193,7 @@ def compare(model, ids, methods, new_tokens: int, repeats: int, budget: int | li
             warm_up = Run(run.method)
             start = time.perf_counter()
             measure(model, ids, prefix, run.method, min(new_tokens, 4), run.budget or budgets[0], warm_up,
-                    prefill_seconds, draft_model, sampling, gammas=gammas, knobs=knobs, engines=engines,
+                    draft_model, sampling, gammas=gammas, knobs=knobs, engines=engines,
                     cache_tokens=new_tokens)
             if spec.compiled:
                 run.compile_seconds = time.perf_counter() - start
@@ -201,8 +201,8 @@ def compare(model, ids, methods, new_tokens: int, repeats: int, budget: int | li
                 run.copy_seconds = warm_up.stats.draft_copy_seconds
     for round_index in tqdm(range(repeats), desc=f"decode {ids.shape[1]} ctx", unit="round"):
         for run in runs:
-            measure(model, ids, prefix, run.method, new_tokens, run.budget or budgets[0], run, prefill_seconds,
-                    draft_model, sampling, seed=round_index, gammas=gammas, knobs=knobs, engines=engines)
+            measure(model, ids, prefix, run.method, new_tokens, run.budget or budgets[0], run, draft_model, sampling,
+                    seed=round_index, gammas=gammas, knobs=knobs, engines=engines)
     return runs, prefill_seconds
 
 
