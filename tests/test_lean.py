@@ -324,8 +324,12 @@ def test_the_default_precision_runs_lean_int4_where_the_lean_forward_covers_the_
     first = assert_identical(model, random_prompt(120, period=37), config)
     assert (first.draft_precision, first.draft_forward) == ("lean-int4", "lean") and first.draft_copy_seconds > 0
     assert first.force2_accepted > 0
-    again = assert_identical(model, random_prompt(90, period=31, seed=2), config)
-    assert again.draft_precision == "lean-int4" and again.draft_copy_seconds < 1e-3  # the kept copy: a lookup
+    copy = lean.tier_model(model, "lean-int4", 1)
+    made = []
+    with pytest.MonkeyPatch.context() as patch:  # the second call looks the copy up: no LeanModel is made
+        patch.setattr(lean, "LeanModel", lambda *args: made.append(args))
+        again = assert_identical(model, random_prompt(90, period=31, seed=2), config)
+    assert again.draft_precision == "lean-int4" and not made and lean.tier_model(model, "lean-int4", 1) is copy
     half = make_model("llama-gqa", logit_scale=3.0, seed=5).to(torch.float16)
     out = half.generate(random_prompt(60), max_new_tokens=6, triforce_config=config, return_dict_in_generate=True)
     stats = out.triforce_stats
