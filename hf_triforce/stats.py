@@ -37,7 +37,11 @@ class TriForceStats:
     # (`ModelDrafter.fill`: copied from the full cache, or a forward and why)
     draft_caches: dict = field(default_factory=dict)
     draft_copy_seconds: float = 0.0  # making the drafting tiers' weight copies (lean, int8): on a model's first call
-    weight_left_output_layer: bool = False  # the CPU multi-row output-layer path was used
+    # the target's CPU linear layers: per group ("head", "decoder"), per row count multiplied so far, the route timed
+    # fastest on this CPU ("linear": x @ W.T, "left": W @ x.T; `kernels.linear_routes`), and this call's seconds timing
+    # routes (once per model, row count and process)
+    linear_routes: dict = field(default_factory=dict)
+    linear_calibration_seconds: float = 0.0
     prefill_seconds: float = 0.0
     force1_seconds: float = 0.0
     force2_seconds: float = 0.0

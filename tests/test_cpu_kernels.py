@@ -7,39 +7,67 @@ import torch
 from torch import nn
 
 from hf_triforce.kernels import attention
-from hf_triforce.kernels.output_head import weight_left_output_layer
+from hf_triforce.kernels import linear_routes as linear_routes_module
 from hf_triforce.kernels.quantized import Int8Linear, forget_int8_copy, int8_copy, int8_layer_names
 
 from .conftest import make_model
 
 
-def test_weight_left_output_layer_same_values_and_restored():
-    model = make_model("qwen2")
-    head = model.get_output_embeddings()
-    rows = torch.randn(1, 7, head.in_features)
-    one = torch.randn(1, 1, head.in_features)
-    expected_rows, expected_one = head(rows), head(one)
-    with weight_left_output_layer(model) as switched:
-        assert switched and "forward" in vars(head)
-        with weight_left_output_layer(model) as nested:  # already switched: left alone
-            assert not nested
-        got_rows, got_one = head(rows), head(one)
-    assert "forward" not in vars(head)
-    assert torch.equal(got_one, expected_one)  # one row: F.linear itself
-    torch.testing.assert_close(got_rows, expected_rows, rtol=1e-5, atol=1e-5)
-    assert got_rows.shape == expected_rows.shape
+@pytest.mark.parametrize("route", linear_routes_module.ROUTES)
+def test_each_linear_route_gives_each_row_its_own_products_and_is_restored(route):
+    """Under either route every eligible layer computes each row's own dot products (rows never mix: a row's output
+    is the same whatever the other rows hold), one row included; the layers are restored after the block."""
+    model = make_model("qwen2")  # q/k/v biases
+    routes = linear_routes_module.LinearRoutes(model)
+    routes.calibrate = lambda group, rows: route  # the route under test, whatever this CPU times fastest
+    layers = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    inputs = {n: torch.randn(1, n, layers[0].in_features) for n in (1, 2, 7)}
+    expected = {n: [layer(x if layer.in_features == x.shape[-1] else torch.randn(1, n, layer.in_features))
+                    for layer in layers[:1]] for n, x in inputs.items()}
+    with routes.installed():
+        assert all("forward" in vars(layer) for layer in layers)
+        with linear_routes_module.LinearRoutes(model).installed() as nested:  # already switched: left alone
+            assert not any(nested.groups.values())
+        got = {n: layers[0](x) for n, x in inputs.items()}
+        other = inputs[7].clone()
+        other[:, 1:] = torch.randn_like(other[:, 1:])  # other rows changed: row 0's output is unchanged
+        assert torch.equal(layers[0](other)[:, 0], got[7][:, 0])
+        head = model.get_output_embeddings()
+        hidden = torch.randn(1, 5, head.in_features)
+        rowwise = torch.cat([head(hidden[:, i : i + 1]) for i in range(5)], dim=1)
+        torch.testing.assert_close(head(hidden), rowwise, rtol=1e-5, atol=1e-5)
+    assert not any("forward" in vars(layer) for layer in layers)
+    for n in inputs:
+        torch.testing.assert_close(got[n], expected[n][0], rtol=1e-5, atol=1e-5)
+        assert got[n].shape == expected[n][0].shape
+    assert routes.used() == {"decoder": {1: route, 2: route, 7: route}, "head": {1: route, 5: route}}
 
 
-def test_weight_left_output_layer_restored_on_error_and_skips_other_heads():
+def test_linear_routes_are_timed_once_per_row_count_and_restored_on_error():
+    """The route of a row count is timed on its first use and kept for the model (`linear_routes` returns the same
+    object); more than MAX_ROUTED_ROWS rows never time anything (F.linear); an exception restores the layers."""
     model = make_model("llama-gqa")
-    head = model.get_output_embeddings()
+    routes = linear_routes_module.linear_routes(model)
+    assert linear_routes_module.linear_routes(model) is routes
+    timed = []
+    real = routes.calibrate
+    routes.calibrate = lambda group, rows: timed.append((group, rows)) or real(group, rows)
+    layer = model.model.layers[0].mlp.down_proj
+    with routes.installed():
+        for _ in range(3):
+            layer(torch.randn(4, layer.in_features))
+        layer(torch.randn(linear_routes_module.MAX_ROUTED_ROWS + 1, layer.in_features))
+    assert timed == [("decoder", 4)] and routes.used()["decoder"][4] in linear_routes_module.ROUTES
+    assert routes.calibration_seconds > 0
     try:
-        with weight_left_output_layer(model):
+        with routes.installed():
             raise KeyboardInterrupt
     except KeyboardInterrupt:
         pass
-    assert "forward" not in vars(head)
-    assert not weight_left_output_layer(nn.Module()).__enter__()
+    assert "forward" not in vars(layer) and "forward" not in vars(model.get_output_embeddings())
+    plain = nn.Sequential(nn.Linear(2, 2))  # no output layer: every linear layer is a "decoder" one
+    groups = linear_routes_module.LinearRoutes(plain).find_groups()
+    assert groups["head"] == [] and groups["decoder"] == [plain[0]]
 
 
 def test_int8_copy_shares_all_but_the_linear_layers():

@@ -23,6 +23,7 @@ drawn from (docs/exactness.md). Statistics mean one thing for any batch size (`s
 from __future__ import annotations
 
 import time
+from contextlib import ExitStack
 from dataclasses import fields, replace
 
 import torch
@@ -34,7 +35,7 @@ from ..drafters import DRAFTERS, DraftContext, build_drafter
 from ..drafters.model import ModelDrafter
 from ..drafters.registry import MODEL_DRAFTER, spec_of
 from ..kernels.lean import LeanModel, draft_forward, drafting_models, resolve_draft_precision, tier_model
-from ..kernels.output_head import weight_left_output_layer
+from ..kernels.linear_routes import linear_routes
 from ..kernels.row_mixing import RowsApart
 from ..stats import TriForceStats
 from ..verification.sampling import ChainVerifier, Sampler, TorchSampler, scores_to_probs
@@ -200,7 +201,13 @@ class Decoder:
         copy_seconds = time.perf_counter() - began
         fixed_shapes = list({id(f): f for f in (getattr(m, "fixed_shape", None) for m in tier_models) if f}.values())
         before = [(f.calls, f.compiles, f.compile_seconds) for f in fixed_shapes]
-        with weight_left_output_layer(self.model) as weight_left, RowsApart(self.model) as rows_apart:
+        # the models' CPU linear layers multiply few rows by the route timed fastest on this CPU (`linear_routes`)
+        routes = [linear_routes(model) for model in drafting_models(self.config, self.model)]
+        calibrated = [r.calibration_seconds for r in routes]
+        with ExitStack() as stack:
+            for model_routes in routes:
+                stack.enter_context(model_routes.installed())
+            rows_apart = stack.enter_context(RowsApart(self.model))
             result = self._run(rows, prefix_cache, streamer, keep_scores, keep_logits, rows_apart)
         compiled = {} if not fixed_shapes else {
             "mode": self.config.tier_compile,
@@ -208,7 +215,8 @@ class Decoder:
             "compiles": sum(f.compiles - b[1] for f, b in zip(fixed_shapes, before)),
             "compile_seconds": sum(f.compile_seconds - b[2] for f, b in zip(fixed_shapes, before))}
         for stats in {id(s): s for s in [*result.row_stats, result.stats]}.values():
-            stats.weight_left_output_layer = weight_left
+            stats.linear_routes = routes[0].used()
+            stats.linear_calibration_seconds = sum(r.calibration_seconds - c for r, c in zip(routes, calibrated))
             stats.tier_compile = dict(compiled)
             stats.draft_copy_seconds = copy_seconds
         return result

@@ -1,0 +1,149 @@
+"""How the model's CPU `nn.Linear` layers multiply the few rows of a decoding forward, chosen by timing on this CPU.
+
+Two routes compute the same dot products in another summation order (fp32 rounding, like any change of GEMM kernel):
+
+- ``"linear"``: ``F.linear(x, W)``, i.e. ``x @ W.T`` (what the model does);
+- ``"left"``: weight on the left, ``(W @ x.T).T``; one row goes in as two identical columns and the first is kept
+  (MKL's one-column product takes a slower kernel than its two-column one on some CPUs).
+
+Which is faster depends on the CPU and the row count. SmolLM2-135M fp32, 2 threads, the 30 decoder layers' seven
+projections (an AVX2 AMD EPYC, MKL 2024.2): ``F.linear`` 81-87 ms for one row, 160 ms for two and four rows, 135 ms
+for seven; weight-left 66-71 ms (one row as two columns), 57, 59 and 92 ms. On an AVX-512 Xeon ``F.linear`` was as
+fast or faster for the decoder's projections, while its 49152x576 output layer was 2-3x cheaper weight-left at 2-16
+rows. So `LinearRoutes` times both routes the first time a layer group (``"head"``: the output layer; ``"decoder"``:
+every other eligible layer) multiplies a given number of rows, on a working set of the group's own weights larger
+than a last-level cache, and keeps the faster one for the model (later calls reuse it; calls of more than
+`MAX_ROUTED_ROWS` rows, the prefill's chunks, keep ``F.linear``).
+
+Exactness: each row's outputs are its own dot products under either route (the columns of ``W @ x.T`` never mix), so
+a row does not depend on the values of the call's other rows; the route depends on the row count and on timings,
+both fixed before the call's tokens are drawn (docs/exactness.md).
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+ROUTES = ("linear", "left")
+MAX_ROUTED_ROWS = 16  # more rows (a prefill chunk): F.linear, a compute-bound product either way
+# the weights one timing streams: more than a last-level cache (32 MB per AMD CCX, up to ~100 MB on a Xeon socket's
+# share), else the timing measures cache-resident products a decoding forward never sees
+CALIBRATION_BYTES = 128 << 20
+CALIBRATION_ROUNDS = 3  # per route: the fastest of these (the machine is shared; the minimum is the stable figure)
+
+# model -> its LinearRoutes: calibrations are kept for the model's later calls (dropped with the model)
+_ROUTES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def eligible(layer: nn.Module) -> bool:
+    """A plain CPU `nn.Linear` with a plain floating-point weight and no forward of its own (not an accelerate hook, a
+    quantized layer, a tensor-subclass weight, or a layer another context already switched)."""
+    return (type(layer) is nn.Linear and type(layer.weight.data) is torch.Tensor and layer.weight.device.type == "cpu"
+            and layer.weight.is_floating_point() and "forward" not in vars(layer))
+
+
+def multiply(route: str, rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``rows`` ``[n, in]`` times ``weight.T`` (``weight`` ``[out, in]``) by ``route`` -> ``[n, out]``."""
+    if route == "linear":
+        return F.linear(rows, weight)
+    columns = rows if rows.shape[0] > 1 else rows.expand(2, -1)
+    return (weight @ columns.T).T[: rows.shape[0]]
+
+
+class LinearRoutes:
+    """The route of each layer group (``"head"``, ``"decoder"``) and row count for one model, timed on first use."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = weakref.ref(model)  # kept in `_ROUTES` under the model: no strong reference back to it
+        self.groups: dict[str, list[nn.Linear]] = {}  # the eligible layers by group, found on each `installed`
+        self.routes: dict[tuple[str, int], str] = {}
+        self.calibration_seconds = 0.0
+
+    def find_groups(self) -> dict[str, list[nn.Linear]]:
+        """The model's eligible layers: ``"head"`` (the output layer) and ``"decoder"`` (every other one)."""
+        model = self.model()
+        head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+        layers = [module for module in model.modules() if isinstance(module, nn.Linear)]
+        return {"head": [head] if head is not None and eligible(head) else [],
+                "decoder": [layer for layer in layers if layer is not head and eligible(layer)]}
+
+    def route(self, group: str, rows: int) -> str:
+        """The faster route for ``rows`` rows through ``group`` (timed now if not yet: `calibrate`)."""
+        if rows > MAX_ROUTED_ROWS:
+            return "linear"
+        key = (group, rows)
+        if key not in self.routes:
+            began = time.perf_counter()
+            self.routes[key] = self.calibrate(group, rows)
+            self.calibration_seconds += time.perf_counter() - began
+        return self.routes[key]
+
+    @torch.no_grad()
+    def calibrate(self, group: str, rows: int) -> str:
+        """Times each route over the first layers of ``group`` holding `CALIBRATION_BYTES` of weights (all of them if
+        fewer), `CALIBRATION_ROUNDS` rounds alternating the routes; returns the faster (ties: ``"linear"``)."""
+        working, held = [], 0
+        for layer in self.groups[group]:
+            working.append(layer.weight)
+            held += layer.weight.nbytes
+            if held >= CALIBRATION_BYTES:
+                break
+        inputs = {weight.shape[1]: torch.randn(rows, weight.shape[1], dtype=weight.dtype) for weight in working}
+        best = dict.fromkeys(ROUTES, float("inf"))
+        for _ in range(CALIBRATION_ROUNDS):
+            for route in ROUTES:
+                began = time.perf_counter()
+                for weight in working:
+                    multiply(route, inputs[weight.shape[1]], weight)
+                best[route] = min(best[route], time.perf_counter() - began)
+        return min(ROUTES, key=lambda route: (best[route], route != "linear"))
+
+    def used(self) -> dict[str, dict[int, str]]:
+        """``{group: {rows: route}}`` of every row count calibrated so far."""
+        out: dict[str, dict[int, str]] = {}
+        for (group, rows), route in sorted(self.routes.items()):
+            out.setdefault(group, {})[rows] = route
+        return out
+
+    def _forward(self, layer: nn.Linear, group: str):
+        def forward(hidden: torch.Tensor) -> torch.Tensor:
+            rows = hidden.reshape(-1, hidden.shape[-1])
+            route = self.route(group, rows.shape[0])
+            if route == "linear":
+                return F.linear(hidden, layer.weight, layer.bias)
+            out = multiply(route, rows, layer.weight)
+            if layer.bias is not None:
+                out = out + layer.bias
+            return out.reshape(*hidden.shape[:-1], layer.weight.shape[0])
+
+        return forward
+
+    @contextmanager
+    def installed(self) -> Iterator[LinearRoutes]:
+        """For the duration of the block, every layer of the groups multiplies by its group's route."""
+        switched, outer = [], self.groups
+        self.groups = self.find_groups()  # layers an enclosing block switched are not eligible: left alone
+        try:
+            for group, layers in self.groups.items():
+                for layer in layers:
+                    layer.forward = self._forward(layer, group)
+                    switched.append(layer)
+            yield self
+        finally:
+            for layer in switched:
+                del layer.forward
+            self.groups = outer
+
+
+def linear_routes(model: nn.Module) -> LinearRoutes:
+    """``model``'s `LinearRoutes`, made on first use and kept (its calibrations serve the model's later calls)."""
+    if model not in _ROUTES:
+        _ROUTES[model] = LinearRoutes(model)
+    return _ROUTES[model]
