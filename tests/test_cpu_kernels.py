@@ -40,12 +40,15 @@ def test_each_linear_route_gives_each_row_its_own_products_and_is_restored(route
     for n in inputs:
         torch.testing.assert_close(got[n], expected[n][0], rtol=1e-5, atol=1e-5)
         assert got[n].shape == expected[n][0].shape
-    assert routes.used() == {"decoder": {1: route, 2: route, 7: route}, "head": {1: route, 5: route}}
+    calibrated = dict.fromkeys(linear_routes_module.CALIBRATED_ROWS, route)
+    assert routes.used() == {"decoder": calibrated, "head": calibrated}
 
 
-def test_linear_routes_are_timed_once_per_row_count_and_restored_on_error():
-    """The route of a row count is timed on its first use and kept for the model (`linear_routes` returns the same
-    object); more than MAX_ROUTED_ROWS rows never time anything (F.linear); an exception restores the layers."""
+def test_linear_routes_are_timed_once_per_model_before_any_forward_and_restored_on_error():
+    """Every group's routes are timed when first installed, before any forward (none is timed inside a forward the
+    adaptive policy times), and kept for the model (`linear_routes` returns the same object); a row count takes the
+    route of the largest calibrated count not above it, more than MAX_ROUTED_ROWS rows F.linear; an exception
+    restores the layers."""
     model = make_model("llama-gqa")
     routes = linear_routes_module.linear_routes(model)
     assert linear_routes_module.linear_routes(model) is routes
@@ -53,12 +56,17 @@ def test_linear_routes_are_timed_once_per_row_count_and_restored_on_error():
     real = routes.calibrate
     routes.calibrate = lambda group, rows: timed.append((group, rows)) or real(group, rows)
     layer = model.model.layers[0].mlp.down_proj
-    with routes.installed():
-        for _ in range(3):
-            layer(torch.randn(4, layer.in_features))
-        layer(torch.randn(linear_routes_module.MAX_ROUTED_ROWS + 1, layer.in_features))
-    assert timed == [("decoder", 4)] and routes.used()["decoder"][4] in linear_routes_module.ROUTES
+    pairs = [(group, rows) for group in ("head", "decoder") for rows in linear_routes_module.CALIBRATED_ROWS]
+    for _ in range(2):  # the second call's block times nothing
+        with routes.installed():
+            assert sorted(timed) == sorted(pairs)
+            for rows in (1, 3, 7, 16, linear_routes_module.MAX_ROUTED_ROWS + 1):
+                layer(torch.randn(rows, layer.in_features))
+        assert sorted(timed) == sorted(pairs)
     assert routes.calibration_seconds > 0
+    routes.routes = {("decoder", 1): "linear", ("decoder", 2): "left", ("decoder", 4): "linear", ("decoder", 8): "left"}
+    assert [routes.route("decoder", n) for n in (1, 2, 3, 4, 7, 8, 16, 17)] == \
+        ["linear", "left", "left", "linear", "linear", "left", "left", "linear"]
     try:
         with routes.installed():
             raise KeyboardInterrupt

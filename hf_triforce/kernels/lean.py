@@ -99,8 +99,8 @@ class Projection:
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, precision: str,
                  group_size: int = INT4_GROUP_SIZE, weight_left: bool = False) -> None:
-        """``weight_left``: fp32 products of 2-16 rows run as ``(W @ x.T).T`` (the output layer: see
-        `linear_routes`: on the CPUs measured the output layer's were always cheaper so; the target's own layers are timed)."""
+        """``weight_left``: fp32 products of 2-16 rows run as ``(W @ x.T).T`` (the output layer: on every CPU measured
+        its products were cheaper so, `linear_routes`, which times the target's own layers)."""
         weight = weight.detach().float()
         self.weight_left = weight_left
         self.out_features, self.in_features = weight.shape

@@ -10,10 +10,13 @@ Which is faster depends on the CPU and the row count. SmolLM2-135M fp32, 2 threa
 projections (an AVX2 AMD EPYC, MKL 2024.2): ``F.linear`` 81-87 ms for one row, 160 ms for two and four rows, 135 ms
 for seven; weight-left 66-71 ms (one row as two columns), 57, 59 and 92 ms. On an AVX-512 Xeon ``F.linear`` was as
 fast or faster for the decoder's projections, while its 49152x576 output layer was 2-3x cheaper weight-left at 2-16
-rows. So `LinearRoutes` times both routes the first time a layer group (``"head"``: the output layer; ``"decoder"``:
-every other eligible layer) multiplies a given number of rows, on a working set of the group's own weights larger
-than a last-level cache, and keeps the faster one for the model (later calls reuse it; calls of more than
-`MAX_ROUTED_ROWS` rows, the prefill's chunks, keep ``F.linear``).
+rows. So `LinearRoutes` times both routes for each layer group (``"head"``: the output layer; ``"decoder"``: every other
+eligible layer) at 1, 2, 4 and 8 rows (`CALIBRATED_ROWS`; a call of ``n`` rows takes the route of the largest of them
+not above ``n``), on a working set of the group's own weights larger than a last-level cache, before the call decodes
+(so that no timed forward of the adaptive policy includes it), and keeps them for the model's later calls; calls of
+more than `MAX_ROUTED_ROWS` rows, the prefill's chunks, keep ``F.linear``. Timing every count from 1 to 11 took 2.2-4.7
+s on the EPYC and chose the same routes as these four (one row ``F.linear``, two or more weight-left, both groups);
+the four take ~0.8 s once per model and process (`TriForceStats.linear_calibration_seconds`).
 
 Exactness: each row's outputs are its own dot products under either route (the columns of ``W @ x.T`` never mix), so
 a row does not depend on the values of the call's other rows; the route depends on the row count and on timings,
@@ -33,10 +36,11 @@ from torch.nn import functional as F
 
 ROUTES = ("linear", "left")
 MAX_ROUTED_ROWS = 16  # more rows (a prefill chunk): F.linear, a compute-bound product either way
-# the weights one timing streams: more than a last-level cache (32 MB per AMD CCX, up to ~100 MB on a Xeon socket's
-# share), else the timing measures cache-resident products a decoding forward never sees
-CALIBRATION_BYTES = 128 << 20
-CALIBRATION_ROUNDS = 3  # per route: the fastest of these (the machine is shared; the minimum is the stable figure)
+CALIBRATED_ROWS = (1, 2, 4, 8)  # the row counts timed; n rows take the route of the largest of these <= n
+# the weights one timing streams: more than a last-level cache (32 MB per AMD CCX), else the timing measures
+# cache-resident products a decoding forward never sees (48 MB and 128 MB chose the same routes on the EPYC)
+CALIBRATION_BYTES = 48 << 20
+CALIBRATION_ROUNDS = 2  # per route: the fastest of these (the machine is shared; the minimum is the stable figure)
 
 # model -> its LinearRoutes: calibrations are kept for the model's later calls (dropped with the model)
 _ROUTES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -75,15 +79,23 @@ class LinearRoutes:
                 "decoder": [layer for layer in layers if layer is not head and eligible(layer)]}
 
     def route(self, group: str, rows: int) -> str:
-        """The faster route for ``rows`` rows through ``group`` (timed now if not yet: `calibrate`)."""
+        """The route for ``rows`` rows through ``group``: that of the largest `CALIBRATED_ROWS` count not above
+        ``rows`` (timed now if not yet: `calibrate`)."""
         if rows > MAX_ROUTED_ROWS:
             return "linear"
-        key = (group, rows)
+        key = (group, max(count for count in CALIBRATED_ROWS if count <= rows))
         if key not in self.routes:
             began = time.perf_counter()
-            self.routes[key] = self.calibrate(group, rows)
+            self.routes[key] = self.calibrate(*key)
             self.calibration_seconds += time.perf_counter() - began
         return self.routes[key]
+
+    def calibrate_all(self) -> None:
+        """Time every group at every `CALIBRATED_ROWS` count not timed yet."""
+        for group, layers in self.groups.items():
+            for rows in CALIBRATED_ROWS:
+                if layers:
+                    self.route(group, rows)
 
     @torch.no_grad()
     def calibrate(self, group: str, rows: int) -> str:
@@ -106,7 +118,7 @@ class LinearRoutes:
         return min(ROUTES, key=lambda route: (best[route], route != "linear"))
 
     def used(self) -> dict[str, dict[int, str]]:
-        """``{group: {rows: route}}`` of every row count calibrated so far."""
+        """``{group: {rows: route}}`` of every `CALIBRATED_ROWS` count timed so far."""
         out: dict[str, dict[int, str]] = {}
         for (group, rows), route in sorted(self.routes.items()):
             out.setdefault(group, {})[rows] = route
@@ -127,10 +139,12 @@ class LinearRoutes:
 
     @contextmanager
     def installed(self) -> Iterator[LinearRoutes]:
-        """For the duration of the block, every layer of the groups multiplies by its group's route."""
+        """For the duration of the block, every layer of the groups multiplies by its group's route (every route timed
+        first: `calibrate_all`)."""
         switched, outer = [], self.groups
         self.groups = self.find_groups()  # layers an enclosing block switched are not eligible: left alone
         try:
+            self.calibrate_all()
             for group, layers in self.groups.items():
                 for layer in layers:
                     layer.forward = self._forward(layer, group)

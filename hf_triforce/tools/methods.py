@@ -18,7 +18,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from ..config import TriForceConfig
+from ..config import DEFAULT_WINDOW, TriForceConfig
 from ..drafters import DRAFTERS
 from ..drafters.registry import MODEL_DRAFTER
 
@@ -71,8 +71,8 @@ class Method:
         gamma1, gamma2 = chosen_gammas(gammas, self.kind)
         draft_model = overrides.pop("draft_model", None)
         draft = draft_model if self.drafter == "draft" else self.drafter
-        settings = dict(draft=draft, retrieval_budget=budget, chunk_size=8, sink_tokens=16, window=256, gamma1=gamma1,
-                        gamma2=gamma2 if self.levels == 3 else STREAMING_GAMMA, levels=self.levels,
+        settings = dict(draft=draft, retrieval_budget=budget, chunk_size=8, sink_tokens=16, window=DEFAULT_WINDOW,
+                        gamma1=gamma1, gamma2=gamma2 if self.levels == 3 else STREAMING_GAMMA, levels=self.levels,
                         draft_precision=self.precision, policy=self.policy)
         settings.update(overrides)
         return TriForceConfig(**settings)
@@ -128,7 +128,8 @@ def add_triforce_arguments(parser: argparse.ArgumentParser, positive) -> None:
     group.add_argument("--gamma2", type=positive, default=None,
                        help="Force-2 tokens per Force-3 step (default 8 with lookup drafters, 6 with models)")
     group.add_argument("--sink-tokens", type=int, default=16, help="Force-1 cache sink tokens (default 16)")
-    group.add_argument("--window", type=positive, default=256, help="Force-1 cache window (default 256)")
+    group.add_argument("--window", type=positive, default=DEFAULT_WINDOW,
+                       help=f"Force-1 cache window (default {DEFAULT_WINDOW}, TriForceConfig's)")
 
 
 def knobs_from_args(args: argparse.Namespace) -> dict:
