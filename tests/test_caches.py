@@ -160,3 +160,32 @@ def test_a_reselection_copies_only_new_chunks_and_holds_what_a_fresh_selection_h
         assert mine.length == theirs.length == budget
         for a, b in zip(mine.valid(), theirs.valid()):
             assert torch.equal(_entry_set(a), _entry_set(b))
+
+
+def test_reselections_renew_only_the_recent_tokens_that_entered_and_hold_a_fresh_selections_entries():
+    """The recent region is a ring: a re-selection after the context grew by ``d <= recent`` tokens writes only those
+    ``d`` tokens (into the slots of the ``d`` that left; the other slots keep their entries), more growth rewrites it
+    all, and after every re-selection, wrap-arounds included, each layer, row and KV head holds a fresh selection's
+    entries (order aside)."""
+    torch.manual_seed(2)
+    chunk, budget, recent = 8, 96, 16
+    full = BufferCache(2, 400)
+    for layer in full.layers:
+        layer.write(torch.randn(2, 3, 203, 4), torch.randn(2, 3, 203, 4))
+    cache = RetrievalCache(2, budget=budget, chunk_size=chunk, recent=recent, tail_capacity=40)
+    cache.select(full, 203, {i: torch.randn(2, 6, 4) for i in range(2)})
+    region = slice(budget - recent, budget)
+    for grown in (3, 7, 16, 20, 1, 5, 9):
+        before = [layer.keys[:, :, region].clone() for layer in cache.layers]
+        for layer in full.layers:
+            layer.write(torch.randn(2, 3, grown, 4), torch.randn(2, 3, grown, 4))
+        queries = {i: torch.randn(2, 6, 4) for i in range(2)}
+        cache.select(full, full.length, queries)
+        fresh = RetrievalCache(2, budget=budget, chunk_size=chunk, recent=recent, tail_capacity=40)
+        fresh.select(full, full.length, queries)
+        for mine, theirs, old in zip(cache.layers, fresh.layers, before):
+            assert mine.length == theirs.length == budget
+            for a, b in zip(mine.valid(), theirs.valid()):
+                assert torch.equal(_entry_set(a), _entry_set(b))
+            kept = (mine.keys[:, :, region] == old).all(-1)  # [2, 3, recent]: slots left as they were
+            assert (kept.sum(-1) == (recent - grown if grown <= recent else 0)).all() or grown > recent

@@ -41,7 +41,9 @@ ROW_COST_SLOPE = 0.125
 EMA = 0.3  # weight of the newest timing in the moving averages
 # A model drafter's first use fills its sink+window cache (~272 rows at short context). Where the prefill did
 # not time a short-context chunk (a cache= prefix), that fill is priced as this many one-token Force-3 steps:
-# SmolLM2 on 2 CPU threads, 272 rows at short context cost ~0.3 s, 5x a one-token step at 1k, 0.75x at 32k.
+# SmolLM2 on 2 CPU threads, 272 rows at short context cost ~0.3 s, 5x a one-token step at 1k, 0.75x at 32k (measured
+# at window 256; the default window 1024 fills 1040 rows, so a draft model's fill is under-priced here by up to ~4x;
+# the self drafter copies its entries and pays no fill).
 SETUP_IN_STEPS = 4
 # A one-row forward of a tier not timed yet, as a fraction of Force 3's, where the decoder gives no fraction of its
 # own (a draft model): the eager SmolLM2 on its 272-entry cache cost ~0.5 of a Force-3 step at 4-8k on 2 CPU threads.
