@@ -130,17 +130,24 @@ def _entry_set(tensor: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def _selected(seed: int, capacity: int) -> tuple[BufferCache, RetrievalCache]:
+    """A full cache (2 layers, capacity ``capacity``) of 203 random entries per row (2 rows, 3 KV heads) and a retrieval
+    cache (budget 96, chunk 8, recent 16, tail 40) selected from it with random queries."""
+    torch.manual_seed(seed)
+    full = BufferCache(2, capacity)
+    for layer in full.layers:
+        layer.write(torch.randn(2, 3, 203, 4), torch.randn(2, 3, 203, 4))
+    cache = RetrievalCache(2, budget=96, chunk_size=8, recent=16, tail_capacity=40)
+    cache.select(full, 203, {i: torch.randn(2, 6, 4) for i in range(2)})
+    return full, cache
+
+
 def test_a_reselection_copies_only_new_chunks_and_holds_what_a_fresh_selection_holds(monkeypatch):
     """Re-selecting with another query, after the context grew and speculative entries were written: the entry set
     of every layer, batch row and KV head equals a fresh cache's selection (order aside), and only the chunks that
     changed are copied."""
-    torch.manual_seed(1)
     chunk, budget, recent = 8, 96, 16
-    full = BufferCache(2, 260)
-    for layer in full.layers:
-        layer.write(torch.randn(2, 3, 203, 4), torch.randn(2, 3, 203, 4))
-    incremental = RetrievalCache(2, budget=budget, chunk_size=chunk, recent=recent, tail_capacity=40)
-    incremental.select(full, 203, {i: torch.randn(2, 6, 4) for i in range(2)})
+    full, incremental = _selected(seed=1, capacity=260)
     for layer in incremental.layers:  # Force 2's speculative entries past the selection
         layer.write(torch.randn(2, 3, 5, 4), torch.randn(2, 3, 5, 4))
     for layer in full.layers:  # the context grows by accepted tokens
@@ -167,13 +174,8 @@ def test_reselections_renew_only_the_recent_tokens_that_entered_and_hold_a_fresh
     ``d`` tokens (into the slots of the ``d`` that left; the other slots keep their entries), more growth rewrites it
     all, and after every re-selection, wrap-arounds included, each layer, row and KV head holds a fresh selection's
     entries (order aside)."""
-    torch.manual_seed(2)
     chunk, budget, recent = 8, 96, 16
-    full = BufferCache(2, 400)
-    for layer in full.layers:
-        layer.write(torch.randn(2, 3, 203, 4), torch.randn(2, 3, 203, 4))
-    cache = RetrievalCache(2, budget=budget, chunk_size=chunk, recent=recent, tail_capacity=40)
-    cache.select(full, 203, {i: torch.randn(2, 6, 4) for i in range(2)})
+    full, cache = _selected(seed=2, capacity=400)
     region = slice(budget - recent, budget)
     for grown in (3, 7, 16, 20, 1, 5, 9):
         before = [layer.keys[:, :, region].clone() for layer in cache.layers]
