@@ -65,8 +65,8 @@ def test_linear_routes_are_timed_once_per_model_before_any_forward_and_restored_
         assert sorted(timed) == sorted(pairs)
     assert routes.calibration_seconds > 0
     routes.routes = {("decoder", 1): "linear", ("decoder", 2): "left", ("decoder", 4): "linear", ("decoder", 8): "left"}
-    assert [routes.route("decoder", n) for n in (1, 2, 3, 4, 7, 8, 16, 17)] == \
-        ["linear", "left", "left", "linear", "linear", "left", "left", "linear"]
+    assert [routes.route("decoder", n) for n in (0, 1, 2, 3, 4, 7, 8, 16, 17)] == \
+        ["linear", "linear", "left", "left", "linear", "linear", "left", "left", "linear"]
     try:
         with routes.installed():
             raise KeyboardInterrupt

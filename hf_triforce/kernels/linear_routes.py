@@ -6,17 +6,17 @@ Two routes compute the same dot products in another summation order (fp32 roundi
 - ``"left"``: weight on the left, ``(W @ x.T).T``; one row goes in as two identical columns and the first is kept
   (MKL's one-column product takes a slower kernel than its two-column one on some CPUs).
 
-Which is faster depends on the CPU and the row count. SmolLM2-135M fp32, 2 threads, the 30 decoder layers' seven
-projections (an AVX2 AMD EPYC, MKL 2024.2): ``F.linear`` 81-87 ms for one row, 160 ms for two and four rows, 135 ms
-for seven; weight-left 66-71 ms (one row as two columns), 57, 59 and 92 ms. On an AVX-512 Xeon ``F.linear`` was as
-fast or faster for the decoder's projections, while its 49152x576 output layer was 2-3x cheaper weight-left at 2-16
-rows. So `LinearRoutes` times both routes for each layer group (``"head"``: the output layer; ``"decoder"``: every other
-eligible layer) at 1, 2, 4 and 8 rows (`CALIBRATED_ROWS`; a call of ``n`` rows takes the route of the largest of them
-not above ``n``), on a working set of the group's own weights larger than a last-level cache, before the call decodes
-(so that no timed forward of the adaptive policy includes it), and keeps them for the model's later calls; calls of
-more than `MAX_ROUTED_ROWS` rows, the prefill's chunks, keep ``F.linear``. Timing every count from 1 to 11 took 2.2-4.7
-s on the EPYC and chose the same routes as these four (one row ``F.linear``, two or more weight-left, both groups);
-the four take ~0.8 s once per model and process (`TriForceStats.linear_calibration_seconds`).
+Which is faster depends on the CPU and the row count. SmolLM2-135M fp32's whole forward without a cache, 2 threads, an
+AVX2 AMD EPYC (MKL 2024.2): ``F.linear`` 92-110 ms for one row, 152-160 for two, 181-199 for four, 164-187 for seven;
+weight-left 146 (one row as two columns), 84-110, 95-110 and 160-178 ms. On an AVX-512 Xeon ``F.linear`` was as fast or
+faster for the decoder's projections, while its 49152x576 output layer was 2-3x cheaper weight-left at 2-16 rows. So
+`LinearRoutes` times both routes for each layer group (``"head"``: the output layer; ``"decoder"``: every other eligible
+layer) at 1, 2, 4 and 8 rows (`CALIBRATED_ROWS`; a call of ``n`` rows takes the route of the largest of them not above
+``n``), on a working set of the group's own weights larger than a last-level cache, before the call decodes (so that no
+timed forward of the adaptive policy includes it), and keeps them for the model's later calls; calls of more than
+`MAX_ROUTED_ROWS` rows, the prefill's chunks, keep ``F.linear``. Timing every count from 1 to 11 took 2.2-4.7 s on the
+EPYC and chose the same routes as these four (one row ``F.linear``, two or more weight-left, both groups); the four take
+~0.8 s once per model and process (`TriForceStats.linear_calibration_seconds`).
 
 Exactness: each row's outputs are its own dot products under either route (the columns of ``W @ x.T`` never mix), so
 a row does not depend on the values of the call's other rows; the route depends on the row count and on timings,
@@ -62,7 +62,8 @@ def multiply(route: str, rows: torch.Tensor, weight: torch.Tensor) -> torch.Tens
 
 
 class LinearRoutes:
-    """The route of each layer group (``"head"``, ``"decoder"``) and row count for one model, timed on first use."""
+    """The route of each layer group (``"head"``, ``"decoder"``) and row count for one model, timed when first
+    installed (`calibrate_all`)."""
 
     def __init__(self, model: nn.Module) -> None:
         self.model = weakref.ref(model)  # kept in `_ROUTES` under the model: no strong reference back to it
@@ -81,7 +82,7 @@ class LinearRoutes:
     def route(self, group: str, rows: int) -> str:
         """The route for ``rows`` rows through ``group``: that of the largest `CALIBRATED_ROWS` count not above
         ``rows`` (timed now if not yet: `calibrate`)."""
-        if rows > MAX_ROUTED_ROWS:
+        if not 1 <= rows <= MAX_ROUTED_ROWS:
             return "linear"
         key = (group, max(count for count in CALIBRATED_ROWS if count <= rows))
         if key not in self.routes:
@@ -92,10 +93,9 @@ class LinearRoutes:
 
     def calibrate_all(self) -> None:
         """Time every group at every `CALIBRATED_ROWS` count not timed yet."""
-        for group, layers in self.groups.items():
+        for group in (group for group, layers in self.groups.items() if layers):
             for rows in CALIBRATED_ROWS:
-                if layers:
-                    self.route(group, rows)
+                self.route(group, rows)
 
     @torch.no_grad()
     def calibrate(self, group: str, rows: int) -> str:
