@@ -68,8 +68,30 @@ def run_case(model_and_prompt, case, mutate=None):
     return law, paths, stats, target_law(model, prompt, processors, new)
 
 
+def recording_siblings(monkeypatch) -> tuple[list[int], set[tuple[int, ...]]]:
+    """Records, while a case runs, each drawn sibling's support size and each tree's sibling counts per depth."""
+    draws, shapes = [], set()
+
+    def recorded_draws(law, count, sampler, drawn=None):
+        tokens, laws = draw_siblings(law, count, sampler, drawn)
+        draws.extend(int((sibling_law > 0).sum()) for sibling_law in laws)
+        return tokens, laws
+
+    def recorded_counts(*args):
+        counts = sibling_counts(*args)
+        shapes.add(tuple(counts))
+        return counts
+
+    monkeypatch.setattr(branching, "draw_siblings", recorded_draws)
+    monkeypatch.setattr(branching, "sibling_counts", recorded_counts)
+    return draws, shapes
+
+
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_enumerated_law_with_trees_equals_the_target_law(setup, case):  # noqa: F811
+def test_enumerated_law_with_trees_equals_the_target_law(setup, monkeypatch, case):  # noqa: F811
+    """Every case's law; the sampled-siblings case also exercises what it claims: siblings drawn at random (with
+    more than one token left), and where they go varies with the drafted chain (at both positions on some paths)."""
+    draws, shapes = recording_siblings(monkeypatch)
     law, paths, stats, exact = run_case(setup, case)
     assert abs(sum(law.values()) - 1.0) < 1e-6 and paths > 10
     assert set(law) <= {k for k, p in exact.items() if p > 0}, "a sequence of probability zero was emitted"
@@ -78,6 +100,9 @@ def test_enumerated_law_with_trees_equals_the_target_law(setup, case):  # noqa: 
     if case in FORCE2_TREES:
         assert any(s.tree_side_accepts for s in stats), "Force 3 never accepted one of Force 2's alternatives"
     assert any(0 < s.force3_accepted < s.force2_proposed for s in stats)
+    if case == "self sampled siblings, two levels":
+        assert draws and max(draws) > 1
+        assert len({shape for shape in shapes if sum(shape) == 2}) > 1, shapes
 
 
 def stale_residual_at_force3(decoder):
@@ -94,28 +119,6 @@ def stale_residual_at_force2(decoder):
 def test_a_stale_residual_is_caught(setup, case, mutate):  # noqa: F811
     law, _, _, exact = run_case(setup, case, mutate)
     assert distance(law, exact) > 100 * TOLERANCE, f"the enumeration did not catch: {mutate.__name__}"
-
-
-def test_model_drafter_tree_had_sampled_siblings(setup, monkeypatch):  # noqa: F811
-    """The sampled-siblings case exercises what it claims: siblings drawn at random (with more than one token
-    left), and where they go varies with the drafted chain (at both positions on some paths)."""
-    draws, shapes = [], set()
-
-    def recorded_draws(law, count, sampler, drawn=None):
-        tokens, laws = draw_siblings(law, count, sampler, drawn)
-        draws.extend(int((sibling_law > 0).sum()) for sibling_law in laws)
-        return tokens, laws
-
-    def recorded_counts(*args):
-        counts = sibling_counts(*args)
-        shapes.add(tuple(counts))
-        return counts
-
-    monkeypatch.setattr(branching, "draw_siblings", recorded_draws)
-    monkeypatch.setattr(branching, "sibling_counts", recorded_counts)
-    run_case(setup, "self sampled siblings, two levels")
-    assert draws and max(draws) > 1
-    assert len({shape for shape in shapes if sum(shape) == 2}) > 1, shapes
 
 
 def test_siblings_with_the_unrenormalised_law_are_caught(setup, monkeypatch):  # noqa: F811

@@ -33,8 +33,10 @@ class ModelDrafter:
         forward over them, where it can (`copy_refusal`; `fill` says how). ``positions``: the cache's
         (`SinkWindowCache`): ``"slots"`` (in-cache) or ``"absolute"`` (the tokens' own)."""
         self.model = model
-        self.cache = SinkWindowCache(num_layers(model.config), sink_tokens, window, make_layer_rerotations(model),
-                                     positions)
+        layers = num_layers(model.config)
+        # at absolute positions no key is ever moved: the probe forward of `make_layer_rerotations` is not paid
+        rerotations = make_layer_rerotations(model) if positions == "slots" else [None] * layers
+        self.cache = SinkWindowCache(layers, sink_tokens, window, rerotations, positions)
         self.cache.expect_devices(layer_devices(model))
         refusal = copy_refusal(source) if source is not None else "drafting with another model than the target"
         self.source = source if refusal is None else None
