@@ -36,6 +36,9 @@ def summary(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
+TIERS = ("force1", "force2", "force3", "retrieval")  # the `TriForceStats` seconds of the detail table's shares
+
+
 def kv_megabytes(model: str, dtype: str, tokens: int) -> float:
     """A full KV cache of ``tokens`` tokens of preset ``model`` in ``dtype``, MiB."""
     return model_shape(model, dtype).kv_bytes_per_token * tokens / 2**20
@@ -52,19 +55,16 @@ def details(results: list[dict], target: str, draft: str | None, dtype: str) -> 
         for method, entry in result["methods"].items():
             stats, tokens = entry["stats"], result["context"] + entry["new_tokens"]
             if stats:
-                spent = sum(stats[f"{tier}_seconds"] for tier in ("force1", "force2", "force3", "retrieval")) or 1.0
-                share = "/".join(f"{100 * stats[f'{tier}_seconds'] / spent:.0f}"
-                                 for tier in ("force1", "force2", "force3", "retrieval")) + " %"
+                spent = sum(stats[f"{tier}_seconds"] for tier in TIERS) or 1.0
+                share = "/".join(f"{100 * stats[f'{tier}_seconds'] / spent:.0f}" for tier in TIERS) + " %"
                 memory = (stats["full_cache_bytes"] + stats["retrieval_cache_bytes"] + stats["draft_cache_bytes"]
                           ) / 2**20
                 cells = [f"{stats['force3_acceptance']:.2f}", f"{stats['tokens_per_force3_step']:.2f}", share,
                          f"{memory:.0f}"]
             else:
-                memory = kv_megabytes(target, dtype, tokens)
-                if method.startswith("assisted") and draft:
-                    memory += kv_megabytes(draft, dtype, tokens)
-                cells = ["-", "-", "-", f"{memory:.0f}" + (" (target + draft)" if method.startswith("assisted")
-                                                             else "")]
+                second = draft if method.startswith("assisted") else None  # HF assisted: the draft's own full cache
+                memory = kv_megabytes(target, dtype, tokens) + (kv_megabytes(second, dtype, tokens) if second else 0)
+                cells = ["-", "-", "-", f"{memory:.0f}" + (" (target + draft)" if second else "")]
             lines.append(f"| {result['context']} | {mode} | {method} | {entry['decode_tokens_per_second']:.2f} | "
                          f"{ratios[method]:.2f}x | " + " | ".join(cells) + " |")
     return "\n".join(lines)
