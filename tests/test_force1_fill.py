@@ -113,3 +113,33 @@ def test_copy_is_refused_for_sliding_window_layers_and_positions_resolve():
     assert draft_positions(TriForceConfig(draft_positions="slots"), target, target) == "slots"
     with pytest.raises(ValueError, match="draft_positions must be one of"):
         TriForceConfig(draft_positions="relative")
+
+
+def test_a_draft_model_fills_by_its_own_weights_and_drafts_by_its_lean_copy(monkeypatch):
+    """A draft model (no entries to copy) fills its cache by a forward of its own weights, not of its int4 copy (whose
+    kernels suit a few rows): the entries are those the eager draft model writes, bit for bit, and the drafting
+    forwards after it run the lean copy."""
+    from hf_triforce.drafters import DraftContext, build_drafter
+    from hf_triforce.kernels.lean import LeanModel
+    from hf_triforce.verification.sampling import TorchSampler
+
+    target, draft = make_model("llama-gqa"), make_model("llama-gqa", seed=4)
+    config = TriForceConfig(draft=draft, draft_precision="lean-int4", sink_tokens=SINK, window=WINDOW)
+    drafter = build_drafter(DraftContext(target, config, LogitsProcessorList(), False, TorchSampler(), None))
+    assert isinstance(drafter.model, LeanModel) and drafter.fill_model is draft
+    eager = ModelDrafter(draft, SINK, WINDOW, LogitsProcessorList(), False, None, positions="absolute")
+    prompt = random_prompt(80, seed=3)
+    lean_forwards = []
+    real = LeanModel.__call__
+    monkeypatch.setattr(LeanModel, "__call__", lambda self, *a, **k: lean_forwards.append(1) or real(self, *a, **k))
+    with torch.no_grad():
+        drafter.prefill(prompt)
+        eager.prefill(prompt)
+        assert not lean_forwards and drafter.seen == eager.seen == 79
+        held = drafter.cache.length
+        assert held == eager.cache.length == SINK + WINDOW - drafter.cache.evict_block
+        for layer, reference in zip(drafter.cache.layers, eager.cache.layers):
+            assert torch.equal(layer.keys[:, :, :held], reference.keys[:, :, :held])
+            assert torch.equal(layer.values[:, :, :held], reference.values[:, :, :held])
+        drafter.propose(prompt, 2)
+    assert len(lean_forwards) == 2

@@ -7,8 +7,9 @@ import torch
 from transformers import LogitsProcessorList, TopKLogitsWarper
 
 from hf_triforce import TriForceConfig
-from hf_triforce.decoding.loop import Decoder
+from hf_triforce.decoding.loop import Decoder, weight_bytes
 from hf_triforce.decoding.policy import (
+    FILL_ROW_FRACTION,
     UNMEASURED_FRACTION,
     AcceptanceRate,
     AdaptivePolicy,
@@ -230,6 +231,29 @@ def test_unmeasured_tiers_are_priced_at_their_prior_fraction_of_force3():
     assert dear.choose(remaining_tokens=1000) == Plan(1)
     cheap.observe_forward("draft:self", 1, 0.06)  # timed: the measurement replaces the prior
     assert cheap._drafter_seconds("self", 2) == pytest.approx(0.12)
+
+
+def test_the_decoder_prices_a_draft_model_by_its_bytes_and_its_fill_by_its_rows():
+    """A draft model's drafting forward is priced by the bytes its lean copy and cache read (not the flat
+    UNMEASURED_FRACTION), and its cache's first fill, unmeasured behind a prefilled prefix, by its rows in the
+    target's rows (rows x its bytes as a fraction of the target's), each at FILL_ROW_FRACTION of a Force-3 forward."""
+    target, draft = make_model("llama-gqa"), make_model("llama-gqa", seed=4, num_hidden_layers=1)
+    prompt = random_prompt(300, period=37)
+    config = TriForceConfig(draft=draft, retrieval_budget=64, window=24)
+    decoder = Decoder(target, config, None, None, [prompt.shape[1] + 4], False)
+    with torch.no_grad(), recording_attention(target):
+        decoder.run([prompt])
+    fractions = decoder.tier_fractions(prompt.shape[1])
+    assert 0 < fractions["draft:model"] < fractions["draft:self"] < 1  # one layer of two: fewer bytes
+    rows = decoder.policy.setup_rows["model"]
+    assert rows == pytest.approx((config.sink_tokens + config.window) * weight_bytes(draft) / weight_bytes(target))
+    policy = AdaptivePolicy({"model": "model"}, (), 2, 6, explore_every=100, setup_seconds={"model": None})
+    policy.setup_rows = {"model": 400.0}
+    policy.observe_forward("force3", 1, 0.1)
+    plan = Plan(2, "model", gamma2=2)
+    policy.remaining_tokens = 100
+    tokens, seconds = policy.predict(plan)
+    assert seconds - policy._predict(plan)[1] == pytest.approx(FILL_ROW_FRACTION * 400 * 0.1 * tokens / 100)
 
 
 def test_the_decoder_prices_the_target_s_tiers_by_the_bytes_they_read():

@@ -68,6 +68,16 @@ def adaptive_policy(config: TriForceConfig, draft_name: str, max_length: int) ->
                           max_lookup_gamma2=config.lookup_gamma2)
 
 
+def kv_bytes_per_token(model) -> int:
+    """Bytes one position of ``model``'s KV cache holds (keys and values of every layer, in its dtype)."""
+    config = model.config.get_text_config()
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    dtype = next(model.parameters()).dtype
+    return 2 * compat.num_layers(config) * kv_heads * head_dim * torch.finfo(dtype).bits // 8
+
+
 def weight_bytes(model) -> int:
     """Bytes of weights one forward of ``model`` reads: a lean copy's (`LeanModel.weight_bytes`), or every parameter
     but an input embedding that is not also the output layer (a forward reads one row of it)."""
@@ -232,7 +242,13 @@ class Decoder:
         force1 = weight_bytes(tier_model(self.model, self.config.draft_precision, 1)) + window * per_token
         force2 = weight_bytes(tier_model(self.model, self.config.draft_precision, 2)) + \
             min(self.config.retrieval_budget, context) * per_token
-        return {"draft:self": force1 / force3, "force2": force2 / force3}
+        fractions = {"draft:self": force1 / force3, "force2": force2 / force3}
+        for name, kind in (self.policy.drafters.items() if self.policy is not None else ()):
+            drafter = self.drafter(0, name) if kind == "model" else None
+            if drafter is not None and drafter.source is None:  # a draft model: its drafting copy and its own cache
+                own = weight_bytes(drafter.model) + window * kv_bytes_per_token(drafter.fill_model)
+                fractions[f"draft:{name}"] = own / force3
+        return fractions
 
     def _tier_models(self) -> list:
         """The models Force 1 and Force 2 run for the config's drafting precision, for the target and a draft model
@@ -254,10 +270,13 @@ class Decoder:
             first = self.sampler.categorical(scores_to_probs(scores)[0]) if self.do_sample else int(scores[0].argmax())
             done[b] = outs[b].commit(first, scores[0], first_logits[b][0])
         if policy is not None:  # a draft cache's fill is a short-context prefill, priced at the prefill's speed
-            rows_to_fill = self.config.sink_tokens + self.config.window
-            policy.setup_seconds = {name: None if seconds_per_token is None else rows_to_fill * seconds_per_token
-                                    for name, kind in policy.drafters.items()
-                                    if kind == "model" and self.drafter(0, name).source is None}  # a copy: ~free
+            window = self.config.sink_tokens + self.config.window
+            fills = {name: window * weight_bytes(self.drafter(0, name).fill_model) / weight_bytes(self.model)
+                     for name, kind in policy.drafters.items()
+                     if kind == "model" and self.drafter(0, name).source is None}  # a copy: ~free
+            policy.setup_seconds = {name: None if seconds_per_token is None else fill * seconds_per_token
+                                    for name, fill in fills.items()}
+            policy.setup_rows = fills
             policy.prior_fractions.update(self.tier_fractions(max(ids.shape[1] for ids in rows)))
         lookups = [name for name, kind in (policy.drafters.items() if policy else []) if kind == "lookup"]
         force3_seconds = 0.0

@@ -39,12 +39,14 @@ from dataclasses import dataclass
 # (SmolLM2-135M fp32, 2 CPU threads: 9 rows cost about 2x one row, docs/results.md).
 ROW_COST_SLOPE = 0.125
 EMA = 0.3  # weight of the newest timing in the moving averages
-# A model drafter's first use fills its sink+window cache (~272 rows at short context). Where the prefill did
-# not time a short-context chunk (a cache= prefix), that fill is priced as this many one-token Force-3 steps:
-# SmolLM2 on 2 CPU threads, 272 rows at short context cost ~0.3 s, 5x a one-token step at 1k, 0.75x at 32k (measured
-# at window 256; the default window 1024 fills 1040 rows, so a draft model's fill is under-priced here by up to ~4x;
-# the self drafter copies its entries and pays no fill).
-SETUP_IN_STEPS = 4
+# A draft model's first use fills its sink+window cache by a forward (1040 rows with the default window; the self
+# drafter copies its entries and pays none). Where the prefill did not time its chunks (a cache= prefix), one row of
+# that fill is priced as this fraction of a one-row forward of the same model: the per-row cost of a 1024-row chunk
+# against a one-row decode step, 2 CPU threads: Qwen2.5-Coder-1.5B fp32 0.052 (AVX2 EPYC) / 0.050, bf16 0.025
+# (AVX512-BF16 EPYC), SmolLM2 fp32 0.018 (the largest kept: a fill repaid only in a long call is not started in a
+# short one). The previous flat price, 4 one-token Force-3 steps, under-priced a 1040-row fill of a 0.5B draft for a
+# 1.5B target ~2-4x.
+FILL_ROW_FRACTION = 0.05
 # A one-row forward of a tier not timed yet, as a fraction of Force 3's, where the decoder gives no fraction of its
 # own (a draft model): the eager SmolLM2 on its 272-entry cache cost ~0.5 of a Force-3 step at 4-8k on 2 CPU threads.
 # For the target's own tiers the decoder gives the fraction of bytes they read (`Decoder.tier_fractions`): without
@@ -168,9 +170,11 @@ class AdaptivePolicy:
         self.drafters, self.three_level = drafters, tuple(three_level)
         self.tree_drafters, self.tree_nodes, self.tree_branch = tuple(tree_drafters), tree_nodes, tree_branch
         self.force2_tree_nodes = force2_tree_nodes if three_level else 0
-        # one-time cost of a drafter's first use (a model drafter fills its cache; None: unmeasured), spread
-        # over the steps left
+        # one-time cost of a drafter's first use (a model drafter fills its cache), spread over the steps left; None:
+        # unmeasured, priced by `setup_rows` (its fill's rows in the target's rows: rows x the draft's bytes as a
+        # fraction of the target's) at FILL_ROW_FRACTION of a one-row Force-3 forward each (one row if not given)
         self.setup_seconds: dict[str, float | None] = dict(setup_seconds or {})
+        self.setup_rows: dict[str, float] = {}
         self.remaining_tokens = 1 << 30
         self.max_gamma1, self.max_gamma2 = max_gamma1, max_gamma2
         # a lookup drafter's two-level chains may be longer (they cost nothing to draft)
@@ -258,8 +262,8 @@ class AdaptivePolicy:
         tokens, seconds = self._predict(plan)
         if plan.drafter in self.setup_seconds:
             setup = self.setup_seconds[plan.drafter]
-            if setup is None:  # unmeasured: as much as SETUP_IN_STEPS one-token steps on the full cache
-                setup = SETUP_IN_STEPS * self._force3(1)
+            if setup is None:  # unmeasured: its rows at FILL_ROW_FRACTION of a one-row Force-3 forward each
+                setup = FILL_ROW_FRACTION * self.setup_rows.get(plan.drafter, 1.0) * self._force3(1)
             seconds += setup * tokens / max(self.remaining_tokens, tokens)
         return tokens, seconds
 
