@@ -20,7 +20,7 @@ from transformers import LogitsProcessorList
 
 from hf_triforce.config import TriForceConfig
 from hf_triforce.drafters.model import ModelDrafter
-from hf_triforce.kernels.lean import tier_model
+from hf_triforce.kernels.lean import resolve_draft_precision, tier_model
 from hf_triforce.tools import assets
 
 
@@ -53,10 +53,10 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     model, tokenizer = assets.load_model(args.draft, dtype=getattr(torch, args.dtype))
     model.eval()
-    config = TriForceConfig()
+    config, why = resolve_draft_precision(TriForceConfig(), model)  # the default's drafting precision here
     prompt = tokenizer(assets.python_source(), return_tensors="pt").input_ids[:, : args.context]
     drafting = tier_model(model, config.draft_precision, 1)
-    result = {"draft": args.draft, "dtype": args.dtype, "draft_precision": config.draft_precision,
+    result = {"draft": args.draft, "dtype": args.dtype, "draft_precision": config.draft_precision, "why": why,
               "rows_filled": min(prompt.shape[1] - 1, config.sink_tokens + config.window), "threads": args.threads,
               "by_lean_copy": timed_fill(drafting, None, prompt, config, args.repeats),
               "by_own_weights": timed_fill(drafting, model, prompt, config, args.repeats)}
