@@ -574,7 +574,8 @@ def publish_markdown(published: dict) -> str:
 
 
 def preset_check(hosts: dict) -> list[str]:
-    """`DEVICES["cpu-this"]` is the cpu-11-30 fit and `GPU_LAYER_OVERHEAD` the h200 fit (rounded): say so."""
+    """`DEVICES["cpu-this"]` is the cpu-11-30 fit, ``cpu-epyc-avx2`` / ``cpu-zen4`` the cpu-12-02 / cpu-12-03 fits and
+    `GPU_LAYER_OVERHEAD` the h200 fit (rounded): say so."""
     cpu, gpu = hosts["cpu-11-30"]["params"], hosts["h200"]["params"]
     preset = device("cpu-this", "float32")
     pairs = [("cpu-this bandwidth", preset.bandwidth, cpu["bandwidth"]),
@@ -582,6 +583,11 @@ def preset_check(hosts: dict) -> list[str]:
              ("cpu-this flops", preset.flops, cpu["flops"]),
              ("cpu-this attention_flops", preset.attention_flops, cpu["attention_flops"]),
              ("GPU_LAYER_OVERHEAD", GPU_LAYER_OVERHEAD, gpu["layer_overhead"])]
+    for preset_name, host, dtype in (("cpu-epyc-avx2", "cpu-12-02", "float32"), ("cpu-zen4", "cpu-12-03", "bfloat16")):
+        if host not in hosts:
+            continue
+        preset = device(preset_name, dtype)
+        pairs += [(f"{preset_name} {key}", getattr(preset, key), hosts[host]["params"][key]) for key in LEAN_HOST]
     lines = []
     for name, value, fitted in pairs:
         agree = abs(value / fitted - 1) < 0.02

@@ -103,6 +103,17 @@ def test_force1_and_force2_read_the_drafting_copy():
     assert tier_precision("auto", cpu, [model_shape(TINY)]) == "model"  # widths the int4 group does not divide
 
 
+def test_fitted_cpu_presets_price_the_int4_copies():
+    zen4 = device("cpu-zen4", "bfloat16")
+    assert zen4.cpu and zen4.quantized_bandwidth and zen4.quantized_flops and zen4.layer_overhead == 0.0
+    qwen = model_shape("qwen2.5-coder-1.5b")
+    tiers = tier_seconds(qwen, zen4, 8000)
+    assert tiers["draft:self"][1] == forward_seconds(qwen, zen4, 1040, precision="lean-int4") < tiers["force3"][1]
+    assert device("cpu-epyc-avx2", "float32").quantized_bandwidth < device("cpu-epyc-avx2", "float32").bandwidth
+    with pytest.raises(ValueError, match=r"FLOP/s for \['bfloat16'\] only"):
+        device("cpu-zen4", "float32")
+
+
 def test_a_fill_keeps_the_last_rows_logits():
     tiny = model_shape(TINY)
     # 100 rows over 50 cached entries on average: every layer's matrices for 100 rows, the output layer for one

@@ -96,6 +96,14 @@ GPU_LAYER_OVERHEAD = 0.80e-3
 # 113 points within 25%): bytes/s of one-row and multi-row weight reads, matmul and attention FLOP/s, no per-layer
 # overhead beyond those (the fit puts it at 0).
 CPU_BANDWIDTH, CPU_GEMM_BANDWIDTH, CPU_FLOPS, CPU_ATTENTION_FLOPS = 10.2e9, 10.5e9, 35.8e9, 124e9
+# The CPUs that ran the Qwen2.5-Coder 1.5B / 0.5B pair with lean-int4 drafting tiers, 2 threads, as fitted by
+# benchmarks/project_calibration.py (per-layer overhead 0 and the multi-row weight rate = bandwidth, fixed there):
+# memory bytes/s, matmul and attention FLOP/s, the int4 copies' bytes/s and FLOP/s. Session 15's AVX2 EPYC in fp32
+# (host "cpu-12-02") and session 16's Zen 4 EPYC with AVX512-BF16 in bf16 (host "cpu-12-03").
+EPYC_AVX2_FP32 = dict(bandwidth=11.8e9, flops=19.7e9, attention_flops=151e9, quantized_bandwidth=8.65e9,
+                      quantized_flops=49.7e9)
+ZEN4_BF16 = dict(bandwidth=14.6e9, flops=403e9, attention_flops=81.3e9, quantized_bandwidth=24.7e9,
+                 quantized_flops=220e9)
 
 # Datasheet peak numbers (dense; bandwidth of the device memory; offload = a host link's practical rate).
 DEVICES: dict[str, dict[str, Any]] = {
@@ -113,6 +121,14 @@ DEVICES: dict[str, dict[str, Any]] = {
                      attention_flops={"float32": CPU_ATTENTION_FLOPS}, layer_overhead=0.0, offload_bandwidth=0.0,
                      cpu=True,
                      notes="this project's 2-core AMD EPYC at 2 torch threads, fp32, fitted (docs/bench/projection)"),
+    **{name: dict(bandwidth=rates["bandwidth"], layer_overhead=0.0, offload_bandwidth=0.0, cpu=True, notes=notes,
+                  **{key: {dtype: rates[key]} for key in ("flops", "attention_flops", "quantized_bandwidth",
+                                                          "quantized_flops")})
+       for name, rates, dtype, notes in (
+           ("cpu-epyc-avx2", EPYC_AVX2_FP32, "float32", "2-core AMD EPYC, AVX2 only, 2 torch threads, fp32 with "
+            "lean-int4 drafting copies, fitted (docs/bench/projection, host cpu-12-02)"),
+           ("cpu-zen4", ZEN4_BF16, "bfloat16", "2-core AMD EPYC Zen 4 (AVX512-BF16), 2 torch threads, bf16 with "
+            "lean-int4 drafting copies, fitted (docs/bench/projection, host cpu-12-03)"))},
 }
 
 
