@@ -102,8 +102,8 @@ CPU_BANDWIDTH, CPU_GEMM_BANDWIDTH, CPU_FLOPS, CPU_ATTENTION_FLOPS = 10.2e9, 10.5
 # (host "cpu-12-02") and session 16's Zen 4 EPYC with AVX512-BF16 in bf16 (host "cpu-12-03").
 EPYC_AVX2_FP32 = dict(bandwidth=11.8e9, flops=19.7e9, attention_flops=151e9, quantized_bandwidth=8.65e9,
                       quantized_flops=49.7e9)
-ZEN4_BF16 = dict(bandwidth=14.6e9, flops=403e9, attention_flops=81.3e9, quantized_bandwidth=24.7e9,
-                 quantized_flops=220e9)
+ZEN4_BF16 = dict(bandwidth=14.2e9, flops=424e9, attention_flops=143e9, quantized_bandwidth=26.7e9,
+                 quantized_flops=215e9)
 
 # Datasheet peak numbers (dense; bandwidth of the device memory; offload = a host link's practical rate).
 DEVICES: dict[str, dict[str, Any]] = {
