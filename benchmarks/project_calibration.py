@@ -7,7 +7,7 @@ per-forward measurements and reports predicted vs measured for every point, fitt
 
 Machines ("hosts"): the recorded CPU runs come from different machines or loads (the same static-cache ``generate``
 of SmolLM2 at 16k measured 3.3-3.9 tok/s on 2026-11-29, 5.8-6.7 on 2026-11-30, 10.4-10.9 on 2026-12-01), so each
-host gets its own fit (2 torch threads, fp32 everywhere):
+host gets its own fit (2 torch threads; fp32 everywhere but ``cpu-12-03``):
 
 - ``cpu-11-29``: the first tables (``1k-2k*``, ``4k-8k*``, ``16k*``, ``32k*``) and the Qwen2.5-Coder 1.5B / 0.5B pair
   (``qwen-2k*``); bandwidth, multi-row weight bandwidth, matmul and attention FLOP/s and per-layer overhead fitted on
@@ -16,6 +16,12 @@ host gets its own fit (2 torch threads, fp32 everywhere):
   five numbers. Its fit is the ``cpu-this`` preset.
 - ``cpu-12-01``: session 10 (``lean-16k``, ``lean-drafting/2-threads.json``): nine points of one model, so the
   per-layer overhead stays at session 10's profile and the multi-row bandwidth is not fitted.
+- ``cpu-12-02``: session 15 (``qwen-pair-epyc/python-{8k,32k}``: an AVX2 EPYC, fp32, the Qwen2.5-Coder 1.5B / 0.5B
+  pair, lean-int4 drafting tiers, 32 new tokens, one round); ``cpu-12-03``: session 16 (``qwen-pair-zen4/python-*``,
+  2k-32k: a Zen 4 EPYC with AVX512-BF16, the same pair in bf16, 64 new tokens, one round; a folder not there yet is
+  skipped with a note). Free: bandwidth, matmul and attention FLOP/s and the int4 copies' bytes/s and FLOP/s
+  (``quantized_bandwidth``, ``quantized_flops``); the per-layer overhead is fixed at 0 and the multi-row weight rate
+  at ``bandwidth`` (`LEAN_HOST`: one target whose verifications all have 5-7 rows cannot tell them apart).
 - ``h200``: ``gpu-h200*/gpu_check.json``, random-weight SmolLM2 and Qwen2.5-1.5B shapes, bf16 and fp32: bandwidth and
   matmul FLOP/s are the datasheet's; the per-layer overhead and the attention FLOP/s (bf16, fp32) are fitted on each
   fixed run's seconds of all tiers per Force-3 step.
@@ -23,13 +29,16 @@ host gets its own fit (2 torch threads, fp32 everywhere):
 Points: ``static`` (static-cache ``generate``: one forward per token), ``plain`` (``generate`` on a DynamicCache: the
 forward plus a copy of the cache, `plain_generate_seconds`), ``plain steps in the loop`` (the adaptive policy's
 one-token steps, `TriForceStats.plans`), tier timings (``F1`` / ``F2`` / ``F3``: a fixed run's seconds / forwards,
-rows = the average proposed + 1; F1 includes the drafter's first cache fill), all tiers per Force-3 step and fixed
-TriForce runs' tokens/s (priced by the policy's own cost model via `planning_policy`, at the per-level rates that
-reproduce the run's tokens per Force-3 step and per Force-2 round). The fitting subset is the per-forward points
+rows = the average proposed + 1; F1 includes the drafter's first cache fill: unmodelled in the older runs, which do
+not record how it was filled, a forward of sink + window rows spread over the drafted tokens where the run records
+one; Force 1 / Force 2 at the run's ``draft_precision``, Force 3 the model as given), all tiers per Force-3 step and
+fixed TriForce runs' tokens/s (priced by the policy's own cost model via `planning_policy`, at the per-level rates
+that reproduce the run's tokens per Force-3 step and per Force-2 round). The fitting subset is the per-forward points
 (static, F1 / F2 / F3; on the H200 the per-step sums); tokens/s of plain ``generate``, of the loop's plain steps and
-of TriForce runs are predictions. Not modelled (listed, not scored): int8 / lean tiers (other kernels), llama.cpp,
-HF lookup / assisted generation (no acceptance recorded), ``auto`` / ``default`` runs as a whole (a mix of plans;
-their plain steps are scored).
+of TriForce runs are predictions. Not modelled (listed, not scored): int8 tiers and lean tiers on hosts without
+lean-int4 fixed runs to fit their kernels' rates on (`MODELLED_PRECISIONS`), llama.cpp, HF lookup / assisted
+generation (no acceptance recorded), compiled static ``generate``, ``auto`` / ``default`` runs as a whole (a mix of
+plans; their plain steps are scored where there are at least 5).
 
     python benchmarks/project_calibration.py
 """
@@ -48,12 +57,14 @@ import numpy as np
 
 from hf_triforce.config import TriForceConfig
 from hf_triforce.decoding.policy import Plan
+from hf_triforce.kernels.lean import FORCE2_PRECISION
 from hf_triforce.tools.project import (
     DEVICES,
     GPU_LAYER_OVERHEAD,
     Device,
     ModelShape,
     device,
+    fill_seconds,
     forward_seconds,
     model_shape,
     plain_generate_seconds,
@@ -64,7 +75,9 @@ from hf_triforce.tools.project import (
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "docs" / "bench"
-SINK_WINDOW = 16 + 256  # TriForceConfig's sink_tokens + window (every run here used them)
+# sink_tokens + window of the runs that do not record their draft cache's size (every run before session 13: window
+# 256); later runs hold 16 + 1024 (`TriForceConfig`'s default since session 14), read from their draft_cache_bytes
+SINK_WINDOW = 16 + 256
 STREAMING_GAMMA = 4  # hf_triforce.tools.methods.STREAMING_GAMMA: streaming-self's Force-1 tokens per Force-3 step
 TARGET = 0.25  # issue 25: every CPU point within 25%
 
@@ -75,8 +88,26 @@ CPU_FILES = {
                   "natural-llama-cpp/final-8k-essays-t1", "natural-llama-cpp/final-8k-hamlet",
                   "natural-llama-cpp/final-16k-essays", "natural-llama-cpp/rerun-8k-essays-05f32e6"],
     "cpu-12-01": ["lean-16k"],
+    # session 15 (docs/results.md): AMD EPYC, AVX2 only, 2 threads, fp32, the Qwen2.5-Coder pair, lean-int4 tiers
+    "cpu-12-02": ["qwen-pair-epyc/python-8k", "qwen-pair-epyc/python-32k"],
+    # session 16: AMD EPYC Zen 4 (AVX512-BF16), 2 threads, the same pair in bf16, 64 new tokens, lean-int4 tiers
+    "cpu-12-03": ["qwen-pair-zen4/python-2k", "qwen-pair-zen4/python-8k", "qwen-pair-zen4/python-16k",
+                  "qwen-pair-zen4/python-32k"],
 }
-QWEN_FILES = ("qwen-2k", "qwen-2k-int8")
+# the drafting precisions (`TriForceConfig.draft_precision`) whose fixed runs a host's fit prices: hosts with lean-int4
+# runs fit the quantized kernels' rates (``quantized_bandwidth``, ``quantized_flops``) on them; the other precisions
+# of the older hosts (int8 copies, lean without a fitted rate) stay listed as not modelled
+MODELLED_PRECISIONS = {"cpu-12-02": ("model", "lean-int4"), "cpu-12-03": ("model", "lean-int4")}
+# Runs whose draft model filled its cache by its own weights (the model's dtype, BLAS) rather than by its lean drafting
+# copy: commit 422b509 (2026-12-03 06:57) made that change, and the runs do not record which way they filled. The
+# 16k / 32k process started at 06:49, after the 2k / 8k one ended, and the 0.5B's Force 1 cost 57-71 ms a drafted
+# token there (fill included) against 106-119 ms in the 2k / 8k runs, as in the later python-draft-fill run (56 ms)
+FILLS_BY_OWN_WEIGHTS = ("qwen-pair-zen4/python-16k", "qwen-pair-zen4/python-32k")
+# What is known of a run's machine beyond its records (source prefix -> note), for points it measured slower than the
+# model predicts
+RUN_NOTES = {"qwen-pair-zen4/python-16k (greedy)": "this run's decoding shared the two cores with the calibration "
+             "session's scripts (2026-12-03 06:52-07:10): its static step took 430 ms, 208 ms in the sampled run of "
+             "the same process"}
 # docs/results.md, "Why the speed targets at 8k-32k are out of reach here: tier costs" (session 5, 2 threads, fp32,
 # median of 7, ranges as their middle): (what, cached entries, rows, milliseconds)
 RESULTS_MD_TIERS = [("F3 16k full cache", 16000, 1, 137.0), ("F3 16k full cache", 16000, 7, 225.0),
@@ -88,9 +119,18 @@ RESULTS_MD_TIERS = [("F3 16k full cache", 16000, 1, 137.0), ("F3 16k full cache"
 # layer_overhead 4.7 ms / 30 layers is session 10's profile of one eager SmolLM2 forward ("everything else: norms,
 # rotary, views, casts, cache writes", docs/results.md, "Cheap drafting tiers"), kept fixed where a host's points
 # cannot tell it from the weights' bytes (cpu-12-01: nine points of one model).
-CPU_START = dict(bandwidth=20e9, gemm_bandwidth=10e9, flops=30e9, attention_flops=200e9, layer_overhead=4.7e-3 / 30)
-CPU_FREE = {"cpu-11-29": list(CPU_START), "cpu-11-30": list(CPU_START),
-            "cpu-12-01": ["bandwidth", "flops", "attention_flops"]}
+CPU_START = dict(bandwidth=20e9, gemm_bandwidth=10e9, flops=30e9, attention_flops=200e9, layer_overhead=4.7e-3 / 30,
+                 quantized_bandwidth=5e9, quantized_flops=50e9)
+PLAIN = ["bandwidth", "gemm_bandwidth", "flops", "attention_flops", "layer_overhead"]
+# The Qwen-pair hosts (one target, every Force-3 verification 5-7 rows, two drafting models) cannot tell the multi-row
+# weight rate from the matmul FLOP/s, nor a per-layer overhead from the bytes (fitted free, the flops and the int4
+# bytes went unlimited and the overhead to 4.8 ms a layer): the weights are read at ``bandwidth`` whatever the rows
+# and the overhead is 0, as the cpu-11-30 fit of this stack found; free are the memory's bytes/s, the matmul and
+# attention FLOP/s, and the int4 copies' bytes/s and FLOP/s
+LEAN_HOST = ["bandwidth", "flops", "attention_flops", "quantized_bandwidth", "quantized_flops"]
+CPU_FREE = {"cpu-11-29": PLAIN, "cpu-11-30": PLAIN, "cpu-12-01": ["bandwidth", "flops", "attention_flops"],
+            "cpu-12-02": LEAN_HOST, "cpu-12-03": LEAN_HOST}
+CPU_FIXED = {"cpu-12-02": {"layer_overhead": 0.0}, "cpu-12-03": {"layer_overhead": 0.0}}
 
 
 @dataclass
@@ -103,6 +143,8 @@ class Point:
     seconds: Callable[[dict], float]  # predicted seconds per forward / per token, from the host's parameters
     fit: bool
     model: str = "smollm2-135m"
+    note: str = ""  # why the model may miss it, where the run's own records tell ...
+    note_if: str = "slower"  # ... if it predicts the point "slower" (more seconds) or "faster" than measured
 
     def measured_seconds(self) -> float:
         return self.measured / 1e3 if self.unit == "ms" else 1.0 / self.measured
@@ -118,7 +160,8 @@ def device_of(params: dict, dtype: str = "float32") -> Device:
         return params.get(f"{name}:{dtype}", params.get(name))
 
     return Device(name="fit", bandwidth=rate("bandwidth"), flops=rate("flops"), attention_flops=rate("attention_flops"),
-                  layer_overhead=params["layer_overhead"], gemm_bandwidth=rate("gemm_bandwidth"))
+                  layer_overhead=params["layer_overhead"], gemm_bandwidth=rate("gemm_bandwidth"),
+                  quantized_bandwidth=rate("quantized_bandwidth"), quantized_flops=rate("quantized_flops"), cpu=True)
 
 
 def smollm2(dtype="float32") -> ModelShape:
@@ -139,16 +182,42 @@ def _budget(entry: dict, method: str) -> int:
     return (entry.get("budgets") or [512])[0]
 
 
+def _sink_window(stats: dict, model: ModelShape) -> int:
+    """The drafter's sink + window entries: its cache's recorded bytes / the model's bytes per token, where the run
+    records them (a whole number), else `SINK_WINDOW` (the older runs)."""
+    entries, remainder = divmod(stats.get("draft_cache_bytes") or 0, model.kv_bytes_per_token)
+    return entries if entries and not remainder else SINK_WINDOW
+
+
+def _fills_by_forward(stats: dict, drafter: str) -> bool:
+    """Whether the run's Force-1 seconds include a forward filling the drafter's cache: recorded by the later runs
+    (``draft_caches``: "filled by a forward" for a draft model, "a copy of the full cache's entries" for self); the
+    older runs do not say, and their fill stays unmodelled (as before: their F1 points read it as drafting)."""
+    recorded = stats.get("draft_caches") or {}
+    return drafter != "ngram" and any("filled by a forward" in how for how in recorded.values())
+
+
 def _fixed_run_points(host: str, tag: str, method: str, context: int, new: int, stats: dict, tokens_per_second: float,
                       gammas: tuple[int, int], budget: int, target: ModelShape, draft: ModelShape | None,
-                      fit_tiers: bool, dtype: str = "float32", fit_steps: bool = False) -> list[Point]:
-    """One fixed-plan TriForce run (fp32 tiers on the CPU): its tier timings (seconds / forwards), its forward
-    seconds per Force-3 step (every tier's seconds / steps) and its tokens/s, both priced by the policy's own cost
-    model at the per-level rates that reproduce the run's tokens per Force-3 step and per Force-2 round."""
+                      fit_tiers: bool, dtype: str = "float32", fill_precision: str | None = None,
+                      fit_steps: bool = False) -> list[Point]:
+    """One fixed-plan TriForce run: its tier timings (seconds / forwards), its forward seconds per Force-3 step
+    (every tier's seconds / steps) and its tokens/s, both priced by the policy's own cost model at the per-level
+    rates that reproduce the run's tokens per Force-3 step and per Force-2 round. Force 1 / Force 2 at the run's
+    drafting precision (``stats["draft_precision"]``; Force 2 at `FORCE2_PRECISION`'s), on the drafter's recorded
+    sink + window cache; a draft model's cache fill (one forward of sink + window rows, recorded runs only; by its
+    drafting copy, or at ``fill_precision``) is spread over the run's drafted tokens, as in the measured seconds."""
     cached = context + new // 2
     drafter = "self" if "self" in method else "draft" if "draft" in method else "ngram"
     levels = 2 if method.startswith("streaming") else 3
     g1, g2 = gammas if levels == 3 else (1, STREAMING_GAMMA)
+    precision = stats.get("draft_precision") or "model"
+    force2_precision = FORCE2_PRECISION.get(precision, precision)
+    config_budget, budget = budget, min(budget, cached)  # Force 2's cache holds at most the context
+    f1_model = draft if drafter == "draft" else target
+    window = _sink_window(stats, f1_model) if drafter != "ngram" else SINK_WINDOW
+    fills = _fills_by_forward(stats, drafter) and stats["force1_proposed"] > 0
+    fill_precision = fill_precision or precision
     points = []
 
     def dev(p):
@@ -157,31 +226,44 @@ def _fixed_run_points(host: str, tag: str, method: str, context: int, new: int, 
     def add(what, unit, measured, seconds, fit, model=target):
         points.append(Point(host, tag, what, unit, measured, seconds, fit, model.name))
 
+    def force1(d: Device) -> float:
+        """Seconds per drafted token: one forward on the sink + window cache, plus the fill spread over the run's."""
+        one = forward_seconds(f1_model, d, window, precision=precision)
+        return one + (fill_seconds(f1_model, d, window, fill_precision) / stats["force1_proposed"] if fills else 0.0)
+
     if stats["force3_steps"]:
         rows = round(stats["force2_proposed" if levels == 3 else "force1_proposed"] / stats["force3_steps"]) + 1
         add(f"F3 {rows} rows, {cached} cached", "ms", 1e3 * stats["force3_seconds"] / stats["force3_steps"],
             lambda p, r=rows: forward_seconds(target, dev(p), cached, r), fit_tiers)
     if levels == 3 and stats["force2_steps"]:
         rows = round(stats["force1_proposed"] / stats["force2_steps"]) + 1
-        add(f"F2 {rows} rows, budget {budget}", "ms", 1e3 * stats["force2_seconds"] / stats["force2_steps"],
-            lambda p, r=rows: forward_seconds(target, dev(p), budget, r), fit_tiers)
+        label = "" if force2_precision == "model" else f" {force2_precision}"
+        add(f"F2{label} {rows} rows, budget {budget}", "ms", 1e3 * stats["force2_seconds"] / stats["force2_steps"],
+            lambda p, r=rows: forward_seconds(target, dev(p), budget, r, precision=force2_precision), fit_tiers)
     if drafter != "ngram" and stats["force1_proposed"]:
-        model = draft if drafter == "draft" else target
-        add(f"F1 {model.name} on {SINK_WINDOW} (incl. its cache's first fill)", "ms",
-            1e3 * stats["force1_seconds"] / stats["force1_proposed"],
-            lambda p: forward_seconds(model, dev(p), SINK_WINDOW), fit_tiers, model)
+        label = "" if precision == "model" else f" {precision}"
+        by = "" if fill_precision == precision else f" by its {fill_precision} weights"
+        fill = (f" + its cache's fill by a forward of {window} rows{by} over {stats['force1_proposed']} drafted tokens"
+                if fills else " (incl. its cache's first fill)" if window == SINK_WINDOW else "")
+        add(f"F1 {f1_model.name}{label} on {window}{fill}", "ms",
+            1e3 * stats["force1_seconds"] / stats["force1_proposed"], lambda p: force1(dev(p)), fit_tiers, f1_model)
+        if not fills and window == SINK_WINDOW:
+            points[-1].note_if = "faster"
+            points[-1].note = (f"the measured seconds include the cache's first fill (a forward of {window} rows in "
+                               "these runs, not recorded apart), which this point does not price")
     per_step = min(max(stats.get("force3_tokens", new - 1) / stats["force3_steps"], 1.0), g2 + 1)
     rate3 = rate_for_tokens(per_step, g2)
     rate1 = rate_for_tokens(min(max(stats["force2_proposed"] / stats["force2_steps"], 1.0), g1 + 1), g1) \
         if levels == 3 else 0.0
-    config = TriForceConfig(retrieval_budget=budget, gamma1=g1, gamma2=g2)
+    # the policy prices three levels only where the context exceeds the budget: a fixed three-level run at a context
+    # within the budget (2k, budget 4096) is priced at the budget its Force 2 saw (the whole context), under it
+    config = TriForceConfig(retrieval_budget=min(config_budget, (cached - 1) // 8 * 8), gamma1=g1, gamma2=g2)
 
     def step(p) -> tuple[float, float]:
         d = dev(p)
-        one = {"draft": lambda: forward_seconds(draft, d, SINK_WINDOW),
-               "self": lambda: forward_seconds(target, d, SINK_WINDOW), "ngram": lambda: 0.0}[drafter]()
+        one = force1(d) if drafter != "ngram" else 0.0
         tiers = {"force3": {r: forward_seconds(target, d, cached, r) for r in (1, g2 + 1)},
-                 "force2": {r: forward_seconds(target, d, budget, r) for r in (1, g1 + 1)},
+                 "force2": {r: forward_seconds(target, d, budget, r, precision=force2_precision) for r in (1, g1 + 1)},
                  f"draft:{drafter}": {1: one}, "select": {1: selection_seconds(target, d, cached, budget, 8)}}
         if levels == 2:  # StreamingLLM self-speculation: the drafter verified by Force 3
             policy = planning_policy(tiers, cached, 0.0, {drafter: rate3}, {}, config)
@@ -190,53 +272,85 @@ def _fixed_run_points(host: str, tag: str, method: str, context: int, new: int, 
         return policy.predict(Plan(3, drafter, g1, g2))
 
     spent = sum(stats[k] for k in ("force1_seconds", "force2_seconds", "force3_seconds", "retrieval_seconds"))
+    note = ""
+    if levels == 3 and drafter != "ngram" and stats["force2_steps"]:
+        drafted = stats["force1_proposed"] / stats["force2_steps"]
+        note = (f"the policy's plan arithmetic prices {g1} drafted tokens and a {g1 + 1}-row Force-2 forward in every "
+                f"Force-2 round; this run drafted {drafted:.2f} a round (a step's last round drafts only what gamma2 "
+                "still wants)")
     add(f"all tiers per Force-3 step ({stats['force3_steps']} steps)", "ms", 1e3 * spent / stats["force3_steps"],
         lambda p: step(p)[1], fit_steps)
+    points[-1].note = note
+    share = spent / (new / tokens_per_second)
     add(f"{method} tok/s (rates F3 {rate3:.2f}, F2 {rate1:.2f})", "tok/s", tokens_per_second,
         lambda p: step(p)[1] / step(p)[0], False)
+    points[-1].note = "; ".join(filter(None, [note, f"the tiers took {share:.0%} of the call's decode time"]))
     return points
 
 
-def cpu_points(host: str) -> tuple[list[Point], list[str]]:
-    points, skipped = [], []
+def cpu_points(host: str) -> tuple[list[Point], list[str], list[str]]:
+    """A host's points from its bench folders, the runs not modelled, and the folders not there (yet): skipped."""
+    points, skipped, missing = [], [], []
     for folder in CPU_FILES[host]:
-        qwen = folder in QWEN_FILES
-        target = model_shape("qwen2.5-coder-1.5b", "float32") if qwen else smollm2()
-        draft = model_shape("qwen2.5-coder-0.5b", "float32") if qwen else None
-        for entry in json.loads((BENCH / folder / "results.json").read_text()):
+        path = BENCH / folder / "results.json"
+        if not path.exists():
+            print(f"note: {host}: {path.relative_to(ROOT)} is not there (yet): skipped")
+            missing.append(folder)
+            continue
+        qwen = folder.startswith("qwen")
+        for entry in json.loads(path.read_text()):
             context = entry["context"]
+            dtype = entry.get("dtype") or "float32"
+            target = model_shape("qwen2.5-coder-1.5b", dtype) if qwen else smollm2(dtype)
+            draft = model_shape("qwen2.5-coder-0.5b", dtype) if qwen else None
             mode = "sampled" if entry.get("sampling") else "greedy"
             source = f"{folder} ({mode})"
+
+            def dev(p, d=dtype):
+                return device_of(p, d)
+
             for method, run in entry["methods"].items():
                 cached = context + run["new_tokens"] // 2
                 stats = run.get("stats") or {}
                 if method == "static":
                     points.append(Point(host, f"{source} static {context}", f"static generate, {cached} cached",
                                         "tok/s", run["decode_tokens_per_second"],
-                                        lambda p, c=cached, t=target: forward_seconds(t, device_of(p), c),
+                                        lambda p, c=cached, t=target, dv=dev: forward_seconds(t, dv(p), c),
                                         True, target.name))
                 elif method == "plain":
+                    note = ""
+                    if "static" in entry["methods"]:
+                        extra = 1 / run["decode_tokens_per_second"] - 1 / entry["methods"]["static"][
+                            "decode_tokens_per_second"]
+                        note = (f"plain generate (transformers' DynamicCache) took {1e3 * extra:.0f} ms a token more "
+                                f"than static-cache generate beside it ({1e6 * extra / cached:.0f} ms per 1k cached "
+                                "tokens); the model adds one read and write of the cache, and the cause of the rest "
+                                "was not measured")
                     points.append(Point(host, f"{source} plain {context}", f"plain generate, {cached} cached",
                                         "tok/s", run["decode_tokens_per_second"],
-                                        lambda p, c=cached, t=target: plain_generate_seconds(t, device_of(p), c),
-                                        False, target.name))
-                elif method in ("default", "triforce-auto") and "plain" in stats.get("plans", {}):
+                                        lambda p, c=cached, t=target, dv=dev: plain_generate_seconds(t, dv(p), c),
+                                        False, target.name, note, "faster"))
+                elif method in ("default", "default-draft", "triforce-auto") and "plain" in stats.get("plans", {}):
                     plain = stats["plans"]["plain"]
                     if plain["steps"] >= 5:
                         points.append(Point(host, f"{source} {method} {context}",
                                             f"plain steps in the loop ({plain['steps']}), {cached} cached", "tok/s",
                                             plain["measured_tokens_per_second"],
-                                            lambda p, c=cached, t=target: forward_seconds(t, device_of(p), c),
+                                            lambda p, c=cached, t=target, dv=dev: forward_seconds(t, dv(p), c),
                                             False, target.name))
+                    else:
+                        skipped.append(f"{source} {method} {context} (a mix of plans; {plain['steps']} plain steps)")
                 elif (method.startswith(("triforce-self", "triforce-ngram", "triforce-draft", "streaming-self"))
-                      and stats.get("draft_precision", "model") == "model" and "-int8" not in method):
+                      and (stats.get("draft_precision") or "model") in MODELLED_PRECISIONS.get(host, ("model",))
+                      and "-int8" not in method):
                     drafter = "self" if "self" in method else "draft" if "draft" in method else "ngram"
                     points += _fixed_run_points(host, f"{source} {method} {context}", method, context,
                                                 run["new_tokens"], stats, run["decode_tokens_per_second"],
-                                                _gammas(entry, drafter), _budget(entry, method), target, draft, True)
+                                                _gammas(entry, drafter), _budget(entry, method), target, draft, True,
+                                                dtype, "model" if folder in FILLS_BY_OWN_WEIGHTS else None)
                 else:
                     skipped.append(f"{source} {method} {context}")
-    return points, skipped
+    return points, skipped, missing
 
 
 def cpu_markdown_points() -> dict[str, list[Point]]:
@@ -340,20 +454,40 @@ def rows_of(points: list[Point], params: dict) -> list[dict]:
         predicted = p.predicted(params)
         out.append({"host": p.host, "model": p.model, "source": p.source, "point": p.what, "unit": p.unit,
                     "measured": p.measured, "predicted": float(predicted), "error": float(predicted / p.measured - 1.0),
-                    "fitted_on": p.fit})
+                    "fitted_on": p.fit, "note": p.note, "note_if": p.note_if})
     return out
+
+
+def _repeat_groups(rows: list[dict]) -> list[list[dict]]:
+    """Points the model cannot tell apart: the same model, kind of point and predicted value (one quantity measured in
+    several runs)."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        kind = re.sub(r"\(\d+( steps)?\)|\(rates [^)]*\)", "", r["point"])
+        groups.setdefault((r["model"], kind, f"{r['predicted']:.9g}"), []).append(r)
+    return list(groups.values())
+
+
+def why(row: dict, rows: list[dict]) -> str:
+    """What the records say about a point's miss: its own note where the miss goes its way, or the spread of the same
+    quantity over runs where that spread alone is beyond `TARGET`."""
+    slower = (row["error"] > 0) == (row["unit"] == "ms")  # predicted more seconds than measured
+    if row["note"] and slower == (row["note_if"] == "slower"):
+        return row["note"]
+    for group in _repeat_groups(rows):
+        if row in group and len(group) > 1:
+            lo, hi = min(r["measured"] for r in group), max(r["measured"] for r in group)
+            if hi / lo - 1 > TARGET:
+                return f"the same forward measured {lo:.3g}-{hi:.3g} {row['unit']} over {len(group)} runs"
+    return next((note for source, note in RUN_NOTES.items() if row["source"].startswith(source) and not slower), "")
 
 
 def repeat_floor(rows: list[dict]) -> tuple[float, str]:
     """The smallest worst-case error any model can reach on these points: points the model cannot tell apart (the
     same host, model and predicted value: one quantity measured in several runs) that were measured at ``lo`` and
     ``hi`` leave at best ``(hi - lo) / (hi + lo)`` on one of them. Returns it and the group that sets it."""
-    groups: dict[tuple, list[dict]] = {}
-    for r in rows:
-        kind = re.sub(r"\(\d+( steps)?\)|\(rates [^)]*\)", "", r["point"])
-        groups.setdefault((r["model"], kind, f"{r['predicted']:.9g}"), []).append(r)
     floor, where = 0.0, ""
-    for group in groups.values():
+    for group in _repeat_groups(rows):
         lo, hi = min(r["measured"] for r in group), max(r["measured"] for r in group)
         if len(group) > 1 and (hi - lo) / (hi + lo) > floor:
             floor = (hi - lo) / (hi + lo)
@@ -404,7 +538,7 @@ THIS_STACK = "this stack as calibrated on the H200: eager overhead, its measured
 
 
 def publish(h200_fit: dict) -> dict:
-    from hf_triforce.tools.project import Acceptance, project_plans
+    from hf_triforce.tools.project import Acceptance, project_plans, tier_precision
 
     rates = measured_rates()
     acceptance = Acceptance(force3=FORCE3_RATE, force2=rates["force2"], streaming=rates["streaming"],
@@ -426,6 +560,8 @@ def publish(h200_fit: dict) -> dict:
             out["settings"].append({
                 "setting": label, "stack": stack, "paper": paper, "target": target_name, "draft": draft_name,
                 "device": device_name, "context": context, "offloaded": offloaded,
+                "draft_precision": tier_precision(config.draft_precision, dev, [target, draft]),
+                "sink_window": config.sink_tokens + config.window,
                 "tiers_ms": {k: {r: 1e3 * v for r, v in by.items()} for k, by in tiers.items()},
                 "plans": [plan.__dict__ for plan in plans]})
     return out
@@ -436,9 +572,12 @@ def publish_markdown(published: dict) -> str:
     lines = ["# PROJECTIONS (not measurements): `hf_triforce.tools.project`, benchmarks/project_calibration.py\n",
              f"Acceptance (per token): Force 2 -> Force 3 {a['force3']:.2f}, self on sink+window -> Force 2 "
              f"{a['force2']:.3f}, self on sink+window -> Force 3 {a['streaming']:.3f}, draft -> target "
-             f"{a['draft']:.3f}; gammas searched up to {published['gammas_up_to']}; budget 4096, sink+window 272.\n"]
+             f"{a['draft']:.3f}; gammas searched up to {published['gammas_up_to']}; budget 4096, sink+window "
+             f"{published['settings'][0]['sink_window']}; `TriForceConfig()`'s drafting precision (``auto``: lean-int4 "
+             "on a CPU, the model's own weights on a GPU, where the library's lean copies do not run).\n"]
     for setting in published["settings"]:
-        lines.append(f"## {setting['setting']} ({setting['stack']})\n")
+        lines.append(f"## {setting['setting']} ({setting['stack']}; Force 1 / Force 2 weights: "
+                     f"{setting['draft_precision']})\n")
         lines.append("| plan | best gammas | tokens/step | ms/step | tokens/s | vs plain |\n|---|---|---|---|---|---|")
         for p in setting["plans"]:
             lines.append(f"| {p['label']} | {p['plan']} | {p['tokens_per_step']:.2f} | "
@@ -448,7 +587,8 @@ def publish_markdown(published: dict) -> str:
 
 
 def preset_check(hosts: dict) -> list[str]:
-    """`DEVICES["cpu-this"]` is the cpu-11-30 fit and `GPU_LAYER_OVERHEAD` the h200 fit (rounded): say so."""
+    """`DEVICES["cpu-this"]` is the cpu-11-30 fit, ``cpu-epyc-avx2`` / ``cpu-zen4`` the cpu-12-02 / cpu-12-03 fits and
+    `GPU_LAYER_OVERHEAD` the h200 fit (rounded): say so."""
     cpu, gpu = hosts["cpu-11-30"]["params"], hosts["h200"]["params"]
     preset = device("cpu-this", "float32")
     pairs = [("cpu-this bandwidth", preset.bandwidth, cpu["bandwidth"]),
@@ -456,6 +596,11 @@ def preset_check(hosts: dict) -> list[str]:
              ("cpu-this flops", preset.flops, cpu["flops"]),
              ("cpu-this attention_flops", preset.attention_flops, cpu["attention_flops"]),
              ("GPU_LAYER_OVERHEAD", GPU_LAYER_OVERHEAD, gpu["layer_overhead"])]
+    for preset_name, host, dtype in (("cpu-epyc-avx2", "cpu-12-02", "float32"), ("cpu-zen4", "cpu-12-03", "bfloat16")):
+        if host not in hosts:
+            continue
+        preset = device(preset_name, dtype)
+        pairs += [(f"{preset_name} {key}", getattr(preset, key), hosts[host]["params"][key]) for key in LEAN_HOST]
     lines = []
     for name, value, fitted in pairs:
         agree = abs(value / fitted - 1) < 0.02
@@ -466,12 +611,18 @@ def preset_check(hosts: dict) -> list[str]:
 
 
 def main() -> None:
-    out = {"hosts": {}, "skipped": {}}
+    out = {"hosts": {}, "skipped": {}, "missing": {}}
     extra = cpu_markdown_points()
     for host in CPU_FILES:
-        points, skipped = cpu_points(host)
+        points, skipped, missing = cpu_points(host)
         points += extra.get(host, [])
+        if missing:
+            out["missing"][host] = missing
+        if not any(p.fit for p in points):
+            print(f"note: {host}: no measured points yet: not fitted")
+            continue
         start = {k: v for k, v in CPU_START.items() if k in CPU_FREE[host] or k == "layer_overhead"}
+        start.update(CPU_FIXED.get(host, {}))
         params = fit(points, start, CPU_FREE[host])
         rows = rows_of(points, params)
         out["hosts"][host] = {"params": params, "summary": summary(rows), "rows": rows}
@@ -497,12 +648,16 @@ def main() -> None:
         described = ", ".join(f"{k} {v:.3g}" for k, v in p.items())
         lines.append(f"| {host} | {described} | {s['points']} | {s['within_25']} | {s['median']:.1%} | {s['max']:.1%} "
                      f"| {(s['held_out_max'] or 0):.1%} | {s['repeat_floor']:.1%} ({s['repeat_floor_at']}) |")
+    lines += ["", "Free in each host's fit (the rest fixed at the values shown; an absent rate: the plain one): "
+              + "; ".join(f"{host} {', '.join(CPU_FREE[host])}" for host in CPU_FREE if host in out["hosts"])
+              + "; h200 layer_overhead, attention_flops (bf16, fp32)."]
+    lines += [f"Not there yet, skipped: {host}: {', '.join(folders)}." for host, folders in out["missing"].items()]
     lines += ["", "## Points beyond 25%", "", "| host | model | source | point | measured | predicted | error | "
-              "fitted on |", "|---|---|---|---|---|---|---|---|"]
+              "fitted on | why (where the records tell) |", "|---|---|---|---|---|---|---|---|---|"]
     for host, result in out["hosts"].items():
         lines += [f"| {host} | {r['model']} | {r['source']} | {r['point']} | {r['measured']:.3g} {r['unit']} | "
-                  f"{r['predicted']:.3g} | {r['error']:+.1%} | {'yes' if r['fitted_on'] else ''} |"
-                  for r in result["rows"] if abs(r["error"]) > TARGET]
+                  f"{r['predicted']:.3g} | {r['error']:+.1%} | {'yes' if r['fitted_on'] else ''} | "
+                  f"{why(r, result['rows'])} |" for r in result["rows"] if abs(r["error"]) > TARGET]
     for host, result in out["hosts"].items():
         lines += ["", f"## {host}", "", "| model | source | point | measured | predicted | error | fitted on |",
                   "|---|---|---|---|---|---|---|"]

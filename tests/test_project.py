@@ -13,18 +13,23 @@ from hf_triforce.tools.project import (
     Acceptance,
     Device,
     device,
+    fill_seconds,
     forward_seconds,
     model_shape,
     plain_generate_seconds,
     planning_policy,
     project_plans,
     rate_for_tokens,
+    tier_precision,
     tier_seconds,
 )
 
 TINY = dict(num_hidden_layers=2, hidden_size=4, intermediate_size=8, num_attention_heads=2, num_key_value_heads=1,
             head_dim=2, vocab_size=10, tie_word_embeddings=False, hidden_act="silu", dtype="float32")
 UNIT = Device(name="unit", bandwidth=1e9, flops=1e9, attention_flops=1e9, layer_overhead=1e-3)
+# int4-able widths (the lean copies quantize groups of 32 inputs): q 2 x 32, k / v 32, hidden 64, MLP 128
+WIDE = dict(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=2, num_key_value_heads=1,
+            head_dim=32, vocab_size=100, tie_word_embeddings=True, hidden_act="silu", dtype="float32")
 
 
 def test_bytes_and_seconds_of_a_forward_by_hand():
@@ -49,6 +54,72 @@ def test_smollm2_preset_reads_its_135m_weights():
     assert smollm2.matrix_params == 30 * (576 * 64 * 24 + 3 * 576 * 1536) + 49152 * 576 == 134_479_872
     assert smollm2.kv_bytes_per_token == 46_080  # docs/bench/32k: full_cache_bytes 1480919040 = 32138 x 46080
     assert model_shape("smollm2-135m", "bf16").weight_bytes * 2 == smollm2.weight_bytes
+
+
+def test_drafting_precisions_read_their_copies_bytes():
+    """lean-int4 (kernels.lean): the layers' projections int4 (half a byte a weight) with a bf16 scale and zero point
+    per 32 inputs per output row, the output layer int8 with a bf16 scale per row; int8 (kernels.quantized): every
+    linear int8 with an fp32 scale per output channel but the MLP down projections, kept in the model's dtype."""
+    wide = model_shape(WIDE)
+    # per layer: qkv 128 x 64, o 64 x 64, gate/up 256 x 64, down 64 x 128; the output layer 100 x 64
+    layer_params = 2 * (128 * 64 + 64 * 64 + 256 * 64 + 64 * 128)
+    assert wide.matrix_params == layer_params + 100 * 64 and wide.weight_bytes == 4 * wide.matrix_params
+    groups = 2 * ((128 + 64 + 256) * 2 + 64 * 4)  # output rows x groups of 32 inputs: 64 wide 2 groups, down's 4
+    assert wide.precision_weight_bytes("lean-int4") == layer_params // 2 + 4 * groups + 100 * 64 + 2 * 100
+    assert wide.precision_weight_bytes("lean-int8") == wide.matrix_params + 2 * (2 * (128 + 64 + 256 + 64) + 100)
+    assert wide.precision_weight_bytes("lean") == wide.precision_weight_bytes("model") == wide.weight_bytes
+    down = 2 * 64 * 128
+    assert wide.precision_weight_bytes("int8") == (wide.matrix_params - down) + 4 * (2 * (128 + 64 + 256) + 100) \
+        + 4 * down
+    # a real model: the layers at 5/32 of fp32 (0.5 + 4/32 bytes a weight against 4), the int8 output layer ~1/4
+    qwen = model_shape("qwen2.5-coder-1.5b", "float32")
+    head = 151936 * 1536
+    layers = qwen.matrix_params - head
+    assert qwen.precision_weight_bytes("lean-int4") == layers * 5 // 32 * 4 + head + 2 * 151936
+    assert 0.17 < qwen.precision_weight_bytes("lean-int4") / qwen.weight_bytes < 0.171
+
+
+def test_force1_and_force2_read_the_drafting_copy():
+    """`tier_seconds` prices Force 1 / Force 2 at `TriForceConfig.draft_precision` (auto: lean-int4 on a CPU, the
+    model on a GPU) and Force 3 at the model's own weights; int4 products at the device's quantized rates."""
+    qwen = model_shape("qwen2.5-coder-1.5b", "float32")
+    cpu = device("cpu-this", "float32", quantized_bandwidth=5e9, quantized_flops=40e9)
+    lean = tier_seconds(qwen, cpu, 8000, TriForceConfig(draft_precision="lean-int4"))
+    model = tier_seconds(qwen, cpu, 8000, TriForceConfig(draft_precision="model"))
+    assert tier_seconds(qwen, cpu, 8000) == lean  # auto on a CPU: lean-int4
+    assert lean["force3"] == model["force3"] and lean["select"] == model["select"]
+    window = 16 + 1024  # TriForceConfig's sink_tokens + window
+    assert lean["draft:self"][1] == forward_seconds(qwen, cpu, window, precision="lean-int4") < model["draft:self"][1]
+    assert lean["force2"][3] == forward_seconds(qwen, cpu, 4096, 3, precision="lean-int4")
+    # the int4 bytes at the quantized rate, the int8 output layer too; the KV cache (the model's dtype) at bandwidth
+    weights = qwen.precision_weight_bytes("lean-int4") / 5e9 + 2 * qwen.matrix_params / 40e9
+    kv = window * qwen.kv_bytes_per_token / cpu.bandwidth + qwen.attention_flops(window, 1) / cpu.attention_flops
+    assert lean["draft:self"][1] == pytest.approx(weights + kv, rel=1e-12)
+    h200 = device("h200", "bfloat16")
+    bf16 = model_shape("qwen2.5-coder-1.5b")
+    assert tier_seconds(bf16, h200, 8000) == tier_seconds(bf16, h200, 8000, TriForceConfig(draft_precision="model"))
+    assert tier_precision("auto", h200, [bf16]) == "model" and tier_precision("auto", cpu, [bf16]) == "lean-int4"
+    assert tier_precision("auto", cpu, [model_shape("qwen2.5-coder-1.5b", "float16")]) == "model"
+    assert tier_precision("auto", cpu, [model_shape(TINY)]) == "model"  # widths the int4 group does not divide
+
+
+def test_fitted_cpu_presets_price_the_int4_copies():
+    zen4 = device("cpu-zen4", "bfloat16")
+    assert zen4.cpu and zen4.quantized_bandwidth and zen4.quantized_flops and zen4.layer_overhead == 0.0
+    qwen = model_shape("qwen2.5-coder-1.5b")
+    tiers = tier_seconds(qwen, zen4, 8000)
+    assert tiers["draft:self"][1] == forward_seconds(qwen, zen4, 1040, precision="lean-int4") < tiers["force3"][1]
+    assert device("cpu-epyc-avx2", "float32").quantized_bandwidth < device("cpu-epyc-avx2", "float32").bandwidth
+    with pytest.raises(ValueError, match=r"FLOP/s for \['bfloat16'\] only"):
+        device("cpu-zen4", "float32")
+
+
+def test_a_fill_keeps_the_last_rows_logits():
+    tiny = model_shape(TINY)
+    # 100 rows over 50 cached entries on average: every layer's matrices for 100 rows, the output layer for one
+    layers = 2 * (48 + 96)
+    expected = (1312 + 50 * 32) / 1e9 + 2 * (100 * layers + 40) / 1e9 + 4 * 100 * 2 * 2 * 50 * 2 / 1e9 + 2e-3
+    assert fill_seconds(tiny, UNIT, 100) == pytest.approx(expected, rel=1e-12)
 
 
 def test_seconds_grow_with_context_rows_offloading_and_overhead():
@@ -137,6 +208,16 @@ def test_model_from_a_local_folder_and_from_a_config(tmp_path):
     (lambda: Acceptance(force3=1.5), "acceptance force3 must be in"),
     (lambda: tier_seconds(model_shape(TINY), UNIT, 0), "context must be a positive integer"),
     (lambda: forward_seconds(model_shape(TINY), UNIT, 10, offloaded=True), "no offload_bandwidth"),
+    (lambda: tier_precision("int3", UNIT), r"draft_precision must be one of \('auto', 'model', 'int8', 'lean'"),
+    (lambda: model_shape(TINY).precision_weight_bytes("auto"), "draft_precision must be one of"),
+    (lambda: tier_seconds(model_shape("llama-3.1-8b"), device("h200", "bfloat16"), 1000,
+                          TriForceConfig(draft_precision="lean-int4")),
+     "draft_precision='lean-int4': it runs on CPU only and device h200 is not a CPU"),
+    (lambda: tier_precision("int8", device("cpu-this", "float32"), [model_shape("llama-3.2-1b")]),
+     "draft_precision='int8': it copies float32 models; llama-3.2-1b is bfloat16"),
+    (lambda: tier_precision("lean-int4", device("cpu-this", "float32"), [model_shape(TINY)]),
+     "not multiples of the int4 group size 32"),
+    (lambda: device("h200", "float32", quantized_bandwidth=0.0), "quantized_bandwidth must be above 0 or None"),
 ])
 def test_bad_input_names_the_parameter(call, message):
     with pytest.raises(ValueError, match=message):
@@ -164,6 +245,29 @@ def test_cli_prints_a_projection_and_json(capsys):
     plans = {p["plan"]: p for p in out["projections"][0]["plans"]}
     assert set(plans) >= {"plain"} and out["device"]["offload_bandwidth"] == 25e9
     assert max(p["speedup"] for p in plans.values()) > 1.0  # an offloaded full cache makes every step dear
+
+
+def test_cli_draft_precision(capsys):
+    assert main(["project", "--model", "qwen2.5-coder-1.5b", "--dtype", "float32", "--device", "cpu-this",
+                 "--contexts", "8000", "--json"]) == 0
+    auto = json.loads(capsys.readouterr().out)
+    assert auto["draft_precision"] == "lean-int4"
+    assert main(["project", "--model", "qwen2.5-coder-1.5b", "--dtype", "float32", "--device", "cpu-this",
+                 "--contexts", "8000", "--json", "--draft-precision", "model"]) == 0
+    model = json.loads(capsys.readouterr().out)
+    assert model["draft_precision"] == "model"
+    assert auto["projections"][0]["tiers"]["force3"] == model["projections"][0]["tiers"]["force3"]
+    assert auto["projections"][0]["tiers"]["draft:self"]["1"] < model["projections"][0]["tiers"]["draft:self"]["1"]
+    with pytest.raises(SystemExit):
+        main(["project", "--draft-precision", "int3"])
+    error = capsys.readouterr().err
+    assert "--draft-precision: invalid choice: 'int3'" in error and "lean-int4" in error
+    with pytest.raises(SystemExit, match="hf-triforce project: draft_precision='lean-int4': it runs on CPU only"):
+        main(["project", "--draft-precision", "lean-int4"])  # llama-3.1-8b on the h200 preset
+    assert main(["project", "--device", "box", "--bandwidth", "1e10", "--flops", "1e11", "--layer-overhead", "0",
+                 "--cpu", "--quantized-bandwidth", "5e9", "--draft-precision", "lean-int4", "--contexts",
+                 "32768"]) == 0
+    assert "Force 1 / Force 2 weights: lean-int4" in capsys.readouterr().out
 
 
 def test_cli_bad_input_exits_with_the_parameter():

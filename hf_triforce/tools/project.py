@@ -17,9 +17,15 @@ Each tier is that forward on its own cache (`tier_seconds`): Force 3 and plain d
 the host link with ``TriForceConfig(full_cache_device="cpu")``), Force 2 on the retrieval budget, Force 1 ("self")
 on the sink + window cache, a draft model on its own sink + window cache (TriForce with a draft as Force 1) or on
 its own full cache (vanilla speculative decoding, drafter ``"vanilla"``), plus the retrieval selection of each
-Force-3 step. Tokens per second of every plan then come from the adaptive policy's own cost model
-(`hf_triforce.decoding.policy.AdaptivePolicy`, given these tier costs and fixed acceptance rates): the same
-expected-tokens formula and plan arithmetic that choose plans at run time, so the projection cannot drift from it.
+Force-3 step. Force 1 and Force 2 read the weights at ``TriForceConfig.draft_precision`` (`tier_precision`: the
+default ``"auto"`` is lean-int4 on a CPU, as the library resolves it, and the model's own weights on a GPU, where
+the lean copies do not run): a lean-int4 copy holds the layers' projections in int4 with a bf16 scale and zero point
+per 32 inputs and the output layer in int8 (`ModelShape.precision_weight_bytes`: ~1/6 of fp32's bytes), whose
+weight-only kernels read at the device's ``quantized_bandwidth`` and multiply at its ``quantized_flops``; the KV
+cache and attention stay in the model's dtype. Tokens per second of every plan then come from the adaptive policy's
+own cost model (`hf_triforce.decoding.policy.AdaptivePolicy`, given these tier costs and fixed acceptance rates): the
+same expected-tokens formula and plan arithmetic that choose plans at run time, so the projection cannot drift from
+it.
 
 Devices are presets (`DEVICES`: datasheet bandwidth and FLOP/s; the per-layer overhead and this CPU's numbers
 fitted by ``benchmarks/project_calibration.py``, errors in ``docs/bench/projection/``) or explicit numbers; models
@@ -35,9 +41,20 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from ..config import DRAFT_PRECISIONS
 from ..decoding.policy import AdaptivePolicy, Plan, expected_tokens
+from ..kernels.lean import AUTO_PRECISION, FORCE2_PRECISION, INT4_GROUP_SIZE, LEAN_DTYPES, LEAN_PRECISIONS
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+# Force 1 / Force 2 weights (`TriForceConfig.draft_precision`): "auto" resolves as the library does (`tier_precision`)
+_CONCRETE_PRECISIONS = tuple(p for p in DRAFT_PRECISIONS if p != "auto")
+# the model dtypes each drafting copy takes (the library refuses the rest): int8 quantizes fp32 models
+# (`kernels.quantized.check_int8_eligible`), the lean copies `kernels.lean.LEAN_DTYPES`
+PRECISION_DTYPES = {"model": tuple(DTYPE_BYTES), "int8": ("float32",),
+                    **{p: tuple(str(d).removeprefix("torch.") for d in dtypes) for p, dtypes in LEAN_DTYPES.items()}}
+# the drafting copies whose products run weight-only quantized kernels (their bytes and FLOPs priced at a device's
+# ``quantized_bandwidth`` / ``quantized_flops``; their fp32 or model-dtype parts at the plain rates)
+_QUANTIZED_STORAGE = ("int8-row", "int8-channel", "int4")
 _DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "torch.float32": "float32",
                   "torch.bfloat16": "bfloat16", "torch.float16": "float16"}
 
@@ -79,6 +96,14 @@ GPU_LAYER_OVERHEAD = 0.80e-3
 # 113 points within 25%): bytes/s of one-row and multi-row weight reads, matmul and attention FLOP/s, no per-layer
 # overhead beyond those (the fit puts it at 0).
 CPU_BANDWIDTH, CPU_GEMM_BANDWIDTH, CPU_FLOPS, CPU_ATTENTION_FLOPS = 10.2e9, 10.5e9, 35.8e9, 124e9
+# The CPUs that ran the Qwen2.5-Coder 1.5B / 0.5B pair with lean-int4 drafting tiers, 2 threads, as fitted by
+# benchmarks/project_calibration.py (per-layer overhead 0 and the multi-row weight rate = bandwidth, fixed there):
+# memory bytes/s, matmul and attention FLOP/s, the int4 copies' bytes/s and FLOP/s. Session 15's AVX2 EPYC in fp32
+# (host "cpu-12-02") and session 16's Zen 4 EPYC with AVX512-BF16 in bf16 (host "cpu-12-03").
+EPYC_AVX2_FP32 = dict(bandwidth=11.8e9, flops=19.7e9, attention_flops=151e9, quantized_bandwidth=8.65e9,
+                      quantized_flops=49.7e9)
+ZEN4_BF16 = dict(bandwidth=14.2e9, flops=424e9, attention_flops=143e9, quantized_bandwidth=26.7e9,
+                 quantized_flops=215e9)
 
 # Datasheet peak numbers (dense; bandwidth of the device memory; offload = a host link's practical rate).
 DEVICES: dict[str, dict[str, Any]] = {
@@ -94,7 +119,16 @@ DEVICES: dict[str, dict[str, Any]] = {
                     "PCIe 4.0 x16 ~25 GB/s"),
     "cpu-this": dict(bandwidth=CPU_BANDWIDTH, gemm_bandwidth=CPU_GEMM_BANDWIDTH, flops={"float32": CPU_FLOPS},
                      attention_flops={"float32": CPU_ATTENTION_FLOPS}, layer_overhead=0.0, offload_bandwidth=0.0,
+                     cpu=True,
                      notes="this project's 2-core AMD EPYC at 2 torch threads, fp32, fitted (docs/bench/projection)"),
+    **{name: dict(bandwidth=rates["bandwidth"], layer_overhead=0.0, offload_bandwidth=0.0, cpu=True, notes=notes,
+                  **{key: {dtype: rates[key]} for key in ("flops", "attention_flops", "quantized_bandwidth",
+                                                          "quantized_flops")})
+       for name, rates, dtype, notes in (
+           ("cpu-epyc-avx2", EPYC_AVX2_FP32, "float32", "2-core AMD EPYC, AVX2 only, 2 torch threads, fp32 with "
+            "lean-int4 drafting copies, fitted (docs/bench/projection, host cpu-12-02)"),
+           ("cpu-zen4", ZEN4_BF16, "bfloat16", "2-core AMD EPYC Zen 4 (AVX512-BF16), 2 torch threads, bf16 with "
+            "lean-int4 drafting copies, fitted (docs/bench/projection, host cpu-12-03)"))},
 }
 
 
@@ -129,15 +163,59 @@ class ModelShape:
         return DTYPE_BYTES[self.dtype]
 
     @property
+    def matrices(self) -> dict[str, tuple[int, int]]:
+        """``(output rows summed over the layers, input width)`` of each projection kind a forward reads, named as
+        `hf_triforce.kernels.lean.PARTS`: fused q/k/v, o, fused gate/up (up only without a gate), down, the output
+        layer (the embedding lookup reads a few rows only)."""
+        q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        return {"qkv": (self.layers * (q + 2 * kv), self.hidden), "o": (self.layers * self.hidden, q),
+                "gate_up": (self.layers * (2 if self.gated_mlp else 1) * self.intermediate, self.hidden),
+                "down": (self.layers * self.hidden, self.intermediate), "head": (self.vocab, self.hidden)}
+
+    @property
     def matrix_params(self) -> int:
         """Parameters of every matrix a forward reads: the layers' projections and the output layer."""
-        attention = self.hidden * self.head_dim * (2 * self.heads + 2 * self.kv_heads)
-        mlp = (3 if self.gated_mlp else 2) * self.hidden * self.intermediate
-        return self.layers * (attention + mlp) + self.vocab * self.hidden
+        return sum(rows * width for rows, width in self.matrices.values())
 
     @property
     def weight_bytes(self) -> int:
+        """Bytes of the weights a forward of the model as given reads (`precision_weight_bytes` for a drafting copy)."""
         return self.matrix_params * self.dtype_bytes
+
+    def part_formats(self, precision: str) -> dict[str, str]:
+        """The storage of each projection kind (`matrices`) in the drafting copy of ``precision`` (a concrete
+        ``TriForceConfig.draft_precision``, not ``"auto"``): ``"model"`` (the model's dtype), ``"fp32"``,
+        ``"int8-row"`` (int8 + a bf16 scale per output row: the lean weight-only int8), ``"int8-channel"`` (int8 + an
+        fp32 scale per output row: `kernels.quantized.Int8Linear`) or ``"int4"`` (int4 + a bf16 scale and zero point
+        per `INT4_GROUP_SIZE` inputs per output row). ``"int8"`` (`kernels.quantized`) keeps the MLP down
+        projections in the model's dtype; ``"lean-int4"`` has an int8 output layer (`kernels.lean.LEAN_PRECISIONS`)."""
+        if precision == "model":
+            return dict.fromkeys(self.matrices, "model")
+        if precision == "int8":
+            return {**dict.fromkeys(self.matrices, "int8-channel"), "down": "model"}
+        if precision in LEAN_PRECISIONS:
+            return {part: {"int8": "int8-row"}.get(kind, kind) for part, kind in LEAN_PRECISIONS[precision].items()}
+        raise ValueError(f"draft_precision must be one of {_CONCRETE_PRECISIONS} here, got {precision!r}")
+
+    def part_bytes(self, part: str, storage: str) -> int:
+        """Bytes of projection kind ``part`` stored as ``storage`` (`part_formats`)."""
+        rows, width = self.matrices[part]
+        if storage == "model":
+            return rows * width * self.dtype_bytes
+        if storage == "fp32":
+            return rows * width * 4
+        if storage == "int8-row":
+            return rows * width + 2 * rows
+        if storage == "int8-channel":
+            return rows * width + 4 * rows
+        if storage == "int4":
+            return rows * width // 2 + 4 * rows * (width // INT4_GROUP_SIZE)
+        raise ValueError(f"storage must be model, fp32, int8-row, int8-channel or int4, got {storage!r}")
+
+    def precision_weight_bytes(self, precision: str = "model") -> int:
+        """Bytes of the weights one forward of the drafting copy of ``precision`` reads (``"model"``: `weight_bytes`).
+        lean-int4 reads ~0.16 of an fp32 model's bytes (0.625 bytes a weight in the layers, 1 in the output layer)."""
+        return sum(self.part_bytes(part, storage) for part, storage in self.part_formats(precision).items())
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -202,7 +280,12 @@ class Device:
     """Effective rates of one device for one dtype: bytes/s of its memory (and of the host link that streams an
     offloaded full cache; 0: none), matmul and attention FLOP/s, seconds of overhead per layer per forward, and
     optionally the bytes/s at which a forward of several rows reads the weights (``gemm_bandwidth``: CPU BLAS
-    packs the weights for a product of several rows, docs/results.md "What holds speed back"; None: ``bandwidth``)."""
+    packs the weights for a product of several rows, docs/results.md "What holds speed back"; None: ``bandwidth``).
+
+    ``cpu``: the lean and int8 drafting copies run here (the library runs them on the CPU only). ``quantized_bandwidth``
+    / ``quantized_flops``: bytes/s at which a weight-only int8/int4 product reads (and dequantizes) its weights and
+    its FLOP/s (None: ``bandwidth`` / ``flops``; the int4 CPU kernel unpacks every weight, so it reads well below the
+    memory's rate: fitted per CPU by benchmarks/project_calibration.py)."""
 
     name: str
     bandwidth: float
@@ -211,6 +294,9 @@ class Device:
     layer_overhead: float
     offload_bandwidth: float = 0.0
     gemm_bandwidth: float | None = None  # bytes/s of the weights in a forward of several rows (None: bandwidth)
+    quantized_bandwidth: float | None = None  # bytes/s of int8/int4 weights (None: bandwidth)
+    quantized_flops: float | None = None  # FLOP/s of weight-only int8/int4 products (None: flops)
+    cpu: bool = False
     notes: str = ""
 
     def __post_init__(self) -> None:
@@ -218,9 +304,10 @@ class Device:
             value = getattr(self, field_name)
             if not isinstance(value, (int, float)) or not value > 0:
                 raise ValueError(f"device {self.name}: {field_name} must be a number above 0, got {value!r}")
-        if self.gemm_bandwidth is not None and not (isinstance(self.gemm_bandwidth, (int, float))
-                                                    and self.gemm_bandwidth > 0):
-            raise ValueError(f"device {self.name}: gemm_bandwidth must be above 0 or None, got {self.gemm_bandwidth!r}")
+        for field_name in ("gemm_bandwidth", "quantized_bandwidth", "quantized_flops"):
+            value = getattr(self, field_name)
+            if value is not None and not (isinstance(value, (int, float)) and value > 0):
+                raise ValueError(f"device {self.name}: {field_name} must be above 0 or None, got {value!r}")
         for field_name in ("layer_overhead", "offload_bandwidth"):
             value = getattr(self, field_name)
             if not isinstance(value, (int, float)) or value < 0:
@@ -234,7 +321,7 @@ def device(name: str, dtype: str, **overrides: float | None) -> Device:
     dtype = _dtype_name(dtype)
     given = {key: value for key, value in overrides.items() if value is not None}
     unknown = sorted(set(given) - {"bandwidth", "flops", "attention_flops", "layer_overhead", "offload_bandwidth",
-                                   "gemm_bandwidth"})
+                                   "gemm_bandwidth", "quantized_bandwidth", "quantized_flops", "cpu"})
     if unknown:
         raise ValueError(f"device: unknown parameters {unknown}")
     if name in DEVICES:
@@ -244,7 +331,9 @@ def device(name: str, dtype: str, **overrides: float | None) -> Device:
         values = dict(bandwidth=preset["bandwidth"], flops=preset["flops"].get(dtype),
                       attention_flops=(preset.get("attention_flops") or {}).get(dtype),
                       layer_overhead=preset["layer_overhead"], offload_bandwidth=preset["offload_bandwidth"],
-                      gemm_bandwidth=preset.get("gemm_bandwidth"))
+                      gemm_bandwidth=preset.get("gemm_bandwidth"),
+                      quantized_bandwidth=(preset.get("quantized_bandwidth") or {}).get(dtype),
+                      quantized_flops=(preset.get("quantized_flops") or {}).get(dtype), cpu=preset.get("cpu", False))
         values.update(given)
         notes = preset["notes"]
     else:
@@ -259,18 +348,37 @@ def device(name: str, dtype: str, **overrides: float | None) -> Device:
     return Device(name=name, notes=notes, **values)
 
 
-def forward_seconds(model: ModelShape, dev: Device, cached: int, rows: int = 1, offloaded: bool = False) -> float:
+def forward_seconds(model: ModelShape, dev: Device, cached: int, rows: int = 1, offloaded: bool = False,
+                    precision: str = "model", logits_rows: int | None = None) -> float:
     """Seconds of one forward of ``rows`` query rows over ``cached`` cache entries (module docstring);
-    ``offloaded``: the cache streams over ``dev.offload_bandwidth``."""
+    ``offloaded``: the cache streams over ``dev.offload_bandwidth``. ``precision``: the weights as a drafting tier
+    holds them (a concrete ``TriForceConfig.draft_precision``, `ModelShape.part_formats`): weight-only quantized
+    parts read at ``dev.quantized_bandwidth`` and multiply at ``dev.quantized_flops``; the cache and attention
+    stay in the model's dtype (the lean copies write the model's own cache entries). ``logits_rows``: rows the
+    output layer computes (default ``rows``; 1 for a cache fill, which keeps the last row's logits only)."""
     if cached < 0 or rows < 1:
         raise ValueError(f"forward_seconds: cached must be >= 0 and rows >= 1, got {cached}, {rows}")
     if offloaded and not dev.offload_bandwidth:
         raise ValueError(f"device {dev.name} has no offload_bandwidth: it cannot stream an offloaded cache")
-    kv = model.kv_bytes_per_token * cached
-    weights = dev.bandwidth if rows == 1 or dev.gemm_bandwidth is None else dev.gemm_bandwidth
-    memory = model.weight_bytes / weights + kv / (dev.offload_bandwidth if offloaded else dev.bandwidth)
-    compute = model.matmul_flops(rows) / dev.flops + model.attention_flops(cached, rows) / dev.attention_flops
-    return memory + compute + model.layers * dev.layer_overhead
+    plain_rate = dev.bandwidth if rows == 1 or dev.gemm_bandwidth is None else dev.gemm_bandwidth
+    weights = compute = 0.0
+    for part, storage in model.part_formats(precision).items():
+        quantized = storage in _QUANTIZED_STORAGE
+        part_rows = rows if part != "head" or logits_rows is None else logits_rows
+        out_rows, width = model.matrices[part]
+        weights += model.part_bytes(part, storage) / ((dev.quantized_bandwidth or dev.bandwidth) if quantized
+                                                      else plain_rate)
+        compute += 2 * part_rows * out_rows * width / ((dev.quantized_flops or dev.flops) if quantized else dev.flops)
+    kv = model.kv_bytes_per_token * cached / (dev.offload_bandwidth if offloaded else dev.bandwidth)
+    return (weights + kv + compute + model.attention_flops(cached, rows) / dev.attention_flops
+            + model.layers * dev.layer_overhead)
+
+
+def fill_seconds(model: ModelShape, dev: Device, rows: int, precision: str = "model") -> float:
+    """Seconds of filling an empty cache with ``rows`` tokens by one forward (a draft model's sink+window cache:
+    another model cannot copy the target's entries), the last row's logits only; its causal attention sees on
+    average half the rows."""
+    return forward_seconds(model, dev, rows // 2, rows, precision=precision, logits_rows=1)
 
 
 def selection_seconds(model: ModelShape, dev: Device, context: int, budget: int, chunk_size: int,
@@ -318,26 +426,62 @@ def _triforce_config(config):
     return config if config is not None else TriForceConfig()
 
 
+def tier_precision(precision: str, dev: Device, models: list[ModelShape] | tuple = ()) -> str:
+    """``TriForceConfig.draft_precision`` made concrete for Force 1 / Force 2 of ``models`` on ``dev``, as the
+    library resolves it (`kernels.lean.resolve_draft_precision`): ``"auto"`` is `AUTO_PRECISION` (lean-int4) where
+    every model can be copied (a CPU device, a dtype of `PRECISION_DTYPES`, widths the int4 group divides), else
+    ``"model"``; an explicit lean or int8 precision where the library would refuse it raises, naming it."""
+    if precision not in DRAFT_PRECISIONS:
+        raise ValueError(f"draft_precision must be one of {DRAFT_PRECISIONS}, got {precision!r}")
+    if precision == "model":
+        return precision
+    refusals = []
+    if not dev.cpu:
+        refusals.append(f"it runs on CPU only and device {dev.name} is not a CPU (Device.cpu)")
+    concrete = AUTO_PRECISION if precision == "auto" else precision
+    for model in models:
+        if model.dtype not in PRECISION_DTYPES[concrete]:
+            allowed = " or ".join(PRECISION_DTYPES[concrete])
+            refusals.append(f"it copies {allowed} models; {model.name} is {model.dtype}")
+        bad = sorted({model.matrices[part][1] for part, storage in model.part_formats(concrete).items()
+                      if storage == "int4" and model.matrices[part][1] % INT4_GROUP_SIZE})
+        if bad:
+            refusals.append(f"{model.name}'s input widths {bad} are not multiples of the int4 group size "
+                            f"{INT4_GROUP_SIZE}")
+    if not refusals:
+        return concrete
+    if precision == "auto":
+        return "model"
+    raise ValueError(f"draft_precision={precision!r}: {'; '.join(refusals)} (use draft_precision='model')")
+
+
 def tier_seconds(target: ModelShape, dev: Device, context: int, config=None, draft: ModelShape | None = None,
                  draft_device: Device | None = None) -> dict[str, dict[int, float]]:
     """Seconds per forward of each tier by rows, keyed as the policy's `TierCosts` (``force3``, ``force2``,
     ``draft:<drafter>``, ``select``), for ``context`` cached tokens and a `TriForceConfig` (default
-    ``TriForceConfig()``: its budget, chunk, sink + window, gammas up to ``gamma1`` / ``gamma2`` and
-    ``full_cache_device``); ``draft`` adds drafters ``draft`` (sink + window) and ``vanilla`` (its full cache)."""
+    ``TriForceConfig()``: its budget, chunk, sink + window, gammas up to ``gamma1`` / ``gamma2``,
+    ``full_cache_device`` and ``draft_precision``: Force 1 and Force 2 read their weights at that precision,
+    `tier_precision`, Force 2 at `kernels.lean.FORCE2_PRECISION`'s); ``draft`` adds drafters ``draft`` (sink +
+    window, at the drafting precision; its cache's one-time fill is not included, `fill_seconds`) and ``vanilla``
+    (the draft as given on its full cache: HF assisted generation)."""
     if isinstance(context, bool) or not isinstance(context, int) or context < 1:
         raise ValueError(f"context must be a positive integer, got {context!r}")
     config = _triforce_config(config)
+    on = draft_device or dev
+    precision = tier_precision(config.draft_precision, dev, [target] + ([draft] if draft is not None else []))
+    if draft is not None and on is not dev and precision != "model":  # the draft on its own device: it must copy too
+        precision = tier_precision(config.draft_precision, on, [draft])
+    force2 = FORCE2_PRECISION.get(precision, precision)
     offloaded = config.full_cache_device == "cpu"
     budget, window = min(config.retrieval_budget, context), min(config.sink_tokens + config.window, context)
     tiers = {
         "force3": {r: forward_seconds(target, dev, context, r, offloaded) for r in range(1, config.gamma2 + 2)},
-        "force2": {r: forward_seconds(target, dev, budget, r) for r in range(1, config.gamma1 + 2)},
-        "draft:self": {1: forward_seconds(target, dev, window)},
+        "force2": {r: forward_seconds(target, dev, budget, r, precision=force2) for r in range(1, config.gamma1 + 2)},
+        "draft:self": {1: forward_seconds(target, dev, window, precision=precision)},
         "select": {1: selection_seconds(target, dev, context, budget, config.chunk_size, offloaded)},
     }
     if draft is not None:
-        on = draft_device or dev
-        tiers["draft:draft"] = {1: forward_seconds(draft, on, window)}
+        tiers["draft:draft"] = {1: forward_seconds(draft, on, window, precision=precision)}
         tiers["draft:vanilla"] = {1: forward_seconds(draft, on, context)}
     return tiers
 
@@ -426,6 +570,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--offload-bandwidth", type=float, default=None, help="host link bytes/s (offloading)")
     parser.add_argument("--gemm-bandwidth", type=float, default=None, help="bytes/s of the weights in a forward of "
                         "several rows (CPU BLAS packs them; default: --bandwidth)")
+    parser.add_argument("--quantized-bandwidth", type=float, default=None, help="bytes/s of int8/int4 drafting "
+                        "weights (weight-only kernels unpack them; default: the preset's, else --bandwidth)")
+    parser.add_argument("--quantized-flops", type=float, default=None,
+                        help="FLOP/s of int8/int4 drafting products (default: the preset's, else --flops)")
+    parser.add_argument("--cpu", action="store_true", help="the device is a CPU (explicit devices; the presets "
+                        "know): the lean and int8 drafting precisions run only there")
+    parser.add_argument("--draft-precision", default="auto", choices=DRAFT_PRECISIONS,
+                        help="TriForceConfig.draft_precision: the weights Force 1 / Force 2 read (default auto: "
+                        f"{AUTO_PRECISION} on a CPU for fp32/bf16 models, the model's own weights elsewhere)")
     parser.add_argument("--offload", action="store_true", help="the full cache in host memory "
                         "(TriForceConfig(full_cache_device='cpu')), streamed over the host link")
     parser.add_argument("--contexts", type=int, nargs="+", default=[32768, 131072])
@@ -447,10 +600,13 @@ def run(args: argparse.Namespace) -> int:
     draft = model_shape(args.draft_model, target.dtype) if args.draft_model else None
     dev = device(args.device, target.dtype, bandwidth=args.bandwidth, flops=args.flops,
                  attention_flops=args.attention_flops, layer_overhead=args.layer_overhead,
-                 offload_bandwidth=args.offload_bandwidth, gemm_bandwidth=args.gemm_bandwidth)
+                 offload_bandwidth=args.offload_bandwidth, gemm_bandwidth=args.gemm_bandwidth,
+                 quantized_bandwidth=args.quantized_bandwidth, quantized_flops=args.quantized_flops,
+                 cpu=True if args.cpu else None)
     acceptance = Acceptance(args.accept_force3, args.accept_force2, args.accept_streaming, args.accept_draft)
     config = TriForceConfig(retrieval_budget=args.budget, gamma1=args.gamma1, gamma2=args.gamma2,
-                            full_cache_device="cpu" if args.offload else None)
+                            full_cache_device="cpu" if args.offload else None, draft_precision=args.draft_precision)
+    precision = tier_precision(config.draft_precision, dev, [target] + ([draft] if draft else []))
     results = []
     for context in args.contexts:
         tiers, plans = project_plans(target, dev, context, acceptance, config, draft)
@@ -458,21 +614,24 @@ def run(args: argparse.Namespace) -> int:
                         "plans": [asdict(p) for p in plans]})
     if args.json:
         print(json.dumps({"model": asdict(target), "draft": asdict(draft) if draft else None, "device": asdict(dev),
-                          "acceptance": asdict(acceptance), "projections": results}, indent=1))
+                          "draft_precision": precision, "acceptance": asdict(acceptance), "projections": results},
+                         indent=1))
         return 0
     print(f"PROJECTION (not measured): {target.name} {target.dtype} on {dev.name} ({dev.notes}); bandwidth "
           f"{dev.bandwidth:.3g} B/s, {dev.flops:.3g} FLOP/s, {dev.layer_overhead * 1e3:.3g} ms/layer overhead"
-          f"{', full cache offloaded' if args.offload else ''}; acceptance {asdict(acceptance)}")
+          f"{', full cache offloaded' if args.offload else ''}; Force 1 / Force 2 weights: {precision} "
+          f"(draft_precision {config.draft_precision!r}); acceptance {asdict(acceptance)}")
     for result, context in zip(results, args.contexts):
         tiers = result["tiers"]
         print(f"\n### context {context}\n\n| tier | ms per forward |\n|---|---|")
         print(f"| Force 3 / plain, 1 row | {tiers['force3']['1'] * 1e3:.2f} |")
         print(f"| Force 3, {args.gamma2 + 1} rows | {tiers['force3'][str(args.gamma2 + 1)] * 1e3:.2f} |")
-        print(f"| Force 2, {args.gamma1 + 1} rows | {tiers['force2'][str(args.gamma1 + 1)] * 1e3:.2f} |")
-        print(f"| Force 1 (self, sink+window) | {tiers['draft:self']['1'] * 1e3:.2f} |")
+        print(f"| Force 2, {args.gamma1 + 1} rows ({FORCE2_PRECISION.get(precision, precision)}) | "
+              f"{tiers['force2'][str(args.gamma1 + 1)] * 1e3:.2f} |")
+        print(f"| Force 1 (self, sink+window, {precision}) | {tiers['draft:self']['1'] * 1e3:.2f} |")
         for name in ("draft", "vanilla"):
             if f"draft:{name}" in tiers:
-                print(f"| draft model ({'sink+window' if name == 'draft' else 'full cache'}) | "
+                print(f"| draft model ({f'sink+window, {precision}' if name == 'draft' else 'full cache, model'}) | "
                       f"{tiers[f'draft:{name}']['1'] * 1e3:.2f} |")
         print("\n| plan | best gammas | tokens/step | ms/step | tokens/s | vs plain |\n|---|---|---|---|---|---|")
         for p in result["plans"]:
