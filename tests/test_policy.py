@@ -272,6 +272,45 @@ def test_the_decoder_prices_the_target_s_tiers_by_the_bytes_they_read():
     assert lean_f["draft:self"] < fractions["int8"]["draft:self"] < model_f["draft:self"]  # int8 buffers counted
 
 
+def literal_force2_seconds(gamma1: int, gamma2: int, rate: float, coverage: float, draft: float,
+                           force2: dict[int, float]) -> float:
+    """Expected Force-1 + Force-2 seconds of one three-level step, by walking every outcome of the rounds exactly
+    as `Force2.candidate_steps` runs them (drafts ``min(gamma1, wanted - produced - 1)``; a lookup proposes with
+    probability ``coverage``; accepted + 1 tokens a round; stop once ``gamma2`` are produced)."""
+    def walk(produced: int) -> float:
+        if produced >= gamma2:
+            return 0.0
+        k = min(gamma1, gamma2 - produced - 1)
+        alone = force2[1] + walk(produced + 1)
+        if k == 0:
+            return alone
+        outcomes = [(rate ** j * (1 - rate), j) for j in range(k)] + [(rate ** k, k)]
+        chain = k * draft + force2[k + 1] + sum(p * walk(produced + j + 1) for p, j in outcomes)
+        return coverage * chain + (1 - coverage) * alone
+    return walk(0)
+
+
+@pytest.mark.parametrize("gamma1, gamma2, rate, coverage", [(2, 6, 0.7, 1.0), (3, 8, 0.4, 1.0), (2, 2, 0.9, 1.0),
+                                                            (3, 8, 0.6, 0.5), (1, 5, 0.8, 1.0)])
+def test_three_level_rounds_are_priced_as_the_loop_drafts_them(gamma1, gamma2, rate, coverage):
+    """A three-level step's Force-1 and Force-2 seconds are the expectation over the rounds the loop runs, the last
+    ones drafting fewer than gamma1 tokens (priced at gamma1 every round they were 28-45% dearer than measured)."""
+    drafter, kind = ("ngram", "lookup") if coverage < 1 else ("self", "model")
+    policy = AdaptivePolicy({drafter: kind}, (drafter,), gamma1, gamma2, explore_every=1000)
+    force2 = {rows: 0.05 * (1 + 0.2 * (rows - 1)) for rows in range(1, gamma1 + 2)}
+    for rows, seconds in force2.items():
+        policy.observe_forward("force2", rows, seconds)
+    policy.observe_forward("force3", 1, 0.3)
+    policy.observe_forward("force3", gamma2 + 1, 0.4)
+    policy.observe_forward(f"draft:{drafter}", 1, 0.0 if kind == "lookup" else 0.02)
+    plan = Plan(3, drafter, gamma1, gamma2)
+    policy.assume_rates(force3=0.5, force1={drafter: rate} if kind == "model" else {},
+                        direct={drafter: rate}, coverage={drafter: coverage} if kind == "lookup" else {})
+    _, seconds = policy.predict(plan)
+    draft = 0.0 if kind == "lookup" else 0.02
+    assert seconds == pytest.approx(literal_force2_seconds(gamma1, gamma2, rate, coverage, draft, force2) + 0.4)
+
+
 def test_three_level_drafters_must_be_known():
     with pytest.raises(ValueError, match="three_level"):
         AdaptivePolicy({"ngram": "lookup"}, ("self",), 2, 6, explore_every=16)

@@ -24,6 +24,8 @@ from hf_triforce.tools.project import (
     tier_seconds,
 )
 
+from .test_policy import literal_force2_seconds
+
 TINY = dict(num_hidden_layers=2, hidden_size=4, intermediate_size=8, num_attention_heads=2, num_key_value_heads=1,
             head_dim=2, vocab_size=10, tie_word_embeddings=False, hidden_act="silu", dtype="float32")
 UNIT = Device(name="unit", bandwidth=1e9, flops=1e9, attention_flops=1e9, layer_overhead=1e-3)
@@ -157,11 +159,10 @@ def test_plans_are_priced_by_the_policy_itself():
         best[key] = max(best.get(key, 0.0), policy.tokens_per_second(plan))
     assert sorted(p.tokens_per_second for p in plans) == pytest.approx(sorted(best.values()), rel=1e-12)
     assert {p.plan for p in plans} >= {"plain"} and len(plans) == 6
-    # triforce self g2/6 by hand: rounds of Force 1 (2 drafts) verified by Force 2 until 6 tokens, then Force 3
+    # triforce self g2/6 by hand: rounds of Force 1 (up to 2 drafts) verified by Force 2 until 6 tokens, then Force 3
     g1, g2 = 2, 6
-    rounds = g2 / expected_tokens(0.7, g1)
-    seconds = (rounds * (g1 * tiers["draft:self"][1] + tiers["force2"][g1 + 1]) + tiers["force3"][g2 + 1]
-               + tiers["select"][1])
+    seconds = (literal_force2_seconds(g1, g2, 0.7, 1.0, tiers["draft:self"][1], tiers["force2"])
+               + tiers["force3"][g2 + 1] + tiers["select"][1])
     assert policy.predict(Plan(3, "self", g1, g2)) == pytest.approx((expected_tokens(0.9, g2), seconds), rel=1e-12)
     plain = next(p for p in plans if p.plan == "plain")
     assert plain.tokens_per_second == pytest.approx(1 / tiers["force3"][1]) and plain.speedup == 1.0

@@ -287,22 +287,43 @@ class AdaptivePolicy:
             seconds = (self._drafter_seconds(plan.drafter, plan.gamma2) + coverage * verify
                        + (1 - coverage) * self._force3(1))
             return tokens, seconds + overhead
-        # one Force-2 round: Force 1's chain (a lookup proposes one only with probability `coverage`) verified
-        # in one Force-2 forward; rounds until Force 2 has gamma2 tokens
+        # Force-2 rounds until Force 2 has gamma2 tokens: Force 1's chain (a lookup proposes one only with
+        # probability `coverage`) verified in one Force-2 forward
         coverage = self.lookup_coverage[plan.drafter].rate if plan.drafter in self.lookup_coverage else 1.0
-        per_round = 1.0 + coverage * (expected_tokens(self.force1_rate(plan.drafter, plan.force1_tree), plan.gamma1)
-                                      - 1.0)
-        rounds = plan.gamma2 / per_round
+        rate = self.force1_rate(plan.drafter, plan.force1_tree)
         fallback = self._prior("force2")
-        verify2 = self.costs.estimate("force2", plan.gamma1 + 1, fallback)
-        if plan.force1_tree:
-            rows = self.tree_rows(self.tree_nodes, plan.gamma1, plan.drafter in self.lookup_coverage)
-            verify2 = self._tree_tier("force2", rows, self.costs.estimate("force2", rows, fallback))
-        force2 = coverage * verify2 + (1 - coverage) * self.costs.estimate("force2", 1, fallback)
         select = self.costs.estimate("select", 1, 0.0)
         tokens, verify3 = self._verify3(plan)
-        seconds = rounds * (self._drafter_seconds(plan.drafter, plan.gamma1) + force2) + verify3
+        if not plan.force1_tree:
+            return tokens, self._chain_rounds(plan, rate, coverage, fallback) + verify3 + select + overhead
+        per_round = 1.0 + coverage * (expected_tokens(rate, plan.gamma1) - 1.0)
+        rows = self.tree_rows(self.tree_nodes, plan.gamma1, plan.drafter in self.lookup_coverage)
+        verify2 = self._tree_tier("force2", rows, self.costs.estimate("force2", rows, fallback))
+        force2 = coverage * verify2 + (1 - coverage) * self.costs.estimate("force2", 1, fallback)
+        seconds = plan.gamma2 / per_round * (self._drafter_seconds(plan.drafter, plan.gamma1) + force2) + verify3
         return tokens, seconds + select + overhead
+
+    def _chain_rounds(self, plan: Plan, rate: float, coverage: float, fallback: float) -> float:
+        """Expected seconds of Force 1 and Force 2 until Force 2 holds ``plan.gamma2`` tokens, the rounds run as
+        `levels.Force2.candidate_steps` runs them: with ``s`` tokens still wanted Force 1 drafts ``min(gamma1, s - 1)``
+        (a lookup proposes with probability ``coverage``, else nothing), Force 2 verifies them in one forward of
+        that many rows + 1 and keeps the accepted ones (per-token ``rate``, geometric) and its own next token. A
+        round's chain is shorter than ``gamma1`` near the end: priced at ``gamma1`` every round, three-level steps
+        were over-priced by 28-45% against the seconds measured (1.31-1.73 drafted tokens a round at ``gamma1``
+        2; docs/bench/projection/calibration.md)."""
+        seconds = [0.0] * (plan.gamma2 + 1)  # seconds[s]: expected seconds with s tokens still wanted
+        for s in range(1, plan.gamma2 + 1):
+            alone = self.costs.estimate("force2", 1, fallback) + seconds[s - 1]  # nothing drafted: Force 2's token
+            drafted = min(plan.gamma1, s - 1)
+            if not drafted:
+                seconds[s] = alone
+                continue
+            chain = self._drafter_seconds(plan.drafter, drafted) + self.costs.estimate("force2", drafted + 1, fallback)
+            for accepted in range(drafted + 1):  # then Force 2's own token: accepted + 1 tokens gained
+                chance = rate ** accepted * (1 - rate) if accepted < drafted else rate ** drafted
+                chain += chance * seconds[max(s - accepted - 1, 0)]
+            seconds[s] = coverage * chain + (1 - coverage) * alone
+        return seconds[plan.gamma2]
 
     def force1_rate(self, drafter: str, tree: bool = False) -> float:
         """Per-token acceptance of ``drafter``'s chains (``tree``: trees) by Force 2."""
