@@ -243,12 +243,16 @@ class Decoder:
         force2 = weight_bytes(tier_model(self.model, self.config.draft_precision, 2)) + \
             min(self.config.retrieval_budget, context) * per_token
         fractions = {"draft:self": force1 / force3, "force2": force2 / force3}
-        for name, kind in (self.policy.drafters.items() if self.policy is not None else ()):
-            drafter = self.drafter(0, name) if kind == "model" else None
-            if drafter is not None and drafter.source is None:  # a draft model: its drafting copy and its own cache
-                own = weight_bytes(drafter.model) + window * kv_bytes_per_token(drafter.fill_model)
-                fractions[f"draft:{name}"] = own / force3
+        for name, drafter in self.filled_drafters().items():  # a draft model: its drafting copy and its own cache
+            own = weight_bytes(drafter.model) + window * kv_bytes_per_token(drafter.fill_model)
+            fractions[f"draft:{name}"] = own / force3
         return fractions
+
+    def filled_drafters(self) -> dict[str, ModelDrafter]:
+        """The policy's model drafters that fill their caches by a forward (a draft model; the self drafter copies
+        the full cache's entries), row 0's, by name."""
+        models = [name for name, kind in self.policy.drafters.items() if kind == "model"] if self.policy else []
+        return {name: drafter for name in models if (drafter := self.drafter(0, name)).source is None}
 
     def _tier_models(self) -> list:
         """The models Force 1 and Force 2 run for the config's drafting precision, for the target and a draft model
@@ -271,9 +275,8 @@ class Decoder:
             done[b] = outs[b].commit(first, scores[0], first_logits[b][0])
         if policy is not None:  # a draft cache's fill is a short-context prefill, priced at the prefill's speed
             window = self.config.sink_tokens + self.config.window
-            fills = {name: window * weight_bytes(self.drafter(0, name).fill_model) / weight_bytes(self.model)
-                     for name, kind in policy.drafters.items()
-                     if kind == "model" and self.drafter(0, name).source is None}  # a copy: ~free
+            fills = {name: window * weight_bytes(drafter.fill_model) / weight_bytes(self.model)
+                     for name, drafter in self.filled_drafters().items()}  # a copy: ~free
             policy.setup_seconds = {name: None if seconds_per_token is None else fill * seconds_per_token
                                     for name, fill in fills.items()}
             policy.setup_rows = fills

@@ -172,7 +172,8 @@ class AdaptivePolicy:
         self.force2_tree_nodes = force2_tree_nodes if three_level else 0
         # one-time cost of a drafter's first use (a model drafter fills its cache), spread over the steps left; None:
         # unmeasured, priced by `setup_rows` (its fill's rows in the target's rows: rows x the draft's bytes as a
-        # fraction of the target's) at FILL_ROW_FRACTION of a one-row Force-3 forward each (one row if not given)
+        # fraction of the target's; given for every unmeasured set-up) at FILL_ROW_FRACTION of a one-row Force-3
+        # forward each
         self.setup_seconds: dict[str, float | None] = dict(setup_seconds or {})
         self.setup_rows: dict[str, float] = {}
         self.remaining_tokens = 1 << 30
@@ -263,7 +264,7 @@ class AdaptivePolicy:
         if plan.drafter in self.setup_seconds:
             setup = self.setup_seconds[plan.drafter]
             if setup is None:  # unmeasured: its rows at FILL_ROW_FRACTION of a one-row Force-3 forward each
-                setup = FILL_ROW_FRACTION * self.setup_rows.get(plan.drafter, 1.0) * self._force3(1)
+                setup = FILL_ROW_FRACTION * self.setup_rows[plan.drafter] * self._force3(1)
             seconds += setup * tokens / max(self.remaining_tokens, tokens)
         return tokens, seconds
 
