@@ -42,7 +42,10 @@ class TriForceStats:
     # routes (once per model, row count and process)
     linear_routes: dict = field(default_factory=dict)
     linear_calibration_seconds: float = 0.0
-    prefill_seconds: float = 0.0
+    prefill_seconds: float = 0.0  # the prompt's prefill (a cache= prefix's adoption included)
+    # adopting a cache= prefix (batch 1): allocating the full cache and copying the prefix in; static-cache
+    # `generate` pays the same copy where its StaticCache is filled from a prefix (`hf-triforce bench` times neither)
+    prefix_copy_seconds: float = 0.0
     force1_seconds: float = 0.0
     force2_seconds: float = 0.0
     force3_seconds: float = 0.0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 import torch
@@ -216,3 +217,30 @@ def test_bench_llama_cpp_methods_need_a_bundled_gguf(tmp_path):
     with pytest.raises(SystemExit, match="run llama.cpp on a bundled GGUF"):
         main(["bench", "--model", str(tmp_path), "--methods", "plain", "llama.cpp"])
     assert METHODS["llama.cpp-lookup"].engine == "llama.cpp" and "llama.cpp" in DEFAULT_EXCLUDED
+
+
+def test_bench_times_no_methods_prefix_copy(monkeypatch):
+    """Every method starts from the bench's shared prefix; static and plain copy it before the clock, so a TriForce
+    run's own copy of it (`TriForceStats.prefix_copy_seconds`, measured in `generate`) is not timed either."""
+    model = make_model()
+    prompt = torch.randint(0, model.config.vocab_size, (1, 40))
+    prefix = bench.prefill_prefix(model, prompt)
+    out = model.generate(prompt, cache=bench.prefill_prefix(model, prompt), max_new_tokens=3, do_sample=False,
+                         triforce_config=METHODS["default"].config(64), return_dict_in_generate=True)
+    assert out.triforce_stats.prefix_copy_seconds > 0
+    assert model.generate(prompt, max_new_tokens=3, do_sample=False, triforce_config=METHODS["default"].config(64),
+                          return_dict_in_generate=True).triforce_stats.prefix_copy_seconds == 0
+    generate = model.generate
+
+    def slow_generate(*args, **kwargs):  # 0.3 s at least, of which its copy says 0.25 s
+        time.sleep(0.3)
+        result = generate(*args, **kwargs)
+        result.triforce_stats.prefix_copy_seconds = 0.25
+        return result
+
+    monkeypatch.setattr(model, "generate", slow_generate)
+    run = bench.Run("default")
+    began = time.perf_counter()
+    bench.measure(model, prompt, prefix, "default", 3, 64, run)
+    wall = time.perf_counter() - began
+    assert 0.05 <= run.seconds[0] <= wall - 0.25

@@ -96,7 +96,8 @@ class OffloadedLayer(BufferLayer):
         self.stream: LayerStream | None = None
         self.index = 0
 
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor, filled: int = 0) -> None:
+        """Host buffers, all zeroed (``filled`` is not used: the saving matters for the in-memory full cache)."""
         batch, heads, _, k_dim = key_states.shape
         pin = key_states.device.type == "cuda" or (
             self.expected_device is not None and self.expected_device.type == "cuda")

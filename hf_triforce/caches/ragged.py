@@ -92,8 +92,9 @@ class RaggedLayer(CacheLayerMixin):
 class RowLayer(BufferLayer):
     """Row ``row`` of a `RaggedLayer` as a batch-1 `BufferLayer`: its buffers and length are the parent's."""
 
-    def __init__(self, parent: RaggedLayer, row: int) -> None:  # no BufferLayer.__init__: nothing of its own
+    def __init__(self, parent: RaggedLayer, row: int) -> None:  # no BufferLayer.__init__: only its counter
         self.parent, self.row, self.capacity = parent, row, parent.capacity
+        self.chunks_copied = 0
 
     @property
     def device(self) -> torch.device:
@@ -123,8 +124,8 @@ class RowLayer(BufferLayer):
     def length(self, value: int) -> None:
         self.parent.lengths[self.row] = value
 
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        self.parent.lazy_initialization(key_states, value_states)
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor, filled: int = 0) -> None:
+        self.parent.lazy_initialization(key_states, value_states)  # the whole batch's buffers: all zeroed
 
     def nbytes(self) -> int:
         return 0  # the parent's buffers

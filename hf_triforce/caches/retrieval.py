@@ -69,8 +69,8 @@ class RetrievalCache(BufferCache):
         done = self._summaries[layer_idx]
         have = 0 if done is None else done.shape[2]
         if have < n_chunks:
-            fresh = keys[:, :, cs * (1 + have) : cs * (1 + n_chunks)].to(device).float()
-            fresh = fresh.reshape(keys.shape[0], keys.shape[1], n_chunks - have, cs, keys.shape[-1]).mean(3)
+            fresh = keys[:, :, cs * (1 + have) : cs * (1 + n_chunks)].to(device)
+            fresh = fresh.unflatten(2, (n_chunks - have, cs)).float().mean(3)  # fp32 keys: a view, no copy
             done = fresh if done is None else torch.cat((done, fresh), dim=2)
             self._summaries[layer_idx] = done
         return done[:, :, :n_chunks]

@@ -58,7 +58,11 @@ class Force3:
         """Prefill the prompt after what ``prefix`` (``cache=``) holds. Returns the last row's logits and queries
         (one each), and the prefill's seconds per token where its first chunk says (None: unknown)."""
         config, (input_ids,) = self.config, rows
-        cached = copy_prefix(prefix, self.cache) if prefix is not None else 0
+        cached = 0
+        if prefix is not None:
+            start = time.perf_counter()
+            cached = copy_prefix(prefix, self.cache)
+            stats[0].prefix_copy_seconds = time.perf_counter() - start
         start, chunks = time.perf_counter(), []
         logits = prefill(self.model, input_ids[:, cached:], self.cache, config.prefill_chunk_size,
                          config.show_progress, self.recorder, chunks)

@@ -126,7 +126,9 @@ def measure(model, ids, prefix, method: str, new_tokens: int, budget: int, run: 
             engines: dict | None = None, cache_tokens: int | None = None) -> None:
     """One timed run (greedy, or ``sampling`` kwargs seeded with ``seed``); ``lookup`` and ``assisted``
     prefill the prompt themselves (and assisted its draft model): they are timed from their first new token on
-    (`DecodeClock`: decoding is timed, not prompt processing).
+    (`DecodeClock`: decoding is timed, not prompt processing). Every other method starts from the shared prefix
+    with its copy made before the clock (plain's deep copy, static's StaticCache); a TriForce method copies it inside
+    `generate`, and that copy (`TriForceStats.prefix_copy_seconds`) is not timed either.
     Methods of another engine run on ``engines[method]`` (prefilled already). ``cache_tokens``: new tokens the static
     caches make room for (default ``new_tokens``): a short warm-up compiles the shape of the timed run."""
     if method_named(method).other_engine:
@@ -147,11 +149,13 @@ def measure(model, ids, prefix, method: str, new_tokens: int, budget: int, run: 
     if clock is not None:  # from the first new token on: their prefills (the draft model's included) are not timed
         seconds = time.perf_counter() - clock.first
         run.decoded = clock.after_first
+    run.stats = getattr(out, "triforce_stats", None)
+    if run.stats is not None:  # adopting the shared prefix: the static and plain methods copy it before the clock
+        seconds -= run.stats.prefix_copy_seconds
     run.seconds.append(seconds)
     sequences = out.sequences if hasattr(out, "sequences") else out
     run.new_tokens = sequences.shape[1] - ids.shape[1]
     run.sequences = sequences
-    run.stats = getattr(out, "triforce_stats", None)
 
 
 def compare(model, ids, methods, new_tokens: int, repeats: int, budget: int | list[int], draft_model=None,
