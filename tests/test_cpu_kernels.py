@@ -130,12 +130,22 @@ def test_split_kv_sdpa_matches_one_masked_call(heads, kv_heads, q_len, kv_len, t
 def test_split_kv_route_taken_only_for_few_rows_over_a_long_cpu_cache():
     module = nn.Module().eval()
     query, long_keys = torch.zeros(1, 9, 8, 64), torch.zeros(1, 3, attention.SPLIT_KV_MIN_CACHED + 8, 64)
-    assert attention._wants_split_kv(query, long_keys, long_keys, 0.0, module)
-    short = long_keys[:, :, :-1]
-    assert not attention._wants_split_kv(query, short, short, 0.0, module)  # cache one entry short
-    assert not attention._wants_split_kv(torch.zeros(1, 9, 1024, 64), long_keys, long_keys, 0.0, module)  # prefill
-    # values narrower than keys (multi-head latent attention): ATen's CPU flash kernel refuses them
-    assert not attention._wants_split_kv(query, long_keys, long_keys[..., :48], 0.0, module)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        assert attention._wants_split_kv(query, long_keys, long_keys, 0.0, module)
+        short = long_keys[:, :, :-1]
+        assert not attention._wants_split_kv(query, short, short, 0.0, module)  # cache one entry short
+        assert not attention._wants_split_kv(torch.zeros(1, 9, 1024, 64), long_keys, long_keys, 0.0, module)  # prefill
+        # values narrower than keys (multi-head latent attention): ATen's CPU flash kernel refuses them
+        assert not attention._wants_split_kv(query, long_keys, long_keys[..., :48], 0.0, module)
+        assert not attention._wants_split_kv(query[:, :, :1], long_keys, long_keys, 0.0, module)  # one row
+        two_kv_heads = long_keys[:, :2]  # one work item per thread already
+        assert not attention._wants_split_kv(query[:, :6], two_kv_heads, two_kv_heads, 0.0, module)
+        torch.set_num_threads(1)
+        assert not attention._wants_split_kv(query, long_keys, long_keys, 0.0, module)
+    finally:
+        torch.set_num_threads(before)
 
 
 @pytest.mark.parametrize("kv_len", [300, 9000])
@@ -205,12 +215,11 @@ def test_one_row_sdpa_matches_sdpa_over_the_whole_cache(heads, kv_heads, kv_len)
     assert not attention._wants_one_row("sdpa", query, None, {"softcap": 30.0})
 
 
-def test_split_route_keeps_the_dtype(monkeypatch):
+def test_split_route_keeps_the_dtype():
     """The log-sum-exp merge weights are fp32: a bf16 model must get bf16 back (o_proj's input)."""
-    monkeypatch.setattr(attention, "SPLIT_KV_MIN_CACHED", 64)
     keys, values = (torch.randn(1, 3, 300, 64, dtype=torch.bfloat16) for _ in range(2))
     query = torch.randn(1, 9, 1, 64, dtype=torch.bfloat16)
-    got, _ = attention.one_row_sdpa(nn.Module().eval(), query, keys, values, None, scaling=0.125)
+    got, _ = attention.split_kv_sdpa(nn.Module().eval(), query, keys, values, None, scaling=0.125)
     expected = torch.nn.functional.scaled_dot_product_attention(query.float(), keys.float(), values.float(),
                                                                 scale=0.125, enable_gqa=True).transpose(1, 2)
     assert got.dtype == torch.bfloat16

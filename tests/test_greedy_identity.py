@@ -141,6 +141,7 @@ def test_split_kv_verification_keeps_greedy_identity(monkeypatch):
     calls = []
     real = attention.split_kv_sdpa
     monkeypatch.setattr(attention, "SPLIT_KV_MIN_CACHED", 0)
+    monkeypatch.setattr(attention, "_split_pays", lambda query, key: True)  # whatever the heads and threads
     monkeypatch.setattr(attention, "split_kv_sdpa", lambda *a, **k: calls.append(1) or real(*a, **k))
     _assert_identical_with_self_and_ngram_drafts()
     assert calls

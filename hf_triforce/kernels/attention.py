@@ -134,9 +134,9 @@ def split_kv_sdpa(module, query, key, value, attention_mask, scaling=None, dropo
 def one_row_sdpa(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """One new query row over the whole cache (a decoding step): it sees every entry, so no mask; the query
     heads of a GQA group become rows of one KV head (K/V read once). On CPU, 1.8x cheaper than SDPA with
-    ``enable_gqa`` at 8k cached entries and 1.9x at 32k (SmolLM2 shapes, 2 threads); from
-    `SPLIT_KV_MIN_CACHED` entries the cache is split across threads (`split_kv_sdpa`). Returns
-    ``[b, 1, heads, dv]`` (``dv`` the values' head dim)."""
+    ``enable_gqa`` at 8k cached entries and 1.9x at 32k (SmolLM2 shapes, 2 threads); not split across threads
+    (`_split_pays`: a row's merge costs more than it balances). Returns ``[b, 1, heads, dv]`` (``dv`` the values'
+    head dim)."""
     if _wants_split_kv(query, key, value, dropout, module):
         return split_kv_sdpa(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
     batch, heads, _, dim = query.shape
@@ -274,10 +274,21 @@ def _wants_one_row(base: str, query, attention_mask, kwargs) -> bool:
     )
 
 
+def _split_pays(query, key) -> bool:
+    """Where splitting the cache across threads pays (`split_kv_sdpa`): several query rows, and KV heads that do not
+    divide among the threads (ATen's kernel runs one work item per KV head and block of 32 query rows). Measured on a
+    Zen 4, 2 threads, a split call against one call: SmolLM2 (3 KV heads, fp32) 7 rows 0.82x at 32k, 0.95-0.97x at
+    8-16k; one row 1.2-1.4x dearer at 8-16k (the merge outweighs the balance); Qwen2.5-Coder-1.5B (2 KV heads,
+    bf16) 1.02-1.35x dearer at every length and row count from 1 to 7 (both threads busy already)."""
+    threads = torch.get_num_threads()
+    return query.shape[2] > 1 and threads > 1 and key.shape[1] % threads != 0
+
+
 def _wants_split_kv(query, key, value, dropout, module) -> bool:
     cached = key.shape[2] - query.shape[2]
     return (
         query.device.type == "cpu"
+        and _split_pays(query, key)
         and same_head_dims(key, value)
         and query.shape[0] == 1  # batches (`force3.RaggedForce3`) carry per-row masks that only gqa_sdpa reads
         and query.shape[2] <= SPLIT_KV_MAX_QUERY
