@@ -137,8 +137,6 @@ def one_row_sdpa(module, query, key, value, attention_mask, scaling=None, dropou
     ``enable_gqa`` at 8k cached entries and 1.9x at 32k (SmolLM2 shapes, 2 threads); not split across threads
     (`_split_pays`: a row's merge costs more than it balances). Returns ``[b, 1, heads, dv]`` (``dv`` the values'
     head dim)."""
-    if _wants_split_kv(query, key, value, dropout, module):
-        return split_kv_sdpa(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
     batch, heads, _, dim = query.shape
     kv_heads = key.shape[1]
     out = torch.nn.functional.scaled_dot_product_attention(
