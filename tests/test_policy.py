@@ -87,6 +87,23 @@ def test_a_drafter_shared_by_two_levels_fills_its_cache_once(monkeypatch):
     assert set(out.triforce_stats.plan_steps) == {1, 2, 3} and len(fills) == 1, fills
 
 
+@pytest.mark.parametrize("period", [1, 3])
+def test_three_level_drafters_share_one_force2(monkeypatch, period):
+    """Force 2 is the target on the retrieval cache whoever drafts for it: three-level plans of the self drafter
+    and of the n-gram lookup use one retrieval cache per row (one first selection, one cache's memory), greedy-
+    identically, each drafter catching up after the steps it sat out."""
+    from hf_triforce.decoding.levels import Force2
+
+    built = []
+    init = Force2.__init__
+    monkeypatch.setattr(Force2, "__init__", lambda self, *a, **kw: (built.append(self), init(self, *a, **kw))[1])
+    cycle = [Plan(3, "self", 2, 5), Plan(3, "ngram", 2, 4), Plan(1), Plan(3, "ngram", 1, 3), Plan(3, "self", 1, 3)]
+    out = run_cycle(monkeypatch, cycle, period, auto("self", window=24))
+    stats = out.triforce_stats
+    assert {name.split(" g")[0] for name in stats.plans} >= {"triforce self", "triforce ngram"}, stats.plans
+    assert len(built) == 1 and stats.retrieval_cache_bytes == built[0].nbytes(), (len(built), stats.plans)
+
+
 def test_lookup_chains_may_be_longer_than_gamma2():
     """Under the auto policy a lookup drafter's two-level chains go up to `LOOKUP_GAMMA2` (model drafters' stay within
     gamma2); on a repeating prompt it runs such chains, greedy-identically, and Force 3 keeps room for their rows."""
@@ -153,8 +170,8 @@ def rotation_law(monkeypatch, plans: list[Plan], top_k: int, new: int, mutate=No
 
 def test_plans_chosen_from_the_past_keep_the_law_exact(monkeypatch):
     """Whatever past-dependent rule picks the plans (`rotation_law`), the law is the target's."""
-    plans = [Plan(3, "self", 1, 2), Plan(1), Plan(3, "self", 1, 2), Plan(2, "ngram", gamma2=2), Plan(1),
-             Plan(2, "self", gamma2=2)]
+    plans = [Plan(3, "self", 1, 2), Plan(1), Plan(3, "ngram", 1, 2), Plan(2, "ngram", gamma2=2), Plan(1),
+             Plan(2, "self", gamma2=2), Plan(3, "self", 1, 2)]
     gap, switches, _ = rotation_law(monkeypatch, plans, 2, 5)
     assert gap < 1e-5
     transitions = {(before.levels, after.levels) for before, after in switches if before is not None}

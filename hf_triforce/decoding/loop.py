@@ -157,7 +157,7 @@ class Decoder:
                                force1_tree=bool(config.tree_nodes), force2_tree=bool(config.force2_tree_nodes))
         self.lockstep = Lockstep(batch)
         self.drafters: dict[str, list] = {}  # name -> per row
-        self.levels: dict[tuple[int, str], list] = {}  # (levels, drafter) -> per row
+        self.levels: dict[tuple[int, str], list] = {}  # (2, drafter) or (3, "") -> per row
 
     @property
     def batch(self) -> int:
@@ -188,7 +188,7 @@ class Decoder:
         from row ``b`` of the full cache; in a batch, a row of a cache shared by every row's)."""
         if plan.levels == 1:
             return None
-        key = (plan.levels, plan.drafter)
+        key = (plan.levels, plan.drafter if plan.levels == 2 else "")  # one Force 2 whoever drafts for it
         if key not in self.levels:
             timed = self.policy.observe_forward if self.policy is not None else None
             target = tier_model(self.model, self.config.draft_precision, 2, self.config.tier_compile)
@@ -200,7 +200,10 @@ class Decoder:
             if plan.levels == 3 and self.batch > 1:
                 self.lockstep.share([level.cache for level in rows], "force2")
             self.levels[key] = rows
-        return self.levels[key][b]
+        level = self.levels[key][b]
+        if plan.levels == 3:
+            level.use(self.drafter(b, plan.drafter))
+        return level
 
     def run(self, rows: list[torch.LongTensor], prefix_cache=None, streamer=None, keep_scores: bool = False,
             keep_logits: bool = False) -> DecodeResult:
