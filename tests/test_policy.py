@@ -212,6 +212,35 @@ def test_policy_prefers_plain_when_drafts_are_rejected_and_lookup_when_they_pass
     assert policy.choose().levels == 2
 
 
+@pytest.mark.parametrize("calibrated", [True, False])
+def test_a_plan_measured_dearer_than_predicted_loses_its_near_tie(monkeypatch, calibrated):
+    """One-token n-gram chains predicted 3% faster than plain decoding whose steps take 10% longer than predicted
+    (what the tier costs leave out, e.g. Qwen2.5-Coder at 32k): the calibration by measured / predicted step
+    seconds moves the choice to plain within a few steps; without it (bounds (1, 1)) the policy keeps them."""
+    import hf_triforce.decoding.policy as policy_module
+
+    if not calibrated:
+        monkeypatch.setattr(policy_module, "CALIBRATION_BOUNDS", (1.0, 1.0))
+    policy = AdaptivePolicy({"ngram": "lookup"}, (), 2, 6, explore_every=1000)
+    for rows in range(1, 8):
+        policy.observe_forward("force3", rows, 0.1 * (1 + 0.068 * (rows - 1)))
+    for _ in range(200):
+        policy.observe_lookup("ngram", True, 0.1)
+    assert policy.choose() == Plan(2, "ngram", gamma2=1)
+    chosen = []
+    for _ in range(12):
+        plan = policy.choose()
+        chosen.append(plan)
+        dearer = 1.1 if plan.levels == 2 else 1.0
+        seconds = dearer * policy.predicted_seconds
+        policy.observe_step(plan, 1, seconds, seconds)  # all of it in forwards: no overhead to learn it from
+    if calibrated:
+        assert chosen[-6:] == [Plan(1)] * 6, chosen
+        assert policy.calibration[(2, "ngram", False, False)] == pytest.approx(1.03)
+    else:
+        assert chosen == [Plan(2, "ngram", gamma2=1)] * 12
+
+
 def test_three_level_lookup_plan_when_force2_is_cheap_and_not_when_it_is_not():
     """Free lookups as Force 1 of three levels: chosen when Force 2 is much cheaper than Force 3 (long
     context), not when Force 2 costs as much (short context)."""

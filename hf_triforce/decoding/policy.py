@@ -23,6 +23,10 @@ The cost model, measured online in the same call:
   proposed next is checked against Force 3's own distribution (``p(x)`` when sampling, ``x == argmax p``
   greedy), so the policy knows when a repetitive stretch begins without paying for a try.
 
+- what the tiers' costs leave out, per plan kind: the moving average of its steps' measured / predicted seconds
+  (`AdaptivePolicy.calibration`) scales its predicted seconds, so a plan that keeps running dearer than predicted
+  loses its near-ties (`CALIBRATION_BOUNDS`).
+
 Predicted tokens/s of each candidate plan = expected tokens per step / predicted seconds per step; the best
 is run (the first step runs plain decoding: it measures Force 3, which every prediction needs). Every
 ``explore_every`` steps the best plan of another kind runs once to refresh its numbers (the interval doubles
@@ -52,6 +56,12 @@ FILL_ROW_FRACTION = 0.05
 # For the target's own tiers the decoder gives the fraction of bytes they read (`Decoder.tier_fractions`): without
 # it the lean-int4 self drafter (0.12 of a step at 8k) was priced at 0.5 and never ran (docs/results.md).
 UNMEASURED_FRACTION = 0.5
+# A plan kind's predicted step seconds are scaled by the moving average of its steps' measured / predicted seconds
+# (`AdaptivePolicy.calibration`), each ratio clipped to this range (one step's stall, e.g. a page-fault burst, moves
+# the average by at most EMA x the bound). What the tier costs leave out shows up there: Qwen2.5-Coder-1.5B bf16 at
+# 32k ran one-token n-gram chains predicted at 3.76 tok/s against plain's 3.75 and measured 3.41 over 32 steps (9%
+# dearer than predicted, 0.94x the best plain decoding in all, docs/results.md session 17).
+CALIBRATION_BOUNDS = (0.5, 2.0)
 # Until a tree plan's own steps are measured, its acceptance rate is its chain's current rate plus this much: its
 # first path is the chain (accepted at least as often), and a hopeful prior gets each tree plan tried once.
 TREE_PRIOR_BONUS = 0.1
@@ -201,6 +211,9 @@ class AdaptivePolicy:
         self.current: Plan | None = None
         self.exploring = False
         self.prediction = 0.0  # predicted tokens/s of the chosen plan
+        self.predicted_seconds = 0.0  # its predicted seconds per step, set-up excluded (0: no prediction)
+        # per plan kind: moving average of measured / predicted step seconds (`CALIBRATION_BOUNDS`)
+        self.calibration: dict[tuple, float] = {}
         self.best_other = 0.0  # when exploring: the prediction of the plan it displaced
         self.records: dict[str, PlanRecord] = {}
         self.log: list[tuple[str, float, float]] = []
@@ -261,6 +274,7 @@ class AdaptivePolicy:
         """``(expected tokens, predicted seconds)`` of one step of ``plan``, its drafter's set-up (if still to
         be paid) spread over the steps the rest of the call would take with it."""
         tokens, seconds = self._predict(plan)
+        seconds *= self.calibration.get(plan.kind, 1.0)
         if plan.drafter in self.setup_seconds:
             setup = self.setup_seconds[plan.drafter]
             if setup is None:  # unmeasured: its rows at FILL_ROW_FRACTION of a one-row Force-3 forward each
@@ -356,7 +370,7 @@ class AdaptivePolicy:
         if remaining_tokens is not None:
             self.remaining_tokens = max(1, remaining_tokens)
         if not self.costs.seconds.get("force3"):  # nothing to predict from yet: the first step measures Force 3
-            self.exploring, self.prediction, self.current = False, 0.0, Plan(1)
+            self.exploring, self.prediction, self.predicted_seconds, self.current = False, 0.0, 0.0, Plan(1)
             self.since_explore += 1
             return self.current
         scored = sorted(((self.tokens_per_second(p), p) for p in self.candidates()), key=lambda x: -x[0])
@@ -372,6 +386,7 @@ class AdaptivePolicy:
                 self.prediction, best = others[0]
         self.since_explore += 1
         self.current = best
+        self.predicted_seconds = self._predict(best)[1] * self.calibration.get(best.kind, 1.0)
         return best
 
     # -- observations -----------------------------------------------------------------------------------
@@ -381,6 +396,11 @@ class AdaptivePolicy:
     def observe_step(self, plan: Plan, tokens: int, seconds: float, forward_seconds: float) -> None:
         """One finished step: its tokens, wall seconds and the part spent in timed forwards."""
         predicted = self.prediction
+        if self.predicted_seconds > 0 and seconds > 0 and plan == self.current:
+            low, high = CALIBRATION_BOUNDS
+            ratio = min(max(seconds / self.predicted_seconds, low), high)
+            old = self.calibration.get(plan.kind, 1.0)
+            self.calibration[plan.kind] = (1 - EMA) * old + EMA * old * ratio
         old = self.overhead.get(plan.levels)
         spare = max(seconds - forward_seconds, 0.0)
         self.overhead[plan.levels] = spare if old is None else (1 - EMA) * old + EMA * spare
