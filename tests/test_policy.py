@@ -89,18 +89,19 @@ def test_a_drafter_shared_by_two_levels_fills_its_cache_once(monkeypatch):
 
 @pytest.mark.parametrize("period", [1, 3])
 def test_three_level_drafters_share_one_force2(monkeypatch, period):
-    """Force 2 is the target on the retrieval cache whoever drafts for it: three-level plans of the self drafter
-    and of the n-gram lookup use one retrieval cache per row (one first selection, one cache's memory), greedy-
-    identically, each drafter catching up after the steps it sat out."""
+    """Force 2 is the target on the retrieval cache whoever drafts for it: three-level plans of the self drafter,
+    of the n-gram lookup and of none (Force 2 drafting alone) use one retrieval cache per row (one first selection,
+    one cache's memory), greedy-identically, each drafter catching up after the steps it sat out."""
     from hf_triforce.decoding.levels import Force2
 
     built = []
     init = Force2.__init__
     monkeypatch.setattr(Force2, "__init__", lambda self, *a, **kw: (built.append(self), init(self, *a, **kw))[1])
-    cycle = [Plan(3, "self", 2, 5), Plan(3, "ngram", 2, 4), Plan(1), Plan(3, "ngram", 1, 3), Plan(3, "self", 1, 3)]
+    cycle = [Plan(3, "self", 2, 5), Plan(3, "ngram", 2, 4), Plan(1), Plan(3, "", 0, 4), Plan(3, "ngram", 1, 3),
+             Plan(3, "self", 1, 3), Plan(3, "", 0, 2)]
     out = run_cycle(monkeypatch, cycle, period, auto("self", window=24))
     stats = out.triforce_stats
-    assert {name.split(" g")[0] for name in stats.plans} >= {"triforce self", "triforce ngram"}, stats.plans
+    assert {name.split(" g")[0] for name in stats.plans} >= {"triforce self", "triforce ngram", "force2"}, stats.plans
     assert len(built) == 1 and stats.retrieval_cache_bytes == built[0].nbytes(), (len(built), stats.plans)
 
 
@@ -170,12 +171,25 @@ def rotation_law(monkeypatch, plans: list[Plan], top_k: int, new: int, mutate=No
 
 def test_plans_chosen_from_the_past_keep_the_law_exact(monkeypatch):
     """Whatever past-dependent rule picks the plans (`rotation_law`), the law is the target's."""
-    plans = [Plan(3, "self", 1, 2), Plan(1), Plan(3, "ngram", 1, 2), Plan(2, "ngram", gamma2=2), Plan(1),
+    plans = [Plan(3, "self", 1, 2), Plan(1), Plan(3, "ngram", 1, 2), Plan(2, "ngram", gamma2=2), Plan(3, "", 0, 2),
              Plan(2, "self", gamma2=2), Plan(3, "self", 1, 2)]
     gap, switches, _ = rotation_law(monkeypatch, plans, 2, 5)
     assert gap < 1e-5
     transitions = {(before.levels, after.levels) for before, after in switches if before is not None}
     assert {(1, 3), (3, 1), (3, 2)} <= transitions, transitions  # dormant levels caught up on some paths
+
+
+@pytest.mark.parametrize("wrong", [False, True])
+def test_force2_drafting_alone_keeps_the_law_exact(monkeypatch, wrong):
+    """Force 2 drafting alone (no Force 1) samples its chain from q on the retrieval cache; Force 3 verifies it
+    against p. The enumerated law is the target's, and it is not when Force 3 resamples a rejection from p instead
+    of the residual (chains of 2 tokens: rejections on some paths)."""
+    from .test_exact_enumeration import top_resamples_from_p
+
+    gap, _, stats = rotation_law(monkeypatch, [Plan(3, "", 0, 2), Plan(1), Plan(3, "", 0, 2)], 3, 4,
+                                 top_resamples_from_p if wrong else None)
+    assert all(s.force1_proposed == 0 for s in stats) and max(s.force2_proposed for s in stats) >= 2
+    assert (gap > 1e-3) if wrong else (gap < 1e-5), gap
 
 
 def test_expected_tokens_of_a_chain():

@@ -158,7 +158,7 @@ def test_plans_are_priced_by_the_policy_itself():
         key = (plan.levels, plan.drafter)
         best[key] = max(best.get(key, 0.0), policy.tokens_per_second(plan))
     assert sorted(p.tokens_per_second for p in plans) == pytest.approx(sorted(best.values()), rel=1e-12)
-    assert {p.plan for p in plans} >= {"plain"} and len(plans) == 6
+    assert {p.plan for p in plans} >= {"plain"} and len(plans) == 7  # 7: Force 2 drafting alone
     # triforce self g2/6 by hand: rounds of Force 1 (up to 2 drafts) verified by Force 2 until 6 tokens, then Force 3
     g1, g2 = 2, 6
     seconds = (literal_force2_seconds(g1, g2, 0.7, 1.0, tiers["draft:self"][1], tiers["force2"])

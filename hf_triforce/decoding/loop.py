@@ -193,7 +193,7 @@ class Decoder:
             timed = self.policy.observe_forward if self.policy is not None else None
             target = tier_model(self.model, self.config.draft_precision, 2, self.config.tier_compile)
             rows = [Force1Only(self.drafter(r, plan.drafter), self.config, self.stats[r]) if plan.levels == 2
-                    else Force2(target, self.drafter(r, plan.drafter), self.config, self.processors[r],
+                    else Force2(target, None, self.config, self.processors[r],
                                 self.force2_verifier, self.force3.row(r), self.stats[r], timed,
                                 self.force2_tree_verifier)
                     for r in range(self.batch)]
@@ -201,8 +201,8 @@ class Decoder:
                 self.lockstep.share([level.cache for level in rows], "force2")
             self.levels[key] = rows
         level = self.levels[key][b]
-        if plan.levels == 3:
-            level.use(self.drafter(b, plan.drafter))
+        if plan.levels == 3:  # Force 1: the plan's drafter, or none (Force 2 drafts alone)
+            level.use(self.drafter(b, plan.drafter) if plan.drafter else None)
         return level
 
     def run(self, rows: list[torch.LongTensor], prefix_cache=None, streamer=None, keep_scores: bool = False,
@@ -395,7 +395,7 @@ class Decoder:
                 drafted += self.drafting_seconds(b) - drafted_before
                 drafts += proposed if plan.levels == 2 else self.stats[b].force1_proposed - force1_proposed
             lower += self.stats[b].force2_seconds - force2_before + self.stats[b].retrieval_seconds - selection_before
-        lookup = plan.levels > 1 and policy.drafters[plan.drafter] == "lookup"
+        lookup = plan.levels > 1 and policy.drafters.get(plan.drafter) == "lookup"
         if drafts and (plan.levels == 2 or not lookup):
             # model drafters: seconds per drafted token (a row's seconds are the walls of the shared forwards it
             # took part in); lookups (two levels: one call per row): seconds per step, the rows' calls in turn

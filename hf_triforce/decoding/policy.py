@@ -2,7 +2,8 @@
 
 A `Plan` is how one Force-3 step gets its candidates: ``plain`` (none: one-token decoding on the full cache),
 ``two-level`` (a drafter's chain verified by Force 3) or ``three-level`` (TriForce: Force 1 verified by Force 2,
-Force 2's chain verified by Force 3), with its gammas and, where the config allows candidate trees
+Force 2's chain verified by Force 3; without a drafter, ``force2``: Force 2 drafts alone, the target on its retrieval
+cache proposing to itself on the full one), with its gammas and, where the config allows candidate trees
 (``TriForceConfig.tree_nodes`` / ``force2_tree_nodes``), whether Force 1 proposes a tree and whether Force 2
 hands Force 3 a tree. Every plan is exact on its own, and the choice depends only on the past (timings and
 acceptances already observed), so the output law is the target's whatever is chosen; greedy output stays
@@ -70,7 +71,7 @@ TREE_PRIOR_BONUS = 0.1
 @dataclass(frozen=True)
 class Plan:
     levels: int  # 1: plain decoding, 2: drafter -> Force 3, 3: Force 1 -> Force 2 -> Force 3
-    drafter: str = ""
+    drafter: str = ""  # three levels: "" (with gamma1 0) is Force 2 drafting alone, no Force 1
     gamma1: int = 0
     gamma2: int = 0
     force1_tree: bool = False  # Force 1 proposes a tree (TriForceConfig.tree_nodes) instead of a chain
@@ -83,6 +84,8 @@ class Plan:
             return "plain"
         if self.levels == 2:
             return f"{self.drafter} g{self.gamma2}{trees}"
+        if not self.drafter:
+            return f"force2 g{self.gamma2}{trees}"
         return f"triforce {self.drafter} g{self.gamma1}/{self.gamma2}{trees}"
 
     @property
@@ -304,11 +307,13 @@ class AdaptivePolicy:
             return tokens, seconds + overhead
         # Force-2 rounds until Force 2 has gamma2 tokens: Force 1's chain (a lookup proposes one only with
         # probability `coverage`) verified in one Force-2 forward
-        coverage = self.lookup_coverage[plan.drafter].rate if plan.drafter in self.lookup_coverage else 1.0
-        rate = self.force1_rate(plan.drafter, plan.force1_tree)
         fallback = self._prior("force2")
         select = self.costs.estimate("select", 1, 0.0)
         tokens, verify3 = self._verify3(plan)
+        if not plan.drafter:  # Force 2 alone: one one-row forward per token
+            return tokens, plan.gamma2 * self.costs.estimate("force2", 1, fallback) + verify3 + select + overhead
+        coverage = self.lookup_coverage[plan.drafter].rate if plan.drafter in self.lookup_coverage else 1.0
+        rate = self.force1_rate(plan.drafter, plan.force1_tree)
         if not plan.force1_tree:
             return tokens, self._chain_rounds(plan, rate, coverage, fallback) + verify3 + select + overhead
         per_round = 1.0 + coverage * (expected_tokens(rate, plan.gamma1) - 1.0)
@@ -353,6 +358,9 @@ class AdaptivePolicy:
             plans += [Plan(2, name, gamma2=g, force1_tree=tree) for g in range(1, longest + 1)
                       for tree in trees if not tree or g < self.tree_nodes]
         force2_trees = (False, True) if self.force2_tree_nodes else (False,)
+        if self.three_level:  # Force 2 drafting alone (its chain verified by Force 3)
+            plans += [Plan(3, "", 0, g2, False, tree2) for g2 in range(1, self.max_gamma2 + 1)
+                      for tree2 in force2_trees]
         for name in self.three_level:
             trees = (False, True) if name in self.tree_drafters else (False,)
             plans += [Plan(3, name, g1, g2, tree1, tree2) for g1 in range(1, self.max_gamma1 + 1)
@@ -426,7 +434,9 @@ class AdaptivePolicy:
                             force3_accepted: int, proposed: int) -> None:
         """A three-level step of ``plan``: Force 2's acceptances of Force 1 and Force 3's of Force 2."""
         drafter = plan.drafter
-        if plan.force1_tree:
+        if not drafter:  # Force 2 drafted alone: nothing of Force 1's to observe
+            pass
+        elif plan.force1_tree:
             self._observe_tree(f"force2:{drafter}", self.force1_rate(drafter), force2_accepted, force2_rejections)
         else:
             (self.force2_rate.get(drafter) or self.direct[drafter]).observe(force2_accepted, force2_rejections)

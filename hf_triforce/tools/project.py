@@ -505,7 +505,8 @@ def planning_policy(tiers: dict[str, dict[int, float]], context: int, force3: fl
 
 KIND_LABELS = {(1, ""): "plain decoding", (2, "vanilla"): "vanilla speculative decoding (draft, its full cache)",
                (2, "self"): "StreamingLLM self-speculation (2 levels)", (2, "draft"): "draft on sink+window (2 levels)",
-               (3, "self"): "TriForce, Force 1 = self", (3, "draft"): "TriForce, Force 1 = draft"}
+               (3, "self"): "TriForce, Force 1 = self", (3, "draft"): "TriForce, Force 1 = draft",
+               (3, ""): "TriForce without Force 1 (Force 2 drafts alone)"}
 
 
 @dataclass(frozen=True)
