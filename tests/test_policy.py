@@ -105,6 +105,18 @@ def test_three_level_drafters_share_one_force2(monkeypatch, period):
     assert len(built) == 1 and stats.retrieval_cache_bytes == built[0].nbytes(), (len(built), stats.plans)
 
 
+def test_the_first_selection_is_set_up_not_a_step_cost(monkeypatch):
+    """Only re-selections price a three-level step's selection: the first (every chunk summarised and copied) is
+    one-time set-up, like a draft cache's fill."""
+    observed = []
+    observe = AdaptivePolicy.observe_forward
+    monkeypatch.setattr(AdaptivePolicy, "observe_forward",
+                        lambda self, tier, rows, seconds: (observed.append(tier), observe(self, tier, rows, seconds)))
+    out = run_cycle(monkeypatch, [Plan(3, "self", 2, 5), Plan(3, "", 0, 4)], 1, auto("self", window=24))
+    selections = out.triforce_stats.retrieval_selections
+    assert selections >= 3 and observed.count("select") == selections - 1, (selections, observed.count("select"))
+
+
 def test_lookup_chains_may_be_longer_than_gamma2():
     """Under the auto policy a lookup drafter's two-level chains go up to `LOOKUP_GAMMA2` (model drafters' stay within
     gamma2); on a repeating prompt it runs such chains, greedy-identically, and Force 3 keeps room for their rows."""
