@@ -50,6 +50,19 @@ class Candidates:
     tree: DraftTree | None = None
 
 
+class NoForce1:
+    """Force 1 of `Force2` drafting alone: it proposes nothing, so each Force-2 round emits Force 2's own token."""
+
+    def prefill(self, prompt: torch.Tensor) -> None:
+        pass
+
+    def propose(self, sequence: torch.Tensor, n: int) -> tuple[list[int], None]:
+        return [], None
+
+    def rollback(self, length: int) -> None:
+        pass
+
+
 class Force2:
     """The target (or its int8 copy) on a `RetrievalCache`: verifies Force 1, hands its tokens up with q.
 
@@ -58,7 +71,7 @@ class Force2:
     own (SmolLM2 at 16k, budget 4096: a second 189 MB cache and its first selection, 0.3 s of a 4.5 s call).
     """
 
-    def __init__(self, model, drafter: Drafter | None, config: TriForceConfig, processors: LogitsProcessorList,
+    def __init__(self, model, drafter: Drafter, config: TriForceConfig, processors: LogitsProcessorList,
                  verifier: ChainVerifier, full: BufferCache, stats: TriForceStats, timed=None,
                  tree_verifier: TreeVerifier | None = None) -> None:
         self.model, self.drafter, self.config = model, drafter, config
@@ -80,8 +93,8 @@ class Force2:
         """Tokens of the sequence that the retrieval cache holds entries for."""
         return self.cache.base_upto + self.cache.length - self.cache.base_length
 
-    def use(self, drafter: Drafter | None) -> None:
-        """Force 1 of the coming step(s); ``None``: none, Force 2 drafts alone (its own token each round). A drafter
+    def use(self, drafter: Drafter) -> None:
+        """Force 1 of the coming step(s) (`NoForce1`: Force 2 drafts alone, its own token each round). A drafter
         that sat out steps catches up when it next drafts (its cache was rolled back to the committed sequence after
         its last step; `prefill` fills it only once)."""
         self.drafter = drafter
@@ -89,8 +102,7 @@ class Force2:
     def start(self, sequence: torch.Tensor, queries: dict[int, torch.Tensor]) -> None:
         """Before the first proposal, and again after steps that ran without this level (plain decoding or
         two levels): the drafter catches up and the retrieval cache catches up with the full cache."""
-        if self.drafter is not None:
-            self.drafter.prefill(sequence)  # a drafter's first use fills its cache; later calls do nothing
+        self.drafter.prefill(sequence)  # a drafter's first use fills its cache; later calls do nothing
         if not self.started:
             self.select(queries, first=True)
             self.started = True
@@ -180,12 +192,12 @@ class Force2:
         prompt_length, rows = sequence.shape[1], []
         while sequence.shape[1] - prompt_length < wanted:
             still_wanted = wanted - (sequence.shape[1] - prompt_length)
-            if force1_tree and self.drafter is not None:  # proposed: the tree's depth (compares with chains')
+            if force1_tree:  # proposed: the tree's depth, so that acceptance compares with chains'
                 proposals, proposal_probs, accepted, next_token, q_scores, proposed = self.verify_tree(
                     sequence, min(gamma1, still_wanted - 1))
             else:
-                proposals, proposal_probs = ([], None) if self.drafter is None else (  # None: Force 2 alone
-                    yield from proposal_steps(self.drafter, sequence, min(gamma1, still_wanted - 1)))
+                proposals, proposal_probs = yield from proposal_steps(self.drafter, sequence,
+                                                                      min(gamma1, still_wanted - 1))
                 q_scores = yield from self.score_steps(sequence, proposals)
                 accepted, next_token = self.verifier.verify(proposals, proposal_probs, q_scores)
                 proposed = len(proposals)
@@ -196,12 +208,10 @@ class Force2:
             sequence = torch.cat((sequence, sequence.new_tensor([proposals[:accepted] + [next_token]])), dim=1)
             rows.append(self.handed_up(q_scores, proposals, proposal_probs, accepted))
             self.cache.rollback_to_sequence(sequence.shape[1] - 1)
-            if self.drafter is not None:
-                self.drafter.rollback(sequence.shape[1] - 1)
+            self.drafter.rollback(sequence.shape[1] - 1)
         end = prompt_length + wanted
         self.cache.rollback_to_sequence(min(self.seen, end))
-        if self.drafter is not None:
-            self.drafter.rollback(end)
+        self.drafter.rollback(end)
         self.stats.force2_proposed += wanted
         q_scores = torch.cat(rows)[:wanted]
         probs = scores_to_probs(q_scores) if self.verifier.do_sample else None
@@ -229,8 +239,7 @@ class Force2:
             start, chain = self.handed
             keep = min(keep, start + agreement(sequence[:, :keep], start, chain))
             self.handed = None
-        if self.drafter is not None:
-            self.drafter.rollback(keep)
+        self.drafter.rollback(keep)
         self.cache.sync(self.full, self.full.length)
         self.steps_since_selection += 1
         low = self.config.refresh_below is not None and proposed and accepted / proposed < self.config.refresh_below

@@ -42,7 +42,7 @@ from ..verification.sampling import ChainVerifier, Sampler, TorchSampler, scores
 from ..verification.scoring import process_rows, row_processors
 from ..verification.tree import TreeVerifier
 from .force3 import Force3, RaggedForce3
-from .levels import Candidates, Force1Only, Force2
+from .levels import Candidates, Force1Only, Force2, NoForce1
 from .lockstep import Lockstep
 from .output import DecodeResult, Output, PaddedView
 from .policy import AdaptivePolicy, Plan
@@ -193,7 +193,7 @@ class Decoder:
             timed = self.policy.observe_forward if self.policy is not None else None
             target = tier_model(self.model, self.config.draft_precision, 2, self.config.tier_compile)
             rows = [Force1Only(self.drafter(r, plan.drafter), self.config, self.stats[r]) if plan.levels == 2
-                    else Force2(target, None, self.config, self.processors[r],
+                    else Force2(target, NoForce1(), self.config, self.processors[r],
                                 self.force2_verifier, self.force3.row(r), self.stats[r], timed,
                                 self.force2_tree_verifier)
                     for r in range(self.batch)]
@@ -202,7 +202,7 @@ class Decoder:
             self.levels[key] = rows
         level = self.levels[key][b]
         if plan.levels == 3:  # Force 1: the plan's drafter, or none (Force 2 drafts alone)
-            level.use(self.drafter(b, plan.drafter) if plan.drafter else None)
+            level.use(self.drafter(b, plan.drafter) if plan.drafter else NoForce1())
         return level
 
     def run(self, rows: list[torch.LongTensor], prefix_cache=None, streamer=None, keep_scores: bool = False,
