@@ -276,14 +276,18 @@ class AdaptivePolicy:
     def predict(self, plan: Plan) -> tuple[float, float]:
         """``(expected tokens, predicted seconds)`` of one step of ``plan``, its drafter's set-up (if still to
         be paid) spread over the steps the rest of the call would take with it."""
-        tokens, seconds = self._predict(plan)
-        seconds *= self.calibration.get(plan.kind, 1.0)
+        tokens, seconds = self._calibrated(plan)
         if plan.drafter in self.setup_seconds:
             setup = self.setup_seconds[plan.drafter]
             if setup is None:  # unmeasured: its rows at FILL_ROW_FRACTION of a one-row Force-3 forward each
                 setup = FILL_ROW_FRACTION * self.setup_rows[plan.drafter] * self._force3(1)
             seconds += setup * tokens / max(self.remaining_tokens, tokens)
         return tokens, seconds
+
+    def _calibrated(self, plan: Plan) -> tuple[float, float]:
+        """`_predict` with its seconds scaled by the kind's `calibration` (set-up excluded)."""
+        tokens, seconds = self._predict(plan)
+        return tokens, seconds * self.calibration.get(plan.kind, 1.0)
 
     def started(self, drafter: str) -> None:
         """``drafter`` has paid its set-up."""
@@ -394,7 +398,7 @@ class AdaptivePolicy:
                 self.prediction, best = others[0]
         self.since_explore += 1
         self.current = best
-        self.predicted_seconds = self._predict(best)[1] * self.calibration.get(best.kind, 1.0)
+        self.predicted_seconds = self._calibrated(best)[1]
         return best
 
     # -- observations -----------------------------------------------------------------------------------
@@ -434,11 +438,9 @@ class AdaptivePolicy:
                             force3_accepted: int, proposed: int) -> None:
         """A three-level step of ``plan``: Force 2's acceptances of Force 1 and Force 3's of Force 2."""
         drafter = plan.drafter
-        if not drafter:  # Force 2 drafted alone: nothing of Force 1's to observe
-            pass
-        elif plan.force1_tree:
+        if plan.force1_tree:
             self._observe_tree(f"force2:{drafter}", self.force1_rate(drafter), force2_accepted, force2_rejections)
-        else:
+        elif drafter:  # (none: Force 2 drafted alone, nothing of Force 1's to observe)
             (self.force2_rate.get(drafter) or self.direct[drafter]).observe(force2_accepted, force2_rejections)
         force3_rejected = 1.0 if force3_accepted < proposed else 0.0
         if plan.force2_tree:
