@@ -107,7 +107,7 @@ class TriForceConfig:
         one tree forward on the full cache. Free to propose (Force 2 has scored them); Force 3 pays a row each.
         Under ``policy="auto"``: three-level plans with and without it, chosen as with ``tree_nodes``.
     explore_every: under ``policy="auto"``, steps between tries of the best plan other than the current
-        one (doubling, up to 16x, while such tries do not pay).
+        one, a kind of plan not yet run in the call first (doubling, up to 16x, while such tries do not pay).
     """
 
     draft: Any = "self"

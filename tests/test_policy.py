@@ -401,6 +401,30 @@ def test_first_step_measures_force3_and_unpaid_setups_are_not_explored():
     assert policy.choose(remaining_tokens=10_000).drafter == "self"
 
 
+def test_exploration_runs_a_kind_not_yet_run_before_rerunning_a_measured_one():
+    """Every plan kind gets measured once before exploration returns to kinds already run: here the three-level
+    kinds are predicted below plain decoding (a dear Force 2 prior) and would never be explored by prediction."""
+    policy = AdaptivePolicy({"self": "model", "ngram": "lookup"}, ("self", "ngram"), 2, 6, explore_every=2)
+    for rows in range(1, 8):
+        policy.observe_forward("force3", rows, 0.1 * (1 + 0.1 * (rows - 1)))
+        policy.observe_forward("force2", rows, 0.09 * (1 + 0.1 * (rows - 1)))
+    policy.observe_forward("draft:self", 1, 0.01)
+    for _ in range(20):
+        policy.observe_direct("self", 3, 6)
+        policy.observe_lookup("ngram", True, 0.5)
+    for plan in (Plan(1), Plan(2, "self", gamma2=3), Plan(2, "ngram", gamma2=2)):  # these kinds have run
+        policy.observe_step(plan, 1, 0.1, 0.1)
+    explored = []  # (exploring did not pay here: the interval doubles, 2 -> 4 -> 8)
+    for _ in range(16):
+        plan = policy.choose(remaining_tokens=1000)
+        if policy.exploring:
+            explored.append(plan.kind)
+        policy.observe_step(plan, 1, 0.1, 0.1)
+    three_level = {(3, "", False, False), (3, "self", False, False), (3, "ngram", False, False)}
+    assert set(explored[:3]) == three_level, explored
+    assert policy.tried >= three_level
+
+
 # -- candidate trees under policy="auto" ----------------------------------------------------------------------
 
 def test_trees_are_chosen_where_their_rows_are_cheap_and_not_where_they_are_dear():

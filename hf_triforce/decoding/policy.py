@@ -30,10 +30,10 @@ The cost model, measured online in the same call:
 
 Predicted tokens/s of each candidate plan = expected tokens per step / predicted seconds per step; the best
 is run (the first step runs plain decoding: it measures Force 3, which every prediction needs). Every
-``explore_every`` steps the best plan of another kind runs once to refresh its numbers (the interval doubles
-each time exploring did not pay, up to 16x); a drafter with its set-up still to pay is not explored, only
-chosen when predicted best with its set-up counted. Each step's plan, predicted and
-measured tokens/s are in `TriForceStats.plans`.
+``explore_every`` steps the best plan of another kind runs once to refresh its numbers, a kind not yet run in
+the call before any kind already measured (the interval doubles each time exploring did not pay, up to 16x);
+a drafter with its set-up still to pay is not explored, only chosen when predicted best with its set-up counted.
+Each step's plan, predicted and measured tokens/s are in `TriForceStats.plans`.
 """
 
 from __future__ import annotations
@@ -218,6 +218,7 @@ class AdaptivePolicy:
         # per plan kind: moving average of measured / predicted step seconds (`CALIBRATION_BOUNDS`)
         self.calibration: dict[tuple, float] = {}
         self.best_other = 0.0  # when exploring: the prediction of the plan it displaced
+        self.tried: set[tuple] = set()  # plan kinds run in this call (`Plan.kind`)
         self.records: dict[str, PlanRecord] = {}
         self.log: list[tuple[str, float, float]] = []
 
@@ -393,9 +394,14 @@ class AdaptivePolicy:
             # a drafter whose set-up (its cache's first fill) is still to pay runs only when predicted best:
             # a one-step try would pay the whole set-up for one step's worth of measurement
             others = [(tps, p) for tps, p in scored if p.kind != best.kind and p.drafter not in self.setup_seconds]
+            # a kind never run is predicted from priors (and rates shared with other kinds) alone: tried first. A
+            # 64-token call explores once or twice; by the best prediction alone Qwen2.5-Coder-1.5B at 32k (sampled)
+            # re-explored a kind it had run and never ran Force 2 alone, which ran 1.7x faster in another call of
+            # the same process (docs/results.md, session 18)
+            untried = [(tps, p) for tps, p in others if p.kind not in self.tried]
             if others:
                 self.exploring, self.best_other = True, scored[0][0]
-                self.prediction, best = others[0]
+                self.prediction, best = (untried or others)[0]
         self.since_explore += 1
         self.current = best
         self.predicted_seconds = self._calibrated(best)[1]
@@ -416,6 +422,7 @@ class AdaptivePolicy:
         old = self.overhead.get(plan.levels)
         spare = max(seconds - forward_seconds, 0.0)
         self.overhead[plan.levels] = spare if old is None else (1 - EMA) * old + EMA * spare
+        self.tried.add(plan.kind)
         record = self.records.setdefault(plan.name, PlanRecord())
         record.steps += 1
         record.tokens += tokens
