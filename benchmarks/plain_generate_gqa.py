@@ -24,12 +24,13 @@ import torch.nn.functional as F
 SHAPES = {"smollm2-135m": (9, 3, 64, 30), "qwen2.5-coder-1.5b": (12, 2, 128, 28)}
 
 
-def seconds(fn, repeats: int) -> float:
-    fn()
+def seconds(repeats: int, *inputs, **kwargs) -> float:
+    """Median seconds of ``scaled_dot_product_attention(*inputs, **kwargs)`` after a warm-up call."""
+    F.scaled_dot_product_attention(*inputs, **kwargs)
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
-        fn()
+        F.scaled_dot_product_attention(*inputs, **kwargs)
         times.append(time.perf_counter() - start)
     return statistics.median(times)
 
@@ -49,9 +50,8 @@ def main() -> None:
                 query = torch.randn(1, heads, 1, dim).to(dtype)
                 keys, values = (torch.randn(1, kv_heads, context, dim).to(dtype) for _ in range(2))
                 packed = query.reshape(1, kv_heads, heads // kv_heads, dim)
-                gqa = seconds(lambda: F.scaled_dot_product_attention(query, keys, values, enable_gqa=True),
-                              args.repeats)
-                pack = seconds(lambda: F.scaled_dot_product_attention(packed, keys, values), args.repeats)
+                gqa = seconds(args.repeats, query, keys, values, enable_gqa=True)
+                pack = seconds(args.repeats, packed, keys, values)
                 rows.append({"model": name, "dtype": str(dtype).removeprefix("torch."), "context": context,
                              "enable_gqa_ms_per_layer": 1e3 * gqa, "packed_ms_per_layer": 1e3 * pack,
                              "ratio": gqa / pack, "extra_ms_per_token": 1e3 * layers * (gqa - pack)})

@@ -324,8 +324,11 @@ def cpu_points(host: str) -> tuple[list[Point], list[str], list[str]]:
                             "decode_tokens_per_second"]
                         note = (f"plain generate (transformers' DynamicCache) took {1e3 * extra:.0f} ms a token more "
                                 f"than static-cache generate beside it ({1e6 * extra / cached:.0f} ms per 1k cached "
-                                "tokens); the model adds one read and write of the cache, and the cause of the rest "
-                                "was not measured")
+                                "tokens); the model adds one read and write of the cache; the rest is its attention, "
+                                "not modelled: a maskless DynamicCache decode calls SDPA with enable_gqa, whose CPU "
+                                "path took 1.2 ms (bf16) / 0.1-0.4 ms (fp32) a layer per 1k cached tokens more than "
+                                "the packed path a StaticCache decode takes (Qwen2.5-Coder-1.5B shapes, "
+                                "benchmarks/plain_generate_gqa.py, docs/bench/session19-zen4/plain-generate-gqa.json)")
                     points.append(Point(host, f"{source} plain {context}", f"plain generate, {cached} cached",
                                         "tok/s", run["decode_tokens_per_second"],
                                         lambda p, c=cached, t=target, dv=dev: plain_generate_seconds(t, dv(p), c),
