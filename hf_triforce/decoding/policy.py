@@ -396,7 +396,7 @@ class AdaptivePolicy:
             others = [(tps, p) for tps, p in scored if p.kind != best.kind and p.drafter not in self.setup_seconds]
             # a kind never run is predicted from priors (and rates shared with other kinds) alone: tried first. A
             # 64-token call explores once or twice; by the best prediction alone Qwen2.5-Coder-1.5B at 32k (sampled)
-            # re-explored a kind it had run and never ran Force 2 alone, which ran 1.7x faster in another call of
+            # re-explored a kind it had run and never ran Force 2 alone, which ran 1.3-1.6x faster in another call of
             # the same process (docs/results.md, session 18)
             untried = [(tps, p) for tps, p in others if p.kind not in self.tried]
             if others:
