@@ -63,6 +63,8 @@ from hf_triforce.tools.project import (
     GPU_LAYER_OVERHEAD,
     Device,
     ModelShape,
+    attention_seconds,
+    cache_copy_seconds,
     device,
     fill_seconds,
     forward_seconds,
@@ -93,7 +95,22 @@ CPU_FILES = {
     # session 16: AMD EPYC Zen 4 (AVX512-BF16), 2 threads, the same pair in bf16, 64 new tokens, lean-int4 tiers
     "cpu-12-03": ["qwen-pair-zen4/python-2k", "qwen-pair-zen4/python-8k", "qwen-pair-zen4/python-16k",
                   "qwen-pair-zen4/python-32k"],
+    # session 19: a Zen 4 EPYC again; SmolLM2 fp32 1k-32k and the Qwen pair bf16 2k-32k, `TriForceConfig()` runs
+    # (a mix of plans: their Force-3 verifications are scored, `F3_FROM_DEFAULT_RUNS`), medians of 3
+    "cpu-s19": ["session19-zen4/1k-8k", "session19-zen4/16k", "session19-zen4/32k",
+                "session19-zen4/qwen-python-2k-16k", "session19-zen4/qwen-python-32k"],
 }
+# Kernel timings of one decoded token (benchmarks/plain_generate_gqa.py: a static decode's packed attention, plain
+# generate's enable_gqa attention and DynamicCache's torch.cat, SmolLM2 and Qwen2.5-Coder-1.5B shapes, fp32 and bf16):
+# host -> file. Session 20's Zen 4 EPYC (AVX512-BF16); its fit gives the rates plain generate adds
+# (``gqa_attention_flops``, ``copy_bandwidth``) to the Zen 4 hosts that ran plain generate beside the static decode
+# (`BORROWED_RATES`: the same CPU model; those hosts measured no kernel timings of their own)
+KERNEL_FILES = {"cpu-s20": "session20-zen4/plain-generate-gqa.json"}
+PLAIN_GENERATE_RATES = ["gqa_attention_flops:float32", "gqa_attention_flops:bfloat16", "copy_bandwidth"]
+BORROWED_RATES = {"cpu-12-03": "cpu-s20", "cpu-s19": "cpu-s20"}
+# hosts whose `TriForceConfig()` runs (a mix of plans) give Force-3 points: a verification forward of the run's
+# average rows (proposals per Force-3 step + 1) whatever drafted them; their Force-1 / Force-2 seconds mix drafters
+F3_FROM_DEFAULT_RUNS = ("cpu-s19",)
 # the drafting precisions (`TriForceConfig.draft_precision`) whose fixed runs a host's fit prices: hosts with lean-int4
 # runs fit the quantized kernels' rates (``quantized_bandwidth``, ``quantized_flops``) on them; the other precisions
 # of the older hosts (int8 copies, lean without a fitted rate) stay listed as not modelled
@@ -120,7 +137,7 @@ RESULTS_MD_TIERS = [("F3 16k full cache", 16000, 1, 137.0), ("F3 16k full cache"
 # rotary, views, casts, cache writes", docs/results.md, "Cheap drafting tiers"), kept fixed where a host's points
 # cannot tell it from the weights' bytes (cpu-12-01: nine points of one model).
 CPU_START = dict(bandwidth=20e9, gemm_bandwidth=10e9, flops=30e9, attention_flops=200e9, layer_overhead=4.7e-3 / 30,
-                 quantized_bandwidth=5e9, quantized_flops=50e9)
+                 quantized_bandwidth=5e9, quantized_flops=50e9, gqa_attention_flops=20e9, copy_bandwidth=20e9)
 PLAIN = ["bandwidth", "gemm_bandwidth", "flops", "attention_flops", "layer_overhead"]
 # The Qwen-pair hosts (one target, every Force-3 verification 5-7 rows, two drafting models) cannot tell the multi-row
 # weight rate from the matmul FLOP/s, nor a per-layer overhead from the bytes (fitted free, the flops and the int4
@@ -128,9 +145,15 @@ PLAIN = ["bandwidth", "gemm_bandwidth", "flops", "attention_flops", "layer_overh
 # and the overhead is 0, as the cpu-11-30 fit of this stack found; free are the memory's bytes/s, the matmul and
 # attention FLOP/s, and the int4 copies' bytes/s and FLOP/s
 LEAN_HOST = ["bandwidth", "flops", "attention_flops", "quantized_bandwidth", "quantized_flops"]
+# session 19 ran two models in two dtypes (SmolLM2 fp32, the Qwen pair bf16): matmul and attention FLOP/s by dtype;
+# its points are static decodes and Force-3 verifications (the target's own weights), so no int4 rates
+BY_DTYPE_HOST = ["bandwidth", "flops:float32", "flops:bfloat16", "attention_flops:float32",
+                 "attention_flops:bfloat16", "layer_overhead"]
+KERNEL_HOST = ["bandwidth", "attention_flops:float32", "attention_flops:bfloat16", *PLAIN_GENERATE_RATES]
 CPU_FREE = {"cpu-11-29": PLAIN, "cpu-11-30": PLAIN, "cpu-12-01": ["bandwidth", "flops", "attention_flops"],
-            "cpu-12-02": LEAN_HOST, "cpu-12-03": LEAN_HOST}
-CPU_FIXED = {"cpu-12-02": {"layer_overhead": 0.0}, "cpu-12-03": {"layer_overhead": 0.0}}
+            "cpu-12-02": LEAN_HOST, "cpu-12-03": LEAN_HOST, "cpu-s19": BY_DTYPE_HOST, "cpu-s20": KERNEL_HOST}
+CPU_FIXED = {"cpu-12-02": {"layer_overhead": 0.0}, "cpu-12-03": {"layer_overhead": 0.0},
+             "cpu-s20": {"layer_overhead": 0.0, "flops": 30e9}}  # kernel points: no matmul, their flops unused
 
 
 @dataclass
@@ -159,9 +182,11 @@ def device_of(params: dict, dtype: str = "float32") -> Device:
     def rate(name):
         return params.get(f"{name}:{dtype}", params.get(name))
 
-    return Device(name="fit", bandwidth=rate("bandwidth"), flops=rate("flops"), attention_flops=rate("attention_flops"),
-                  layer_overhead=params["layer_overhead"], gemm_bandwidth=rate("gemm_bandwidth"),
-                  quantized_bandwidth=rate("quantized_bandwidth"), quantized_flops=rate("quantized_flops"), cpu=True)
+    return Device(name="fit", bandwidth=rate("bandwidth"), flops=rate("flops"),
+                  attention_flops=rate("attention_flops"), layer_overhead=params["layer_overhead"],
+                  gemm_bandwidth=rate("gemm_bandwidth"), quantized_bandwidth=rate("quantized_bandwidth"),
+                  quantized_flops=rate("quantized_flops"), gqa_attention_flops=rate("gqa_attention_flops"),
+                  copy_bandwidth=rate("copy_bandwidth"), cpu=True)
 
 
 def smollm2(dtype="float32") -> ModelShape:
@@ -301,8 +326,9 @@ def cpu_points(host: str) -> tuple[list[Point], list[str], list[str]]:
         for entry in json.loads(path.read_text()):
             context = entry["context"]
             dtype = entry.get("dtype") or "float32"
-            target = model_shape("qwen2.5-coder-1.5b", dtype) if qwen else smollm2(dtype)
-            draft = model_shape("qwen2.5-coder-0.5b", dtype) if qwen else None
+            target = model_shape(entry.get("model") or ("qwen2.5-coder-1.5b" if qwen else "smollm2-135m"), dtype)
+            draft_name = entry.get("draft_model") or ("qwen2.5-coder-0.5b" if qwen else None)
+            draft = model_shape(draft_name, dtype) if draft_name else None
             mode = "sampled" if entry.get("sampling") else "greedy"
             source = f"{folder} ({mode})"
 
@@ -322,17 +348,32 @@ def cpu_points(host: str) -> tuple[list[Point], list[str], list[str]]:
                     if "static" in entry["methods"]:
                         extra = 1 / run["decode_tokens_per_second"] - 1 / entry["methods"]["static"][
                             "decode_tokens_per_second"]
+                        priced = (f"at {BORROWED_RATES[host]}'s kernel rates (benchmarks/plain_generate_gqa.py)"
+                                  if host in BORROWED_RATES else "at this host's plain rates (no kernel timings: "
+                                  "the enable_gqa path is not priced apart)")
                         note = (f"plain generate (transformers' DynamicCache) took {1e3 * extra:.0f} ms a token more "
                                 f"than static-cache generate beside it ({1e6 * extra / cached:.0f} ms per 1k cached "
-                                "tokens); the model adds one read and write of the cache; the rest is its attention, "
-                                "not modelled: a maskless DynamicCache decode calls SDPA with enable_gqa, whose CPU "
-                                "path took 1.2 ms (bf16) / 0.1-0.4 ms (fp32) a layer per 1k cached tokens more than "
-                                "the packed path a StaticCache decode takes (Qwen2.5-Coder-1.5B shapes, "
-                                "benchmarks/plain_generate_gqa.py, docs/bench/session19-zen4/plain-generate-gqa.json)")
+                                "tokens); the model adds its cache's torch.cat and its maskless attention (SDPA "
+                                f"enable_gqa) {priced}")
                     points.append(Point(host, f"{source} plain {context}", f"plain generate, {cached} cached",
                                         "tok/s", run["decode_tokens_per_second"],
                                         lambda p, c=cached, t=target, dv=dev: plain_generate_seconds(t, dv(p), c),
                                         False, target.name, note, "faster"))
+                elif method in ("default", "default-draft", "triforce-auto") and host in F3_FROM_DEFAULT_RUNS:
+                    if stats.get("force3_steps"):
+                        rows = round(stats["force2_proposed"] / stats["force3_steps"]) + 1
+                        points.append(Point(
+                            host, f"{source} {method} {context}", f"F3 {rows} rows, {cached} cached", "ms",
+                            1e3 * stats["force3_seconds"] / stats["force3_steps"],
+                            lambda p, c=cached, r=rows, t=target, dv=dev: forward_seconds(t, dv(p), c, r), True,
+                            target.name))
+                    plain = stats.get("plans", {}).get("plain", {"steps": 0})
+                    if plain["steps"] >= 5:
+                        points.append(Point(host, f"{source} {method} {context}",
+                                            f"plain steps in the loop ({plain['steps']}), {cached} cached", "tok/s",
+                                            plain["measured_tokens_per_second"],
+                                            lambda p, c=cached, t=target, dv=dev: forward_seconds(t, dv(p), c),
+                                            False, target.name))
                 elif method in ("default", "default-draft", "triforce-auto") and "plain" in stats.get("plans", {}):
                     plain = stats["plans"]["plain"]
                     if plain["steps"] >= 5:
@@ -354,6 +395,32 @@ def cpu_points(host: str) -> tuple[list[Point], list[str], list[str]]:
                 else:
                     skipped.append(f"{source} {method} {context}")
     return points, skipped, missing
+
+
+def kernel_points(host: str) -> list[Point]:
+    """A host's kernel timings of one decoded token (`KERNEL_FILES`): the packed attention a static decode runs
+    (`attention_seconds`), plain generate's maskless enable_gqa attention (its ``maskless_gqa`` rate) and DynamicCache's
+    copy (`cache_copy_seconds`); all fitted on."""
+    path = BENCH / KERNEL_FILES[host]
+    if not path.exists():
+        print(f"note: {host}: {path.relative_to(ROOT)} is not there (yet): skipped")
+        return []
+    points = []
+    for row in json.loads(path.read_text())["rows"]:
+        model, cached, source = model_shape(row["model"], row["dtype"]), row["context"], path.parent.name
+
+        def dev(p, d=row["dtype"]):
+            return device_of(p, d)
+
+        for kind, seconds in (
+                ("packed", lambda p, m=model, c=cached, dv=dev: attention_seconds(m, dv(p), c)),
+                ("enable_gqa", lambda p, m=model, c=cached, dv=dev: attention_seconds(m, dv(p), c, maskless_gqa=True)),
+                ("cat", lambda p, m=model, c=cached, dv=dev: cache_copy_seconds(m, dv(p), c))):
+            what = {"packed": "static decode's attention", "enable_gqa": "plain generate's attention (enable_gqa)",
+                    "cat": "DynamicCache's torch.cat"}[kind]
+            points.append(Point(host, f"{source} {row['dtype']}", f"{what}, {cached} cached, a token", "ms",
+                                row[f"{kind}_ms_per_token"], seconds, True, model.name))
+    return points
 
 
 def cpu_markdown_points() -> dict[str, list[Point]]:
@@ -616,16 +683,19 @@ def preset_check(hosts: dict) -> list[str]:
 def main() -> None:
     out = {"hosts": {}, "skipped": {}, "missing": {}}
     extra = cpu_markdown_points()
-    for host in CPU_FILES:
-        points, skipped, missing = cpu_points(host)
+    for host in [*KERNEL_FILES, *CPU_FILES]:
+        points, skipped, missing = cpu_points(host) if host in CPU_FILES else (kernel_points(host), [], [])
         points += extra.get(host, [])
         if missing:
             out["missing"][host] = missing
         if not any(p.fit for p in points):
             print(f"note: {host}: no measured points yet: not fitted")
             continue
-        start = {k: v for k, v in CPU_START.items() if k in CPU_FREE[host] or k == "layer_overhead"}
+        start = {k: CPU_START[k.split(":")[0]] for k in [*CPU_FREE[host], "layer_overhead"]}
         start.update(CPU_FIXED.get(host, {}))
+        lender = BORROWED_RATES.get(host)
+        if lender in out["hosts"]:
+            start.update({k: out["hosts"][lender]["params"][k] for k in PLAIN_GENERATE_RATES})
         params = fit(points, start, CPU_FREE[host])
         rows = rows_of(points, params)
         out["hosts"][host] = {"params": params, "summary": summary(rows), "rows": rows}

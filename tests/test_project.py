@@ -12,6 +12,8 @@ from hf_triforce.tools.cli import main
 from hf_triforce.tools.project import (
     Acceptance,
     Device,
+    attention_seconds,
+    cache_copy_seconds,
     device,
     fill_seconds,
     forward_seconds,
@@ -47,6 +49,24 @@ def test_bytes_and_seconds_of_a_forward_by_hand():
     # a DynamicCache step also reads and writes the whole cache once
     assert plain_generate_seconds(tiny, UNIT, 100) == pytest.approx(
         forward_seconds(tiny, UNIT, 100) + 2 * 3200 / 1e9, rel=1e-12)
+
+
+def test_plain_generate_prices_its_maskless_gqa_attention_and_its_copy_at_their_own_rates():
+    tiny = model_shape(TINY)  # 2 query heads over 1 KV head
+    attention_flops = 4 * 1 * 2 * 2 * 100 * 2  # one row over 100 cached entries, 2 layers
+    dev = Device(name="unit", bandwidth=1e9, flops=1e9, attention_flops=1e9, layer_overhead=1e-3,
+                 gqa_attention_flops=1e8, copy_bandwidth=4e9)
+    assert attention_seconds(tiny, dev, 100) == pytest.approx(3200 / 1e9 + attention_flops / 1e9, rel=1e-12)
+    assert attention_seconds(tiny, dev, 100, maskless_gqa=True) == pytest.approx(
+        3200 / 1e9 + attention_flops / 1e8, rel=1e-12)
+    assert cache_copy_seconds(tiny, dev, 100) == pytest.approx(2 * 3200 / 4e9, rel=1e-12)
+    assert plain_generate_seconds(tiny, dev, 100) == pytest.approx(
+        forward_seconds(tiny, dev, 100) + 2 * 3200 / 4e9 + attention_flops * (1 / 1e8 - 1 / 1e9), rel=1e-12)
+    # the static decode (every tier) never takes the maskless path
+    assert forward_seconds(tiny, dev, 100) == forward_seconds(tiny, UNIT, 100)
+    # a model without grouped queries has no such path: its attention keeps attention_flops
+    mha = model_shape({**TINY, "num_key_value_heads": 2})
+    assert attention_seconds(mha, dev, 100, maskless_gqa=True) == attention_seconds(mha, dev, 100)
 
 
 def test_smollm2_preset_reads_its_135m_weights():
@@ -219,6 +239,8 @@ def test_model_from_a_local_folder_and_from_a_config(tmp_path):
     (lambda: tier_precision("lean-int4", device("cpu-this", "float32"), [model_shape(TINY)]),
      "not multiples of the int4 group size 32"),
     (lambda: device("h200", "float32", quantized_bandwidth=0.0), "quantized_bandwidth must be above 0 or None"),
+    (lambda: device("h200", "float32", gqa_attention_flops=-1.0), "gqa_attention_flops must be above 0 or None"),
+    (lambda: device("h200", "float32", copy_bandwidth=0.0), "copy_bandwidth must be above 0 or None"),
 ])
 def test_bad_input_names_the_parameter(call, message):
     with pytest.raises(ValueError, match=message):

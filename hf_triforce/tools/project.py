@@ -285,7 +285,13 @@ class Device:
     ``cpu``: the lean and int8 drafting copies run here (the library runs them on the CPU only). ``quantized_bandwidth``
     / ``quantized_flops``: bytes/s at which a weight-only int8/int4 product reads (and dequantizes) its weights and
     its FLOP/s (None: ``bandwidth`` / ``flops``; the int4 CPU kernel unpacks every weight, so it reads well below the
-    memory's rate: fitted per CPU by benchmarks/project_calibration.py)."""
+    memory's rate: fitted per CPU by benchmarks/project_calibration.py).
+
+``gqa_attention_flops`` / ``copy_bandwidth``: what plain ``generate`` on a DynamicCache pays beyond a static decode
+(`plain_generate_seconds`): the FLOP/s of its one-row attention over a grouped-query cache (no mask, so SDPA runs
+with ``enable_gqa``, a slower CPU path than the packed one a static decode takes: 5-10x in bf16 on a Zen 4) and
+the bytes/s of ``torch.cat`` growing every layer's keys and values by one entry (None: ``attention_flops`` /
+``bandwidth``; fitted on ``benchmarks/plain_generate_gqa.py`` by benchmarks/project_calibration.py)."""
 
     name: str
     bandwidth: float
@@ -296,6 +302,8 @@ class Device:
     gemm_bandwidth: float | None = None  # bytes/s of the weights in a forward of several rows (None: bandwidth)
     quantized_bandwidth: float | None = None  # bytes/s of int8/int4 weights (None: bandwidth)
     quantized_flops: float | None = None  # FLOP/s of weight-only int8/int4 products (None: flops)
+    gqa_attention_flops: float | None = None  # FLOP/s of a maskless GQA decode's attention (None: attention_flops)
+    copy_bandwidth: float | None = None  # bytes/s of a DynamicCache's growing copies (None: bandwidth)
     cpu: bool = False
     notes: str = ""
 
@@ -304,7 +312,8 @@ class Device:
             value = getattr(self, field_name)
             if not isinstance(value, (int, float)) or not value > 0:
                 raise ValueError(f"device {self.name}: {field_name} must be a number above 0, got {value!r}")
-        for field_name in ("gemm_bandwidth", "quantized_bandwidth", "quantized_flops"):
+        for field_name in ("gemm_bandwidth", "quantized_bandwidth", "quantized_flops", "gqa_attention_flops",
+                           "copy_bandwidth"):
             value = getattr(self, field_name)
             if value is not None and not (isinstance(value, (int, float)) and value > 0):
                 raise ValueError(f"device {self.name}: {field_name} must be above 0 or None, got {value!r}")
@@ -321,7 +330,8 @@ def device(name: str, dtype: str, **overrides: float | None) -> Device:
     dtype = _dtype_name(dtype)
     given = {key: value for key, value in overrides.items() if value is not None}
     unknown = sorted(set(given) - {"bandwidth", "flops", "attention_flops", "layer_overhead", "offload_bandwidth",
-                                   "gemm_bandwidth", "quantized_bandwidth", "quantized_flops", "cpu"})
+                                   "gemm_bandwidth", "quantized_bandwidth", "quantized_flops",
+                                   "gqa_attention_flops", "copy_bandwidth", "cpu"})
     if unknown:
         raise ValueError(f"device: unknown parameters {unknown}")
     if name in DEVICES:
@@ -333,7 +343,9 @@ def device(name: str, dtype: str, **overrides: float | None) -> Device:
                       layer_overhead=preset["layer_overhead"], offload_bandwidth=preset["offload_bandwidth"],
                       gemm_bandwidth=preset.get("gemm_bandwidth"),
                       quantized_bandwidth=(preset.get("quantized_bandwidth") or {}).get(dtype),
-                      quantized_flops=(preset.get("quantized_flops") or {}).get(dtype), cpu=preset.get("cpu", False))
+                      quantized_flops=(preset.get("quantized_flops") or {}).get(dtype),
+                      gqa_attention_flops=(preset.get("gqa_attention_flops") or {}).get(dtype),
+                      copy_bandwidth=preset.get("copy_bandwidth"), cpu=preset.get("cpu", False))
         values.update(given)
         notes = preset["notes"]
     else:
@@ -369,9 +381,26 @@ def forward_seconds(model: ModelShape, dev: Device, cached: int, rows: int = 1, 
         weights += model.part_bytes(part, storage) / ((dev.quantized_bandwidth or dev.bandwidth) if quantized
                                                       else plain_rate)
         compute += 2 * part_rows * out_rows * width / ((dev.quantized_flops or dev.flops) if quantized else dev.flops)
+    attention = attention_seconds(model, dev, cached, rows, offloaded)
+    return weights + compute + attention + model.layers * dev.layer_overhead
+
+
+def attention_seconds(model: ModelShape, dev: Device, cached: int, rows: int = 1, offloaded: bool = False,
+                      maskless_gqa: bool = False) -> float:
+    """The attention part of `forward_seconds`: the cache's KV bytes read (over the host link if ``offloaded``)
+    and the attention FLOPs, at ``dev.attention_flops`` or, ``maskless_gqa`` (a one-row decode without a mask on a
+    grouped-query model: plain ``generate`` on a DynamicCache), at ``dev.gqa_attention_flops`` where given."""
     kv = model.kv_bytes_per_token * cached / (dev.offload_bandwidth if offloaded else dev.bandwidth)
-    return (weights + kv + compute + model.attention_flops(cached, rows) / dev.attention_flops
-            + model.layers * dev.layer_overhead)
+    rate = dev.attention_flops
+    if maskless_gqa and model.kv_heads < model.heads and dev.gqa_attention_flops is not None:
+        rate = dev.gqa_attention_flops
+    return kv + model.attention_flops(cached, rows) / rate
+
+
+def cache_copy_seconds(model: ModelShape, dev: Device, cached: int) -> float:
+    """One DynamicCache update of a decoding step: ``torch.cat`` reads and writes every cached entry of every layer
+    (keys and values) to append one, at ``dev.copy_bandwidth`` (``bandwidth`` where not given)."""
+    return 2 * cached * model.kv_bytes_per_token / (dev.copy_bandwidth or dev.bandwidth)
 
 
 def fill_seconds(model: ModelShape, dev: Device, rows: int, precision: str = "model") -> float:
@@ -395,9 +424,11 @@ def selection_seconds(model: ModelShape, dev: Device, context: int, budget: int,
 
 
 def plain_generate_seconds(model: ModelShape, dev: Device, context: int) -> float:
-    """One token of plain ``generate`` on a growing ``DynamicCache``: the forward plus a copy of the whole cache
-    (``torch.cat`` reads and writes every cached entry); a static cache (`tier_seconds`' ``plain``) has no copy."""
-    return forward_seconds(model, dev, context) + 2 * context * model.kv_bytes_per_token / dev.bandwidth
+    """One token of plain ``generate`` on a growing ``DynamicCache``: the forward, with its attention on the maskless
+    grouped-query path (`attention_seconds`), plus the cache's copy (`cache_copy_seconds`); a static cache
+    (`tier_seconds`' ``plain``) has neither."""
+    return (forward_seconds(model, dev, context) + cache_copy_seconds(model, dev, context)
+            + attention_seconds(model, dev, context, maskless_gqa=True) - attention_seconds(model, dev, context))
 
 
 @dataclass(frozen=True)
@@ -575,6 +606,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "weights (weight-only kernels unpack them; default: the preset's, else --bandwidth)")
     parser.add_argument("--quantized-flops", type=float, default=None,
                         help="FLOP/s of int8/int4 drafting products (default: the preset's, else --flops)")
+    parser.add_argument("--gqa-attention-flops", type=float, default=None, help="FLOP/s of plain generate's "
+                        "attention on a grouped-query model (a DynamicCache decode: SDPA with enable_gqa; default: the "
+                        "preset's, else --attention-flops)")
+    parser.add_argument("--copy-bandwidth", type=float, default=None, help="bytes/s of a DynamicCache's torch.cat "
+                        "copies (default: the preset's, else --bandwidth)")
     parser.add_argument("--cpu", action="store_true", help="the device is a CPU (explicit devices; the presets "
                         "know): the lean and int8 drafting precisions run only there")
     parser.add_argument("--draft-precision", default="auto", choices=DRAFT_PRECISIONS,
@@ -603,6 +639,7 @@ def run(args: argparse.Namespace) -> int:
                  attention_flops=args.attention_flops, layer_overhead=args.layer_overhead,
                  offload_bandwidth=args.offload_bandwidth, gemm_bandwidth=args.gemm_bandwidth,
                  quantized_bandwidth=args.quantized_bandwidth, quantized_flops=args.quantized_flops,
+                 gqa_attention_flops=args.gqa_attention_flops, copy_bandwidth=args.copy_bandwidth,
                  cpu=True if args.cpu else None)
     acceptance = Acceptance(args.accept_force3, args.accept_force2, args.accept_streaming, args.accept_draft)
     config = TriForceConfig(retrieval_budget=args.budget, gamma1=args.gamma1, gamma2=args.gamma2,
@@ -612,6 +649,7 @@ def run(args: argparse.Namespace) -> int:
     for context in args.contexts:
         tiers, plans = project_plans(target, dev, context, acceptance, config, draft)
         results.append({"context": context, "tiers": {k: {str(r): s for r, s in v.items()} for k, v in tiers.items()},
+                        "plain_generate_seconds": plain_generate_seconds(target, dev, context),
                         "plans": [asdict(p) for p in plans]})
     if args.json:
         print(json.dumps({"model": asdict(target), "draft": asdict(draft) if draft else None, "device": asdict(dev),
@@ -626,6 +664,8 @@ def run(args: argparse.Namespace) -> int:
         tiers = result["tiers"]
         print(f"\n### context {context}\n\n| tier | ms per forward |\n|---|---|")
         print(f"| Force 3 / plain, 1 row | {tiers['force3']['1'] * 1e3:.2f} |")
+        print(f"| plain `generate` (DynamicCache: its copy, maskless attention), 1 token | "
+              f"{result['plain_generate_seconds'] * 1e3:.2f} |")
         print(f"| Force 3, {args.gamma2 + 1} rows | {tiers['force3'][str(args.gamma2 + 1)] * 1e3:.2f} |")
         print(f"| Force 2, {args.gamma1 + 1} rows ({FORCE2_PRECISION.get(precision, precision)}) | "
               f"{tiers['force2'][str(args.gamma1 + 1)] * 1e3:.2f} |")
