@@ -87,10 +87,11 @@ MODELS: dict[str, dict[str, Any]] = {
 }
 
 # Per-layer overhead of one eager forward of this stack on an H200 (launches and Python: random-weight SmolLM2
-# and Qwen2.5-1.5B shapes are launch-bound there): 0.80 ms, fitted by benchmarks/project_calibration.py on the
-# fixed runs of docs/bench/gpu-h200* (errors in docs/bench/projection/calibration.md); used for every GPU preset
-# (the same software). 0 models CUDA graphs (`--layer-overhead 0`).
-GPU_LAYER_OVERHEAD = 0.80e-3
+# and Qwen2.5-1.5B shapes are launch-bound there): 0.91 ms, fitted by benchmarks/project_calibration.py on the
+# fixed runs of docs/bench/gpu-h200* (errors in docs/bench/projection/calibration.md; 0.80 before the policy priced
+# a step's last Force-2 round as the loop runs it, commit 16f90d1); used for every GPU preset (the same software).
+# 0 models CUDA graphs (`--layer-overhead 0`).
+GPU_LAYER_OVERHEAD = 0.91e-3
 # This project's CPU (2-core AMD EPYC, 2 torch threads, fp32) as fitted on the 2026-11-30 sessions (natural-text
 # tables, llama.cpp comparison and tier-cost table: host "cpu-11-30" of benchmarks/project_calibration.py, 111 of
 # 113 points within 25%): bytes/s of one-row and multi-row weight reads, matmul and attention FLOP/s, no per-layer
@@ -103,7 +104,10 @@ CPU_BANDWIDTH, CPU_GEMM_BANDWIDTH, CPU_FLOPS, CPU_ATTENTION_FLOPS = 10.2e9, 10.5
 EPYC_AVX2_FP32 = dict(bandwidth=11.8e9, flops=19.7e9, attention_flops=151e9, quantized_bandwidth=8.65e9,
                       quantized_flops=49.7e9)
 ZEN4_BF16 = dict(bandwidth=14.2e9, flops=424e9, attention_flops=143e9, quantized_bandwidth=26.7e9,
-                 quantized_flops=215e9)
+                 quantized_flops=215e9,
+                 # plain generate's bf16 attention (SDPA enable_gqa, a DynamicCache decode): 5.56 GFLOP/s, 10x below
+                 # the packed path's; fitted on session 20's kernel timings (host "cpu-s20", plain_generate_gqa.py)
+                 gqa_attention_flops=5.56e9)
 
 # Datasheet peak numbers (dense; bandwidth of the device memory; offload = a host link's practical rate).
 DEVICES: dict[str, dict[str, Any]] = {
@@ -123,7 +127,7 @@ DEVICES: dict[str, dict[str, Any]] = {
                      notes="this project's 2-core AMD EPYC at 2 torch threads, fp32, fitted (docs/bench/projection)"),
     **{name: dict(bandwidth=rates["bandwidth"], layer_overhead=0.0, offload_bandwidth=0.0, cpu=True, notes=notes,
                   **{key: {dtype: rates[key]} for key in ("flops", "attention_flops", "quantized_bandwidth",
-                                                          "quantized_flops")})
+                                                          "quantized_flops", "gqa_attention_flops") if key in rates})
        for name, rates, dtype, notes in (
            ("cpu-epyc-avx2", EPYC_AVX2_FP32, "float32", "2-core AMD EPYC, AVX2 only, 2 torch threads, fp32 with "
             "lean-int4 drafting copies, fitted (docs/bench/projection, host cpu-12-02)"),
