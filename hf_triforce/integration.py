@@ -143,7 +143,7 @@ def _generate_batch(model, input_ids, logits_processor, stopping_criteria, gener
                       do_sample=bool(generation_config.do_sample),
                       paddings=[input_ids[b : b + 1, :pad] for b, pad in enumerate(pads)])
     with recording_attention(model):
-        check_model(model, config, rows[0][:, :1])  # before the prefill: what would fail after it fails now
+        check_model(model, config, rows[0][:, :1], batch=True)  # before the prefill: what would fail after it fails now
         result = decoder.run(rows, prefix)
     rows_out = [torch.cat((input_ids[b : b + 1, :pad], seq), dim=1) for b, (pad, seq) in
                 enumerate(zip(pads, result.sequences))]
