@@ -221,7 +221,7 @@ def triforce_generate(
 
 def _move_stop_strings_to_criteria(model, kwargs: dict[str, Any]) -> None:
     """``generate`` drops ``tokenizer=`` before building stop-string criteria for a ``custom_generate``
-    callable (5.24): build the `StopStringCriteria` here, from ``stop_strings=`` or the generation config."""
+    callable (5.24, 5.25): build the `StopStringCriteria` here, from ``stop_strings=`` or the generation config."""
     stop_strings, tokenizer = kwargs.pop("stop_strings", None), kwargs.pop("tokenizer", None)
     source = kwargs.get("generation_config") or model.generation_config
     if getattr(source, "stop_strings", None) is not None:
