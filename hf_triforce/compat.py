@@ -1,13 +1,14 @@
 """The ONLY module that touches transformers internals: private names and behaviour that is not public API.
 
-Written against transformers 5.24 (declared range ``TESTED_TRANSFORMERS``). Every name and every behaviour
+Written against transformers 5.24 and audited against 5.25 (declared range ``TESTED_TRANSFORMERS``; what the
+5.25 audit found is listed at ``TESTED_TRANSFORMERS``). Every name and every behaviour
 listed here has a test in ``tests/test_integration_contract.py`` that fails loudly when upstream changes it.
 Other modules use transformers' public API only (``Cache``, logits processors, stopping criteria, ``generate``)
 and reach anything else through the functions below:
 
 - ``GenerationMixin.generate`` is wrapped (``ORIGINAL_GENERATE`` is kept): ``generate(custom_generate=fn)``
   calls ``fn(model, input_ids, logits_processor=, stopping_criteria=, generation_config=, <fn's own kwargs>,
-  **model_kwargs)`` after its setup, but drops ``streamer=`` and ``tokenizer=`` on the way (5.24);
+  **model_kwargs)`` after its setup, but drops ``streamer=`` and ``tokenizer=`` on the way (5.24, 5.25);
 - ``CacheLayerMixin`` (the per-layer cache base class) and the masks built from ``get_mask_sizes`` /
   ``get_seq_length`` of the cache;
 - attention functions: the registries ``ALL_ATTENTION_FUNCTIONS`` / ``ALL_MASK_ATTENTION_FUNCTIONS``, the
@@ -46,7 +47,19 @@ from transformers.cache_utils import Cache, CacheLayerMixin, get_layer_types_and
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 
-TESTED_TRANSFORMERS = (">=5.24", "<5.25")  # 5.25 (2026-12): the preflight and the patch differ, not yet audited
+# 5.25.0 audited against 5.24.0 (diffs of generation/utils.py, generation/candidate_generator.py,
+# generation/configuration_utils.py, cache_utils.py, masking_utils.py, integrations/sdpa_attention.py,
+# modeling_utils.py's AttentionInterface, the model files): every private name and behaviour listed above is
+# unchanged (`generate`/`_extract_generation_mode_kwargs`, `CacheLayerMixin`'s abstract methods,
+# `_preprocess_mask_arguments`, the sliding mask, `get_layer_types_and_kwargs`, `eager_attention_forward` per
+# model file, `rotary_emb`, `GenerateDecoderOnlyOutput`, `remove_quantization_config`,
+# `PrefixConstrainedLogitsProcessor`, `_compile_all_devices`, `_valid_auto_compile_criteria`). What changed
+# around them: Falcon's attention now goes through the AttentionInterface (recorded: three levels run it; ALiBi
+# Falcon adds its position bias to the attention mask, see `kernels.attention`), `_assisted_decoding` reads
+# `candidate_generator.num_drafting_tokens` and `_speculative_sampling` accepts with `r < p/q` (neither is used
+# here; the upstream patch follows them), and `from_pretrained` kernelizes by default (`kernels` is now a
+# requirement of transformers).
+TESTED_TRANSFORMERS = (">=5.24", "<5.26")
 ORIGINAL_GENERATE = GenerationMixin.generate
 
 __all__ = [

@@ -143,7 +143,7 @@ def _generate_batch(model, input_ids, logits_processor, stopping_criteria, gener
                       do_sample=bool(generation_config.do_sample),
                       paddings=[input_ids[b : b + 1, :pad] for b, pad in enumerate(pads)])
     with recording_attention(model):
-        check_model(model, config, rows[0][:, :1])  # before the prefill: what would fail after it fails now
+        check_model(model, config, rows[0][:, :1], batch=True)  # before the prefill: what would fail after it fails now
         result = decoder.run(rows, prefix)
     rows_out = [torch.cat((input_ids[b : b + 1, :pad], seq), dim=1) for b, (pad, seq) in
                 enumerate(zip(pads, result.sequences))]
@@ -221,7 +221,7 @@ def triforce_generate(
 
 def _move_stop_strings_to_criteria(model, kwargs: dict[str, Any]) -> None:
     """``generate`` drops ``tokenizer=`` before building stop-string criteria for a ``custom_generate``
-    callable (5.24): build the `StopStringCriteria` here, from ``stop_strings=`` or the generation config."""
+    callable (5.24, 5.25): build the `StopStringCriteria` here, from ``stop_strings=`` or the generation config."""
     stop_strings, tokenizer = kwargs.pop("stop_strings", None), kwargs.pop("tokenizer", None)
     source = kwargs.get("generation_config") or model.generation_config
     if getattr(source, "stop_strings", None) is not None:

@@ -1,8 +1,9 @@
-"""`patches/transformers-5.24-triforce.diff` applies to the installed transformers and does what the README says.
+"""`patches/transformers-<minor>-triforce.diff` applies to the installed transformers and does what the README says.
 
-The patch is applied to a scratch copy of the installed package; every check of the patched code runs in a
-subprocess that imports that copy (``PYTHONPATH``), so this process keeps the installed transformers and computes
-the reference outputs with it.
+One diff per supported transformers minor release, each against its ``.0`` (`patches/README.md`): the one matching
+the installed version is tested; a version without one fails (regenerate the diff then). The patch is applied to a
+scratch copy of the installed package; every check of the patched code runs in a subprocess that imports that copy
+(``PYTHONPATH``), so this process keeps the installed transformers and computes the reference outputs with it.
 """
 
 from __future__ import annotations
@@ -20,9 +21,14 @@ import torch
 import transformers
 
 ROOT = Path(__file__).resolve().parents[1]
-PATCH = ROOT / "patches" / "transformers-5.24-triforce.diff"
 README = ROOT / "patches" / "README.md"
-PINNED = "5.24.0"
+# {"5.24.0": patches/transformers-5.24-triforce.diff, ...}: each diff is against the .0 of its minor release
+PATCHES = {
+    f"{match.group(1)}.0": path
+    for path in sorted((ROOT / "patches").glob("transformers-*-triforce.diff"))
+    if (match := re.fullmatch(r"transformers-(\d+\.\d+)-triforce\.diff", path.name))
+}
+PATCH = PATCHES.get(transformers.__version__)
 NEW_TOKENS = 24
 TIMEOUT_S = 120
 
@@ -207,24 +213,30 @@ def _run(args: list[str], patched_root: Path) -> subprocess.CompletedProcess:
     )
 
 
+def _patch() -> Path:
+    """The diff against the installed transformers; fails, naming the versions there are diffs for, where none is."""
+    assert PATCH is not None, (
+        f"patches/ has no diff against the installed transformers {transformers.__version__} (diffs against: "
+        f"{', '.join(PATCHES)}): regenerate one (patches/README.md)"
+    )
+    return PATCH
+
+
 def _apply_command() -> list[str] | None:
     if shutil.which("patch"):
-        return ["patch", "-p1", "--forward", "--batch", "--fuzz=0", "-i", str(PATCH)]
+        return ["patch", "-p1", "--forward", "--batch", "--fuzz=0", "-i", str(_patch())]
     if shutil.which("git"):
-        return ["git", "apply", "-p1", "--verbose", str(PATCH)]
+        return ["git", "apply", "-p1", "--verbose", str(_patch())]
     return None
 
 
 @pytest.fixture(scope="module")
 def patched_root(tmp_path_factory) -> Path:
     """A scratch copy of the installed transformers with the patch applied (the directory to put on PYTHONPATH)."""
+    _patch()  # fails where there is no diff against the installed version
     command = _apply_command()
     if command is None:
         pytest.skip("neither `patch` nor `git` is installed: the upstream patch cannot be applied here")
-    assert transformers.__version__ == PINNED, (
-        f"patches/ is a diff against transformers {PINNED}, {transformers.__version__} is installed: "
-        "regenerate it (patches/README.md)"
-    )
     root = tmp_path_factory.mktemp("patched-transformers")
     shutil.copytree(
         Path(transformers.__file__).parent, root / "transformers", ignore=shutil.ignore_patterns("__pycache__", "*.pyc")
@@ -238,14 +250,28 @@ def patched_root(tmp_path_factory) -> Path:
     return root
 
 
-def test_patch_is_a_unified_diff_of_the_files_the_readme_explains(patched_root):
-    diff = PATCH.read_text()
+def _patched_files(patch: Path) -> list[str]:
+    diff = patch.read_text()
     sources = re.findall(r"^--- a/(\S+)$", diff, re.MULTILINE)
     targets = re.findall(r"^\+\+\+ b/(\S+)$", diff, re.MULTILINE)
-    assert sources and sources == targets
-    assert all(path.startswith("transformers/") and path.endswith(".py") for path in targets)
+    assert sources and sources == targets, patch.name
+    assert all(path.startswith("transformers/") and path.endswith(".py") for path in targets), patch.name
+    return targets
+
+
+def test_every_diff_patches_the_same_files_and_the_readme_names_it():
+    """The diffs are one change ported across versions: the same files, each diff named in the README."""
+    assert PATCHES, "no patches/transformers-<minor>-triforce.diff"
     readme = README.read_text()
-    for path in targets:
+    files = {version: _patched_files(patch) for version, patch in PATCHES.items()}
+    for version, patch in PATCHES.items():
+        assert f"`{patch.name}`" in readme, f"patches/README.md does not name {patch.name}"
+        assert files[version] == next(iter(files.values())), (version, files)
+
+
+def test_patch_is_a_unified_diff_of_the_files_the_readme_explains(patched_root):
+    readme = README.read_text()
+    for path in _patched_files(_patch()):
         assert f"`{path}`" in readme, f"patches/README.md does not explain {path}"
         assert (patched_root / path).read_text() != (Path(transformers.__file__).parent.parent / path).read_text()
 

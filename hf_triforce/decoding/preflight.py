@@ -12,7 +12,11 @@ one-token forward through the same cache class and attention wrapper the tiers u
   wrapper records the query Force-2 retrieval scores chunks with, and every layer Force 2 scores (the
   full-attention ones) caches keys as wide as that query's heads (multi-head latent attention caches its
   compressed latents, ``kv_lora_rank`` wide, not the keys the query meets);
-- a model drafter (``draft="self"`` or a draft model) can re-rotate its keys (`make_layer_rerotations`).
+- a model drafter (``draft="self"`` or a draft model) can re-rotate its keys (`make_layer_rerotations`);
+- with candidate trees or a batch, no layer's attention mask carries a bias (ALiBi Falcon adds its position bias
+  to the mask, transformers 5.25): a tree's nodes sit in cache slots, not at their positions, and its attention
+  replaces the mask; a batch's per-row 4-D mask is not one the model can derive its bias from. A second probe
+  (two tokens) reads the masks, only where trees or a batch are asked for.
 
 Each failure is a ValueError naming the model, the layer and the option that avoids it.
 """
@@ -28,7 +32,7 @@ from ..caches.window import WindowLayer
 from ..compat import CacheLayerMixin
 from ..config import TriForceConfig
 from ..drafters.registry import spec_of
-from ..kernels.attention import QueryRecorder
+from ..kernels.attention import QueryRecorder, mask_adds_bias
 from ..kernels.row_mixing import row_mixing_layers
 from .forward import forward_logits
 
@@ -69,10 +73,21 @@ def _check_retrieval_widths(model, queries: dict[int, int], keys: dict[int, int]
             )
 
 
-def check_model(model, config: TriForceConfig, token: torch.Tensor) -> None:
+@torch.no_grad()
+def _biased_mask_layers(model, token: torch.Tensor) -> list[int]:
+    """Decoder layers whose attention function receives a mask carrying a bias, on a two-token forward at positions
+    0 and 1 (a one-token probe cannot tell: ALiBi's bias is 0 at key position 0)."""
+    cache = BufferCache(compat.num_layers(model.config), PROBE_CAPACITY, compat.layer_windows(model.config), rollback=1)
+    recorder = QueryRecorder(keep_masks=True)
+    forward_logits(model, token.to(model.device).repeat(1, 2), cache, 0, 1, recorder)
+    return sorted(index for index, mask in recorder.masks.items() if mask_adds_bias(mask))
+
+
+def check_model(model, config: TriForceConfig, token: torch.Tensor, batch: bool = False) -> None:
     """Raise a ValueError, before any prefill, if ``model`` (or ``config``'s draft) cannot run on the tiers.
 
-    ``token`` is ``[1, 1]``: a token of the prompt. Call with the model switched to the recording attention.
+    ``token`` is ``[1, 1]``: a token of the prompt; ``batch``: the call decodes several rows. Call with the model
+    switched to the recording attention.
     """
     name = type(model).__name__
     layers = getattr(model.get_decoder(), "layers", None)
@@ -107,6 +122,17 @@ def check_model(model, config: TriForceConfig, token: torch.Tensor) -> None:
         )
     if config.levels == 3:
         _check_retrieval_widths(model, recorded, cached)
+    if config.trees or batch:
+        biased = _biased_mask_layers(model, token)
+        if biased:
+            what = ("candidate trees (their nodes sit in cache slots, not at their positions, and tree attention "
+                    "replaces the mask): use TriForceConfig(tree_nodes=0, force2_tree_nodes=0)" if config.trees else
+                    "batches (the per-row 4-D mask of a batch is not one the model derives its bias from): generate "
+                    "one prompt per call")
+            raise ValueError(
+                f"triforce_config=: {name} adds a bias to the attention mask of decoder layers {biased} (ALiBi); "
+                f"TriForce does not support that with {what}"
+            )
     if spec_of(config.draft).kind == "model":
         draft = model if isinstance(config.draft, str) else config.draft
         make_layer_rerotations(draft)  # a ValueError naming the layer whose keys cannot be moved

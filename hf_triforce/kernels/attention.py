@@ -48,11 +48,15 @@ class QueryRecorder:
     attention implementation; each forward overwrites the layers it runs.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, keep_masks: bool = False) -> None:
         self.queries: dict[int, torch.Tensor] = {}
+        # ``keep_masks``: also the attention mask each layer's attention function received (the preflight's probe)
+        self.masks: dict[int, torch.Tensor | None] | None = {} if keep_masks else None
 
-    def record(self, layer_idx: int, query: torch.Tensor) -> None:
+    def record(self, layer_idx: int, query: torch.Tensor, attention_mask: torch.Tensor | None = None) -> None:
         self.queries[layer_idx] = query.detach()
+        if self.masks is not None:
+            self.masks[layer_idx] = attention_mask
 
     def at(self, row: int) -> dict[int, torch.Tensor]:
         """Query of one row of the recorded block per layer: ``[batch, heads, head_dim]``."""
@@ -185,11 +189,26 @@ def same_head_dims(key: torch.Tensor, value: torch.Tensor) -> bool:
     return key.shape[-1] == value.shape[-1]
 
 
-def _wants_fused(query, kwargs) -> bool:
-    """A call a mask-free fused route may take: batch 1, several new rows, nothing but plain scaled attention."""
+def mask_adds_bias(attention_mask) -> bool:
+    """Whether ``attention_mask`` does more than mask: a float mask holding a finite value other than 0 above half the
+    dtype's minimum (eager masks hold 0 and the minimum; ALiBi Falcon adds its per-key position bias to its mask,
+    through transformers' AttentionInterface from 5.25). Boolean masks, None and FlexAttention's BlockMask only
+    mask. A float mask is read once (a device sync on CUDA)."""
+    if not isinstance(attention_mask, torch.Tensor) or not attention_mask.is_floating_point():
+        return False
+    lowest = torch.finfo(attention_mask.dtype).min / 2
+    return bool(((attention_mask != 0) & (attention_mask > lowest)).any())
+
+
+def _wants_fused(query, attention_mask, kwargs) -> bool:
+    """A call a mask-free fused route may take: batch 1, several new rows, nothing but plain scaled attention. The
+    mask must be one transformers' SDPA masks build (boolean, or None): a float mask under SDPA was changed by the
+    model after it was built (ALiBi Falcon adds its position bias to it, transformers 5.25), and a mask-free route
+    would drop what it added."""
     return (
         query.shape[0] == 1
         and query.shape[2] > 1
+        and (attention_mask is None or attention_mask.dtype == torch.bool)
         and kwargs.get("softcap") is None
         and kwargs.get("position_bias") is None
         and kwargs.get("sliding_window") is None
@@ -300,13 +319,17 @@ def _make_wrapper(base: str):
     def triforce_attention(module, query, key, value, attention_mask, **kwargs):
         recorder = kwargs.pop(RECORDER_KWARG, None) or _ACTIVE_RECORDER.get()
         if recorder is not None:
-            recorder.record(module.layer_idx, query)
+            recorder.record(module.layer_idx, query, attention_mask)
         # a sliding-window layer's mask cuts each row at its own window: only paths that read the mask
         windowed = compat.module_window(module, kwargs) is not None
         tree = active_tree()
         if tree is not None:  # a candidate tree's forward (tree_attention.py): the tree mask replaces the causal one
+            if mask_adds_bias(attention_mask):  # refused before the prefill too (preflight.check_model)
+                raise ValueError(f"candidate trees are not supported on a model that adds a bias to its attention mask "
+                                 f"(layer {getattr(module, 'layer_idx', '?')}; ALiBi): use chains (tree_nodes=0, "
+                                 "force2_tree_nodes=0)")
             return tree_attention(module, query, key, value, tree, windowed, **kwargs)
-        if base == "sdpa" and not windowed and _wants_fused(query, kwargs):
+        if base == "sdpa" and not windowed and _wants_fused(query, attention_mask, kwargs):
             fused = fused_verify(module, query, key, value, attention_mask, **kwargs)
             if fused is not None:
                 return fused

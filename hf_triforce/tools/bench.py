@@ -112,7 +112,7 @@ def method_kwargs(method: str, model, prefix: DynamicCache, max_len: int, budget
         return {"cache": static_copy(model, prefix, max_len)}
     if method == "static-compiled":  # generate compiles the decoding forward; on the CPU only when told to
         return {"cache": static_copy(model, prefix, max_len), "compile_config": compile_everywhere()}
-    if method == "lookup":  # from scratch: HF's assisted decoding mishandles a pre-filled cache (5.24)
+    if method == "lookup":  # from scratch: HF's assisted decoding mishandles a pre-filled cache (5.24, 5.25)
         return {"prompt_lookup_num_tokens": 10}
     if method == "assisted":  # from scratch, like lookup
         return {"assistant_model": draft_model}
