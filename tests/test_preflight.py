@@ -51,12 +51,6 @@ def cpmant():
 # transformers 5.25 moved Falcon's attention onto the AttentionInterface (`FalconAttention.forward` calls
 # `ALL_ATTENTION_FUNCTIONS.get_interface`); 5.24's computed it inline
 FALCON_USES_THE_INTERFACE = Version(T.__version__) >= Version("5.25")
-# Found by these tests (weights large enough for attention to decide tokens): on 5.24, Falcon's own SDPA attention
-# on TriForce's caches gives other tokens than plain generate at two levels (eager is identical; not investigated
-# further: 5.25 replaced that code). Strict: the day it passes on 5.24, the mark must go.
-FALCON_524_SDPA = pytest.mark.xfail(not FALCON_USES_THE_INTERFACE, strict=True,
-                                    reason="transformers 5.24 Falcon's inline SDPA attention on TriForce's caches: "
-                                           "tokens differ at two levels (known, open)")
 
 
 def falcon(**kw):
@@ -93,18 +87,37 @@ def test_two_levels_on_a_model_whose_attention_records_nothing():
     assert torch.equal(out, expected)
 
 
-@pytest.mark.parametrize("attn", [pytest.param("sdpa", marks=FALCON_524_SDPA), "eager"])
+def test_attention_outside_the_interface_runs_two_levels_with_eager_attention_only(no_prefill):
+    """Its own SDPA code may mask a multi-token forward over TriForce's caches as a square causal block:
+    transformers 5.24's Falcon with SDPA gave other tokens than plain generate at two levels (found with weights
+    large enough for attention to decide tokens)."""
+    model = gpt_neox_japanese()
+    model.config._attn_implementation = "sdpa"  # what the refusal reads: the model's own code does not change
+    with pytest.raises(ValueError, match=r"GPTNeoXJapaneseForCausalLM's decoder layers \[0, 1\] does not go through "
+                                         r"transformers' AttentionInterface, and its own 'sdpa' code.*"
+                                         r"attn_implementation='eager'"):
+        model.generate(random_prompt(80, period=17), max_new_tokens=4,
+                       triforce_config=_config(draft="ngram", levels=2))
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
 @pytest.mark.parametrize("draft", ["ngram", "self"])
 def test_falcon_runs_three_levels_where_its_attention_goes_through_the_interface(draft, attn):
     """transformers 5.25: Falcon's attention is recorded, so three levels run it (token-identical, Force 2 used);
-    5.24: refused for three levels like any attention outside the interface (and two levels run it)."""
+    5.24: refused for three levels like any attention outside the interface; two levels run it with eager attention
+    and refuse its SDPA code (which gave other tokens there)."""
     model, prompt = falcon(initializer_range=0.3), random_prompt(120, period=17)
     model.config._attn_implementation = attn
     expected = model.generate(prompt, max_new_tokens=24, do_sample=False)
     if not FALCON_USES_THE_INTERFACE:
         with pytest.raises(ValueError, match=r"FalconForCausalLM's decoder layers \[0, 1\] does not go through"):
             model.generate(prompt, max_new_tokens=4, triforce_config=_config(draft=draft))
-        out = model.generate(prompt, max_new_tokens=24, do_sample=False, triforce_config=_config(draft=draft, levels=2))
+        two_levels = _config(draft=draft, levels=2)
+        if attn == "sdpa":
+            with pytest.raises(ValueError, match=r"attn_implementation='eager'"):
+                model.generate(prompt, max_new_tokens=4, triforce_config=two_levels)
+            return
+        out = model.generate(prompt, max_new_tokens=24, do_sample=False, triforce_config=two_levels)
         assert torch.equal(out, expected)
         return
     out = model.generate(prompt, max_new_tokens=24, do_sample=False, triforce_config=_config(draft=draft),
@@ -118,7 +131,7 @@ def alibi_falcon():
     return falcon(alibi=True, multi_query=False, initializer_range=0.3)
 
 
-@pytest.mark.parametrize("attn", [pytest.param("sdpa", marks=FALCON_524_SDPA), "eager"])
+@pytest.mark.parametrize("attn", ["sdpa", "eager"] if FALCON_USES_THE_INTERFACE else ["eager"])
 def test_alibi_bias_in_the_mask_survives_a_mask_free_verification_route(attn):
     """ALiBi Falcon adds its position bias to the attention mask (a float mask under SDPA). Verification forwards
     must not take a mask-free fused route (pinned here to FlexAttention, which the CPU runs; on CUDA flash-attn,

@@ -11,7 +11,9 @@ one-token forward through the same cache class and attention wrapper the tiers u
 - with three levels, every layer's attention goes through transformers' ``AttentionInterface``, where the
   wrapper records the query Force-2 retrieval scores chunks with, and every layer Force 2 scores (the
   full-attention ones) caches keys as wide as that query's heads (multi-head latent attention caches its
-  compressed latents, ``kv_lora_rank`` wide, not the keys the query meets);
+  compressed latents, ``kv_lora_rank`` wide, not the keys the query meets); with two levels, a layer whose
+  attention bypasses the interface runs the model's eager attention (its own SDPA code may take a multi-token
+  forward over a longer cache as square-causal: transformers 5.24's Falcon gave other tokens);
 - a model drafter (``draft="self"`` or a draft model) can re-rotate its keys (`make_layer_rerotations`);
 - with candidate trees or a batch, no layer's attention mask carries a bias (ALiBi Falcon adds its position bias
   to the mask, transformers 5.25): a tree's nodes sit in cache slots, not at their positions, and its attention
@@ -32,7 +34,7 @@ from ..caches.window import WindowLayer
 from ..compat import CacheLayerMixin
 from ..config import TriForceConfig
 from ..drafters.registry import spec_of
-from ..kernels.attention import QueryRecorder, mask_adds_bias
+from ..kernels.attention import PREFIX, QueryRecorder, mask_adds_bias
 from ..kernels.row_mixing import row_mixing_layers
 from .forward import forward_logits
 
@@ -119,6 +121,15 @@ def check_model(model, config: TriForceConfig, token: torch.Tensor, batch: bool 
             f"triforce_config=: the attention of {name}'s decoder layers {missing} does not go through "
             "transformers' AttentionInterface, where TriForce records the query Force-2 retrieval needs; use "
             "TriForceConfig(levels=2) with this model"
+        )
+    base = compat.current_attention_implementation(model).removeprefix(PREFIX)
+    if missing and base != "eager":
+        raise ValueError(
+            f"triforce_config=: the attention of {name}'s decoder layers {missing} does not go through transformers' "
+            f"AttentionInterface, and its own {base!r} code may mask a multi-token forward over TriForce's caches "
+            "as a square causal block (transformers 5.24's Falcon with SDPA gave other tokens than plain generate); "
+            "TriForceConfig(levels=2) runs such a model with its eager attention only: load it with "
+            "attn_implementation='eager'"
         )
     if config.levels == 3:
         _check_retrieval_widths(model, recorded, cached)
