@@ -280,3 +280,23 @@ def test_two_levels_on_cached_latents_wider_than_the_query(plan, batch):
     out = model.generate(prompt, max_new_tokens=24, do_sample=False,
                          triforce_config=_config(draft="self", levels=2, **LATENT_PLANS[plan]))
     assert torch.equal(out, expected)
+
+
+def test_the_probe_runs_once_per_model_and_attention_implementation(monkeypatch):
+    """Its findings are the model's structure: a second call (another prompt) reuses them; another attention
+    implementation probes again; so does another model of the same class."""
+    from hf_triforce.decoding import preflight
+
+    probes = []
+    original = preflight.forward_logits
+    monkeypatch.setattr(preflight, "forward_logits", lambda *a, **k: probes.append(1) or original(*a, **k))
+    model, config = gpt2(), _config(draft="ngram")
+    model.config._attn_implementation = "eager"
+    for seed in (1, 2):
+        model.generate(random_prompt(80, period=17, seed=seed), max_new_tokens=4, triforce_config=config)
+    assert len(probes) == 1
+    model.config._attn_implementation = "sdpa"
+    model.generate(random_prompt(80, period=17), max_new_tokens=4, triforce_config=config)
+    assert len(probes) == 2
+    gpt2().generate(random_prompt(80, period=17), max_new_tokens=4, triforce_config=config)
+    assert len(probes) == 3

@@ -1,4 +1,5 @@
-"""Before the prefill: can this model run on TriForce's caches? One probe forward of one token says.
+"""Before the prefill: can this model run on TriForce's caches? One probe forward of one token says (once per model
+and attention implementation: its findings are kept with the model, `_FINDINGS`).
 
 A long prompt's prefill can take minutes, so whatever would fail after it is asked of the model first, on a
 one-token forward through the same cache class and attention wrapper the tiers use:
@@ -25,6 +26,8 @@ Each failure is a ValueError naming the model, the layer and the option that avo
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from .. import compat
@@ -39,6 +42,26 @@ from ..kernels.row_mixing import row_mixing_layers
 from .forward import forward_logits
 
 PROBE_CAPACITY = 256
+# What the probes found, per model and per what they depend on (`_probe_key`): a probe is a forward of the model
+# (0.13 s of a 3.7 s SmolLM2 call at 16k), and what it finds (entries per token, widths, masks' biases) is the
+# model's structure, not its weights or the prompt. Weak keys: a model's findings go with it.
+_FINDINGS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _probe_key(model, what: str) -> tuple:
+    """What a probe's finding depends on besides the model object: its attention implementation and the layer
+    structure of its config."""
+    return (what, compat.current_attention_implementation(model), compat.num_layers(model.config),
+            tuple(compat.layer_windows(model.config)))
+
+
+def _found(model, what: str, probe):
+    """``probe()``'s finding for ``model``, run once per `_probe_key`."""
+    findings = _FINDINGS.setdefault(model, {})
+    key = _probe_key(model, what)
+    if key not in findings:
+        findings[key] = probe()
+    return findings[key]
 
 
 @torch.no_grad()
@@ -107,7 +130,7 @@ def check_model(model, config: TriForceConfig, token: torch.Tensor, batch: bool 
             "attention (its attention sees whatever its cache keeps, all of it in the prefill, the last window when "
             "decoding); TriForce cannot reproduce that exactly: this model is not supported"
         )
-    entries, recorded, cached = _probe(model, token)
+    entries, recorded, cached = _found(model, "entries", lambda: _probe(model, token))
     odd = {index: n for index, n in enumerate(entries) if n != 1}
     if odd:
         raise ValueError(
@@ -134,7 +157,7 @@ def check_model(model, config: TriForceConfig, token: torch.Tensor, batch: bool 
     if config.levels == 3:
         _check_retrieval_widths(model, recorded, cached)
     if config.trees or batch:
-        biased = _biased_mask_layers(model, token)
+        biased = _found(model, "biased masks", lambda: _biased_mask_layers(model, token))
         if biased:
             what = ("candidate trees (their nodes sit in cache slots, not at their positions, and tree attention "
                     "replaces the mask): use TriForceConfig(tree_nodes=0, force2_tree_nodes=0)" if config.trees else
