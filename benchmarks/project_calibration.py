@@ -64,6 +64,7 @@ from hf_triforce.tools.project import (
     Device,
     ModelShape,
     attention_seconds,
+    cache_copy_seconds,
     device,
     fill_seconds,
     forward_seconds,
@@ -98,21 +99,21 @@ CPU_FILES = {
     # (a mix of plans: their Force-3 verifications are scored, `F3_FROM_DEFAULT_RUNS`), medians of 3
     "cpu-s19": ["session19-zen4/1k-8k", "session19-zen4/16k", "session19-zen4/32k",
                 "session19-zen4/qwen-python-2k-16k", "session19-zen4/qwen-python-32k"],
+    # session 20: a Zen 4 EPYC, transformers 5.25; SmolLM2 fp32 1k-32k `TriForceConfig()` runs, medians of 3, beside
+    # this host's kernel timings (`KERNEL_FILES`)
+    "cpu-s20": ["session20-zen4/1k-8k", "session20-zen4/16k", "session20-zen4/32k"],
 }
 # Kernel timings of one decoded token (benchmarks/plain_generate_gqa.py: a static decode's packed attention, plain
 # generate's enable_gqa attention and DynamicCache's torch.cat, SmolLM2 and Qwen2.5-Coder-1.5B shapes, fp32 and bf16):
 # host -> file. Session 20's Zen 4 EPYC (AVX512-BF16); its fit gives the rates plain generate adds
-# (``gqa_attention_flops``) to the Zen 4 hosts that ran plain generate beside the static decode
+# (``gqa_attention_flops``, ``copy_bandwidth``) to the Zen 4 hosts that ran plain generate beside the static decode
 # (`BORROWED_RATES`: the same CPU model; those hosts measured no kernel timings of their own)
 KERNEL_FILES = {"cpu-s20": "session20-zen4/plain-generate-gqa.json"}
-PLAIN_GENERATE_RATES = ["gqa_attention_flops:float32", "gqa_attention_flops:bfloat16"]
-# The microbenchmark's torch.cat timings are listed, not fitted (``copy_bandwidth`` stays ``bandwidth``): each cat
-# there allocates a fresh tensor and frees it, and its page faults dominate in fp32 (SmolLM2 at 16k: 195 ms a token,
-# more than the whole 59 ms by which plain generate trailed the static decode at 16k in session 19)
-BORROWED_RATES = {"cpu-12-03": "cpu-s20", "cpu-s19": "cpu-s20"}
+PLAIN_GENERATE_RATES = ["gqa_attention_flops:float32", "gqa_attention_flops:bfloat16", "copy_bandwidth"]
+BORROWED_RATES = {"cpu-12-03": "cpu-s20", "cpu-s19": "cpu-s20"}  # cpu-s20's own runs: its own fit
 # hosts whose `TriForceConfig()` runs (a mix of plans) give Force-3 points: a verification forward of the run's
 # average rows (proposals per Force-3 step + 1) whatever drafted them; their Force-1 / Force-2 seconds mix drafters
-F3_FROM_DEFAULT_RUNS = ("cpu-s19",)
+F3_FROM_DEFAULT_RUNS = ("cpu-s19", "cpu-s20")
 # the drafting precisions (`TriForceConfig.draft_precision`) whose fixed runs a host's fit prices: hosts with lean-int4
 # runs fit the quantized kernels' rates (``quantized_bandwidth``, ``quantized_flops``) on them; the other precisions
 # of the older hosts (int8 copies, lean without a fitted rate) stay listed as not modelled
@@ -151,11 +152,12 @@ LEAN_HOST = ["bandwidth", "flops", "attention_flops", "quantized_bandwidth", "qu
 # its points are static decodes and Force-3 verifications (the target's own weights), so no int4 rates
 BY_DTYPE_HOST = ["bandwidth", "flops:float32", "flops:bfloat16", "attention_flops:float32",
                  "attention_flops:bfloat16", "layer_overhead"]
-KERNEL_HOST = ["bandwidth", "attention_flops:float32", "attention_flops:bfloat16", *PLAIN_GENERATE_RATES]
+# its kernel timings (both dtypes) and its runs (SmolLM2 fp32): no bf16 matmul to fit (`CPU_FIXED`'s ``flops``)
+KERNEL_HOST = [k for k in BY_DTYPE_HOST if k != "flops:bfloat16"] + PLAIN_GENERATE_RATES
 CPU_FREE = {"cpu-11-29": PLAIN, "cpu-11-30": PLAIN, "cpu-12-01": ["bandwidth", "flops", "attention_flops"],
             "cpu-12-02": LEAN_HOST, "cpu-12-03": LEAN_HOST, "cpu-s19": BY_DTYPE_HOST, "cpu-s20": KERNEL_HOST}
 CPU_FIXED = {"cpu-12-02": {"layer_overhead": 0.0}, "cpu-12-03": {"layer_overhead": 0.0},
-             "cpu-s20": {"layer_overhead": 0.0, "flops": 30e9}}  # kernel points: no matmul, their flops unused
+             "cpu-s20": {"flops": CPU_START["flops"]}}  # read by no point of cpu-s20 (its bf16 points are kernels)
 
 
 @dataclass
@@ -350,9 +352,10 @@ def cpu_points(host: str) -> tuple[list[Point], list[str], list[str]]:
                     if "static" in entry["methods"]:
                         extra = 1 / run["decode_tokens_per_second"] - 1 / entry["methods"]["static"][
                             "decode_tokens_per_second"]
-                        priced = (f"at {BORROWED_RATES[host]}'s kernel rates (benchmarks/plain_generate_gqa.py)"
-                                  if host in BORROWED_RATES else "at this host's plain rates (no kernel timings: "
-                                  "the enable_gqa path is not priced apart)")
+                        lender = host if host in KERNEL_FILES else BORROWED_RATES.get(host)
+                        priced = (f"at {lender}'s kernel rates (benchmarks/plain_generate_gqa.py)" if lender else
+                                  "at this host's plain rates (no kernel timings: the enable_gqa path is not priced "
+                                  "apart)")
                         note = (f"plain generate (transformers' DynamicCache) took {1e3 * extra:.0f} ms a token more "
                                 f"than static-cache generate beside it ({1e6 * extra / cached:.0f} ms per 1k cached "
                                 "tokens); the model adds its cache's torch.cat and its maskless attention (SDPA "
@@ -401,8 +404,8 @@ def cpu_points(host: str) -> tuple[list[Point], list[str], list[str]]:
 
 def kernel_points(host: str) -> list[Point]:
     """A host's kernel timings of one decoded token (`KERNEL_FILES`): the packed attention a static decode runs
-    (`attention_seconds`) and plain generate's maskless enable_gqa attention (its ``maskless_gqa`` rate); all fitted
-    on (the torch.cat timings are not: `PLAIN_GENERATE_RATES`)."""
+    (`attention_seconds`), plain generate's maskless enable_gqa attention (its ``maskless_gqa`` rate) and DynamicCache's
+    copies (`cache_copy_seconds`); all fitted on."""
     path = BENCH / KERNEL_FILES[host]
     if not path.exists():
         print(f"note: {host}: {path.relative_to(ROOT)} is not there (yet): skipped")
@@ -416,9 +419,10 @@ def kernel_points(host: str) -> list[Point]:
 
         for kind, seconds in (
                 ("packed", lambda p, m=model, c=cached, dv=dev: attention_seconds(m, dv(p), c)),
-                ("enable_gqa", lambda p, m=model, c=cached, dv=dev: attention_seconds(m, dv(p), c, maskless_gqa=True))):
-            what = {"packed": "static decode's attention", "enable_gqa": "plain generate's attention (SDPA enable_gqa)"}
-            what = what[kind]
+                ("enable_gqa", lambda p, m=model, c=cached, dv=dev: attention_seconds(m, dv(p), c, maskless_gqa=True)),
+                ("cat", lambda p, m=model, c=cached, dv=dev: cache_copy_seconds(m, dv(p), c))):
+            what = {"packed": "static decode's attention", "enable_gqa": "plain generate's attention (SDPA enable_gqa)",
+                    "cat": "DynamicCache's torch.cat"}[kind]
             points.append(Point(host, f"{source} {row['dtype']}", f"{what}, {cached} cached, a token", "ms",
                                 row[f"{kind}_ms_per_token"], seconds, True, model.name))
     return points
@@ -673,8 +677,10 @@ def preset_check(hosts: dict) -> list[str]:
         preset = device(preset_name, dtype)
         pairs += [(f"{preset_name} {key}", getattr(preset, key), hosts[host]["params"][key]) for key in LEAN_HOST]
     if "cpu-s20" in hosts:
-        pairs.append(("cpu-zen4 gqa_attention_flops", device("cpu-zen4", "bfloat16").gqa_attention_flops,
-                      hosts["cpu-s20"]["params"]["gqa_attention_flops:bfloat16"]))
+        zen4 = device("cpu-zen4", "bfloat16")
+        pairs += [("cpu-zen4 gqa_attention_flops", zen4.gqa_attention_flops,
+                   hosts["cpu-s20"]["params"]["gqa_attention_flops:bfloat16"]),
+                  ("cpu-zen4 copy_bandwidth", zen4.copy_bandwidth, hosts["cpu-s20"]["params"]["copy_bandwidth"])]
     lines = []
     for name, value, fitted in pairs:
         agree = abs(value / fitted - 1) < 0.02
@@ -687,8 +693,10 @@ def preset_check(hosts: dict) -> list[str]:
 def main() -> None:
     out = {"hosts": {}, "skipped": {}, "missing": {}}
     extra = cpu_markdown_points()
-    for host in [*KERNEL_FILES, *CPU_FILES]:
-        points, skipped, missing = cpu_points(host) if host in CPU_FILES else (kernel_points(host), [], [])
+    for host in sorted(CPU_FILES, key=lambda h: h not in KERNEL_FILES):  # the kernel hosts first: they lend rates
+        points, skipped, missing = cpu_points(host)
+        if host in KERNEL_FILES:
+            points += kernel_points(host)
         points += extra.get(host, [])
         if missing:
             out["missing"][host] = missing

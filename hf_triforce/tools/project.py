@@ -105,9 +105,10 @@ EPYC_AVX2_FP32 = dict(bandwidth=11.8e9, flops=19.7e9, attention_flops=151e9, qua
                       quantized_flops=49.7e9)
 ZEN4_BF16 = dict(bandwidth=14.2e9, flops=424e9, attention_flops=143e9, quantized_bandwidth=26.7e9,
                  quantized_flops=215e9,
-                 # plain generate's bf16 attention (SDPA enable_gqa, a DynamicCache decode): 5.56 GFLOP/s, 10x below
-                 # the packed path's; fitted on session 20's kernel timings (host "cpu-s20", plain_generate_gqa.py)
-                 gqa_attention_flops=5.56e9)
+                 # plain generate on a DynamicCache: its bf16 attention (SDPA enable_gqa) 4.81 GFLOP/s, 17x below the
+                 # packed path's, and its torch.cat copies at 46.5 GB/s; fitted on session 20's kernel timings and
+                 # runs (host "cpu-s20", benchmarks/plain_generate_gqa.py)
+                 gqa_attention_flops=4.81e9, copy_bandwidth=46.5e9)
 
 # Datasheet peak numbers (dense; bandwidth of the device memory; offload = a host link's practical rate).
 DEVICES: dict[str, dict[str, Any]] = {
@@ -126,6 +127,7 @@ DEVICES: dict[str, dict[str, Any]] = {
                      cpu=True,
                      notes="this project's 2-core AMD EPYC at 2 torch threads, fp32, fitted (docs/bench/projection)"),
     **{name: dict(bandwidth=rates["bandwidth"], layer_overhead=0.0, offload_bandwidth=0.0, cpu=True, notes=notes,
+                  copy_bandwidth=rates.get("copy_bandwidth"),
                   **{key: {dtype: rates[key]} for key in ("flops", "attention_flops", "quantized_bandwidth",
                                                           "quantized_flops", "gqa_attention_flops") if key in rates})
        for name, rates, dtype, notes in (
