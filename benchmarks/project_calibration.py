@@ -364,8 +364,8 @@ def cpu_points(host: str) -> tuple[list[Point], list[str], list[str]]:
                                         "tok/s", run["decode_tokens_per_second"],
                                         lambda p, c=cached, t=target, dv=dev: plain_generate_seconds(t, dv(p), c),
                                         False, target.name, note, "faster"))
-                elif method in ("default", "default-draft", "triforce-auto") and host in F3_FROM_DEFAULT_RUNS:
-                    if stats.get("force3_steps"):
+                elif method in ("default", "default-draft", "triforce-auto"):
+                    if host in F3_FROM_DEFAULT_RUNS and stats.get("force3_steps"):
                         rows = round(stats["force2_proposed"] / stats["force3_steps"]) + 1
                         points.append(Point(
                             host, f"{source} {method} {context}", f"F3 {rows} rows, {cached} cached", "ms",
@@ -379,16 +379,10 @@ def cpu_points(host: str) -> tuple[list[Point], list[str], list[str]]:
                                             plain["measured_tokens_per_second"],
                                             lambda p, c=cached, t=target, dv=dev: forward_seconds(t, dv(p), c),
                                             False, target.name))
-                elif method in ("default", "default-draft", "triforce-auto") and "plain" in stats.get("plans", {}):
-                    plain = stats["plans"]["plain"]
-                    if plain["steps"] >= 5:
-                        points.append(Point(host, f"{source} {method} {context}",
-                                            f"plain steps in the loop ({plain['steps']}), {cached} cached", "tok/s",
-                                            plain["measured_tokens_per_second"],
-                                            lambda p, c=cached, t=target, dv=dev: forward_seconds(t, dv(p), c),
-                                            False, target.name))
-                    else:
+                    elif host not in F3_FROM_DEFAULT_RUNS and "plain" in stats.get("plans", {}):
                         skipped.append(f"{source} {method} {context} (a mix of plans; {plain['steps']} plain steps)")
+                    elif host not in F3_FROM_DEFAULT_RUNS:
+                        skipped.append(f"{source} {method} {context}")
                 elif (method.startswith(("triforce-self", "triforce-ngram", "triforce-draft", "streaming-self"))
                       and (stats.get("draft_precision") or "model") in MODELLED_PRECISIONS.get(host, ("model",))
                       and "-int8" not in method):
