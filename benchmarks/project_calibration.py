@@ -99,9 +99,11 @@ CPU_FILES = {
     # (a mix of plans: their Force-3 verifications are scored, `F3_FROM_DEFAULT_RUNS`), medians of 3
     "cpu-s19": ["session19-zen4/1k-8k", "session19-zen4/16k", "session19-zen4/32k",
                 "session19-zen4/qwen-python-2k-16k", "session19-zen4/qwen-python-32k"],
-    # session 20: a Zen 4 EPYC, transformers 5.25; SmolLM2 fp32 1k-32k `TriForceConfig()` runs, medians of 3, beside
-    # this host's kernel timings (`KERNEL_FILES`)
-    "cpu-s20": ["session20-zen4/1k-8k", "session20-zen4/16k", "session20-zen4/32k"],
+    # session 20: a Zen 4 EPYC; SmolLM2 fp32 1k-32k (transformers 5.25) and the Qwen pair bf16 2k-32k (5.24)
+    # `TriForceConfig()` runs with plain generate beside them, medians of 3, and this host's kernel timings
+    # (`KERNEL_FILES`)
+    "cpu-s20": ["session20-zen4/1k-8k", "session20-zen4/16k", "session20-zen4/32k",
+                "session20-zen4/qwen-python-2k-16k", "session20-zen4/qwen-python-32k"],
 }
 # Kernel timings of one decoded token (benchmarks/plain_generate_gqa.py: a static decode's packed attention, plain
 # generate's enable_gqa attention and DynamicCache's torch.cat, SmolLM2 and Qwen2.5-Coder-1.5B shapes, fp32 and bf16):
@@ -152,12 +154,10 @@ LEAN_HOST = ["bandwidth", "flops", "attention_flops", "quantized_bandwidth", "qu
 # its points are static decodes and Force-3 verifications (the target's own weights), so no int4 rates
 BY_DTYPE_HOST = ["bandwidth", "flops:float32", "flops:bfloat16", "attention_flops:float32",
                  "attention_flops:bfloat16", "layer_overhead"]
-# its kernel timings (both dtypes) and its runs (SmolLM2 fp32): no bf16 matmul to fit (`CPU_FIXED`'s ``flops``)
-KERNEL_HOST = [k for k in BY_DTYPE_HOST if k != "flops:bfloat16"] + PLAIN_GENERATE_RATES
+KERNEL_HOST = [*BY_DTYPE_HOST, *PLAIN_GENERATE_RATES]  # its runs (both models) and its kernel timings
 CPU_FREE = {"cpu-11-29": PLAIN, "cpu-11-30": PLAIN, "cpu-12-01": ["bandwidth", "flops", "attention_flops"],
             "cpu-12-02": LEAN_HOST, "cpu-12-03": LEAN_HOST, "cpu-s19": BY_DTYPE_HOST, "cpu-s20": KERNEL_HOST}
-CPU_FIXED = {"cpu-12-02": {"layer_overhead": 0.0}, "cpu-12-03": {"layer_overhead": 0.0},
-             "cpu-s20": {"flops": CPU_START["flops"]}}  # read by no point of cpu-s20 (its bf16 points are kernels)
+CPU_FIXED = {"cpu-12-02": {"layer_overhead": 0.0}, "cpu-12-03": {"layer_overhead": 0.0}}
 
 
 @dataclass

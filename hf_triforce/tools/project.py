@@ -105,10 +105,10 @@ EPYC_AVX2_FP32 = dict(bandwidth=11.8e9, flops=19.7e9, attention_flops=151e9, qua
                       quantized_flops=49.7e9)
 ZEN4_BF16 = dict(bandwidth=14.2e9, flops=424e9, attention_flops=143e9, quantized_bandwidth=26.7e9,
                  quantized_flops=215e9,
-                 # plain generate on a DynamicCache: its bf16 attention (SDPA enable_gqa) 4.81 GFLOP/s, 17x below the
-                 # packed path's, and its torch.cat copies at 46.5 GB/s; fitted on session 20's kernel timings and
-                 # runs (host "cpu-s20", benchmarks/plain_generate_gqa.py)
-                 gqa_attention_flops=4.81e9, copy_bandwidth=46.5e9)
+                 # plain generate on a DynamicCache: its bf16 attention (SDPA enable_gqa) at 4.71 GFLOP/s (the packed
+                 # path a static decode takes: ~130) and its torch.cat copies at 46.5 GB/s; fitted on session 20's
+                 # kernel timings and runs (host "cpu-s20", benchmarks/plain_generate_gqa.py)
+                 gqa_attention_flops=4.71e9, copy_bandwidth=46.5e9)
 
 # Datasheet peak numbers (dense; bandwidth of the device memory; offload = a host link's practical rate).
 DEVICES: dict[str, dict[str, Any]] = {
