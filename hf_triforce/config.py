@@ -83,8 +83,9 @@ class TriForceConfig:
     levels: 3 (TriForce) or 2 (Force 1 verified directly by Force 3: with ``draft="self"`` the
         StreamingLLM-cache self-speculation baseline; Force-2 knobs are then unused).
     policy: ``"auto"`` (default): each Force-3 step runs the plan an online cost model predicts fastest —
-        plain one-token decoding, the drafter (or free n-gram lookup) verified by Force 3, or all three
-        levels — with gammas up to ``gamma1`` / ``gamma2`` (`hf_triforce.decoding.policy`). ``"fixed"``: every step
+        plain one-token decoding, the drafter (or free n-gram lookup; beside a draft model drafting with a lean
+        copy, also the target's own lean copy, ``"self"``) verified by Force 3, or all three levels — with gammas up
+        to ``gamma1`` / ``gamma2`` (`hf_triforce.decoding.policy`). ``"fixed"``: every step
         runs ``levels`` with ``gamma1`` / ``gamma2``. Either way the output is exact.
     full_cache_device: where Force 3's full cache lives: ``None`` (default: each layer's entries on that
         layer's execution device, next to the model) or ``"cpu"`` (TriForce's offloading mode: host memory,

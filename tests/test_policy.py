@@ -117,6 +117,28 @@ def test_the_first_selection_is_set_up_not_a_step_cost(monkeypatch):
     assert selections >= 3 and observed.count("select") == selections - 1, (selections, observed.count("select"))
 
 
+@pytest.mark.parametrize("precision, with_self", [("lean-int4", True), ("model", False)])
+def test_a_draft_model_config_also_drafts_with_the_target_s_lean_copy(monkeypatch, precision, with_self):
+    """Beside a draft model the auto policy may draft with the target's own lean copy (the copy Force 2 runs: no more
+    weights), two- and three-level; not where Force 1 would run the target's eager forward. Plans switching between
+    the draft model, the self drafter and the n-gram lookup keep greedy identity, each drafter catching up."""
+    from hf_triforce.decoding.loop import adaptive_policy
+
+    draft = make_model("llama-gqa", seed=4, num_hidden_layers=1)
+    config = auto(draft, draft_precision=precision)
+    drafters = {p.drafter for p in adaptive_policy(config, "model", 10_000).candidates() if p.levels > 1}
+    assert drafters == ({"", "model", "ngram", "self"} if with_self else {"", "model", "ngram"}), drafters
+    assert adaptive_policy(auto("self", draft_precision=precision), "self", 10_000).drafters == \
+        {"self": "model", "ngram": "lookup"}  # a named drafter: no other model drafter added
+    if not with_self:
+        return
+    cycle = [Plan(2, "model", gamma2=3), Plan(3, "self", 2, 5), Plan(1), Plan(2, "self", gamma2=2),
+             Plan(3, "model", 2, 4), Plan(2, "ngram", gamma2=3)]
+    out = run_cycle(monkeypatch, cycle, 2, config)
+    names = {name.split(" g")[0] for name in out.triforce_stats.plans}
+    assert names >= {"model", "self", "triforce self", "triforce model"}, out.triforce_stats.plans
+
+
 def test_lookup_chains_may_be_longer_than_gamma2():
     """Under the auto policy a lookup drafter's two-level chains go up to `LOOKUP_GAMMA2` (model drafters' stay within
     gamma2); on a repeating prompt it runs such chains, greedy-identically, and Force 3 keeps room for their rows."""

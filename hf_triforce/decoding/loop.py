@@ -34,7 +34,14 @@ from ..config import TriForceConfig
 from ..drafters import DRAFTERS, DraftContext, build_drafter
 from ..drafters.model import ModelDrafter
 from ..drafters.registry import MODEL_DRAFTER, spec_of
-from ..kernels.lean import LeanModel, draft_forward, drafting_models, resolve_draft_precision, tier_model
+from ..kernels.lean import (
+    LEAN_PRECISIONS,
+    LeanModel,
+    draft_forward,
+    drafting_models,
+    resolve_draft_precision,
+    tier_model,
+)
 from ..kernels.linear_routes import linear_routes
 from ..kernels.row_mixing import RowsApart
 from ..stats import TriForceStats
@@ -49,13 +56,20 @@ from .policy import AdaptivePolicy, Plan
 
 
 def adaptive_policy(config: TriForceConfig, draft_name: str, max_length: int) -> AdaptivePolicy | None:
-    """``policy="auto"``: the configured drafter plus the free n-gram lookup, each as Force 1 of three levels
+    """``policy="auto"``: the configured drafter plus the free n-gram lookup (and, beside a draft model drafting
+    with a lean copy, the target's own lean copy: the ``"self"`` drafter), each as Force 1 of three levels
     too if ``levels=3`` and the request (``max_length`` tokens) is longer than the retrieval budget, with
     tree plans beside the chain plans where the config sets ``tree_nodes`` (drafters that propose trees) or
-    ``force2_tree_nodes`` (three levels); ``"fixed"``: None (every step runs the configured plan)."""
+    ``force2_tree_nodes`` (three levels); ``"fixed"``: None (every step runs the configured plan).
+    ``config.draft_precision`` must be concrete (`lean.resolve_draft_precision`)."""
     if config.policy == "fixed":
         return None
     kinds = {draft_name: spec_of(config.draft).kind}
+    if not isinstance(config.draft, str) and config.draft_precision in LEAN_PRECISIONS:
+        # Force 2 runs the target's lean copy anyway, and the self drafter reads it at no extra weight memory: on the
+        # Qwen2.5-Coder pair at 2k (sampled) TriForceConfig(draft=<the 0.5B>) without it ran 0.86x static-cache
+        # generate while TriForceConfig()'s best plan there, self g2, ran 1.4x (docs/results.md, session 20)
+        kinds["self"] = DRAFTERS["self"].kind
     kinds.setdefault("ngram", DRAFTERS["ngram"].kind)  # the free lookup, scored on every step
     # three levels only where Force 2 can see less than Force 3: a retrieval budget covering the whole
     # request makes Force 2 a copy of Force 3 at the same cost
