@@ -117,18 +117,20 @@ def test_the_first_selection_is_set_up_not_a_step_cost(monkeypatch):
     assert selections >= 3 and observed.count("select") == selections - 1, (selections, observed.count("select"))
 
 
-@pytest.mark.parametrize("precision, with_self", [("lean-int4", True), ("model", False)])
-def test_a_draft_model_config_also_drafts_with_the_target_s_lean_copy(monkeypatch, precision, with_self):
+@pytest.mark.parametrize("precision, positions, with_self", [("lean-int4", "auto", True), ("model", "auto", False),
+                                                             ("lean-int4", "slots", False)])
+def test_a_draft_model_config_also_drafts_with_the_target_s_lean_copy(monkeypatch, precision, positions, with_self):
     """Beside a draft model the auto policy may draft with the target's own lean copy (the copy Force 2 runs: no more
-    weights), two- and three-level; not where Force 1 would run the target's eager forward. Plans switching between
-    the draft model, the self drafter and the n-gram lookup keep greedy identity, each drafter catching up."""
+    weights), two- and three-level; not where Force 1 would run the target's eager forward, nor where the draft's
+    tokens sit in slots (re-rotation, checked before the prefill for the configured drafter only). Plans switching
+    between the draft model, the self drafter and the n-gram lookup keep greedy identity, each drafter catching up."""
     from hf_triforce.decoding.loop import adaptive_policy
 
-    draft = make_model("llama-gqa", seed=4, num_hidden_layers=1)
-    config = auto(draft, draft_precision=precision)
-    drafters = {p.drafter for p in adaptive_policy(config, "model", 10_000).candidates() if p.levels > 1}
+    target, draft = make_model("llama-gqa"), make_model("llama-gqa", seed=4, num_hidden_layers=1)
+    config = auto(draft, draft_precision=precision, draft_positions=positions)
+    drafters = {p.drafter for p in adaptive_policy(config, "model", 10_000, target).candidates() if p.levels > 1}
     assert drafters == ({"", "model", "ngram", "self"} if with_self else {"", "model", "ngram"}), drafters
-    assert adaptive_policy(auto("self", draft_precision=precision), "self", 10_000).drafters == \
+    assert adaptive_policy(auto("self", draft_precision=precision), "self", 10_000, target).drafters == \
         {"self": "model", "ngram": "lookup"}  # a named drafter: no other model drafter added
     if not with_self:
         return
@@ -137,6 +139,19 @@ def test_a_draft_model_config_also_drafts_with_the_target_s_lean_copy(monkeypatc
     out = run_cycle(monkeypatch, cycle, 2, config)
     names = {name.split(" g")[0] for name in out.triforce_stats.plans}
     assert names >= {"model", "self", "triforce self", "triforce model"}, out.triforce_stats.plans
+
+
+def test_a_target_the_lean_forward_does_not_cover_does_not_self_draft_beside_a_draft_model():
+    """An explicit lean precision on a target the lean forward does not cover leaves it its eager forward: no self
+    drafter is added beside the draft model (it would be a second full-cost target forward per drafted token)."""
+    from hf_triforce.decoding.loop import lean_self_drafting
+    from hf_triforce.kernels.lean import lean_support
+
+    uncovered = make_model("gemma")
+    assert lean_support(uncovered) is not None
+    draft = make_model("llama-gqa", seed=4, num_hidden_layers=1)
+    assert not lean_self_drafting(auto(draft, draft_precision="lean-int4"), uncovered)
+    assert lean_self_drafting(auto(draft, draft_precision="lean-int4"), make_model("llama-gqa"))
 
 
 def test_lookup_chains_may_be_longer_than_gamma2():

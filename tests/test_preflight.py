@@ -87,6 +87,20 @@ def test_two_levels_on_a_model_whose_attention_records_nothing():
     assert torch.equal(out, expected)
 
 
+@pytest.mark.parametrize("case", ["tree_nodes", "batch"])
+def test_attention_outside_the_interface_is_refused_with_trees_and_batches(no_prefill, case):
+    """Tree attention and a batch's per-row masks are applied by the wrapper inside the AttentionInterface: a layer
+    that bypasses it would attend with its own causal mask (a tree's siblings seeing each other)."""
+    prompt = random_prompt(80, period=17)
+    if case == "batch":
+        prompt = torch.cat([prompt, random_prompt(80, period=17, seed=2)])
+    config = _config(draft="ngram", levels=2, tree_nodes=6 if case == "tree_nodes" else 0)
+    what = r"TriForceConfig\(tree_nodes=0, force2_tree_nodes=0\)" if case == "tree_nodes" else "one prompt per call"
+    with pytest.raises(ValueError, match=r"GPTNeoXJapaneseForCausalLM's decoder layers \[0, 1\] does not go through "
+                                         rf"transformers' AttentionInterface, where TriForce applies .*use {what}"):
+        gpt_neox_japanese().generate(prompt, max_new_tokens=4, do_sample=False, triforce_config=config)
+
+
 def test_attention_outside_the_interface_runs_two_levels_with_eager_attention_only(no_prefill):
     """Its own SDPA code may mask a multi-token forward over TriForce's caches as a square causal block:
     transformers 5.24's Falcon with SDPA gave other tokens than plain generate at two levels (found with weights
@@ -169,14 +183,17 @@ def test_a_bias_in_the_attention_mask_is_refused_with_trees_and_batches_before_t
         alibi_falcon().generate(prompt, max_new_tokens=4, do_sample=False, triforce_config=config)
 
 
+@pytest.mark.skipif(not FALCON_USES_THE_INTERFACE, reason="transformers < 5.25: Falcon's attention bypasses the "
+                                                          "AttentionInterface, so trees are refused on it")
 def test_rotary_falcon_is_not_mistaken_for_a_biased_mask():
     """The mask probe reads only masks: rotary Falcon (boolean SDPA masks, 0 / min eager masks) runs trees."""
     model, prompt = falcon(initializer_range=0.3), random_prompt(120, period=17)
     model.config._attn_implementation = "eager"
     expected = model.generate(prompt, max_new_tokens=24, do_sample=False)
-    out = model.generate(prompt, max_new_tokens=24, do_sample=False,
+    out = model.generate(prompt, max_new_tokens=24, do_sample=False, return_dict_in_generate=True,
                          triforce_config=_config(draft="ngram", levels=2, tree_nodes=6))
-    assert torch.equal(out, expected)
+    assert torch.equal(out.sequences, expected)
+    assert out.triforce_stats.tree_nodes > 0, "no candidate tree was verified"
 
 
 def test_a_model_drafter_without_rotary_embeddings_is_refused_before_the_prefill(no_prefill):

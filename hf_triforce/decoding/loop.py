@@ -35,7 +35,6 @@ from ..drafters import DRAFTERS, DraftContext, build_drafter
 from ..drafters.model import ModelDrafter
 from ..drafters.registry import MODEL_DRAFTER, spec_of
 from ..kernels.lean import (
-    LEAN_PRECISIONS,
     LeanModel,
     draft_forward,
     drafting_models,
@@ -55,9 +54,9 @@ from .output import DecodeResult, Output, PaddedView
 from .policy import AdaptivePolicy, Plan
 
 
-def adaptive_policy(config: TriForceConfig, draft_name: str, max_length: int) -> AdaptivePolicy | None:
-    """``policy="auto"``: the configured drafter plus the free n-gram lookup (and, beside a draft model drafting
-    with a lean copy, the target's own lean copy: the ``"self"`` drafter), each as Force 1 of three levels
+def adaptive_policy(config: TriForceConfig, draft_name: str, max_length: int, target=None) -> AdaptivePolicy | None:
+    """``policy="auto"``: the configured drafter plus the free n-gram lookup (and, beside a draft model, the target's
+    own lean copy where it drafts lean: the ``"self"`` drafter; `lean_self_drafting`), each as Force 1 of three levels
     too if ``levels=3`` and the request (``max_length`` tokens) is longer than the retrieval budget, with
     tree plans beside the chain plans where the config sets ``tree_nodes`` (drafters that propose trees) or
     ``force2_tree_nodes`` (three levels); ``"fixed"``: None (every step runs the configured plan).
@@ -65,10 +64,7 @@ def adaptive_policy(config: TriForceConfig, draft_name: str, max_length: int) ->
     if config.policy == "fixed":
         return None
     kinds = {draft_name: spec_of(config.draft).kind}
-    if not isinstance(config.draft, str) and config.draft_precision in LEAN_PRECISIONS:
-        # Force 2 runs the target's lean copy anyway, and the self drafter reads it at no extra weight memory: on the
-        # Qwen2.5-Coder pair at 2k (sampled) TriForceConfig(draft=<the 0.5B>) without it ran 0.86x static-cache
-        # generate while TriForceConfig()'s best plan there, self g2, ran 1.4x (docs/results.md, session 20)
+    if target is not None and lean_self_drafting(config, target):
         kinds["self"] = DRAFTERS["self"].kind
     kinds.setdefault("ngram", DRAFTERS["ngram"].kind)  # the free lookup, scored on every step
     # three levels only where Force 2 can see less than Force 3: a retrieval budget covering the whole
@@ -80,6 +76,18 @@ def adaptive_policy(config: TriForceConfig, draft_name: str, max_length: int) ->
                           tree_drafters=trees, tree_nodes=config.tree_nodes if trees else 0,
                           force2_tree_nodes=config.force2_tree_nodes, tree_branch=config.tree_branch,
                           max_lookup_gamma2=config.lookup_gamma2)
+
+
+def lean_self_drafting(config: TriForceConfig, target) -> bool:
+    """Whether the auto policy may also draft with ``target``'s own lean copy beside the draft model ``config.draft``:
+    where that copy runs lean (Force 2 runs it anyway: no more weight memory; not the target's eager forward) and the
+    self drafter keeps its tokens at their absolute positions (``draft_positions="slots"``, asked for the draft
+    model, would re-rotate the target's keys, which the preflight checks for the configured drafter only). On the
+    Qwen2.5-Coder pair at 2k (sampled) TriForceConfig(draft=<the 0.5B>) without it ran 0.86x static-cache generate
+    while TriForceConfig()'s best plan there, self g2, ran 1.4x (docs/results.md, session 20)."""
+    if isinstance(config.draft, str) or config.draft_positions == "slots":
+        return False
+    return draft_forward(replace(config, draft="self"), target) == "lean"
 
 
 def kv_bytes_per_token(model) -> int:
@@ -166,7 +174,7 @@ class Decoder:
         self.force3 = Force3(model, config, max_lengths[0]) if batch == 1 else \
             RaggedForce3(model, config, max_lengths, paddings)
         self.draft_name = config.draft if isinstance(config.draft, str) else MODEL_DRAFTER
-        self.policy = adaptive_policy(config, self.draft_name, max(max_lengths))
+        self.policy = adaptive_policy(config, self.draft_name, max(max_lengths), model)
         self.fixed_plan = Plan(config.levels, self.draft_name, config.gamma1, config.gamma2,
                                force1_tree=bool(config.tree_nodes), force2_tree=bool(config.force2_tree_nodes))
         self.lockstep = Lockstep(batch)

@@ -14,7 +14,8 @@ one-token forward through the same cache class and attention wrapper the tiers u
   full-attention ones) caches keys as wide as that query's heads (multi-head latent attention caches its
   compressed latents, ``kv_lora_rank`` wide, not the keys the query meets); with two levels, a layer whose
   attention bypasses the interface runs the model's eager attention (its own SDPA code may take a multi-token
-  forward over a longer cache as square-causal: transformers 5.24's Falcon gave other tokens);
+  forward over a longer cache as square-causal: transformers 5.24's Falcon gave other tokens), with chains and one
+  prompt only (the wrapper applies trees' and batches' masks);
 - a model drafter (``draft="self"`` or a draft model) can re-rotate its keys (`make_layer_rerotations`);
 - with candidate trees or a batch, no layer's attention mask carries a bias (ALiBi Falcon adds its position bias
   to the mask, transformers 5.25): a tree's nodes sit in cache slots, not at their positions, and its attention
@@ -153,6 +154,15 @@ def check_model(model, config: TriForceConfig, token: torch.Tensor, batch: bool 
             "as a square causal block (transformers 5.24's Falcon with SDPA gave other tokens than plain generate); "
             "TriForceConfig(levels=2) runs such a model with its eager attention only: load it with "
             "attn_implementation='eager'"
+        )
+    if missing and (config.trees or batch):
+        # a tree's attention and a batch's per-row masks are applied by the wrapper in the interface; a layer that
+        # bypasses it would attend with its own causal mask (a tree's siblings would see each other)
+        what = "TriForceConfig(tree_nodes=0, force2_tree_nodes=0)" if config.trees else "one prompt per call"
+        raise ValueError(
+            f"triforce_config=: the attention of {name}'s decoder layers {missing} does not go through transformers' "
+            f"AttentionInterface, where TriForce applies candidate trees' and batches' masks; use {what} with this "
+            "model"
         )
     if config.levels == 3:
         _check_retrieval_widths(model, recorded, cached)
