@@ -724,7 +724,9 @@ def main() -> None:
              "|---|---|---|---|---|---|---|---|"]
     for host, result in out["hosts"].items():
         p, s = result["params"], result["summary"]
-        described = ", ".join(f"{k} {v:.3g}" for k, v in p.items())
+        # a rate the fit left unlimited (its term 0: these points cannot tell it apart from the others) is shown so
+        described = ", ".join(f"{k} {v:.3g}" if v < 1e29 else f"{k} unlimited (its term 0 in the fit)"
+                              for k, v in p.items())
         lines.append(f"| {host} | {described} | {s['points']} | {s['within_25']} | {s['median']:.1%} | {s['max']:.1%} "
                      f"| {(s['held_out_max'] or 0):.1%} | {s['repeat_floor']:.1%} ({s['repeat_floor_at']}) |")
     lines += ["", "Free in each host's fit (the rest fixed at the values shown; an absent rate: the plain one): "

@@ -317,3 +317,10 @@ def test_the_probe_runs_once_per_model_and_attention_implementation(monkeypatch)
     assert len(probes) == 2
     gpt2().generate(random_prompt(80, period=17), max_new_tokens=4, triforce_config=config)
     assert len(probes) == 3
+    preflight.forget_findings(model)  # after changing a module's state by hand
+    model.generate(random_prompt(80, period=17), max_new_tokens=4, triforce_config=config)
+    assert len(probes) == 4
+    model.transformer.h[0].attn = type(model.transformer.h[0].attn)(model.config, layer_idx=0)  # a swapped module
+    model.transformer.h[0].attn.__class__ = type("OtherAttention", (type(model.transformer.h[0].attn),), {})
+    model.generate(random_prompt(80, period=17), max_new_tokens=4, triforce_config=config)
+    assert len(probes) == 5

@@ -1,9 +1,10 @@
 """`patches/transformers-<minor>-triforce.diff` applies to the installed transformers and does what the README says.
 
-One diff per supported transformers minor release, each against its ``.0`` (`patches/README.md`): the one matching
-the installed version is tested; a version without one fails (regenerate the diff then). The patch is applied to a
-scratch copy of the installed package; every check of the patched code runs in a subprocess that imports that copy
-(``PYTHONPATH``), so this process keeps the installed transformers and computes the reference outputs with it.
+One diff per supported transformers minor release, each against its ``.0`` (`patches/README.md`): the one of the
+installed version's minor release is tested; a minor release without one fails (regenerate the diff then). The patch
+is applied to a scratch copy of the installed package; every check of the patched code runs in a subprocess that
+imports that copy (``PYTHONPATH``), so this process keeps the installed transformers and computes the reference
+outputs with it.
 """
 
 from __future__ import annotations
@@ -22,13 +23,14 @@ import transformers
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "patches" / "README.md"
-# {"5.24.0": patches/transformers-5.24-triforce.diff, ...}: each diff is against the .0 of its minor release
+# {"5.24": patches/transformers-5.24-triforce.diff, ...}: each diff is against the .0 of its minor release and is
+# tested on any release of that minor (a patch release that changed a patched file fails to apply: regenerate then)
 PATCHES = {
-    f"{match.group(1)}.0": path
+    match.group(1): path
     for path in sorted((ROOT / "patches").glob("transformers-*-triforce.diff"))
     if (match := re.fullmatch(r"transformers-(\d+\.\d+)-triforce\.diff", path.name))
 }
-PATCH = PATCHES.get(transformers.__version__)
+PATCH = PATCHES.get(".".join(transformers.__version__.split(".")[:2]))
 NEW_TOKENS = 24
 TIMEOUT_S = 120
 

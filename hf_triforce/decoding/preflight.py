@@ -50,10 +50,18 @@ _FINDINGS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _probe_key(model, what: str) -> tuple:
-    """What a probe's finding depends on besides the model object: its attention implementation and the layer
-    structure of its config."""
+    """What a probe's finding depends on besides the model object: its attention implementation, the layer
+    structure of its config and the classes of its decoder's modules (a swapped attention module probes anew). State
+    kept elsewhere on the modules (e.g. Falcon's ``transformer.use_alibi`` set by hand) is not seen: after changing
+    it, `forget_findings`."""
+    classes = tuple(type(module) for module in model.get_decoder().modules())
     return (what, compat.current_attention_implementation(model), compat.num_layers(model.config),
-            tuple(compat.layer_windows(model.config)))
+            tuple(compat.layer_windows(model.config)), classes)
+
+
+def forget_findings(model) -> None:
+    """Drop what the probes found for ``model`` (after changing its modules' state by hand)."""
+    _FINDINGS.pop(model, None)
 
 
 def _found(model, what: str, probe):

@@ -193,7 +193,7 @@ def mask_adds_bias(attention_mask) -> bool:
     """Whether ``attention_mask`` does more than mask: a float mask holding a finite value other than 0 above half the
     dtype's minimum (eager masks hold 0 and the minimum; ALiBi Falcon adds its per-key position bias to its mask,
     through transformers' AttentionInterface from 5.25). Boolean masks, None and FlexAttention's BlockMask only
-    mask. A float mask is read once (a device sync on CUDA)."""
+    mask. A float mask is read whole, each call (a device sync on CUDA)."""
     if not isinstance(attention_mask, torch.Tensor) or not attention_mask.is_floating_point():
         return False
     lowest = torch.finfo(attention_mask.dtype).min / 2
@@ -324,7 +324,9 @@ def _make_wrapper(base: str):
         windowed = compat.module_window(module, kwargs) is not None
         tree = active_tree()
         if tree is not None:  # a candidate tree's forward (tree_attention.py): the tree mask replaces the causal one
-            if mask_adds_bias(attention_mask):  # refused before the prefill too (preflight.check_model)
+            # refused before the prefill (preflight.check_model probes every layer); checked again on the first layer
+            # only: an eager float mask is [rows, cached] and read whole, per call
+            if getattr(module, "layer_idx", 0) == 0 and mask_adds_bias(attention_mask):
                 raise ValueError(f"candidate trees are not supported on a model that adds a bias to its attention mask "
                                  f"(layer {getattr(module, 'layer_idx', '?')}; ALiBi): use chains (tree_nodes=0, "
                                  "force2_tree_nodes=0)")
