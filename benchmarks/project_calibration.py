@@ -22,6 +22,9 @@ host gets its own fit (2 torch threads; fp32 everywhere but ``cpu-12-03``):
   skipped with a note). Free: bandwidth, matmul and attention FLOP/s and the int4 copies' bytes/s and FLOP/s
   (``quantized_bandwidth``, ``quantized_flops``); the per-layer overhead is fixed at 0 and the multi-row weight rate
   at ``bandwidth`` (`LEAN_HOST`: one target whose verifications all have 5-7 rows cannot tell them apart).
+- ``cpu-s19``, ``cpu-s20``: sessions 19 and 20 on a Zen 4 EPYC (SmolLM2 fp32, the Qwen pair bf16; cpu-s20 with kernel
+  timings of plain ``generate``); ``cpu-s21``: session 21's Qwen runs, not fitted: predicted by cpu-s20's fit
+  (`PREDICTED_BY`).
 - ``h200``: ``gpu-h200*/gpu_check.json``, random-weight SmolLM2 and Qwen2.5-1.5B shapes, bf16 and fp32: bandwidth and
   matmul FLOP/s are the datasheet's; the per-layer overhead and the attention FLOP/s (bf16, fp32) are fitted on each
   fixed run's seconds of all tiers per Force-3 step.
@@ -50,7 +53,7 @@ import json
 import math
 import re
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -104,7 +107,13 @@ CPU_FILES = {
     # (`KERNEL_FILES`)
     "cpu-s20": ["session20-zen4/1k-8k", "session20-zen4/16k", "session20-zen4/32k",
                 "session20-zen4/qwen-python-2k-16k", "session20-zen4/qwen-python-32k"],
+    # session 21: a Zen 4 EPYC again; the Qwen pair bf16 at 2k, 8k and 32k (transformers 5.25), `TriForceConfig()`
+    # and `draft=<the 0.5B>` runs, medians of 3: not fitted, every point predicted by cpu-s20's fit (`PREDICTED_BY`)
+    "cpu-s21": ["session21-zen4/qwen-python-2k-8k", "session21-zen4/qwen-python-32k"],
 }
+# Hosts not fitted: every point of theirs is predicted with another host's fitted device (the same CPU model measured
+# in another session): what the projection gets right on runs it was not fitted on
+PREDICTED_BY = {"cpu-s21": "cpu-s20"}
 # Kernel timings of one decoded token (benchmarks/plain_generate_gqa.py: a static decode's packed attention, plain
 # generate's enable_gqa attention and DynamicCache's torch.cat, SmolLM2 and Qwen2.5-Coder-1.5B shapes, fp32 and bf16):
 # host -> file. Session 20's Zen 4 EPYC (AVX512-BF16); its fit gives the rates plain generate adds
@@ -115,7 +124,7 @@ PLAIN_GENERATE_RATES = ["gqa_attention_flops:float32", "gqa_attention_flops:bflo
 BORROWED_RATES = {"cpu-12-03": "cpu-s20", "cpu-s19": "cpu-s20"}  # cpu-s20's own runs: its own fit
 # hosts whose `TriForceConfig()` runs (a mix of plans) give Force-3 points: a verification forward of the run's
 # average rows (proposals per Force-3 step + 1) whatever drafted them; their Force-1 / Force-2 seconds mix drafters
-F3_FROM_DEFAULT_RUNS = ("cpu-s19", "cpu-s20")
+F3_FROM_DEFAULT_RUNS = ("cpu-s19", "cpu-s20", "cpu-s21")
 # the drafting precisions (`TriForceConfig.draft_precision`) whose fixed runs a host's fit prices: hosts with lean-int4
 # runs fit the quantized kernels' rates (``quantized_bandwidth``, ``quantized_flops``) on them; the other precisions
 # of the older hosts (int8 copies, lean without a fitted rate) stay listed as not modelled
@@ -687,8 +696,22 @@ def preset_check(hosts: dict) -> list[str]:
 def main() -> None:
     out = {"hosts": {}, "skipped": {}, "missing": {}}
     extra = cpu_markdown_points()
-    for host in sorted(CPU_FILES, key=lambda h: h not in KERNEL_FILES):  # the kernel hosts first: they lend rates
+    # the kernel hosts first (they lend rates), the predicted hosts last (after the hosts they are predicted by)
+    for host in sorted(CPU_FILES, key=lambda h: (h in PREDICTED_BY, h not in KERNEL_FILES)):
         points, skipped, missing = cpu_points(host)
+        if host in PREDICTED_BY:
+            lender = PREDICTED_BY[host]
+            if lender not in out["hosts"]:
+                raise SystemExit(f"{host} is predicted by {lender}, which was not fitted")
+            points = [replace(p, fit=False) for p in points]
+            rows = rows_of(points, out["hosts"][lender]["params"]) if points else []
+            if rows:
+                out["hosts"][host] = {"params": out["hosts"][lender]["params"], "summary": summary(rows),
+                                      "rows": rows, "predicted_by": lender}
+            out["skipped"][host] = skipped
+            if missing:
+                out["missing"][host] = missing
+            continue
         if host in KERNEL_FILES:
             points += kernel_points(host)
         points += extra.get(host, [])
@@ -700,7 +723,10 @@ def main() -> None:
         start = {k: CPU_START[k.split(":")[0]] for k in [*CPU_FREE[host], "layer_overhead"]}
         start.update(CPU_FIXED.get(host, {}))
         lender = BORROWED_RATES.get(host)
-        if lender in out["hosts"]:
+        if lender is not None and lender not in out["hosts"]:  # its plain-generate notes name the lender's rates
+            raise SystemExit(f"{host} borrows plain generate's rates from {lender}, which was not fitted (its kernel "
+                             f"timings {KERNEL_FILES.get(lender)} missing?)")
+        if lender is not None:
             start.update({k: out["hosts"][lender]["params"][k] for k in PLAIN_GENERATE_RATES})
         params = fit(points, start, CPU_FREE[host])
         rows = rows_of(points, params)
@@ -727,6 +753,7 @@ def main() -> None:
         # a rate the fit left unlimited (its term 0: these points cannot tell it apart from the others) is shown so
         described = ", ".join(f"{k} {v:.3g}" if v < 1e29 else f"{k} unlimited (its term 0 in the fit)"
                               for k, v in p.items())
+        described = f"{PREDICTED_BY[host]}'s fit (none of its points fitted on)" if host in PREDICTED_BY else described
         lines.append(f"| {host} | {described} | {s['points']} | {s['within_25']} | {s['median']:.1%} | {s['max']:.1%} "
                      f"| {(s['held_out_max'] or 0):.1%} | {s['repeat_floor']:.1%} ({s['repeat_floor_at']}) |")
     lines += ["", "Free in each host's fit (the rest fixed at the values shown; an absent rate: the plain one): "
