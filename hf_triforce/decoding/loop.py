@@ -34,13 +34,7 @@ from ..config import TriForceConfig
 from ..drafters import DRAFTERS, DraftContext, build_drafter
 from ..drafters.model import ModelDrafter
 from ..drafters.registry import MODEL_DRAFTER, spec_of
-from ..kernels.lean import (
-    LeanModel,
-    draft_forward,
-    drafting_models,
-    resolve_draft_precision,
-    tier_model,
-)
+from ..kernels.lean import LeanModel, draft_forward, drafting_models, resolve_draft_precision, tier_model
 from ..kernels.linear_routes import linear_routes
 from ..kernels.row_mixing import RowsApart
 from ..stats import TriForceStats
