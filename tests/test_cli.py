@@ -82,6 +82,8 @@ def test_generate_streams_on_a_tiny_local_model(tmp_path, capsys):
     saved = json.loads((bench_dir / "results.json").read_text())[0]
     assert saved["gammas"] == {"lookup": [3, 5], "model": [2, 5]} and saved["budgets"] == [32, 48]
     assert set(saved["methods"]) == {"plain", "triforce-ngram (budget 32)", "triforce-ngram (budget 48)"}
+    ids = {name: m["new_token_ids"] for name, m in saved["methods"].items()}  # the decoded continuation, recorded
+    assert all(len(i) == 3 for i in ids.values()) and len({tuple(i) for i in ids.values()}) == 1, ids
     with pytest.raises(SystemExit, match="rope-factor applies"):
         main(["bench", "--model", str(tmp_path / "m"), "--rope-factor", "2"])
 

@@ -272,6 +272,9 @@ def to_json(context: int, runs: list[Run], prefill_seconds: float, sampling: dic
                 "compile_seconds": run.compile_seconds,
                 "copy_seconds": run.copy_seconds,
                 "decoded_tokens": run.decoded or run.new_tokens,
+                # the last round's new tokens (row 0): greedy continuations compared across runs and versions
+                "new_token_ids": [] if run.sequences is None or not run.new_tokens
+                else run.sequences[0, -run.new_tokens:].tolist(),
             }
             for run in runs
         },
