@@ -107,9 +107,9 @@ CPU_FILES = {
     # (`KERNEL_FILES`)
     "cpu-s20": ["session20-zen4/1k-8k", "session20-zen4/16k", "session20-zen4/32k",
                 "session20-zen4/qwen-python-2k-16k", "session20-zen4/qwen-python-32k"],
-    # session 21: a Zen 4 EPYC again; the Qwen pair bf16 at 2k, 8k and 32k (transformers 5.25), `TriForceConfig()`
+    # session 21: a Zen 4 EPYC again; the Qwen pair bf16 at 2k, 8k, 16k and 32k (transformers 5.25), `TriForceConfig()`
     # and `draft=<the 0.5B>` runs, medians of 3: not fitted, every point predicted by cpu-s20's fit (`PREDICTED_BY`)
-    "cpu-s21": ["session21-zen4/qwen-python-2k-8k", "session21-zen4/qwen-python-32k"],
+    "cpu-s21": ["session21-zen4/qwen-python-2k-8k", "session21-zen4/qwen-python-16k", "session21-zen4/qwen-python-32k"],
 }
 # Hosts not fitted: every point of theirs is predicted with another host's fitted device (the same CPU model measured
 # in another session): what the projection gets right on runs it was not fitted on
