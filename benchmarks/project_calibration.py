@@ -361,7 +361,8 @@ def cpu_points(host: str) -> tuple[list[Point], list[str], list[str]]:
                     if "static" in entry["methods"]:
                         extra = 1 / run["decode_tokens_per_second"] - 1 / entry["methods"]["static"][
                             "decode_tokens_per_second"]
-                        lender = host if host in KERNEL_FILES else BORROWED_RATES.get(host)
+                        lender = host if host in KERNEL_FILES else (BORROWED_RATES.get(host)
+                                                                    or PREDICTED_BY.get(host))
                         priced = (f"at {lender}'s kernel rates (benchmarks/plain_generate_gqa.py)" if lender else
                                   "at this host's plain rates (no kernel timings: the enable_gqa path is not priced "
                                   "apart)")
@@ -699,24 +700,21 @@ def main() -> None:
     # the kernel hosts first (they lend rates), the predicted hosts last (after the hosts they are predicted by)
     for host in sorted(CPU_FILES, key=lambda h: (h in PREDICTED_BY, h not in KERNEL_FILES)):
         points, skipped, missing = cpu_points(host)
+        if missing:
+            out["missing"][host] = missing
         if host in PREDICTED_BY:
             lender = PREDICTED_BY[host]
             if lender not in out["hosts"]:
                 raise SystemExit(f"{host} is predicted by {lender}, which was not fitted")
-            points = [replace(p, fit=False) for p in points]
-            rows = rows_of(points, out["hosts"][lender]["params"]) if points else []
-            if rows:
+            if points:
+                rows = rows_of([replace(p, fit=False) for p in points], out["hosts"][lender]["params"])
                 out["hosts"][host] = {"params": out["hosts"][lender]["params"], "summary": summary(rows),
                                       "rows": rows, "predicted_by": lender}
-            out["skipped"][host] = skipped
-            if missing:
-                out["missing"][host] = missing
+                out["skipped"][host] = skipped
             continue
         if host in KERNEL_FILES:
             points += kernel_points(host)
         points += extra.get(host, [])
-        if missing:
-            out["missing"][host] = missing
         if not any(p.fit for p in points):
             print(f"note: {host}: no measured points yet: not fitted")
             continue

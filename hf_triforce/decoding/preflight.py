@@ -73,12 +73,17 @@ def _found(model, what: str, probe):
     return findings[key]
 
 
+def _probe_cache(model) -> BufferCache:
+    """An empty `BufferCache` for a probe forward, with room for models that write more than one entry per token
+    (counted by `_probe`, not an overflow error)."""
+    return BufferCache(compat.num_layers(model.config), PROBE_CAPACITY, compat.layer_windows(model.config), rollback=1)
+
+
 @torch.no_grad()
 def _probe(model, token: torch.Tensor) -> tuple[list[int], dict[int, int], dict[int, int]]:
     """One token at position 0 on an empty `BufferCache`: entries stored per layer, the recorded query's per-head
     width by layer, and the cached keys' width by layer that Force 2 scores (not the window layers)."""
-    # room for models that write more than one entry per token (counted below, not an overflow error)
-    cache = BufferCache(compat.num_layers(model.config), PROBE_CAPACITY, compat.layer_windows(model.config), rollback=1)
+    cache = _probe_cache(model)
     recorder = QueryRecorder()
     forward_logits(model, token.to(model.device), cache, 0, 1, recorder)
     queries = {index: query.shape[-1] for index, query in recorder.queries.items()}
@@ -111,7 +116,7 @@ def _check_retrieval_widths(model, queries: dict[int, int], keys: dict[int, int]
 def _biased_mask_layers(model, token: torch.Tensor) -> list[int]:
     """Decoder layers whose attention function receives a mask carrying a bias, on a two-token forward at positions
     0 and 1 (a one-token probe cannot tell: ALiBi's bias is 0 at key position 0)."""
-    cache = BufferCache(compat.num_layers(model.config), PROBE_CAPACITY, compat.layer_windows(model.config), rollback=1)
+    cache = _probe_cache(model)
     recorder = QueryRecorder(keep_masks=True)
     forward_logits(model, token.to(model.device).repeat(1, 2), cache, 0, 1, recorder)
     return sorted(index for index, mask in recorder.masks.items() if mask_adds_bias(mask))
@@ -148,18 +153,16 @@ def check_model(model, config: TriForceConfig, token: torch.Tensor, batch: bool 
             "supported"
         )
     missing = sorted(set(range(len(entries))) - set(recorded))
+    bypass = (f"triforce_config=: the attention of {name}'s decoder layers {missing} does not go through transformers' "
+              "AttentionInterface")
     if config.levels == 3 and missing:
-        raise ValueError(
-            f"triforce_config=: the attention of {name}'s decoder layers {missing} does not go through "
-            "transformers' AttentionInterface, where TriForce records the query Force-2 retrieval needs; use "
-            "TriForceConfig(levels=2) with this model"
-        )
+        raise ValueError(f"{bypass}, where TriForce records the query Force-2 retrieval needs; use "
+                         "TriForceConfig(levels=2) with this model")
     base = compat.current_attention_implementation(model).removeprefix(PREFIX)
     if missing and base != "eager":
         raise ValueError(
-            f"triforce_config=: the attention of {name}'s decoder layers {missing} does not go through transformers' "
-            f"AttentionInterface, and its own {base!r} code may mask a multi-token forward over TriForce's caches "
-            "as a square causal block (transformers 5.24's Falcon with SDPA gave other tokens than plain generate); "
+            f"{bypass}, and its own {base!r} code may mask a multi-token forward over TriForce's caches as a square "
+            "causal block (transformers 5.24's Falcon with SDPA gave other tokens than plain generate); "
             "TriForceConfig(levels=2) runs such a model with its eager attention only: load it with "
             "attn_implementation='eager'"
         )
@@ -167,11 +170,8 @@ def check_model(model, config: TriForceConfig, token: torch.Tensor, batch: bool 
         # a tree's attention and a batch's per-row masks are applied by the wrapper in the interface; a layer that
         # bypasses it would attend with its own causal mask (a tree's siblings would see each other)
         what = "TriForceConfig(tree_nodes=0, force2_tree_nodes=0)" if config.trees else "one prompt per call"
-        raise ValueError(
-            f"triforce_config=: the attention of {name}'s decoder layers {missing} does not go through transformers' "
-            f"AttentionInterface, where TriForce applies candidate trees' and batches' masks; use {what} with this "
-            "model"
-        )
+        raise ValueError(f"{bypass}, where TriForce applies candidate trees' and batches' masks; use {what} with this "
+                         "model")
     if config.levels == 3:
         _check_retrieval_widths(model, recorded, cached)
     if config.trees or batch:

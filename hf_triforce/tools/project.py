@@ -367,13 +367,14 @@ def device(name: str, dtype: str, **overrides: float | None) -> Device:
 
 
 def forward_seconds(model: ModelShape, dev: Device, cached: int, rows: int = 1, offloaded: bool = False,
-                    precision: str = "model", logits_rows: int | None = None) -> float:
+                    precision: str = "model", logits_rows: int | None = None, maskless_gqa: bool = False) -> float:
     """Seconds of one forward of ``rows`` query rows over ``cached`` cache entries (module docstring);
     ``offloaded``: the cache streams over ``dev.offload_bandwidth``. ``precision``: the weights as a drafting tier
     holds them (a concrete ``TriForceConfig.draft_precision``, `ModelShape.part_formats`): weight-only quantized
     parts read at ``dev.quantized_bandwidth`` and multiply at ``dev.quantized_flops``; the cache and attention
     stay in the model's dtype (the lean copies write the model's own cache entries). ``logits_rows``: rows the
-    output layer computes (default ``rows``; 1 for a cache fill, which keeps the last row's logits only)."""
+    output layer computes (default ``rows``; 1 for a cache fill, which keeps the last row's logits only).
+    ``maskless_gqa``: its attention takes plain ``generate``'s maskless path (`attention_seconds`)."""
     if cached < 0 or rows < 1:
         raise ValueError(f"forward_seconds: cached must be >= 0 and rows >= 1, got {cached}, {rows}")
     if offloaded and not dev.offload_bandwidth:
@@ -387,7 +388,7 @@ def forward_seconds(model: ModelShape, dev: Device, cached: int, rows: int = 1, 
         weights += model.part_bytes(part, storage) / ((dev.quantized_bandwidth or dev.bandwidth) if quantized
                                                       else plain_rate)
         compute += 2 * part_rows * out_rows * width / ((dev.quantized_flops or dev.flops) if quantized else dev.flops)
-    attention = attention_seconds(model, dev, cached, rows, offloaded)
+    attention = attention_seconds(model, dev, cached, rows, offloaded, maskless_gqa)
     return weights + compute + attention + model.layers * dev.layer_overhead
 
 
@@ -433,8 +434,7 @@ def plain_generate_seconds(model: ModelShape, dev: Device, context: int) -> floa
     """One token of plain ``generate`` on a growing ``DynamicCache``: the forward, with its attention on the maskless
     grouped-query path (`attention_seconds`), plus the cache's copy (`cache_copy_seconds`); a static cache
     (`tier_seconds`' ``plain``) has neither."""
-    return (forward_seconds(model, dev, context) + cache_copy_seconds(model, dev, context)
-            + attention_seconds(model, dev, context, maskless_gqa=True) - attention_seconds(model, dev, context))
+    return forward_seconds(model, dev, context, maskless_gqa=True) + cache_copy_seconds(model, dev, context)
 
 
 @dataclass(frozen=True)
