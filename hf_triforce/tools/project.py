@@ -565,6 +565,12 @@ def project_plans(target: ModelShape, dev: Device, context: int, acceptance: Acc
     policy = planning_policy(tiers, context, acceptance.force3,
                              {"self": acceptance.streaming, "draft": acceptance.draft, "vanilla": acceptance.draft},
                              {"self": acceptance.force2, "draft": acceptance.draft}, config)
+    return tiers, rank_plans(policy)
+
+
+def rank_plans(policy: AdaptivePolicy) -> list[PlanProjection]:
+    """The best plan of each kind (`KIND_LABELS`) as ``policy`` predicts it, with its speedup over plain decoding
+    (the policy's one-row Force-3 forward)."""
     best: dict[tuple, tuple[float, Plan]] = {}
     for plan in policy.candidates():
         key = (plan.levels, plan.drafter)
@@ -576,7 +582,7 @@ def project_plans(target: ModelShape, dev: Device, context: int, acceptance: Acc
     for key, (speed, plan) in sorted(best.items()):
         tokens, seconds = policy.predict(plan)
         out.append(PlanProjection(KIND_LABELS[key], plan.name, tokens, seconds, speed, speed / plain))
-    return tiers, out
+    return out
 
 
 def rate_for_tokens(tokens: float, gamma: int) -> float:
