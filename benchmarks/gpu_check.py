@@ -42,7 +42,7 @@ import time
 import traceback
 import warnings
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -63,6 +63,11 @@ SHAPES = {  # transcribed from the models' published config.json (random weights
     "llama-3.2-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
                          num_key_value_heads=8, head_dim=64, vocab_size=128256, rope_theta=500000.0,
                          tie_word_embeddings=True),
+    # TriForce's own setting (Sun et al., 2024): an MHA 7B with a 128k window, a 68M draft
+    "llama-2-7b-128k": dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
+                            num_key_value_heads=32, vocab_size=32000, rope_theta=10000.0, tie_word_embeddings=False),
+    "llama-68m": dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=2, num_attention_heads=12,
+                      num_key_value_heads=12, vocab_size=32000, tie_word_embeddings=False),
     "smollm2-135m": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
                          num_key_value_heads=3, vocab_size=49152, rope_theta=100000.0, tie_word_embeddings=True),
     "tiny-target": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=3, num_attention_heads=4,
@@ -526,9 +531,14 @@ def main(argv: list[str] | None = None) -> int:
                                  ("streaming", 0.6, "the target on sink+window -> Force 3"),
                                  ("draft", 0.6, "the draft model -> the target")):
         parser.add_argument(f"--accept-{name}", type=float, default=value, help=f"acceptance {meaning}")
+    parser.add_argument("--target", choices=SHAPES, help=f"the target's shape (default {GPU_PLAN.target})")
+    parser.add_argument("--draft", choices=SHAPES, help=f"the draft's shape (default {GPU_PLAN.draft})")
+    parser.add_argument("--contexts", type=int, nargs="+", help=f"full-cache contexts (default {GPU_PLAN.contexts})")
     args = parser.parse_args(argv)
     deadline = time.monotonic() + args.deadline_s
     plan = DRY_PLAN if args.dry_run else GPU_PLAN
+    chosen = {"target": args.target, "draft": args.draft, "contexts": args.contexts and tuple(args.contexts)}
+    plan = replace(plan, **{k: v for k, v in chosen.items() if v})
     device = torch.device("cuda" if torch.cuda.is_available() and not args.dry_run else "cpu")
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = False
