@@ -450,6 +450,32 @@ def library_check(plan: Plan, device: torch.device, stage: Stage) -> None:
         del model
 
 
+def hf_static(plan: Plan, device: torch.device, stage: Stage) -> None:
+    """transformers' own best plain decoding on the target shape: static-cache `generate` with its automatic
+    compile (CUDA graphs), ms per decoded token from two timed calls that differ only in their token count."""
+    model = build(plan.target, plan.dtype, device)
+    model.generation_config.pad_token_id = 0
+    context = plan.contexts[0]
+    ids = torch.randint(0, model.config.vocab_size, (1, context), generator=torch.Generator().manual_seed(9))
+    ids = ids.to(device)
+    kwargs = dict(do_sample=False, cache_implementation="static")
+    start = time.perf_counter()
+    model.generate(ids, max_new_tokens=65, min_new_tokens=65, **kwargs)  # compiles
+    first = time.perf_counter() - start
+    seconds = {}
+    for tokens in (1, 65):
+        _sync(device)
+        start = time.perf_counter()
+        model.generate(ids, max_new_tokens=tokens, min_new_tokens=tokens, **kwargs)
+        _sync(device)
+        seconds[tokens] = time.perf_counter() - start
+    row = {"model": plan.target, "context": context, "first_call_s": first,
+           "ms_per_token": (seconds[65] - seconds[1]) / 64 * 1e3}
+    stage.data.setdefault("hf_static", []).append(row)
+    log(f"  hf static compiled {plan.target} at {context}: {row['ms_per_token']:.3f} ms/token (first call {first:.0f} s)")
+    stage.save()
+
+
 def count_syncs(device: torch.device, call: Callable, *args, **kwargs) -> int | None:
     """Host synchronisations of one call (CUDA's sync debug mode warns at each); None off CUDA."""
     if device.type != "cuda":
@@ -516,6 +542,10 @@ def render(data: dict) -> str:
                          f"({r['triforce_agree']}/{r['new_tokens']}) | {r['host_syncs_per_call']} | "
                          f"{stats.get('draft_forward', '-')} |")
         lines.append("")
+    for r in data.get("hf_static", []):
+        lines.append(f"transformers' static-cache `generate`, compiled, {r['model']} at {r['context']}: "
+                     f"{r['ms_per_token']:.3f} ms per token (first call, compile included: {r['first_call_s']:.0f} s).")
+        lines.append("")
     for error in data["errors"]:
         lines.append(f"- **{error['stage']} failed**: {error['error']}")
     return "\n".join(lines) + "\n"
@@ -557,7 +587,8 @@ def main(argv: list[str] | None = None) -> int:
     stage = Stage(args.out, meta)
     stages = {"tiers": lambda: measure_tiers(plan, device, stage, deadline),
               "projection": lambda: project(plan, stage, acceptance),
-              "library": lambda: library_check(plan, device, stage)}
+              "library": lambda: library_check(plan, device, stage),
+              "hf_static": lambda: hf_static(plan, device, stage)}
     for name in args.stages.split(","):
         log(f"== {name}")
         try:
