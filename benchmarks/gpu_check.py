@@ -472,7 +472,8 @@ def hf_static(plan: Plan, device: torch.device, stage: Stage) -> None:
     row = {"model": plan.target, "context": context, "first_call_s": first,
            "ms_per_token": (seconds[65] - seconds[1]) / 64 * 1e3}
     stage.data.setdefault("hf_static", []).append(row)
-    log(f"  hf static compiled {plan.target} at {context}: {row['ms_per_token']:.3f} ms/token (first call {first:.0f} s)")
+    log(f"  hf static compiled {plan.target} at {context}: {row['ms_per_token']:.3f} ms/token "
+        f"(first call {first:.0f} s)")
     stage.save()
 
 
