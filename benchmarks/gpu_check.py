@@ -565,6 +565,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--target", choices=SHAPES, help=f"the target's shape (default {GPU_PLAN.target})")
     parser.add_argument("--draft", choices=SHAPES, help=f"the draft's shape (default {GPU_PLAN.draft})")
     parser.add_argument("--contexts", type=int, nargs="+", help=f"full-cache contexts (default {GPU_PLAN.contexts})")
+    parser.add_argument("--from-json", type=Path, help="project a measured run's gpu_check.json again (with "
+                        "--stages projection and other --accept-* rates); runs nothing")
     args = parser.parse_args(argv)
     deadline = time.monotonic() + args.deadline_s
     plan = DRY_PLAN if args.dry_run else GPU_PLAN
@@ -586,6 +588,13 @@ def main(argv: list[str] | None = None) -> int:
             "draft": plan.draft, "dtype": str(plan.dtype).removeprefix("torch."), "acceptance": acceptance,
             **{k: getattr(plan, k) for k in ("budget", "chunk_size", "sink", "window", "gamma1", "gamma2")}}
     stage = Stage(args.out, meta)
+    if args.from_json:  # a measured run's tier costs, projected again under other acceptance rates
+        measured = json.loads(args.from_json.read_text())
+        stage.data["meta"] = {**measured["meta"], "acceptance": acceptance}
+        stage.data["tiers"] = measured["tiers"]
+        plan = replace(plan, contexts=tuple(sorted({r["context"] for r in measured["tiers"] if r["context"]})),
+                       **{k: measured["meta"][k] for k in ("budget", "chunk_size", "sink", "window", "gamma1",
+                                                             "gamma2")})
     stages = {"tiers": lambda: measure_tiers(plan, device, stage, deadline),
               "projection": lambda: project(plan, stage, acceptance),
               "library": lambda: library_check(plan, device, stage),
