@@ -18,7 +18,7 @@ import hf_triforce.decoding.force3
 from hf_triforce import TriForceConfig
 from hf_triforce.kernels import native_attention
 
-from .conftest import random_prompt
+from .conftest import make_model, random_prompt
 
 TINY = dict(vocab_size=96, bos_token_id=None, eos_token_id=None, pad_token_id=None)
 
@@ -324,3 +324,18 @@ def test_the_probe_runs_once_per_model_and_attention_implementation(monkeypatch)
     model.transformer.h[0].attn.__class__ = type("OtherAttention", (type(model.transformer.h[0].attn),), {})
     model.generate(random_prompt(80, period=17), max_new_tokens=4, triforce_config=config)
     assert len(probes) == 5
+
+
+def test_the_rerotation_probe_runs_once_per_model(monkeypatch):
+    """A model drafter's key re-rotations are the model's structure: a second call reuses them (the probe forward
+    was a per-call cost of every short answer)."""
+    from hf_triforce.decoding import preflight
+
+    probes = []
+    original = preflight.make_layer_rerotations
+    monkeypatch.setattr(preflight, "make_layer_rerotations", lambda m: probes.append(1) or original(m))
+    target, draft = make_model("llama-gqa"), make_model("llama-gqa", seed=3)
+    for seed in (1, 2):
+        target.generate(random_prompt(80, period=17, seed=seed), max_new_tokens=4,
+                        triforce_config=_config(draft=draft, levels=2))
+    assert len(probes) == 1

@@ -187,7 +187,8 @@ def check_model(model, config: TriForceConfig, token: torch.Tensor, batch: bool 
             )
     if spec_of(config.draft).kind == "model":
         draft = model if isinstance(config.draft, str) else config.draft
-        make_layer_rerotations(draft)  # a ValueError naming the layer whose keys cannot be moved
+        # a ValueError naming the layer whose keys cannot be moved; probed once per model, as the checks above
+        _found(draft, "rerotations", lambda: make_layer_rerotations(draft))
 
 
 BATCH_ATTENTION = ("sdpa", "eager")  # implementations that read the 4-D per-row mask
