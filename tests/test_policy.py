@@ -578,3 +578,63 @@ def test_the_tree_rotation_catches_a_stale_residual(monkeypatch):
 
     gap, _, _ = rotation_law(monkeypatch, TREE_ROTATION, 3, 3, stale_residual, **TREES)
     assert gap > 1e-3, gap
+
+
+# -- robustness and short calls ----------------------------------------------------------------------------------
+
+def test_one_disturbed_timing_does_not_set_a_tier_s_cost():
+    """Another job's burst makes one forward slow: the cost stays what the other recent timings say; only when
+    most recent timings are slow does the cost follow them."""
+    costs = TierCosts()
+    for _ in range(4):
+        costs.observe("force3", 1, 0.1)
+    costs.observe("force3", 1, 1.0)
+    assert costs.estimate("force3", 1, 9.0) == pytest.approx(0.1)
+    for _ in range(3):
+        costs.observe("force3", 1, 0.5)
+    assert costs.estimate("force3", 1, 9.0) == pytest.approx(0.5)
+
+
+def _three_level_policy(setups: tuple[str, ...] = ("retrieval",)) -> AdaptivePolicy:
+    """Force 2 at 0.3 of Force 3's cost (SmolLM2 at 16k: 0.22), Force 1 accepted by Force 2, Force 2 by Force 3
+    for 2 tokens in 6: three levels are best in a long call."""
+    policy = AdaptivePolicy({"self": "model"}, ("self",), 2, 6, explore_every=1000,
+                            setup_seconds={"self": 0.0, **dict.fromkeys(setups)})
+    for rows in range(1, 8):
+        policy.observe_forward("force3", rows, 0.1 * (1 + 0.1 * (rows - 1)))
+        policy.observe_forward("force2", rows, 0.03 * (1 + 0.1 * (rows - 1)))
+    policy.observe_forward("draft:self", 1, 0.02)
+    for _ in range(30):
+        policy.observe_three_level(Plan(3, "self", 2, 6), 2, 0, 2, 6)
+        policy.observe_direct("self", 0, 6)
+    return policy
+
+
+def test_the_first_selection_is_a_set_up_a_short_call_does_not_pay():
+    """A few tokens left: the first selection (priced at a one-row Force-3 forward until measured) is not repaid
+    and plain decoding runs; many tokens left: the three-level plan, its set-up counted, then no set-up."""
+    assert _three_level_policy().choose(remaining_tokens=3) == Plan(1)
+    assert _three_level_policy(setups=()).choose(remaining_tokens=3).levels == 3  # what the set-up changes
+    policy = _three_level_policy()
+    plan = policy.choose(remaining_tokens=1000)
+    assert plan.levels == 3
+    policy.started(plan)
+    assert "retrieval" not in policy.setup_seconds and policy.setups(plan) == []
+
+
+def test_exploration_is_bounded_by_what_the_rest_of_the_call_can_lose():
+    """Every step is due for exploration (explore_every=1): near the end of a call no plan predicted slower is
+    tried (its loss would exceed EXPLORE_BUDGET of the few seconds left); with many tokens left one is."""
+    def explored(remaining: int) -> bool:
+        policy = AdaptivePolicy({"self": "model"}, (), 2, 6, explore_every=1, setup_seconds={})
+        for rows in range(1, 8):
+            policy.observe_forward("force3", rows, 0.1 * (1 + 0.1 * (rows - 1)))
+        policy.observe_forward("draft:self", 1, 0.03)
+        for _ in range(30):
+            policy.observe_direct("self", 2, 6)
+        policy.observe_step(policy.choose(remaining_tokens=remaining), 1, 0.1, 0.1)  # not yet due
+        policy.choose(remaining_tokens=remaining)
+        return policy.exploring
+
+    assert not explored(4)
+    assert explored(1000)

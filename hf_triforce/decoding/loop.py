@@ -45,7 +45,7 @@ from .force3 import Force3, RaggedForce3
 from .levels import Candidates, Force1Only, Force2, NoForce1
 from .lockstep import Lockstep
 from .output import DecodeResult, Output, PaddedView
-from .policy import AdaptivePolicy, Plan
+from .policy import RETRIEVAL, AdaptivePolicy, Plan
 
 
 def adaptive_policy(config: TriForceConfig, draft_name: str, max_length: int, target=None) -> AdaptivePolicy | None:
@@ -298,6 +298,8 @@ class Decoder:
                      for name, drafter in self.filled_drafters().items()}  # a copy: ~free
             policy.setup_seconds = {name: None if seconds_per_token is None else fill * seconds_per_token
                                     for name, fill in fills.items()}
+            if policy.three_level:  # the first selection: measured only once it runs
+                policy.setup_seconds[RETRIEVAL] = None
             policy.setup_rows = fills
             policy.prior_fractions.update(self.tier_fractions(max(ids.shape[1] for ids in rows)))
         lookups = [name for name, kind in (policy.drafters.items() if policy else []) if kind == "lookup"]
@@ -311,8 +313,8 @@ class Decoder:
             for b, level in levels.items():  # one-time set-up (a draft cache's fill, a selection): not the step's
                 if level is not None:
                     level.start(outs[b].sequence, queries[b])
-            if policy is not None and plan.levels > 1:
-                policy.started(plan.drafter)
+            if policy is not None:
+                policy.started(plan)
             # what each free lookup would propose next, scored against Force 3 below (no state, no randomness)
             counterfactual = {b: {name: self.drafter(b, name).propose(outs[b].sequence, 1)[0] for name in lookups}
                               for b in active}

@@ -32,18 +32,33 @@ Predicted tokens/s of each candidate plan = expected tokens per step / predicted
 is run (the first step runs plain decoding: it measures Force 3, which every prediction needs). Every
 ``explore_every`` steps the best plan of another kind runs once to refresh its numbers, a kind not yet run in
 the call before any kind already measured (the interval doubles each time exploring did not pay, up to 16x);
-a drafter with its set-up still to pay is not explored, only chosen when predicted best with its set-up counted.
+a plan with a set-up still to pay (a draft cache's fill; the retrieval cache's first selection, for three-level
+plans) is not explored, only chosen when predicted best with its set-up counted over the tokens left; and a try is
+made only while what it is predicted to lose is a small part of what the rest of the call is predicted to take.
 Each step's plan, predicted and measured tokens/s are in `TriForceStats.plans`.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
+from statistics import median_low
 
 # Extra cost of each additional row of a forward, as a fraction of a one-row forward, until measured
 # (SmolLM2-135M fp32, 2 CPU threads: 9 rows cost about 2x one row, docs/results.md).
 ROW_COST_SLOPE = 0.125
-EMA = 0.3  # weight of the newest timing in the moving averages
+EMA = 0.3  # weight of the newest step in the moving averages of calibration and overhead
+# A tier's cost is the lower median of its last few timings: a timing disturbed by another job (always slower) moves
+# it only once most recent timings are slow, so one disturbed forward cannot decide the plans of the rest of a call
+RECENT_TIMINGS = 5
+# The retrieval cache's first selection (every chunk summarised, the budget's entries copied) is the set-up of
+# three-level plans; unmeasured, it is priced at this fraction of a one-row Force-3 forward (SmolLM2 fp32 at 16k,
+# 2 CPU threads: 0.8; rounded up: a set-up repaid only in a long call is not started in a short one)
+SELECTION_SETUP_FRACTION = 1.0
+RETRIEVAL = "retrieval"  # `AdaptivePolicy.setup_seconds` key of that set-up
+# Exploring runs a plan predicted slower than the best for one step: it is tried only while the seconds it is
+# predicted to lose are at most this fraction of the seconds the rest of the call is predicted to take
+EXPLORE_BUDGET = 0.05
 # A draft model's first use fills its sink+window cache by a forward (1040 rows with the default window; the self
 # drafter copies its entries and pays none). Where the prefill did not time its chunks (a cache= prefix), one row of
 # that fill is priced as this fraction of a one-row forward of the same model: the per-row cost of a 1024-row chunk
@@ -102,15 +117,16 @@ def expected_tokens(rate: float, gamma: int) -> float:
 
 
 class TierCosts:
-    """Seconds per forward of each tier by rows (moving averages)."""
+    """Seconds per forward of each tier by rows: the lower median of its last `RECENT_TIMINGS` timings."""
 
     def __init__(self) -> None:
-        self.seconds: dict[str, dict[int, float]] = {}  # tier -> rows -> seconds
+        self.seconds: dict[str, dict[int, float]] = {}  # tier -> rows -> seconds (the estimate)
+        self._recent: dict[tuple[str, int], deque[float]] = {}
 
     def observe(self, tier: str, rows: int, seconds: float) -> None:
-        measured = self.seconds.setdefault(tier, {})
-        old = measured.get(rows)
-        measured[rows] = seconds if old is None else (1 - EMA) * old + EMA * seconds
+        recent = self._recent.setdefault((tier, rows), deque(maxlen=RECENT_TIMINGS))
+        recent.append(seconds)
+        self.seconds.setdefault(tier, {})[rows] = median_low(recent)
 
     def estimate(self, tier: str, rows: int, fallback: float) -> float:
         """Measured, else scaled from the nearest measured row count, else ``fallback`` (a one-row cost)."""
@@ -274,25 +290,37 @@ class AdaptivePolicy:
             return self.costs.estimate(f"draft:{name}", 1, 0.0) if tokens else 0.0
         return tokens * self.costs.estimate(f"draft:{name}", 1, self._prior(f"draft:{name}"))
 
+    def setups(self, plan: Plan) -> list[str]:
+        """The set-ups ``plan`` would pay if run now (`setup_seconds` keys): its drafter's, the retrieval's."""
+        needs = [plan.drafter] if plan.levels > 1 else []
+        needs += [RETRIEVAL] if plan.levels == 3 else []
+        return [name for name in needs if name in self.setup_seconds]
+
+    def _setup_price(self, name: str) -> float:
+        setup = self.setup_seconds[name]
+        if setup is not None:
+            return setup
+        if name == RETRIEVAL:
+            return SELECTION_SETUP_FRACTION * self._force3(1)
+        # a drafter's fill, unmeasured: its rows at FILL_ROW_FRACTION of a one-row Force-3 forward each
+        return FILL_ROW_FRACTION * self.setup_rows[name] * self._force3(1)
+
     def predict(self, plan: Plan) -> tuple[float, float]:
-        """``(expected tokens, predicted seconds)`` of one step of ``plan``, its drafter's set-up (if still to
-        be paid) spread over the steps the rest of the call would take with it."""
+        """``(expected tokens, predicted seconds)`` of one step of ``plan``, the set-ups it still has to pay
+        (`setups`) spread over the steps the rest of the call would take with it."""
         tokens, seconds = self._calibrated(plan)
-        if plan.drafter in self.setup_seconds:
-            setup = self.setup_seconds[plan.drafter]
-            if setup is None:  # unmeasured: its rows at FILL_ROW_FRACTION of a one-row Force-3 forward each
-                setup = FILL_ROW_FRACTION * self.setup_rows[plan.drafter] * self._force3(1)
-            seconds += setup * tokens / max(self.remaining_tokens, tokens)
-        return tokens, seconds
+        setup = sum(self._setup_price(name) for name in self.setups(plan))
+        return tokens, seconds + setup * tokens / max(self.remaining_tokens, tokens)
 
     def _calibrated(self, plan: Plan) -> tuple[float, float]:
         """`_predict` with its seconds scaled by the kind's `calibration` (set-up excluded)."""
         tokens, seconds = self._predict(plan)
         return tokens, seconds * self.calibration.get(plan.kind, 1.0)
 
-    def started(self, drafter: str) -> None:
-        """``drafter`` has paid its set-up."""
-        self.setup_seconds.pop(drafter, None)
+    def started(self, plan: Plan) -> None:
+        """``plan`` is about to run: its set-ups (`setups`) are paid."""
+        for name in self.setups(plan):
+            self.setup_seconds.pop(name)
 
     def _predict(self, plan: Plan) -> tuple[float, float]:
         overhead = self.overhead.get(plan.levels, 0.0)
@@ -391,9 +419,12 @@ class AdaptivePolicy:
         self.exploring, self.prediction = False, scored[0][0]
         if self.since_explore >= self.interval:
             self.since_explore = 0
-            # a drafter whose set-up (its cache's first fill) is still to pay runs only when predicted best:
-            # a one-step try would pay the whole set-up for one step's worth of measurement
-            others = [(tps, p) for tps, p in scored if p.kind != best.kind and p.drafter not in self.setup_seconds]
+            # a plan whose set-up (a draft cache's first fill, the first selection) is still to pay runs only when
+            # predicted best: a one-step try would pay the whole set-up for one step's worth of measurement; and a
+            # try must not cost more than EXPLORE_BUDGET of what the rest of the call is predicted to take
+            left = self.remaining_tokens / scored[0][0] if scored[0][0] > 0 else 0.0
+            others = [(tps, p) for tps, p in scored if p.kind != best.kind and not self.setups(p)
+                      and self._exploration_loss(p, scored[0][0]) <= EXPLORE_BUDGET * left]
             # a kind never run is predicted from priors (and rates shared with other kinds) alone: tried first. A
             # 64-token call explores once or twice; by the best prediction alone Qwen2.5-Coder-1.5B at 32k (sampled)
             # re-explored a kind it had run and never ran Force 2 alone, which ran 1.3-1.6x faster in another call of
@@ -406,6 +437,11 @@ class AdaptivePolicy:
         self.current = best
         self.predicted_seconds = self._calibrated(best)[1]
         return best
+
+    def _exploration_loss(self, plan: Plan, best_speed: float) -> float:
+        """Predicted seconds one step of ``plan`` takes beyond what the best plan takes for the same tokens."""
+        tokens, seconds = self.predict(plan)
+        return seconds - tokens / best_speed if best_speed > 0 else 0.0
 
     # -- observations -----------------------------------------------------------------------------------
     def observe_forward(self, tier: str, rows: int, seconds: float) -> None:
