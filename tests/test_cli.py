@@ -97,7 +97,7 @@ def test_bench_with_a_draft_model_and_sampling(tmp_path, capsys):
     argv = ["bench", "--model", str(tmp_path / "target"), "--draft-model", str(tmp_path / "draft"), "--prompt",
             "continue", "--contexts",
             "120", "--new-tokens", "4", "--repeats", "2", "--budget", "32", "--out", str(out_dir)]
-    assert main(argv + ["--methods", "plain", "assisted", "triforce-draft"]) == 0
+    assert main(argv + ["--methods", "plain", "assisted", "triforce-draft", "--modes", "greedy"]) == 0
     greedy = json.loads((out_dir / "results.json").read_text())[0]
     assert greedy["sampling"] is None and set(greedy["methods"]) == {"plain", "assisted", "triforce-draft"}
     rows = [line for line in (out_dir / "results.md").read_text().splitlines() if line.startswith("| ")]
@@ -130,7 +130,7 @@ def test_demo_and_bench_end_to_end_on_smollm2(tmp_path, capsys):
     assert "Greedy outputs identical to plain generate: YES" in capsys.readouterr().out
     out_dir = tmp_path / "bench"
     assert main(["bench", "--contexts", "200", "--new-tokens", "4", "--repeats", "1", "--methods", "plain",
-                 "static", "triforce-ngram", "--budget", "64", "--text", "essays", "shakespeare",
+                 "static", "triforce-ngram", "--budget", "64", "--text", "essays", "shakespeare", "--modes", "greedy",
                  "--out", str(out_dir)]) == 0
     results = json.loads((out_dir / "results.json").read_text())
     assert [r["text"] for r in results] == ["essays", "shakespeare"]

@@ -79,12 +79,12 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--methods", nargs="+", choices=list(METHODS), default=None,
                        help="default: all but streaming-self-int8, triforce-draft-int8 and the suffix drafter "
                        "(the draft-model ones only with --draft-model)")
-    bench.add_argument("--modes", nargs="+", choices=["greedy", "sampled"], default=["greedy"],
+    bench.add_argument("--modes", nargs="+", choices=["greedy", "sampled"], default=["greedy", "sampled"],
                        help="decoding modes, each a table on one shared prefill (sampled: seeded per round, with "
-                       "--temperature and --top-p)")
+                       "--temperature and --top-p; default both)")
     bench.add_argument("--sample", action="store_true", help="the same as --modes sampled")
-    bench.add_argument("--temperature", type=_temperature, default=1.0)
-    bench.add_argument("--top-p", type=_probability, default=1.0)
+    bench.add_argument("--temperature", type=_temperature, default=0.6, help="sampled mode (default 0.6)")
+    bench.add_argument("--top-p", type=_probability, default=0.9, help="sampled mode (default 0.9)")
     bench.add_argument("--new-tokens", type=_positive, default=128)
     bench.add_argument("--repeats", type=_positive, default=3, help="rounds per method; the median is reported")
     bench.add_argument("--rope-factor", type=_positive_float, default=None,
