@@ -11,7 +11,7 @@ from .kernels.lean import LEAN_PRECISIONS
 from .kernels.row_mixing import ROW_INDEPENDENT_MAX_ROWS
 
 DRAFT_PRECISIONS = ("auto", "model", "int8", *LEAN_PRECISIONS)
-TIER_COMPILE = ("off", *TIER_COMPILE_MODES)
+TIER_COMPILE = ("auto", "off", *TIER_COMPILE_MODES)
 FULL_CACHE_DEVICES = (None, "cpu")
 POLICIES = ("auto", "fixed")
 DRAFT_POSITIONS = ("auto", "absolute", "slots")
@@ -63,7 +63,8 @@ class TriForceConfig:
     prefill_chunk_size: prompt tokens per forward during the chunked prefill of the full cache.
     show_progress: show a tqdm bar during prefill.
     draft_precision: ``"auto"`` (default): ``"lean-int4"`` where the lean forward covers the target (and the draft
-        model), i.e. fp32 Llama, Mistral and Qwen2 models on the CPU, else ``"model"`` (`kernels.lean.AUTO_PRECISION`;
+        model), i.e. fp32 Llama, Mistral and Qwen2 models on the CPU, ``"native"`` (the lean forward on the model's
+        own weights, read in place) for those models on a CUDA device, else ``"model"`` (`kernels.lean.AUTO_PRECISION`;
         ``TriForceStats.draft_precision`` says which ran and ``draft_forward`` why not lean); ``"model"`` (Force 1
         and Force 2 run the models as given) or ``"int8"`` (they run a
         cached int8 copy of each fp32 model's linear layers; CPU only), or ``"lean"`` / ``"lean-int8"`` /
@@ -73,12 +74,15 @@ class TriForceConfig:
         always runs the target as given, so the output is exact either way; the precision only changes how often
         drafts are accepted and what they cost.
     tier_compile: how the lean tier forwards run (a lean or ``"auto"`` ``draft_precision`` only;
-        `hf_triforce.kernels.fixed_shape`): ``"off"`` (default): the lean forward through the caches' own ``update``;
+        `hf_triforce.kernels.fixed_shape`): ``"auto"`` (default): ``"graph"`` where the tiers run the native lean
+        forward on a CUDA device, else ``"off"``; ``"off"``: the lean forward through the caches' own ``update``;
         ``"fixed"``: the same on whole cache buffers (fixed shapes, eager); ``"compile"``: that fixed-shape forward
         compiled once per model with ``torch.compile`` (on CUDA as CUDA graphs), reused by every later step and call
         (``TriForceStats.tier_compile`` reports graphs compiled and compile seconds). Forwards it does not cover
-        (batches, candidate trees) run the lean forward. Measured on a 2-core Xeon (SmolLM2, lean-int4): compiling
-        takes ~54 s once per model and process and makes Force 1 28% and Force 2 15% cheaper (docs/results.md),
+        (batches, candidate trees) run the lean forward. ``"graph"`` (CUDA): the fixed-shape forward captured as
+        a CUDA graph per row count and cache (a capture costs one forward). Measured on a 2-core Xeon (SmolLM2,
+        lean-int4): compiling takes ~54 s once per model and process and makes Force 1 28% and Force 2 15% cheaper
+        (docs/results.md),
         so it pays only over long or many generations. The output is exact either way.
     levels: 3 (TriForce) or 2 (Force 1 verified directly by Force 3: with ``draft="self"`` the
         StreamingLLM-cache self-speculation baseline; Force-2 knobs are then unused).
@@ -128,7 +132,7 @@ class TriForceConfig:
     show_progress: bool = False
     levels: int = 3
     draft_precision: str = "auto"
-    tier_compile: str = "off"
+    tier_compile: str = "auto"
     policy: str = "auto"
     explore_every: int = 16
     tree_nodes: int = 0
@@ -209,7 +213,7 @@ class TriForceConfig:
             )
         if self.tier_compile not in TIER_COMPILE:
             raise ValueError(f"TriForceConfig.tier_compile must be one of {TIER_COMPILE}, got {self.tier_compile!r}")
-        if self.tier_compile != "off" and self.draft_precision not in ("auto", *LEAN_PRECISIONS):
+        if self.tier_compile not in ("off", "auto") and self.draft_precision not in ("auto", *LEAN_PRECISIONS):
             raise ValueError(f"TriForceConfig.tier_compile={self.tier_compile!r} runs the lean tier forward: set "
                              f"draft_precision to one of {('auto', *LEAN_PRECISIONS)} (got {self.draft_precision!r}), "
                              "or tier_compile='off'")

@@ -37,7 +37,7 @@ from .conftest import make_model
         (dict(policy="smart"), r"policy must be one of \('auto', 'fixed'\)"),
         (dict(explore_every=0), "explore_every"),
         (dict(draft_precision="fp8"),
-         r"draft_precision must be one of \('auto', 'model', 'int8', 'lean', 'lean-int8', 'lean-int4'\)"),
+         r"draft_precision must be one of \('auto', 'model', 'int8', 'lean', 'lean-int8', 'lean-int4', 'native'\)"),
     ],
 )
 def test_invalid_values_name_the_parameter(kwargs, match):

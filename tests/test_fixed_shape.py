@@ -118,3 +118,56 @@ def test_bad_settings_are_refused():
     gemma = make_family("gemma2")  # draft_precision="auto" runs its eager forward: nothing to compile
     with pytest.raises(ValueError, match="which tier_compile does not compile; use tier_compile='off'"):
         gemma.generate(random_prompt(20), max_new_tokens=4, triforce_config=TriForceConfig(tier_compile="compile"))
+
+
+# -- the native lean forward: the model's own weights, the GPU path's tiers ----------------------------------------
+
+def test_native_precision_reads_the_model_s_weights_in_place():
+    """No copy: every projection multiplies by the module's own tensor (what lets the tiers run on a GPU in the
+    model's dtype without a second set of weights)."""
+    model = make_model("qwen2", logit_scale=3.0)
+    native = lean_model(model, "native")
+    owned = {p.data_ptr() for p in model.parameters()}
+    read = {w.data_ptr() for layer in native.layers for proj in (layer.qkv, layer.o, layer.gate_up, layer.down)
+            for w in proj.weights} | {w.data_ptr() for w in native.head.weights}
+    assert read <= owned and native.nbytes() < sum(p.nbytes for p in model.parameters()) / 50
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_tiers_compile_fullgraph_once_across_lengths(dtype):
+    """The captured region (the fixed-shape native forward) compiles with fullgraph=True -- no graph break, no
+    data-dependent shape, no host read -- once per model: three prompt lengths and token counts, greedy and
+    sampled, compile nothing more. Greedy output stays identical to plain generate (fp32: token for token; bf16:
+    the tiers only draft, Force 3 runs the model as given)."""
+    model = make_model("llama-gqa", logit_scale=3.0, num_hidden_layers=2, seed=5).to(dtype)
+    config = _config(draft_precision="native", tier_compile="compile")
+    first = assert_identical(model, random_prompt(150, period=37), config)
+    assert first.draft_precision == "native" and first.tier_compile["compiles"] >= 1
+    assert first.force2_accepted > 0 and first.tier_compile["forwards"] > 20
+    for length, new in ((97, 25), (203, 41)):
+        later = assert_identical(model, random_prompt(length, period=29, seed=length), config, max_new_tokens=new)
+        assert later.tier_compile["compiles"] == 0 and later.tier_compile["forwards"] > 10, later.tier_compile
+    sampled = model.generate(random_prompt(120, period=31), max_new_tokens=20, do_sample=True, top_k=20,
+                             triforce_config=config, return_dict_in_generate=True).triforce_stats
+    assert sampled.tier_compile["compiles"] == 0 and sampled.tier_compile["forwards"] > 10
+
+
+def test_native_fixed_shapes_draft_what_the_native_forward_drafts():
+    model = make_model("llama-gqa", logit_scale=3.0)
+    prompt = random_prompt(150, period=37)
+    native = assert_identical(model, prompt, _config(draft_precision="native"))
+    fixed = assert_identical(model, prompt, _config(draft_precision="native", tier_compile="fixed"))
+    assert {c: getattr(fixed, c) for c in COUNTS} == {c: getattr(native, c) for c in COUNTS}
+    assert native.draft_forward == "lean" and native.tier_compile == {}
+
+
+def test_graph_mode_and_auto_on_the_cpu():
+    """tier_compile='graph' captures CUDA graphs: on the CPU a clear error; the default ('auto') resolves to 'off'
+    on the CPU (lean-int4 there) and would be 'graph' for the native forward on a CUDA device."""
+    model = make_model("llama-gqa", logit_scale=3.0)
+    with pytest.raises(ValueError, match="tier_compile='graph' captures CUDA graphs"):  # before the prefill
+        model.generate(random_prompt(150, period=37), max_new_tokens=8,
+                       triforce_config=_config(draft_precision="native", tier_compile="graph"))
+    stats = model.generate(random_prompt(150, period=37), max_new_tokens=8, return_dict_in_generate=True,
+                           triforce_config=_config()).triforce_stats
+    assert stats.draft_precision == "lean-int4" and stats.tier_compile == {}

@@ -11,7 +11,12 @@ still a length). Such a forward can be compiled once and replayed at every step,
   slower) -- on CUDA with CUDA graphs (inductor's ``reduce-overhead`` mode: cache buffers and weights are marked
   static, so a replay copies nothing in). One graph for one-token forwards and one for several tokens per cache
   capacity (dynamo makes the second dimension dynamic on its second size), all made in the first call of a
-  model: later steps, prompt lengths and calls reuse them (`compiles` counts them; tests assert no growth).
+  model: later steps, prompt lengths and calls reuse them (`compiles` counts them; tests assert no growth);
+* ``"graph"`` (CUDA): the fixed-shape forward captured as a CUDA graph (``torch.cuda.CUDAGraph``) per row count
+  and cache buffer, without compiling: a capture costs one forward, a replay launches every kernel at once (an
+  eager forward of a small model on a GPU is launch-bound). Inputs are copied into the graph's static tensors;
+  the weights and the cache buffers are read in place. What breaks a capture (a host read, a data-dependent
+  shape) breaks ``"compile"``'s ``fullgraph=True`` on the CPU first, where the tests run it.
 
 Exactness is unchanged: Force 1 and Force 2 hand up the law they drew from, whatever forward computed it
 (docs/exactness.md); every row still sees only its own and earlier entries, and a row's result does not depend on
@@ -21,12 +26,13 @@ later rows (masked entries get probability exactly 0).
 from __future__ import annotations
 
 import time
+import types
 
 import torch
 
 from ..caches.buffer import BufferLayer
 
-TIER_COMPILE_MODES = ("fixed", "compile")  # TriForceConfig.tier_compile, but "off"
+TIER_COMPILE_MODES = ("fixed", "compile", "graph")  # TriForceConfig.tier_compile, but "off" and "auto"
 
 
 def _counting_inductor(forward: FixedShapeForward, cuda_graphs: bool):
@@ -43,6 +49,17 @@ def _counting_inductor(forward: FixedShapeForward, cuda_graphs: bool):
     return backend
 
 
+def _own_code(method):
+    """``method`` bound to a copy of its function's code object. Dynamo keeps its graphs, and counts its
+    recompilations against ``recompile_limit`` (8), per code object: every lean copy compiled in a process (a
+    target's Force 1 and Force 2, a draft model, other models) would share one limit and, under fullgraph=True,
+    fail past it. With its own code, each `FixedShapeForward` has its own graphs and limit."""
+    function = method.__func__
+    own = types.FunctionType(function.__code__.replace(), function.__globals__, function.__name__,
+                             function.__defaults__, function.__closure__)
+    return types.MethodType(own, method.__self__)
+
+
 class FixedShapeForward:
     """Runs a `LeanModel`'s forward on a cache of plain `BufferLayer`s through `LeanModel.fixed_shape_layers`,
     eagerly or compiled (`TIER_COMPILE_MODES`). Counters (read by `TriForceStats.tier_compile`): ``calls``
@@ -57,6 +74,7 @@ class FixedShapeForward:
         self.compile_seconds = 0.0
         self._function = None
         self._static: set[int] = set()  # data pointers already marked static (CUDA graphs)
+        self._graphs: dict[tuple, _Captured] = {}  # "graph": (rows, first key buffer) -> its captured forward
 
     @staticmethod
     def covers(cache) -> bool:
@@ -66,13 +84,29 @@ class FixedShapeForward:
             return False
         return len({layer.length for layer in layers}) == 1
 
+    def _replay(self, lean, input_ids, position_ids, start: int, keys, values) -> torch.Tensor:
+        """The ``"graph"`` forward: captured on its first call per row count and cache buffer, replayed after."""
+        if input_ids.device.type != "cuda":
+            raise RuntimeError(f"TriForceConfig.tier_compile='graph' captures CUDA graphs; this model is on "
+                               f"{input_ids.device} (use 'fixed' or 'compile' there)")
+        n = input_ids.shape[1]
+        write_index = torch.arange(start, start + n, device=input_ids.device)
+        key = (n, keys[0].data_ptr())
+        captured = self._graphs.get(key)
+        if captured is None:
+            began = time.perf_counter()
+            self._graphs[key] = captured = _Captured(lean, input_ids, position_ids, write_index, keys, values)
+            self.compiles += 1
+            self.compile_seconds += time.perf_counter() - began
+        return captured(input_ids, position_ids, write_index)
+
     def _compiled(self, lean):
         if self._function is None:
             cuda_graphs = next(iter(lean.layers)).qkv.weight.is_cuda
             if self.mode == "fixed":
                 self._function = lean.fixed_shape_layers
             else:
-                self._function = torch.compile(lean.fixed_shape_layers, fullgraph=True,
+                self._function = torch.compile(_own_code(lean.fixed_shape_layers), fullgraph=True,
                                                backend=_counting_inductor(self, cuda_graphs))
             self._cuda_graphs = self.mode == "compile" and cuda_graphs
         return self._function
@@ -91,8 +125,14 @@ class FixedShapeForward:
         n, start, capacity = input_ids.shape[1], layers[0].length, layers[0].capacity
         if start + n > capacity:
             raise RuntimeError(f"BufferLayer overflow: {start} + {n} entries exceed its capacity {capacity}")
-        function = self._compiled(lean)
         keys, values = [layer.keys for layer in layers], [layer.values for layer in layers]
+        if self.mode == "graph":
+            hidden = self._replay(lean, input_ids, position_ids, start, keys, values)
+            for layer in layers:
+                layer.length += n
+            self.calls += 1
+            return hidden
+        function = self._compiled(lean)
         if self._cuda_graphs:
             self._mark_static(keys + values)
         write_index = torch.arange(start, start + n, device=input_ids.device)
@@ -104,3 +144,26 @@ class FixedShapeForward:
             layer.length += n
         self.calls += 1
         return hidden.clone() if self._cuda_graphs else hidden  # a graph's output is overwritten by its next replay
+
+
+class _Captured:
+    """One fixed-shape forward captured as a CUDA graph: its static inputs and its output."""
+
+    def __init__(self, lean, input_ids, position_ids, write_index, keys, values) -> None:
+        self.input_ids, self.position_ids, self.write_index = input_ids.clone(), position_ids.clone(), write_index
+        device = input_ids.device
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):  # warm-up (cuBLAS workspaces): it writes the entries the replay writes again
+            lean.fixed_shape_layers(self.input_ids, self.position_ids, self.write_index, keys, values)
+        torch.cuda.current_stream(device).wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.hidden = lean.fixed_shape_layers(self.input_ids, self.position_ids, self.write_index, keys, values)
+
+    def __call__(self, input_ids, position_ids, write_index) -> torch.Tensor:
+        self.input_ids.copy_(input_ids)
+        self.position_ids.copy_(position_ids)
+        self.write_index.copy_(write_index)
+        self.graph.replay()
+        return self.hidden.clone()  # the next replay overwrites it

@@ -55,7 +55,12 @@ LEAN_PRECISIONS = {
     "lean": dict.fromkeys(PARTS, "fp32"),
     "lean-int8": dict.fromkeys(PARTS, "int8"),
     "lean-int4": {**dict.fromkeys(PARTS, "int4"), "head": "int8"},
+    # the model's own weights, read in place (no copy, any device and dtype): what the tiers run on a GPU, where a
+    # forward at fixed shapes is captured as a CUDA graph (`fixed_shape`, TriForceConfig.tier_compile="graph")
+    "native": dict.fromkeys(PARTS, "model"),
 }
+# what TriForceConfig(draft_precision="auto") runs where the lean forward covers a model on a CUDA device
+AUTO_GPU_PRECISION = "native"
 # what TriForceConfig(draft_precision="auto"), the default, runs where the lean forward covers the model: the fastest
 # drafter measured (SmolLM2 at 8k on Paul Graham's essays, 2 threads: Force 1 at 0.12 of a static decode step per
 # drafted token against 0.64 for the eager fp32 forward, Force-2 acceptance 0.77; the adaptive policy with it 1.77x
@@ -66,7 +71,9 @@ AUTO_PRECISION = "lean-int4"
 # the fp32 weights themselves (a bf16 model's would be an fp32 copy twice its size). A bf16 model's activations are
 # fp32 in the lean forward too; its caches keep the model's dtype (attention runs in it)
 LEAN_DTYPES = {"lean": (torch.float32,), "lean-int8": (torch.float32, torch.bfloat16),
-               "lean-int4": (torch.float32, torch.bfloat16)}
+               "lean-int4": (torch.float32, torch.bfloat16),
+               "native": (torch.float32, torch.bfloat16, torch.float16)}
+CPU_ONLY_PRECISIONS = ("lean", "lean-int8", "lean-int4")  # their copies and kernels are the CPU's
 SUPPORTED_CLASSES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 # inputs per int4 scale/zero point: the smallest group the CPU kernel takes (32, 64, 128, 256; it must divide every
 # input width). On SmolLM2, 64 costs 0.23 of agreement (0.759 against 0.988 with an fp32 output layer) -- but the
@@ -97,14 +104,21 @@ class LeanOutput:
 class Projection:
     """One (fused) linear layer ``x @ W.T + b`` in fp32, weight-only int8 or weight-only int4."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, precision: str,
+    def __init__(self, weight: torch.Tensor | list[torch.Tensor], bias: torch.Tensor | None | list, precision: str,
                  group_size: int = INT4_GROUP_SIZE, weight_left: bool = False) -> None:
         """``weight_left``: fp32 products of 2-16 rows run as ``(W @ x.T).T`` (the output layer: on every CPU measured
-        its products were cheaper so, `linear_routes`, which times the target's own layers)."""
-        weight = weight.detach().float()
-        self.weight_left = weight_left
-        self.out_features, self.in_features = weight.shape
+        its products were cheaper so, `linear_routes`, which times the target's own layers). ``"model"``: ``weight``
+        and ``bias`` are lists of the model's own tensors (a fused projection's parts), read in place."""
         self.precision = precision
+        self.weight_left = weight_left
+        if precision == "model":
+            self.weights = [w.detach() for w in weight]
+            self.biases = [None if b is None else b.detach() for b in bias]
+            self.out_features, self.in_features = sum(w.shape[0] for w in self.weights), self.weights[0].shape[1]
+            self.weight = self.weights[0]  # its dtype and device
+            return
+        weight = weight.detach().float()
+        self.out_features, self.in_features = weight.shape
         self.bias = None if bias is None else bias.detach().float().clone()
         if precision == "fp32":
             self.weight = weight.contiguous()  # a fused matrix is new; a single layer's weight is shared
@@ -121,6 +135,10 @@ class Projection:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` ``[rows, in]`` (fp32, or bf16 for the quantized products) -> ``[rows, out]``: fp32 for fp32
         weights, bf16 for quantized ones (their kernels' output)."""
+        if self.precision == "model":  # in the weights' dtype, each part of a fused projection by its own weight
+            x = x.to(self.weight.dtype)
+            outs = [F.linear(x, w, b) for w, b in zip(self.weights, self.biases)]
+            return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
         if self.precision == "fp32":
             if self.weight_left and 2 <= x.shape[0] <= 16:
                 out = (self.weight @ x.T).T
@@ -135,6 +153,8 @@ class Projection:
 
     def dequantized(self) -> torch.Tensor:
         """The fp32 weight this projection multiplies by (for tests and agreement measurements)."""
+        if self.precision == "model":
+            return torch.cat(self.weights).float()
         if self.precision == "fp32":
             return self.weight
         if self.precision == "int8":
@@ -145,6 +165,8 @@ class Projection:
 
     def nbytes(self, shared: set[int] = frozenset()) -> int:
         """Bytes of its tensors, except those whose storage is in ``shared`` (data pointers of the model's)."""
+        if self.precision == "model":
+            return sum(t.nbytes for t in (*self.weights, *self.biases) if t is not None and t.data_ptr() not in shared)
         tensors = [self.weight, self.bias, getattr(self, "scales", None), getattr(self, "scales_zeros", None)]
         return sum(t.nbytes for t in tensors if t is not None and t.data_ptr() not in shared)
 
@@ -178,6 +200,11 @@ def quantize_int4(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, 
     packed = INT4_PACK(q, INT4_INNER_K_TILES)
     scales_zeros = torch.stack((scales, zeros), dim=-1).transpose(0, 1).contiguous()
     return packed, scales_zeros
+
+
+def _native(linears) -> Projection:
+    """A ``"model"`` `Projection` over the ``nn.Linear`` modules ``linears`` (a fused projection's parts)."""
+    return Projection([linear.weight for linear in linears], [linear.bias for linear in linears], "model")
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -230,9 +257,17 @@ class LeanModel:
         self.scaling = float(first.scaling)
         self.intermediate = config.intermediate_size
         self.layers = []
+        native = precision == "native"
         for layer in decoder.layers:
             attention, mlp = layer.self_attn, layer.mlp
             projections = (attention.q_proj, attention.k_proj, attention.v_proj)
+            if native:
+                self.layers.append(LeanLayer(
+                    input_norm=layer.input_layernorm.weight.detach().float().clone(),
+                    post_norm=layer.post_attention_layernorm.weight.detach().float().clone(),
+                    qkv=_native(projections), o=_native((attention.o_proj,)),
+                    gate_up=_native((mlp.gate_proj, mlp.up_proj)), down=_native((mlp.down_proj,))))
+                continue
             qkv_bias = None
             if any(p.bias is not None for p in projections):
                 qkv_bias = torch.cat([p.bias if p.bias is not None else p.weight.new_zeros(p.out_features)
@@ -251,7 +286,8 @@ class LeanModel:
                 down=Projection(mlp.down_proj.weight, mlp.down_proj.bias, parts["down"], group_size),
             ))
         head = model.get_output_embeddings()
-        self.head = Projection(head.weight, head.bias, parts["head"], group_size, weight_left=True)
+        self.head = _native((head,)) if native else Projection(head.weight, head.bias, parts["head"], group_size,
+                                                                weight_left=True)
 
     def __getattr__(self, name: str):
         if name.startswith("__") or name == "original":  # copy/pickle probes, or not initialized yet
@@ -473,7 +509,7 @@ def lean_refusal(model: nn.Module, precision: str) -> Exception | None:
                               f"one piece on the CPU; module {name or 'model'!r} runs under an accelerate hook "
                               "(device_map=): use draft_precision='int8' or 'model'")
     for name, parameter in model.named_parameters():
-        if parameter.device.type != "cpu":
+        if parameter.device.type != "cpu" and precision in CPU_ONLY_PRECISIONS:
             return ValueError(f"TriForceConfig.draft_precision={precision!r} runs on CPU only; parameter {name!r} "
                               f"is on {parameter.device} (use draft_precision='model' there)")
         if parameter.dtype not in LEAN_DTYPES[precision]:
@@ -510,18 +546,35 @@ def resolve_draft_precision(config, target: nn.Module):
     ``config.draft``): `AUTO_PRECISION` where the lean forward covers and can copy every drafting model, else
     ``"model"``, with ``why`` naming what kept it from the lean forward (None: it runs lean, or was not "auto")."""
     if config.draft_precision != "auto":
-        return config, None
+        return _resolve_tier_compile(config, target), None
+    models = drafting_models(config, target)
+    on_gpu = any(p.device.type == "cuda" for model in models for p in model.parameters())
+    precision = AUTO_GPU_PRECISION if on_gpu else AUTO_PRECISION
     reasons = []
-    for model in drafting_models(config, target):
-        refusal = lean_refusal(model, AUTO_PRECISION)  # None where lean_support says the lean forward does not cover it
+    for model in models:
+        refusal = lean_refusal(model, precision)  # None where lean_support says the lean forward does not cover it
         reason = lean_support(model) or (str(refusal) if refusal is not None else None)
         if reason is not None:
             reasons.append(reason)
-    if reasons and config.tier_compile != "off":
+    if reasons and config.tier_compile not in ("off", "auto"):
         raise ValueError(f"TriForceConfig(draft_precision='auto', tier_compile={config.tier_compile!r}): this model "
                          f"drafts with its eager forward ({'; '.join(reasons)}), which tier_compile does not compile; "
                          "use tier_compile='off'")
-    return replace(config, draft_precision="model" if reasons else AUTO_PRECISION), "; ".join(reasons) or None
+    resolved = replace(config, draft_precision="model" if reasons else precision)
+    return _resolve_tier_compile(resolved, target), "; ".join(reasons) or None
+
+
+def _resolve_tier_compile(config, target: nn.Module):
+    """``tier_compile="auto"`` made concrete: CUDA graphs where the tiers run the native lean forward on a CUDA
+    device (launch-bound otherwise), else ``"off"``."""
+    on_gpu = next(target.parameters()).device.type == "cuda"
+    if config.tier_compile == "graph" and not on_gpu:
+        raise ValueError(f"TriForceConfig.tier_compile='graph' captures CUDA graphs; this model is on "
+                         f"{next(target.parameters()).device} (use 'fixed' or 'compile' there)")
+    if config.tier_compile != "auto":
+        return config
+    native = config.draft_precision == "native" and draft_forward(config, target) == "lean"
+    return replace(config, tier_compile="graph" if native and on_gpu else "off")
 
 
 def lean_model(model: nn.Module, precision: str):
@@ -564,7 +617,7 @@ def draft_forward(config, target: nn.Module) -> str:
 # int4 copy lowers Force-3 acceptance (SmolLM2 at 8k, greedy: 0.879 against 0.947 with fp32) but costs 14 ms per
 # verification against 67 ms, and decodes fastest (7.8 s for 192 tokens; int8: 7.5 s; fp32: 11.5 s; sampled 9.0 /
 # 9.8 / 14.5 s; docs/results.md). Measured on a model dequantized from 4-bit (see INT4_GROUP_SIZE) only.
-FORCE2_PRECISION = {"lean": "lean", "lean-int8": "lean-int8", "lean-int4": "lean-int4"}
+FORCE2_PRECISION = {"lean": "lean", "lean-int8": "lean-int8", "lean-int4": "lean-int4", "native": "native"}
 
 
 def tier_model(model: nn.Module, precision: str, tier: int, tier_compile: str = "off"):
