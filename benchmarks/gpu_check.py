@@ -541,7 +541,8 @@ def render(data: dict) -> str:
             lines.append(f"| {r['model']} | {r['dtype']} | {r['context']} | {r['plain_tok_s']:.1f} | "
                          f"{r['static_tok_s']:.1f} | {r['triforce_tok_s']:.1f} | {r['triforce_identical']} "
                          f"({r['triforce_agree']}/{r['new_tokens']}) | {r['host_syncs_per_call']} | "
-                         f"{stats.get('draft_forward', '-')} |")
+                         f"{stats.get('draft_precision', '-')}, {stats.get('draft_forward', '-')}, tier_compile "
+                         f"{(stats.get('tier_compile') or {}).get('mode', 'off')} |")
         lines.append("")
     for r in data.get("hf_static", []):
         lines.append(f"transformers' static-cache `generate`, compiled, {r['model']} at {r['context']}: "

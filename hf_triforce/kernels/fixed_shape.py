@@ -74,7 +74,9 @@ class FixedShapeForward:
         self.compile_seconds = 0.0
         self._function = None
         self._static: set[int] = set()  # data pointers already marked static (CUDA graphs)
-        self._graphs: dict[tuple, _Captured] = {}  # "graph": (rows, first key buffer) -> its captured forward
+        # "graph": (rows, cache capacity) -> the forward captured over the buffers of the last cache of that shape (a
+        # call's caches are new: a graph over freed buffers is replaced, so graphs and their pools never accumulate)
+        self._graphs: dict[tuple[int, int], _Captured] = {}
 
     @staticmethod
     def covers(cache) -> bool:
@@ -91,9 +93,10 @@ class FixedShapeForward:
                                f"{input_ids.device} (use 'fixed' or 'compile' there)")
         n = input_ids.shape[1]
         write_index = torch.arange(start, start + n, device=input_ids.device)
-        key = (n, keys[0].data_ptr())
+        key = (n, keys[0].shape[2])
         captured = self._graphs.get(key)
-        if captured is None:
+        if captured is None or captured.buffers != _pointers(keys, values):
+            self._graphs.pop(key, None)  # its pool is freed before the next capture allocates one
             began = time.perf_counter()
             self._graphs[key] = captured = _Captured(lean, input_ids, position_ids, write_index, keys, values)
             self.compiles += 1
@@ -146,11 +149,16 @@ class FixedShapeForward:
         return hidden.clone() if self._cuda_graphs else hidden  # a graph's output is overwritten by its next replay
 
 
+def _pointers(keys, values) -> tuple[int, ...]:
+    return tuple(t.data_ptr() for t in (*keys, *values))
+
+
 class _Captured:
     """One fixed-shape forward captured as a CUDA graph: its static inputs and its output."""
 
     def __init__(self, lean, input_ids, position_ids, write_index, keys, values) -> None:
         self.input_ids, self.position_ids, self.write_index = input_ids.clone(), position_ids.clone(), write_index
+        self.buffers = _pointers(keys, values)
         device = input_ids.device
         side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
