@@ -237,7 +237,7 @@ def _sink_window(stats: dict, model: ModelShape) -> int:
 def _fills_by_forward(stats: dict, drafter: str) -> bool:
     """Whether the run's Force-1 seconds include a forward filling the drafter's cache: recorded by the later runs
     (``draft_caches``: "filled by a forward" for a draft model, "a copy of the full cache's entries" for self); the
-    older runs do not say, and their fill stays unmodelled (as before: their F1 points read it as drafting)."""
+    older runs do not say, and their fill stays unmodelled (their F1 points read it as drafting)."""
     recorded = stats.get("draft_caches") or {}
     return drafter != "ngram" and any("filled by a forward" in how for how in recorded.values())
 
