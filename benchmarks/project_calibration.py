@@ -608,8 +608,8 @@ def measured_rates() -> dict:
             "draft": rate_for_tokens(qwen["force2_proposed"] / qwen["force2_steps"], 2)}
 
 
-# Force 2 -> Force 3 at a 4096 budget: teacher-forced per-token agreement at 32k (docs/results.md, "How well Force 2
-# agrees with Force 3"): 0.882 selected once per prompt, 0.946 re-selected per position (T=1); Force 2 re-selects
+# Force 2 -> Force 3 at a 4096 budget: teacher-forced per-token agreement at 32k (docs/results.md, "Force 2: re-select
+# every step"): 0.882 selected once per prompt, 0.946 re-selected per position (T=1); Force 2 re-selects
 # once per Force-3 step, between the two.
 FORCE3_RATE = 0.90
 PUBLISHED_GAMMAS = (4, 16)  # the plan search's bounds (gamma1, gamma2) for the published projections

@@ -256,7 +256,8 @@ class Device:
     """Effective rates of one device for one dtype: bytes/s of its memory (and of the host link that streams an
     offloaded full cache; 0: none), matmul and attention FLOP/s, seconds of overhead per layer per forward, and
     optionally the bytes/s at which a forward of several rows reads the weights (``gemm_bandwidth``: CPU BLAS
-    packs the weights for a product of several rows, docs/results.md "What holds speed back"; None: ``bandwidth``).
+    packs the weights for a product of several rows, docs/results.md, "The target's few-row products"; None:
+    ``bandwidth``).
 
     ``cpu``: the lean and int8 drafting copies run here (the library runs them on the CPU only). ``quantized_bandwidth``
     / ``quantized_flops``: bytes/s at which a weight-only int8/int4 product reads (and dequantizes) its weights and
