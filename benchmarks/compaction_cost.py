@@ -1,4 +1,4 @@
-"""What a compaction step would cost per batched step (issue 15: per-row lengths vs compaction).
+"""What a compaction step would cost per batched step (per-row lengths vs compaction).
 
 Compaction: after a step in which the rows accepted different numbers of tokens, realign them so that they
 end at the same column again (each row's entries shifted right by its difference to the longest row: one copy

@@ -1,29 +1,32 @@
 """Calibrate the projection (`hf_triforce.tools.project`) on every measured point in the repository; no new runs.
 
-Reads the measured decode speeds and per-tier forward timings under ``docs/bench/`` (and the few tier timings that
-only ``docs/results.md`` holds, transcribed below with their section), fits each machine's device numbers on the
-per-forward measurements and reports predicted vs measured for every point, fitted on or predicted. Writes
-``docs/bench/projection/calibration.{json,md}`` and the published projections ``projections.{json,md}``.
+Reads the measured decode speeds and per-tier forward timings under ``docs/bench/`` (the runs the docs publish and,
+under ``docs/bench/calibration/<host>/``, the runs only this calibration reads; a few tier timings are transcribed
+below), fits each machine's device numbers on the per-forward measurements and reports predicted vs measured for
+every point, fitted on or predicted. Writes ``docs/bench/calibration/calibration.{json,md}``, the fitted devices
+``devices.json`` (``hf-triforce project --devices docs/bench/calibration/devices.json --device <name>``) and the
+published projections ``projections.{json,md}``.
 
-Machines ("hosts"): the recorded CPU runs come from different machines or loads (the same static-cache ``generate``
-of SmolLM2 at 16k measured 3.3-3.9 tok/s on 2026-11-29, 5.8-6.7 on 2026-11-30, 10.4-10.9 on 2026-12-01), so each
-host gets its own fit (2 torch threads; fp32 everywhere but ``cpu-12-03``):
+Machines ("hosts", named by CPU and date): the recorded CPU runs come from different machines or loads (the same
+static-cache ``generate`` of SmolLM2 at 16k measured 3.3-3.9 tok/s on 2026-11-29, 5.8-6.7 on 2026-11-30, 10.4-10.9 on
+2026-12-01), so each host gets its own fit (2 vCPUs, 2 torch threads; fp32 everywhere but the Qwen pair on Zen 4):
 
-- ``cpu-11-29``: the first tables (``1k-2k*``, ``4k-8k*``, ``16k*``, ``32k*``) and the Qwen2.5-Coder 1.5B / 0.5B pair
-  (``qwen-2k*``); bandwidth, multi-row weight bandwidth, matmul and attention FLOP/s and per-layer overhead fitted on
-  both models' per-forward points (static decode, tier timings).
-- ``cpu-11-30``: sessions 4 and 5 (``natural-*``, ``natural-llama-cpp/*``, results.md's tier-cost table); the same
-  five numbers. Its fit is the ``cpu-this`` preset.
-- ``cpu-12-01``: session 10 (``lean-16k``, ``lean-drafting/2-threads.json``): nine points of one model, so the
-  per-layer overhead stays at session 10's profile and the multi-row bandwidth is not fitted.
-- ``cpu-12-02``: session 15 (``qwen-pair-epyc/python-{8k,32k}``: an AVX2 EPYC, fp32, the Qwen2.5-Coder 1.5B / 0.5B
-  pair, lean-int4 drafting tiers, 32 new tokens, one round); ``cpu-12-03``: session 16 (``qwen-pair-zen4/python-*``,
-  2k-32k: a Zen 4 EPYC with AVX512-BF16, the same pair in bf16, 64 new tokens, one round; a folder not there yet is
-  skipped with a note). Free: bandwidth, matmul and attention FLOP/s and the int4 copies' bytes/s and FLOP/s
-  (``quantized_bandwidth``, ``quantized_flops``); the per-layer overhead is fixed at 0 and the multi-row weight rate
-  at ``bandwidth`` (`LEAN_HOST`: one target whose verifications all have 5-7 rows cannot tell them apart).
-- ``cpu-s19``, ``cpu-s20``: sessions 19 and 20 on a Zen 4 EPYC (SmolLM2 fp32, the Qwen pair bf16; cpu-s20 with kernel
-  timings of plain ``generate``); ``cpu-s21``: session 21's Qwen runs, not fitted: predicted by cpu-s20's fit
+- ``epyc-avx2-2026-11-29``: SmolLM2 on the bundled Shakespeare (1k-32k, fixed n-gram and self plans, int8 tiers) and
+  the Qwen2.5-Coder 1.5B / 0.5B pair at 2k; bandwidth, multi-row weight bandwidth, matmul and attention FLOP/s and
+  per-layer overhead fitted on both models' per-forward points (static decode, tier timings).
+- ``epyc-avx2-2026-11-30``: SmolLM2 on the essays (1k-32k), the llama.cpp comparison (``llama-cpp-smollm2/*``) and a
+  table of tier costs (`TIER_COSTS`); the same five numbers. Its fit is the ``epyc-avx2-fp32`` device.
+- ``epyc-avx512-2026-12-01``: the lean drafting tiers (``lean-16k``, ``lean-drafting/2-threads.json``): nine points
+  of one model, so the per-layer overhead stays at that day's profile and the multi-row bandwidth is not fitted.
+- ``epyc-avx2-2026-12-02``: the Qwen2.5-Coder pair in fp32 at 8k and 32k, lean-int4 drafting tiers, 32 new tokens, one
+  round; ``zen4-2026-12-03-qwen-bf16``: the same pair in bf16 on a Zen 4 EPYC with AVX512-BF16, 2k-32k, 64 new tokens,
+  one round (``qwen-coder-pair-vs-assisted-zen4/python-*``). Free: bandwidth, matmul and attention FLOP/s and the int4
+  copies' bytes/s and FLOP/s (``quantized_bandwidth``, ``quantized_flops``); the per-layer overhead is fixed at 0 and
+  the multi-row weight rate at ``bandwidth`` (`LEAN_HOST`: one target whose verifications all have 5-7 rows cannot
+  tell them apart). Its fit, with the kernel host's plain-generate rates, is the ``zen4-bf16`` device.
+- ``zen4-2026-12-03-medians``, ``zen4-2026-12-03-kernels``: Zen 4 EPYCs, SmolLM2 fp32 1k-32k and the Qwen pair bf16
+  2k-32k, medians of 3; the second with kernel timings of plain ``generate``; ``zen4-2026-12-03-held-out``: the Qwen
+  pair's runs of ``docs/results.md``'s current results, not fitted: predicted by the kernel host's fit
   (`PREDICTED_BY`).
 - ``h200``: ``gpu-h200*/gpu_check.json``, random-weight SmolLM2 and Qwen2.5-1.5B shapes, bf16 and fp32: bandwidth and
   matmul FLOP/s are the datasheet's; the per-layer overhead and the attention FLOP/s (bf16, fp32) are fitted on each
@@ -80,93 +83,97 @@ from hf_triforce.tools.project import (
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "docs" / "bench"
-# sink_tokens + window of the runs that do not record their draft cache's size (every run before session 13: window
-# 256); later runs hold 16 + 1024 (`TriForceConfig`'s default since session 14), read from their draft_cache_bytes
+OUT = BENCH / "calibration"
+# sink_tokens + window of the runs that do not record their draft cache's size (those of 2026-11-29 to 2026-12-01:
+# window 256); the others hold 16 + 1024, read from their draft_cache_bytes
 SINK_WINDOW = 16 + 256
 STREAMING_GAMMA = 4  # hf_triforce.tools.methods.STREAMING_GAMMA: streaming-self's Force-1 tokens per Force-3 step
-TARGET = 0.25  # issue 25: every CPU point within 25%
+TARGET = 0.25  # the projection's aim: every CPU point within 25%
 
-CPU_FILES = {
-    "cpu-11-29": ["1k-2k-int8", "1k-2k-tuned", "4k-8k", "4k-8k-int8", "4k-8k-tuned", "16k", "16k-int8", "16k-tuned",
-                  "32k", "32k-split", "qwen-2k", "qwen-2k-int8"],
-    "cpu-11-30": ["natural-1k-8k", "natural-16k", "natural-32k", "natural-llama-cpp/final-8k-essays",
-                  "natural-llama-cpp/final-8k-essays-t1", "natural-llama-cpp/final-8k-hamlet",
-                  "natural-llama-cpp/final-16k-essays", "natural-llama-cpp/rerun-8k-essays-05f32e6"],
-    "cpu-12-01": ["lean-16k"],
-    # session 15 (docs/results.md): AMD EPYC, AVX2 only, 2 threads, fp32, the Qwen2.5-Coder pair, lean-int4 tiers
-    "cpu-12-02": ["qwen-pair-epyc/python-8k", "qwen-pair-epyc/python-32k"],
-    # session 16: AMD EPYC Zen 4 (AVX512-BF16), 2 threads, the same pair in bf16, 64 new tokens, lean-int4 tiers
-    "cpu-12-03": ["qwen-pair-zen4/python-2k", "qwen-pair-zen4/python-8k", "qwen-pair-zen4/python-16k",
-                  "qwen-pair-zen4/python-32k"],
-    # session 19: a Zen 4 EPYC again; SmolLM2 fp32 1k-32k and the Qwen pair bf16 2k-32k, `TriForceConfig()` runs
-    # (a mix of plans: their Force-3 verifications are scored, `F3_FROM_DEFAULT_RUNS`), medians of 3
-    "cpu-s19": ["session19-zen4/1k-8k", "session19-zen4/16k", "session19-zen4/32k",
-                "session19-zen4/qwen-python-2k-16k", "session19-zen4/qwen-python-32k"],
-    # session 20: a Zen 4 EPYC; SmolLM2 fp32 1k-32k (transformers 5.25) and the Qwen pair bf16 2k-32k (5.24)
-    # `TriForceConfig()` runs with plain generate beside them, medians of 3, and this host's kernel timings
-    # (`KERNEL_FILES`)
-    "cpu-s20": ["session20-zen4/1k-8k", "session20-zen4/16k", "session20-zen4/32k",
-                "session20-zen4/qwen-python-2k-16k", "session20-zen4/qwen-python-32k"],
-    # session 21: a Zen 4 EPYC again; the Qwen pair bf16 at 2k, 8k, 16k and 32k (transformers 5.25), `TriForceConfig()`
-    # and `draft=<the 0.5B>` runs, medians of 3: not fitted, every point predicted by cpu-s20's fit (`PREDICTED_BY`)
-    "cpu-s21": ["session21-zen4/qwen-python-2k-8k", "session21-zen4/qwen-python-16k", "session21-zen4/qwen-python-32k"],
+AVX2_1129, AVX2_1130, AVX512_1201, AVX2_1202 = ("epyc-avx2-2026-11-29", "epyc-avx2-2026-11-30",
+                                                "epyc-avx512-2026-12-01", "epyc-avx2-2026-12-02")
+ZEN4_QWEN, ZEN4_MEDIANS, ZEN4_KERNELS, ZEN4_HELD_OUT = ("zen4-2026-12-03-qwen-bf16", "zen4-2026-12-03-medians",
+                                                        "zen4-2026-12-03-kernels", "zen4-2026-12-03-held-out")
+LLAMA_CPP_RUNS = ["final-8k-essays", "final-8k-essays-t1", "final-8k-hamlet", "final-16k-essays", "rerun-8k-essays"]
+CPU_FILES = {  # host -> bench folders (relative to docs/bench) holding a results.json
+    AVX2_1129: [f"calibration/{AVX2_1129}/{name}" for name in (
+        "1k-2k-int8", "1k-2k-tuned", "4k-8k", "4k-8k-int8", "4k-8k-tuned", "16k", "16k-int8", "16k-tuned", "32k",
+        "32k-split", "qwen-2k", "qwen-2k-int8")],
+    AVX2_1130: [f"calibration/{AVX2_1130}/natural-{name}" for name in ("1k-8k", "16k", "32k")]
+    + [f"llama-cpp-smollm2/{name}" for name in LLAMA_CPP_RUNS],
+    AVX512_1201: [f"calibration/{AVX512_1201}/lean-16k"],
+    # AMD EPYC, AVX2 only, fp32, the Qwen2.5-Coder pair, lean-int4 tiers
+    AVX2_1202: [f"calibration/{AVX2_1202}/qwen-coder-pair/python-{c}" for c in ("8k", "32k")],
+    # AMD EPYC Zen 4 (AVX512-BF16), the same pair in bf16, 64 new tokens, lean-int4 tiers
+    ZEN4_QWEN: [f"qwen-coder-pair-vs-assisted-zen4/python-{c}" for c in ("2k", "8k", "16k", "32k")],
+    # SmolLM2 fp32 1k-32k and the Qwen pair bf16 2k-32k, `TriForceConfig()` runs (a mix of plans: their Force-3
+    # verifications are scored, `F3_FROM_DEFAULT_RUNS`), medians of 3, transformers 5.24
+    ZEN4_MEDIANS: [f"calibration/{ZEN4_MEDIANS}/{name}" for name in (
+        "1k-8k", "16k", "32k", "qwen-python-2k-16k", "qwen-python-32k")],
+    # SmolLM2 fp32 1k-32k (transformers 5.25) and the Qwen pair bf16 2k-32k (5.24), `TriForceConfig()` runs with plain
+    # generate beside them, medians of 3, and this host's kernel timings (`KERNEL_FILES`)
+    ZEN4_KERNELS: ["smollm2-wikipedia-zen4/1k-8k"] + [f"calibration/{ZEN4_KERNELS}/{name}" for name in (
+        "16k", "32k", "qwen-python-2k-16k", "qwen-python-32k")],
+    # the Qwen pair bf16 at 2k, 8k, 16k and 32k (transformers 5.25), `TriForceConfig()` and `draft=<the 0.5B>` runs,
+    # medians of 3: not fitted, every point predicted by the kernel host's fit (`PREDICTED_BY`)
+    ZEN4_HELD_OUT: [f"qwen-coder-pair-python-zen4/{c}" for c in ("2k-8k", "16k", "32k")],
 }
 # Hosts not fitted: every point of theirs is predicted with another host's fitted device (the same CPU model measured
-# in another session): what the projection gets right on runs it was not fitted on
-PREDICTED_BY = {"cpu-s21": "cpu-s20"}
+# on another run): what the projection gets right on runs it was not fitted on
+PREDICTED_BY = {ZEN4_HELD_OUT: ZEN4_KERNELS}
 # Kernel timings of one decoded token (benchmarks/plain_generate_gqa.py: a static decode's packed attention, plain
 # generate's enable_gqa attention and DynamicCache's torch.cat, SmolLM2 and Qwen2.5-Coder-1.5B shapes, fp32 and bf16):
-# host -> file. Session 20's Zen 4 EPYC (AVX512-BF16); its fit gives the rates plain generate adds
-# (``gqa_attention_flops``, ``copy_bandwidth``) to the Zen 4 hosts that ran plain generate beside the static decode
-# (`BORROWED_RATES`: the same CPU model; those hosts measured no kernel timings of their own)
-KERNEL_FILES = {"cpu-s20": "session20-zen4/plain-generate-gqa.json"}
+# host -> file. Its fit gives the rates plain generate adds (``gqa_attention_flops``, ``copy_bandwidth``) to the Zen 4
+# hosts that ran plain generate beside the static decode (`BORROWED_RATES`: the same CPU model; those hosts measured
+# no kernel timings of their own)
+KERNEL_FILES = {ZEN4_KERNELS: "plain-generate-gqa/zen4.json"}
 PLAIN_GENERATE_RATES = ["gqa_attention_flops:float32", "gqa_attention_flops:bfloat16", "copy_bandwidth"]
-BORROWED_RATES = {"cpu-12-03": "cpu-s20", "cpu-s19": "cpu-s20"}  # cpu-s20's own runs: its own fit
+BORROWED_RATES = {ZEN4_QWEN: ZEN4_KERNELS, ZEN4_MEDIANS: ZEN4_KERNELS}  # the kernel host's own runs: its own fit
 # hosts whose `TriForceConfig()` runs (a mix of plans) give Force-3 points: a verification forward of the run's
 # average rows (proposals per Force-3 step + 1) whatever drafted them; their Force-1 / Force-2 seconds mix drafters
-F3_FROM_DEFAULT_RUNS = ("cpu-s19", "cpu-s20", "cpu-s21")
+F3_FROM_DEFAULT_RUNS = (ZEN4_MEDIANS, ZEN4_KERNELS, ZEN4_HELD_OUT)
 # the drafting precisions (`TriForceConfig.draft_precision`) whose fixed runs a host's fit prices: hosts with lean-int4
 # runs fit the quantized kernels' rates (``quantized_bandwidth``, ``quantized_flops``) on them; the other precisions
 # of the older hosts (int8 copies, lean without a fitted rate) stay listed as not modelled
-MODELLED_PRECISIONS = {"cpu-12-02": ("model", "lean-int4"), "cpu-12-03": ("model", "lean-int4")}
+MODELLED_PRECISIONS = {AVX2_1202: ("model", "lean-int4"), ZEN4_QWEN: ("model", "lean-int4")}
 # Runs whose draft model filled its cache by its own weights (the model's dtype, BLAS) rather than by its lean drafting
-# copy: commit 422b509 (2026-12-03 06:57) made that change, and the runs do not record which way they filled. The
-# 16k / 32k process started at 06:49, after the 2k / 8k one ended, and the 0.5B's Force 1 cost 57-71 ms a drafted
-# token there (fill included) against 106-119 ms in the 2k / 8k runs, as in the later python-draft-fill run (56 ms)
-FILLS_BY_OWN_WEIGHTS = ("qwen-pair-zen4/python-16k", "qwen-pair-zen4/python-32k")
+# copy: the runs do not record which way they filled; the 16k / 32k process ran with the library that fills by the
+# draft's own weights, and the 0.5B's Force 1 cost 57-71 ms a drafted token there (fill included) against 106-119 ms
+# in the 2k / 8k runs, as in the python-draft-fill run (56 ms)
+FILLS_BY_OWN_WEIGHTS = tuple(f"qwen-coder-pair-vs-assisted-zen4/python-{c}" for c in ("16k", "32k"))
 # What is known of a run's machine beyond its records (source prefix -> note), for points it measured slower than the
 # model predicts
-RUN_NOTES = {"qwen-pair-zen4/python-16k (greedy)": "this run's decoding shared the two cores with the calibration "
-             "session's scripts (2026-12-03 06:52-07:10): its static step took 430 ms, 208 ms in the sampled run of "
-             "the same process"}
-# docs/results.md, "Why the speed targets at 8k-32k are out of reach here: tier costs" (session 5, 2 threads, fp32,
-# median of 7, ranges as their middle): (what, cached entries, rows, milliseconds)
-RESULTS_MD_TIERS = [("F3 16k full cache", 16000, 1, 137.0), ("F3 16k full cache", 16000, 7, 225.0),
-                    ("F3 32k full cache", 32000, 1, 203.0), ("F3 32k full cache", 32000, 7, 321.0),
-                    ("F2 budget 1024", 1024, 1, 60.0), ("F2 budget 1024", 1024, 4, 91.0),
-                    ("F2 budget 4096", 4096, 1, 85.5), ("F2 budget 4096", 4096, 4, 124.5),
-                    ("F1 sink+window", SINK_WINDOW, 1, 57.0)]
+RUN_NOTES = {"qwen-coder-pair-vs-assisted-zen4/python-16k (greedy)": "this run's decoding shared the two cores with "
+             "other jobs (2026-12-03 06:52-07:10): its static step took 430 ms, 208 ms in the sampled run of the same "
+             "process"}
+# Tier costs of SmolLM2 fp32 on the 2026-11-30 host (2 threads, caches of random content, median of 7, ranges as
+# their middle; recorded only here): (what, cached entries, rows, milliseconds)
+TIER_COSTS = [("F3 16k full cache", 16000, 1, 137.0), ("F3 16k full cache", 16000, 7, 225.0),
+              ("F3 32k full cache", 32000, 1, 203.0), ("F3 32k full cache", 32000, 7, 321.0),
+              ("F2 budget 1024", 1024, 1, 60.0), ("F2 budget 1024", 1024, 4, 91.0),
+              ("F2 budget 4096", 4096, 1, 85.5), ("F2 budget 4096", 4096, 4, 124.5),
+              ("F1 sink+window", SINK_WINDOW, 1, 57.0)]
 # Starting values (the fit is exact least squares; they only name the parameters and hold the fixed ones):
-# layer_overhead 4.7 ms / 30 layers is session 10's profile of one eager SmolLM2 forward ("everything else: norms,
-# rotary, views, casts, cache writes", docs/results.md, "Cheap drafting tiers"), kept fixed where a host's points
-# cannot tell it from the weights' bytes (cpu-12-01: nine points of one model).
+# layer_overhead 4.7 ms / 30 layers is a profile of one eager SmolLM2 forward ("everything else: norms, rotary, views,
+# casts, cache writes", docs/results.md, "Lean drafting tiers"), kept fixed where a host's points cannot tell it from
+# the weights' bytes (epyc-avx512-2026-12-01: nine points of one model).
 CPU_START = dict(bandwidth=20e9, gemm_bandwidth=10e9, flops=30e9, attention_flops=200e9, layer_overhead=4.7e-3 / 30,
                  quantized_bandwidth=5e9, quantized_flops=50e9, gqa_attention_flops=20e9, copy_bandwidth=20e9)
 PLAIN = ["bandwidth", "gemm_bandwidth", "flops", "attention_flops", "layer_overhead"]
 # The Qwen-pair hosts (one target, every Force-3 verification 5-7 rows, two drafting models) cannot tell the multi-row
 # weight rate from the matmul FLOP/s, nor a per-layer overhead from the bytes (fitted free, the flops and the int4
-# bytes went unlimited and the overhead to 4.8 ms a layer): the weights are read at ``bandwidth`` whatever the rows
-# and the overhead is 0, as the cpu-11-30 fit of this stack found; free are the memory's bytes/s, the matmul and
+# bytes go unlimited and the overhead to 4.8 ms a layer): the weights are read at ``bandwidth`` whatever the rows and
+# the overhead is 0, as the 2026-11-30 fit of this stack finds; free are the memory's bytes/s, the matmul and
 # attention FLOP/s, and the int4 copies' bytes/s and FLOP/s
 LEAN_HOST = ["bandwidth", "flops", "attention_flops", "quantized_bandwidth", "quantized_flops"]
-# session 19 ran two models in two dtypes (SmolLM2 fp32, the Qwen pair bf16): matmul and attention FLOP/s by dtype;
-# its points are static decodes and Force-3 verifications (the target's own weights), so no int4 rates
+# hosts of two models in two dtypes (SmolLM2 fp32, the Qwen pair bf16): matmul and attention FLOP/s by dtype; their
+# points are static decodes and Force-3 verifications (the target's own weights), so no int4 rates
 BY_DTYPE_HOST = ["bandwidth", "flops:float32", "flops:bfloat16", "attention_flops:float32",
                  "attention_flops:bfloat16", "layer_overhead"]
 KERNEL_HOST = [*BY_DTYPE_HOST, *PLAIN_GENERATE_RATES]  # its runs (both models) and its kernel timings
-CPU_FREE = {"cpu-11-29": PLAIN, "cpu-11-30": PLAIN, "cpu-12-01": ["bandwidth", "flops", "attention_flops"],
-            "cpu-12-02": LEAN_HOST, "cpu-12-03": LEAN_HOST, "cpu-s19": BY_DTYPE_HOST, "cpu-s20": KERNEL_HOST}
-CPU_FIXED = {"cpu-12-02": {"layer_overhead": 0.0}, "cpu-12-03": {"layer_overhead": 0.0}}
+CPU_FREE = {AVX2_1129: PLAIN, AVX2_1130: PLAIN, AVX512_1201: ["bandwidth", "flops", "attention_flops"],
+            AVX2_1202: LEAN_HOST, ZEN4_QWEN: LEAN_HOST, ZEN4_MEDIANS: BY_DTYPE_HOST, ZEN4_KERNELS: KERNEL_HOST}
+CPU_FIXED = {AVX2_1202: {"layer_overhead": 0.0}, ZEN4_QWEN: {"layer_overhead": 0.0}}
 
 
 @dataclass
@@ -230,7 +237,7 @@ def _sink_window(stats: dict, model: ModelShape) -> int:
 def _fills_by_forward(stats: dict, drafter: str) -> bool:
     """Whether the run's Force-1 seconds include a forward filling the drafter's cache: recorded by the later runs
     (``draft_caches``: "filled by a forward" for a draft model, "a copy of the full cache's entries" for self); the
-    older runs do not say, and their fill stays unmodelled (as before: their F1 points read it as drafting)."""
+    older runs do not say, and their fill stays unmodelled (their F1 points read it as drafting)."""
     recorded = stats.get("draft_caches") or {}
     return drafter != "ngram" and any("filled by a forward" in how for how in recorded.values())
 
@@ -335,7 +342,7 @@ def cpu_points(host: str) -> tuple[list[Point], list[str], list[str]]:
             print(f"note: {host}: {path.relative_to(ROOT)} is not there (yet): skipped")
             missing.append(folder)
             continue
-        qwen = folder.startswith("qwen")
+        qwen = "qwen" in folder
         for entry in json.loads(path.read_text()):
             context = entry["context"]
             dtype = entry.get("dtype") or "float32"
@@ -432,30 +439,30 @@ def kernel_points(host: str) -> list[Point]:
     return points
 
 
-def cpu_markdown_points() -> dict[str, list[Point]]:
-    """Tier timings that only the docs hold (cpu-11-30) and session 10's lean-drafting timings (cpu-12-01)."""
+def cpu_listed_points() -> dict[str, list[Point]]:
+    """Tier timings recorded only in `TIER_COSTS` (2026-11-30) and the lean-drafting timings (2026-12-01)."""
     model = smollm2()
-    session5 = [Point("cpu-11-30", "results.md tier costs", f"{what}, {rows} rows", "ms", ms,
-                      lambda p, c=cached, r=rows: forward_seconds(model, device_of(p), c, r), True)
-                for what, cached, rows, ms in RESULTS_MD_TIERS]
+    tiers = [Point(AVX2_1130, "tier costs", f"{what}, {rows} rows", "ms", ms,
+                   lambda p, c=cached, r=rows: forward_seconds(model, device_of(p), c, r), True)
+             for what, cached, rows, ms in TIER_COSTS]
     lean = json.loads((BENCH / "lean-drafting" / "2-threads.json").read_text())["timings_ms"]
     source = "lean-drafting/2-threads.json"
-    session10 = [
-        Point("cpu-12-01", source, "static decode step, 8000 cached", "ms", lean["static decode step"],
+    drafting = [
+        Point(AVX512_1201, source, "static decode step, 8000 cached", "ms", lean["static decode step"],
               lambda p: forward_seconds(model, device_of(p), 8000), True),
-        Point("cpu-12-01", source, f"F1 eager, {SINK_WINDOW} cached", "ms", lean["force1 model greedy (per token)"],
+        Point(AVX512_1201, source, f"F1 eager, {SINK_WINDOW} cached", "ms", lean["force1 model greedy (per token)"],
               lambda p: forward_seconds(model, device_of(p), SINK_WINDOW), True),
-        Point("cpu-12-01", source, "F2 eager, 3 rows, 1024 cached", "ms",
+        Point(AVX512_1201, source, "F2 eager, 3 rows, 1024 cached", "ms",
               lean["force2 verify model (3 rows, 1024 entries)"],
               lambda p: forward_seconds(model, device_of(p), 1024, 3), True)]
-    return {"cpu-11-30": session5, "cpu-12-01": session10}
+    return {AVX2_1130: tiers, AVX512_1201: drafting}
 
 
 # -- H200 points -------------------------------------------------------------------------------------------------
 def gpu_points() -> tuple[list[Point], list[str]]:
     points, skipped = [], []
     shapes = {"smollm2-135m": "smollm2-135m", "qwen2.5-1.5b": "qwen2.5-coder-1.5b"}  # same shape (random weights)
-    for folder in ("gpu-h200", "gpu-h200-run2"):
+    for folder in ("gpu-h200", "gpu-h200-smollm2-shape"):
         for row in json.loads((BENCH / folder / "gpu_check.json").read_text())["rows"]:
             dtype = {"bf16": "bfloat16", "fp32": "float32"}[row["dtype"]]
             target = model_shape(shapes[row["model"]], dtype)
@@ -586,22 +593,23 @@ def summary(rows: list[dict]) -> dict:
 # -- published projections (docs/results.md) -----------------------------------------------------------------------
 def measured_rates() -> dict:
     """Per-token rates measured in this project's runs (the inverse of `expected_tokens` on tokens per step / round):
-    Force 1 = self on sink+window -> Force 2 (the fixed self runs of the session-4 natural-text tables, budget 512),
-    self on sink+window -> Force 3 (two levels, 16k), and Qwen2.5-Coder-0.5B -> 1.5B (Force 1 -> Force 2, 2k)."""
+    Force 1 = self on sink+window -> Force 2 (the fixed self runs on the essays, 1k-16k, budget 512), self on
+    sink+window -> Force 3 (two levels, 16k), and Qwen2.5-Coder-0.5B -> 1.5B (Force 1 -> Force 2, 2k)."""
     force2 = []
     for folder in ("natural-1k-8k", "natural-16k"):
-        for entry in json.loads((BENCH / folder / "results.json").read_text()):
+        for entry in json.loads((OUT / AVX2_1130 / folder / "results.json").read_text()):
             stats = entry["methods"]["triforce-self"]["stats"]
             force2.append(rate_for_tokens(stats["force2_proposed"] / stats["force2_steps"], 2))
-    streaming = json.loads((BENCH / "16k" / "results.json").read_text())[0]["methods"]["streaming-self"]["stats"]
-    qwen = json.loads((BENCH / "qwen-2k" / "results.json").read_text())[0]["methods"]["triforce-draft"]["stats"]
+    first = {name: json.loads((OUT / AVX2_1129 / name / "results.json").read_text())[0]["methods"]
+             for name in ("16k", "qwen-2k")}
+    streaming, qwen = first["16k"]["streaming-self"]["stats"], first["qwen-2k"]["triforce-draft"]["stats"]
     return {"force2": float(np.mean(force2)), "force2_runs": [round(r, 3) for r in force2],
             "streaming": rate_for_tokens(streaming["tokens_per_force3_step"], STREAMING_GAMMA),
             "draft": rate_for_tokens(qwen["force2_proposed"] / qwen["force2_steps"], 2)}
 
 
-# Force 2 -> Force 3 at a 4096 budget: teacher-forced per-token agreement at 32k (docs/results.md, "How well Force 2
-# agrees with Force 3"): 0.882 selected once per prompt, 0.946 re-selected per position (T=1); Force 2 re-selects
+# Force 2 -> Force 3 at a 4096 budget: teacher-forced per-token agreement at 32k (docs/results.md, "Force 2: re-select
+# every step"): 0.882 selected once per prompt, 0.946 re-selected per position (T=1); Force 2 re-selects
 # once per Force-3 step, between the two.
 FORCE3_RATE = 0.90
 PUBLISHED_GAMMAS = (4, 16)  # the plan search's bounds (gamma1, gamma2) for the published projections
@@ -665,38 +673,45 @@ def publish_markdown(published: dict) -> str:
     return "\n".join(lines)
 
 
-def preset_check(hosts: dict) -> list[str]:
-    """`DEVICES["cpu-this"]` is the cpu-11-30 fit, ``cpu-epyc-avx2`` / ``cpu-zen4`` the cpu-12-02 / cpu-12-03 fits
-    (``cpu-zen4``'s plain-generate attention cpu-s20's) and `GPU_LAYER_OVERHEAD` the h200 fit (rounded): say so."""
-    cpu, gpu = hosts["cpu-11-30"]["params"], hosts["h200"]["params"]
-    preset = device("cpu-this", "float32")
-    pairs = [("cpu-this bandwidth", preset.bandwidth, cpu["bandwidth"]),
-             ("cpu-this gemm_bandwidth", preset.gemm_bandwidth, cpu["gemm_bandwidth"]),
-             ("cpu-this flops", preset.flops, cpu["flops"]),
-             ("cpu-this attention_flops", preset.attention_flops, cpu["attention_flops"]),
-             ("GPU_LAYER_OVERHEAD", GPU_LAYER_OVERHEAD, gpu["layer_overhead"])]
-    for preset_name, host, dtype in (("cpu-epyc-avx2", "cpu-12-02", "float32"), ("cpu-zen4", "cpu-12-03", "bfloat16")):
-        if host not in hosts:
+# the dtype a host's rates without a ":<dtype>" suffix hold for (`fitted_devices`)
+HOST_DTYPES = {ZEN4_QWEN: "bfloat16"}
+DEVICE_RATES = ("flops", "attention_flops", "quantized_bandwidth", "quantized_flops", "gqa_attention_flops")
+
+
+def fitted_devices(hosts: dict) -> dict:
+    """Each fitted CPU host as a device preset of `hf_triforce.tools.project` (``--devices``): its rates per dtype."""
+    devices = {}
+    for host, result in hosts.items():
+        if host == "h200" or host in PREDICTED_BY:
             continue
-        preset = device(preset_name, dtype)
-        pairs += [(f"{preset_name} {key}", getattr(preset, key), hosts[host]["params"][key]) for key in LEAN_HOST]
-    if "cpu-s20" in hosts:
-        zen4 = device("cpu-zen4", "bfloat16")
-        pairs += [("cpu-zen4 gqa_attention_flops", zen4.gqa_attention_flops,
-                   hosts["cpu-s20"]["params"]["gqa_attention_flops:bfloat16"]),
-                  ("cpu-zen4 copy_bandwidth", zen4.copy_bandwidth, hosts["cpu-s20"]["params"]["copy_bandwidth"])]
-    lines = []
-    for name, value, fitted in pairs:
-        agree = abs(value / fitted - 1) < 0.02
-        lines.append(f"- {name}: preset {value:.3g}, fit {fitted:.3g}{'' if agree else ' -- UPDATE THE PRESET'}")
-        if not agree:
-            print(f"warning: {name} preset {value:.3g} differs from the fit {fitted:.3g}")
-    return lines
+        params, dtype = result["params"], HOST_DTYPES.get(host, "float32")
+        preset = dict(bandwidth=params["bandwidth"], layer_overhead=params["layer_overhead"], offload_bandwidth=0.0,
+                      cpu=True, gemm_bandwidth=params.get("gemm_bandwidth"),
+                      copy_bandwidth=params.get("copy_bandwidth"),
+                      notes=f"2 vCPUs at 2 torch threads, fitted by benchmarks/project_calibration.py (host {host}, "
+                      "docs/bench/calibration/calibration.md)")
+        for rate in DEVICE_RATES:
+            by_dtype = {key.split(":")[1]: value for key, value in params.items() if key.startswith(f"{rate}:")}
+            if rate in params:
+                by_dtype.setdefault(dtype, params[rate])
+            if by_dtype:
+                preset[rate] = by_dtype
+        devices[host] = preset
+    return devices
+
+
+def overhead_check(hosts: dict) -> list[str]:
+    """`GPU_LAYER_OVERHEAD` is the h200 fit (rounded): say so."""
+    fitted = hosts["h200"]["params"]["layer_overhead"]
+    agree = abs(GPU_LAYER_OVERHEAD / fitted - 1) < 0.02
+    if not agree:
+        print(f"warning: GPU_LAYER_OVERHEAD {GPU_LAYER_OVERHEAD:.3g} differs from the fit {fitted:.3g}")
+    return [f"- GPU_LAYER_OVERHEAD: {GPU_LAYER_OVERHEAD:.3g}, fit {fitted:.3g}{'' if agree else ' -- UPDATE IT'}"]
 
 
 def main() -> None:
     out = {"hosts": {}, "skipped": {}, "missing": {}}
-    extra = cpu_markdown_points()
+    extra = cpu_listed_points()
     # the kernel hosts first (they lend rates), the predicted hosts last (after the hosts they are predicted by)
     for host in sorted(CPU_FILES, key=lambda h: (h in PREDICTED_BY, h not in KERNEL_FILES)):
         points, skipped, missing = cpu_points(host)
@@ -771,9 +786,13 @@ def main() -> None:
                   f"{r['predicted']:.3g} | {r['error']:+.1%} | {'yes' if r['fitted_on'] else ''} |"
                   for r in result["rows"]]
         lines += ["", f"Not modelled ({len(out['skipped'][host])}): " + "; ".join(out["skipped"][host])]
-    lines += ["", "## Presets against these fits", ""] + preset_check(out["hosts"])
-    folder = BENCH / "projection"
+    lines += ["", "## The GPU presets' per-layer overhead against this fit", ""] + overhead_check(out["hosts"])
+    folder = OUT
     folder.mkdir(exist_ok=True)
+    devices = {"about": "CPU devices fitted by benchmarks/project_calibration.py on the runs of docs/bench "
+               "(calibration.md); hf-triforce project --devices <this file> --device <name>",
+               "devices": fitted_devices(out["hosts"])}
+    (folder / "devices.json").write_text(json.dumps(devices, indent=1))
     (folder / "calibration.json").write_text(json.dumps(out, indent=1))
     (folder / "calibration.md").write_text("\n".join(lines) + "\n")
     published = publish(out["hosts"]["h200"]["params"])

@@ -1,4 +1,4 @@
-"""Force-1 and Force-2 forward costs of the lean tiers by ``TriForceConfig.tier_compile`` (issue 24, deliverable 1).
+"""Force-1 and Force-2 forward costs of the lean tiers by ``TriForceConfig.tier_compile``.
 
 SmolLM2-135M, a question-free slice of Paul Graham's essays: Force 1 = one token on a 272-entry sink+window cache
 (sink 16 + window 256, filled to 264), Force 2 = gamma1 + 1 = 3 tokens on a retrieval-sized buffer (budget 4096 +

@@ -1,4 +1,4 @@
-"""Where a model drafter's tree branches: shallowest positions first (the old rule) vs least certain positions
+"""Where a model drafter's tree branches: shallowest positions first vs least certain positions
 (`hf_triforce.drafters.branching`), and, when sampling, top-k point-mass siblings vs siblings sampled without
 replacement.
 
@@ -12,7 +12,7 @@ seed; sampled rows sum the counts over the seeds. Greedy rows also check identit
 
 The variants are registered as extra drafters (`register_drafter`) for this script only:
 ``self-sampled``: least certain positions (`hf_triforce.drafters.branching`), siblings sampled without replacement when
-sampling; ``self-topk``: the same positions, top-k point-mass siblings; ``self-shallowest``: the old rule (top-k
+sampling; ``self-topk``: the same positions, top-k point-mass siblings; ``self-shallowest``: shallowest first (top-k
 alternatives at the shallowest positions while the budget lasts). Chains use ``self``.
 """
 
@@ -46,8 +46,8 @@ COUNTED = ("force3_tokens", "force3_steps", "force1_proposed", "force2_accepted"
 
 
 class ShallowestFirst(ModelDrafter):
-    """The rule before `branching`: the chain, then the draft's next most likely tokens at each position from
-    the shallowest down until ``nodes`` is spent (point masses)."""
+    """Shallowest first, the rule `branching` replaces: the chain, then the draft's next most likely tokens at each
+    position from the shallowest down until ``nodes`` is spent (point masses)."""
 
     def propose_tree(self, sequence: torch.Tensor, depth: int, nodes: int, branch: int) -> DraftTree:
         tokens, rows, probs = run_inline(self._draft_steps(sequence, min(depth, nodes)))
@@ -74,7 +74,7 @@ def _variant(cls, **kwargs):
 
 
 register_drafter("self-shallowest", _variant(ShallowestFirst, sampled_siblings=False), "model",
-                 "benchmark only: the old branching rule", trees=True)
+                 "benchmark only: shallowest-first branching", trees=True)
 register_drafter("self-sampled", _variant(ModelDrafter, sampled_siblings=True), "model",
                  "benchmark only: least certain positions, siblings sampled without replacement", trees=True)
 register_drafter("self-topk", _variant(ModelDrafter, sampled_siblings=False), "model",

@@ -1,6 +1,6 @@
 """Cost of verifying a candidate tree on a full cache of L tokens vs a one-token decode (SmolLM2-135M shapes).
 
-Issue 12's target: a tree of up to 32 nodes verified at 32k for at most 1.3x a one-token decode on the CPU path.
+The aim: a tree of up to 32 nodes verified at 32k for at most 1.3x a one-token decode on the CPU path.
 As in `verify_cost.py` the KV buffer is filled with random values (attention cost does not depend on them), so
 32k is measured without a prefill. Timed, each as the median of ``--repeats`` forwards after a warm-up, through
 TriForce's attention (recording wrapper): a one-token decode and a chain of ``--chain`` proposals (root + chain

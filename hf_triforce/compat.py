@@ -53,12 +53,12 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMa
 # unchanged (`generate`/`_extract_generation_mode_kwargs`, `CacheLayerMixin`'s abstract methods,
 # `_preprocess_mask_arguments`, the sliding mask, `get_layer_types_and_kwargs`, `eager_attention_forward` per
 # model file, `rotary_emb`, `GenerateDecoderOnlyOutput`, `remove_quantization_config`,
-# `PrefixConstrainedLogitsProcessor`, `_compile_all_devices`, `_valid_auto_compile_criteria`). What changed
-# around them: Falcon's attention now goes through the AttentionInterface (recorded: three levels run it; ALiBi
-# Falcon adds its position bias to the attention mask, see `kernels.attention`), `_assisted_decoding` reads
+# `PrefixConstrainedLogitsProcessor`, `_compile_all_devices`, `_valid_auto_compile_criteria`). Around them in
+# 5.25: Falcon's attention goes through the AttentionInterface (three levels run it; ALiBi Falcon adds its position
+# bias to the attention mask, see `kernels.attention`), `_assisted_decoding` reads
 # `candidate_generator.num_drafting_tokens` and `_speculative_sampling` accepts with `r < p/q` (neither is used
-# here; the upstream patch follows them), and `from_pretrained` kernelizes by default (`kernels` is now a
-# requirement of transformers).
+# here; the upstream patch follows them), and `from_pretrained` kernelizes by default (`kernels` is a requirement
+# of transformers).
 TESTED_TRANSFORMERS = (">=5.24", "<5.26")
 ORIGINAL_GENERATE = GenerationMixin.generate
 

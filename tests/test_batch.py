@@ -258,10 +258,10 @@ def small_support_law(model, prompt, processors, new: int) -> dict[tuple[int, ..
 
 
 def test_int8_force2_calls_over_64_rows_keep_the_joint_law_exact(enum_setup):
-    """Issue 23: a lockstep Force-2 verification of 2 rows x 33 tokens (66 rows) on the int8 copy. The copy's
-    rows must not depend on each other at any call size, or row 0's q depends on the draft it verifies next to it
-    (the old rule quantized calls of more than 64 rows with one scale: the law was off by 3e-2 here; with
-    gamma1=30, 62-row calls, exact)."""
+    """A lockstep Force-2 verification of 2 rows x 33 tokens (66 rows) on the int8 copy. The copy's rows must not
+    depend on each other at any call size, or row 0's q depends on the draft it verifies next to it (a rule that
+    quantizes calls of more than 64 rows with one scale puts the law off by 3e-2 here; with gamma1=30, 62-row calls,
+    it stays exact)."""
     model, _ = enum_setup
     # Which seeds leave rejections to enumerate depends on the CPU's int8 products (seeds 5, 6 gave 4 paths on an
     # AVX-512 Xeon and 3 on an AVX2 EPYC, where 7, 8 gave 6): every seed's law must be exact, and at least one must

@@ -215,6 +215,36 @@ def test_bench_runs_another_engine_beside_transformers():
     assert "n/a (sampled)" in table(runs, sampled=True)
 
 
+def test_a_peer_engine_that_crashes_is_reported_and_the_bench_runs_on():
+    """A peer engine runs in its own process (`PeerProcess`): its Python errors reach the bench with the child's
+    traceback, and its process dying (here os.abort() on the second decode; llama.cpp's segfaults alike) marks its row
+    crashed while the other methods finish every round. Run in the bench's own process, the abort kills the suite."""
+    from hf_triforce.tools.bench import compare, speedups, table, to_json
+    from hf_triforce.tools.peer_process import PeerCrashed, PeerProcess
+
+    from .peer_stand_ins import AbortingEngine
+
+    model = make_model("llama-gqa")
+    ids = torch.randint(0, 64, (1, 40), generator=torch.Generator().manual_seed(0))
+    engine = PeerProcess("llama.cpp", AbortingEngine, {"tokens_per_second": 12.0})
+    try:
+        with pytest.raises(RuntimeError, match="(?s)llama.cpp failed in its process during call 1.*ValueError: this "
+                           "stand-in has no prefill"):
+            engine.prefill(ids)
+        runs, _ = compare(model, ids, ["plain", "llama.cpp"], 4, 3, 32, engines={"llama.cpp": engine})
+    finally:
+        engine.close()
+    plain, peer = runs
+    assert len(plain.seconds) == 3 and plain.tokens_per_second > 0
+    assert len(peer.seconds) == 1 and peer.crashed == "llama.cpp was killed by signal SIGABRT during call 3 (decode)"
+    assert "| llama.cpp | crashed: llama.cpp was killed by signal SIGABRT during call 3 (decode) |" in table(runs)
+    result = to_json(40, runs, 0.0)
+    assert result["methods"]["llama.cpp"]["decode_tokens_per_second"] is None
+    assert set(speedups(result)) == {"plain"}
+    with pytest.raises(PeerCrashed, match="SIGABRT"):
+        engine.decode(ids, 4, None, 0)
+
+
 def test_bench_llama_cpp_methods_need_a_bundled_gguf(tmp_path):
     with pytest.raises(SystemExit, match="run llama.cpp on a bundled GGUF"):
         main(["bench", "--model", str(tmp_path), "--methods", "plain", "llama.cpp"])

@@ -1,6 +1,6 @@
 """Exactness at the edges: what plain `generate` does with stops, padding, stateful processors, stop strings.
 
-Each test here failed on the loop before this file was written (an outside review reproduced each bug).
+Each test here reproduces a bug an outside review found in the loop.
 """
 
 from __future__ import annotations

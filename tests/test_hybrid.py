@@ -1,4 +1,4 @@
-"""Hybrid attention (sliding-window + full layers), per-layer RoPE and the other decoder families (issue 13).
+"""Hybrid attention (sliding-window + full layers), per-layer RoPE and the other decoder families.
 
 Every family of `tests/families.py` is greedy-identical to plain `generate` with a prompt several times longer
 than its sliding window and than the retrieval budget; verification blocks longer than the window; the sampled

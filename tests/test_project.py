@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -10,6 +11,7 @@ from hf_triforce import TriForceConfig
 from hf_triforce.decoding.policy import AdaptivePolicy, Plan, expected_tokens
 from hf_triforce.tools.cli import main
 from hf_triforce.tools.project import (
+    DEVICES,
     Acceptance,
     Device,
     attention_seconds,
@@ -17,6 +19,7 @@ from hf_triforce.tools.project import (
     device,
     fill_seconds,
     forward_seconds,
+    load_devices,
     model_shape,
     plain_generate_seconds,
     planning_policy,
@@ -27,6 +30,12 @@ from hf_triforce.tools.project import (
 )
 
 from .test_policy import literal_force2_seconds
+
+# the CPUs fitted on this project's runs (benchmarks/project_calibration.py), beside their measurements
+FITTED_FILE = Path(__file__).resolve().parents[1] / "docs" / "bench" / "calibration" / "devices.json"
+FITTED = load_devices(FITTED_FILE)
+FITTED_CPU = ["--devices", str(FITTED_FILE), "--device", "epyc-avx2-2026-11-30"]
+EPYC_FP32, EPYC_LEAN, ZEN4_BF16 = "epyc-avx2-2026-11-30", "epyc-avx2-2026-12-02", "zen4-2026-12-03-qwen-bf16"
 
 TINY = dict(num_hidden_layers=2, hidden_size=4, intermediate_size=8, num_attention_heads=2, num_key_value_heads=1,
             head_dim=2, vocab_size=10, tie_word_embeddings=False, hidden_act="silu", dtype="float32")
@@ -74,7 +83,8 @@ def test_smollm2_preset_reads_its_135m_weights():
     assert smollm2.dtype == "float32"
     # 30 layers x (576 x 64 x (2 x 9 + 2 x 3) + 3 x 576 x 1536) + the tied output layer 49152 x 576
     assert smollm2.matrix_params == 30 * (576 * 64 * 24 + 3 * 576 * 1536) + 49152 * 576 == 134_479_872
-    assert smollm2.kv_bytes_per_token == 46_080  # docs/bench/32k: full_cache_bytes 1480919040 = 32138 x 46080
+    # docs/bench/calibration/epyc-avx2-2026-11-29/32k: full_cache_bytes 1480919040 = 32138 x 46080
+    assert smollm2.kv_bytes_per_token == 46_080
     assert model_shape("smollm2-135m", "bf16").weight_bytes * 2 == smollm2.weight_bytes
 
 
@@ -105,7 +115,7 @@ def test_force1_and_force2_read_the_drafting_copy():
     """`tier_seconds` prices Force 1 / Force 2 at `TriForceConfig.draft_precision` (auto: lean-int4 on a CPU, the
     model on a GPU) and Force 3 at the model's own weights; int4 products at the device's quantized rates."""
     qwen = model_shape("qwen2.5-coder-1.5b", "float32")
-    cpu = device("cpu-this", "float32", quantized_bandwidth=5e9, quantized_flops=40e9)
+    cpu = device(EPYC_FP32, "float32", FITTED, quantized_bandwidth=5e9, quantized_flops=40e9)
     lean = tier_seconds(qwen, cpu, 8000, TriForceConfig(draft_precision="lean-int4"))
     model = tier_seconds(qwen, cpu, 8000, TriForceConfig(draft_precision="model"))
     assert tier_seconds(qwen, cpu, 8000) == lean  # auto on a CPU: lean-int4
@@ -126,14 +136,31 @@ def test_force1_and_force2_read_the_drafting_copy():
 
 
 def test_fitted_cpu_presets_price_the_int4_copies():
-    zen4 = device("cpu-zen4", "bfloat16")
+    assert "zen4" not in " ".join(DEVICES)  # the installed presets are public specs; fitted CPUs come from a file
+    zen4 = device(ZEN4_BF16, "bfloat16", FITTED)
     assert zen4.cpu and zen4.quantized_bandwidth and zen4.quantized_flops and zen4.layer_overhead == 0.0
     qwen = model_shape("qwen2.5-coder-1.5b")
     tiers = tier_seconds(qwen, zen4, 8000)
     assert tiers["draft:self"][1] == forward_seconds(qwen, zen4, 1040, precision="lean-int4") < tiers["force3"][1]
-    assert device("cpu-epyc-avx2", "float32").quantized_bandwidth < device("cpu-epyc-avx2", "float32").bandwidth
+    assert device(EPYC_LEAN, "float32", FITTED).quantized_bandwidth < device(EPYC_LEAN, "float32", FITTED).bandwidth
     with pytest.raises(ValueError, match=r"FLOP/s for \['bfloat16'\] only"):
-        device("cpu-zen4", "float32")
+        device(ZEN4_BF16, "float32", FITTED)
+
+
+@pytest.mark.parametrize("content, message", [
+    ("not json", "devices file .*: Expecting value"),
+    ('{"cpu": {}}', "expected an object with a 'devices' object"),
+    ('{"devices": {"box": {"bandwidth": 1e10, "flops": {"float32": 1e11}}}}', r"'box': missing \['layer_overhead'\]"),
+    ('{"devices": {"box": {"bandwidth": 1e10, "flops": {"float32": 1e11}, "layer_overhead": 0, "speed": 1}}}',
+     r"unknown \['speed'\]"),
+    ('{"devices": {"box": {"bandwidth": 1e10, "flops": 1e11, "layer_overhead": 0}}}',
+     r"\['flops'\] must map dtype names to numbers"),
+])
+def test_a_devices_file_is_checked_with_its_name_and_key(tmp_path, content, message):
+    path = tmp_path / "devices.json"
+    path.write_text(content)
+    with pytest.raises(ValueError, match=message):
+        load_devices(path)
 
 
 def test_a_fill_keeps_the_last_rows_logits():
@@ -224,7 +251,7 @@ def test_model_from_a_local_folder_and_from_a_config(tmp_path):
     (lambda: device("tpu-9", "float32"), r"give \['bandwidth', 'flops', 'layer_overhead'\]"),
     (lambda: device("h200", "float32", bandwidth=-1.0), "bandwidth must be a number above 0"),
     (lambda: device("h200", "float32", layer_overhead=-1.0), "layer_overhead must be a number >= 0"),
-    (lambda: device("cpu-this", "bfloat16"), "FLOP/s for \\['float32'\\] only"),
+    (lambda: device(EPYC_FP32, "bfloat16", FITTED), "FLOP/s for \\['float32'\\] only"),
     (lambda: device("h200", "float32", speed=3.0), "unknown parameters"),
     (lambda: Acceptance(force3=1.5), "acceptance force3 must be in"),
     (lambda: tier_seconds(model_shape(TINY), UNIT, 0), "context must be a positive integer"),
@@ -234,9 +261,9 @@ def test_model_from_a_local_folder_and_from_a_config(tmp_path):
     (lambda: tier_seconds(model_shape("llama-3.1-8b"), device("h200", "bfloat16"), 1000,
                           TriForceConfig(draft_precision="lean-int4")),
      "draft_precision='lean-int4': it runs on CPU only and device h200 is not a CPU"),
-    (lambda: tier_precision("int8", device("cpu-this", "float32"), [model_shape("llama-3.2-1b")]),
+    (lambda: tier_precision("int8", device(EPYC_FP32, "float32", FITTED), [model_shape("llama-3.2-1b")]),
      "draft_precision='int8': it copies float32 models; llama-3.2-1b is bfloat16"),
-    (lambda: tier_precision("lean-int4", device("cpu-this", "float32"), [model_shape(TINY)]),
+    (lambda: tier_precision("lean-int4", device(EPYC_FP32, "float32", FITTED), [model_shape(TINY)]),
      "not multiples of the int4 group size 32"),
     (lambda: device("h200", "float32", quantized_bandwidth=0.0), "quantized_bandwidth must be above 0 or None"),
     (lambda: device("h200", "float32", gqa_attention_flops=-1.0), "gqa_attention_flops must be above 0 or None"),
@@ -258,8 +285,7 @@ def test_assume_rates_checks_its_input():
 
 
 def test_cli_prints_a_projection_and_json(capsys):
-    assert main(["project", "--model", "smollm2-135m", "--device", "cpu-this", "--contexts", "4096",
-                 "--budget", "512"]) == 0
+    assert main(["project", "--model", "smollm2-135m", *FITTED_CPU, "--contexts", "4096", "--budget", "512"]) == 0
     text = capsys.readouterr().out
     assert text.startswith("PROJECTION (not measured)") and "| plain decoding | plain |" in text
     assert main(["project", "--model", "llama-2-7b-128k", "--draft-model", "llama-68m", "--device", "rtx4090",
@@ -271,11 +297,11 @@ def test_cli_prints_a_projection_and_json(capsys):
 
 
 def test_cli_draft_precision(capsys):
-    assert main(["project", "--model", "qwen2.5-coder-1.5b", "--dtype", "float32", "--device", "cpu-this",
+    assert main(["project", "--model", "qwen2.5-coder-1.5b", "--dtype", "float32", *FITTED_CPU,
                  "--contexts", "8000", "--json"]) == 0
     auto = json.loads(capsys.readouterr().out)
     assert auto["draft_precision"] == "lean-int4"
-    assert main(["project", "--model", "qwen2.5-coder-1.5b", "--dtype", "float32", "--device", "cpu-this",
+    assert main(["project", "--model", "qwen2.5-coder-1.5b", "--dtype", "float32", *FITTED_CPU,
                  "--contexts", "8000", "--json", "--draft-precision", "model"]) == 0
     model = json.loads(capsys.readouterr().out)
     assert model["draft_precision"] == "model"

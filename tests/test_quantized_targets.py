@@ -56,7 +56,7 @@ def test_bnb_8bit_with_outlier_threshold(checkpoint, monkeypatch):
     prompts = [random_prompt(100, period=37, seed=seed) for seed in (1, 2)]
     for prompt in prompts:
         _assert_identical(model, prompt)
-    # the mutation: verification rows computed together (as before RowsApart) diverges from plain generate
+    # the mutation: verification rows computed together (without RowsApart) diverges from plain generate
     monkeypatch.setattr(RowsApart, "enable", lambda self: None)
     diverged = [not torch.equal(model.generate(p, triforce_config=CONFIG, **GEN), model.generate(p, **GEN))
                 for p in prompts]

@@ -24,7 +24,7 @@ def law(*probs: float) -> torch.Tensor:
 
 def test_alternatives_go_to_the_least_certain_position():
     """Position 0 is confident (top-1 0.97), position 1 uncertain (0.4): the whole budget goes to position 1,
-    although position 0 is shallower (the old rule filled position 0 first)."""
+    although position 0 is shallower (a shallowest-first rule fills position 0 first)."""
     laws = [law(0.97, 0.01, 0.01, 0.01), law(0.4, 0.3, 0.2, 0.1), law(0.9, 0.05, 0.03, 0.02)]
     assert sibling_counts(laws, [0, 0, 0], budget=3, most=3) == [0, 3, 0]
     assert sibling_counts(laws, [0, 0, 0], budget=2, most=3) == [0, 2, 0]

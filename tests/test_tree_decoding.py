@@ -171,8 +171,8 @@ def test_offloaded_full_cache_with_trees(gqa_model):
 
 def not_shallowest_first(tree, most: int) -> bool:
     """Whether ``tree`` (a model drafter's chain plus leaf alternatives) has alternatives at a position deeper than
-    one with fewer than ``most``: a shape the old rule (fill each position from the root down) never built (the
-    tiny models' laws give every token mass, so every position has alternatives to take)."""
+    one with fewer than ``most``: a shape a shallowest-first rule (fill each position from the root down) never builds
+    (the tiny models' laws give every token mass, so every position has alternatives to take)."""
     chain = tree.path(max(range(len(tree)), key=lambda node: (tree.depths()[node], -node)))
     counts = [len(tree.children(parent)) - 1 for parent in [-1] + chain[:-1]]
     return any(counts[i] < most and any(counts[i + 1 :]) for i in range(len(counts)))

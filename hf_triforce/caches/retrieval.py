@@ -40,11 +40,11 @@ class RetrievalCache(BufferCache):
         self.selections = 0
         self._summaries: list[torch.Tensor | None] = [None] * num_layers
         # per layer, the chunks its selected slots hold ([batch, kv_heads, k], slot order): a re-selection copies
-        # only the chunks that changed (SmolLM2 at 16k, budget 4096: a full copy was ~86 ms, a Force-3 step's worth)
+        # only the chunks that changed (SmolLM2 at 16k, budget 4096: a full copy costs ~86 ms, a Force-3 step's worth)
         self._held: list[torch.Tensor | None] = [None] * num_layers
         # per layer, ``(origin, upto)`` of its recent region when a re-selection may reuse it: it holds tokens
         # ``[upto - recent, upto)``, token ``t`` at slot ``(t - origin) % recent``; a re-selection copies only the
-        # tokens that entered it (SmolLM2 shapes at 16k, budget 4096: a selection 84-101 ms before, median 78 after)
+        # tokens that entered it (SmolLM2 shapes at 16k, budget 4096: a selection median 78 ms, 84-101 copying it whole)
         self._recent: list[tuple[int, int] | None] = [None] * num_layers
 
     def entries_for(self, seq_len: int) -> int:

@@ -67,8 +67,8 @@ class Force2:
     """The target (or its int8 copy) on a `RetrievalCache`: verifies Force 1, hands its tokens up with q.
 
     One per row and call, whichever drafter is Force 1 (`use`): the retrieval tier does not depend on who drafts
-    for it, so its selection, chunk summaries and memory are paid once. Before, each three-level drafter had its
-    own (SmolLM2 at 16k, budget 4096: a second 189 MB cache and its first selection, 0.3 s of a 4.5 s call).
+    for it, so its selection, chunk summaries and memory are paid once (one per drafter would cost, SmolLM2 at 16k,
+    budget 4096, a second 189 MB cache and its first selection, 0.3 s of a 4.5 s call).
     """
 
     def __init__(self, model, drafter: Drafter, config: TriForceConfig, processors: LogitsProcessorList,

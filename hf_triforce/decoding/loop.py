@@ -77,8 +77,8 @@ def lean_self_drafting(config: TriForceConfig, target) -> bool:
     where that copy runs lean (Force 2 runs it anyway: no more weight memory; not the target's eager forward) and the
     self drafter keeps its tokens at their absolute positions (``draft_positions="slots"``, asked for the draft
     model, would re-rotate the target's keys, which the preflight checks for the configured drafter only). On the
-    Qwen2.5-Coder pair at 2k (sampled) TriForceConfig(draft=<the 0.5B>) without it ran 0.86x static-cache generate
-    while TriForceConfig()'s best plan there, self g2, ran 1.4x (docs/results.md, session 20)."""
+    Qwen2.5-Coder pair at 2k (sampled) TriForceConfig(draft=<the 0.5B>) without it runs 0.86x static-cache generate
+    while TriForceConfig()'s best plan there, self g2, runs 1.4x (docs/results.md, "Current results")."""
     if isinstance(config.draft, str) or config.draft_positions == "slots":
         return False
     return draft_forward(replace(config, draft="self"), target) == "lean"

@@ -64,19 +64,19 @@ EXPLORE_BUDGET = 0.05
 # that fill is priced as this fraction of a one-row forward of the same model: the per-row cost of a 1024-row chunk
 # against a one-row decode step, 2 CPU threads: Qwen2.5-Coder-1.5B fp32 0.052 (AVX2 EPYC) / 0.050, bf16 0.025
 # (AVX512-BF16 EPYC), SmolLM2 fp32 0.018 (the largest kept: a fill repaid only in a long call is not started in a
-# short one). The previous flat price, 4 one-token Force-3 steps, under-priced a 1040-row fill of a 0.5B draft for a
+# short one). A flat price of 4 one-token Force-3 steps would under-price a 1040-row fill of a 0.5B draft for a
 # 1.5B target ~2-4x.
 FILL_ROW_FRACTION = 0.05
 # A one-row forward of a tier not timed yet, as a fraction of Force 3's, where the decoder gives no fraction of its
 # own (a draft model): the eager SmolLM2 on its 272-entry cache cost ~0.5 of a Force-3 step at 4-8k on 2 CPU threads.
 # For the target's own tiers the decoder gives the fraction of bytes they read (`Decoder.tier_fractions`): without
-# it the lean-int4 self drafter (0.12 of a step at 8k) was priced at 0.5 and never ran (docs/results.md).
+# it the lean-int4 self drafter (0.12 of a step at 8k) would be priced at 0.5 and never run.
 UNMEASURED_FRACTION = 0.5
 # A plan kind's predicted step seconds are scaled by the moving average of its steps' measured / predicted seconds
 # (`AdaptivePolicy.calibration`), each ratio clipped to this range (one step's stall, e.g. a page-fault burst, moves
 # the average by at most EMA x the bound). What the tier costs leave out shows up there: Qwen2.5-Coder-1.5B bf16 at
-# 32k ran one-token n-gram chains predicted at 3.76 tok/s against plain's 3.75 and measured 3.41 over 32 steps (9%
-# dearer than predicted, 0.94x the best plain decoding in all, docs/results.md session 17).
+# 32k, uncalibrated, runs one-token n-gram chains predicted at 3.76 tok/s against plain's 3.75 that measure 3.41 over
+# 32 steps (9% dearer than predicted, 0.94x the best plain decoding in all).
 CALIBRATION_BOUNDS = (0.5, 2.0)
 # Until a tree plan's own steps are measured, its acceptance rate is its chain's current rate plus this much: its
 # first path is the chain (accepted at least as often), and a hopeful prior gets each tree plan tried once.
@@ -362,8 +362,8 @@ class AdaptivePolicy:
         (a lookup proposes with probability ``coverage``, else nothing), Force 2 verifies them in one forward of
         that many rows + 1 and keeps the accepted ones (per-token ``rate``, geometric) and its own next token. A
         round's chain is shorter than ``gamma1`` near the end: priced at ``gamma1`` every round, three-level steps
-        were over-priced by 28-45% against the seconds measured (1.31-1.73 drafted tokens a round at ``gamma1``
-        2; docs/bench/projection/calibration.md)."""
+        would be over-priced by 28-45% against the seconds measured (1.31-1.73 drafted tokens a round at ``gamma1``
+        2; docs/bench/calibration/calibration.md)."""
         seconds = [0.0] * (plan.gamma2 + 1)  # seconds[s]: expected seconds with s tokens still wanted
         for s in range(1, plan.gamma2 + 1):
             alone = self.costs.estimate("force2", 1, fallback) + seconds[s - 1]  # nothing drafted: Force 2's token
@@ -427,8 +427,7 @@ class AdaptivePolicy:
                       and self._exploration_loss(p, scored[0][0]) <= EXPLORE_BUDGET * left]
             # a kind never run is predicted from priors (and rates shared with other kinds) alone: tried first. A
             # 64-token call explores once or twice; by the best prediction alone Qwen2.5-Coder-1.5B at 32k (sampled)
-            # re-explored a kind it had run and never ran Force 2 alone, which ran 1.3-1.6x faster in another call of
-            # the same process (docs/results.md, session 18)
+            # re-explores a kind it has run and never runs Force 2 alone, which runs 1.3-1.6x faster there
             untried = [(tps, p) for tps, p in others if p.kind not in self.tried]
             if others:
                 self.exploring, self.best_other = True, scored[0][0]

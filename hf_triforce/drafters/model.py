@@ -75,8 +75,8 @@ class ModelDrafter:
     def prefill(self, prompt: torch.Tensor) -> None:
         """Ready to propose after ``prompt``: on the first call, the cache filled with the prompt's first
         ``sink_tokens`` and last ``window`` tokens but the last; later (the levels of a call share one drafter, and
-        each starts it) nothing: drafting catches up with the sequence (`_draft_steps`). Before, a second level's
-        start filled it again: 0.43 s of a 16k call (SmolLM2, 272 rows, 2 threads)."""
+        each starts it) nothing: drafting catches up with the sequence (`_draft_steps`); a second fill would cost
+        0.43 s of a 16k call (SmolLM2, 272 rows, 2 threads)."""
         if not self.seen:
             self._fill(prompt)
 

@@ -64,8 +64,7 @@ AUTO_GPU_PRECISION = "native"
 # what TriForceConfig(draft_precision="auto"), the default, runs where the lean forward covers the model: the fastest
 # drafter measured (SmolLM2 at 8k on Paul Graham's essays, 2 threads: Force 1 at 0.12 of a static decode step per
 # drafted token against 0.64 for the eager fp32 forward, Force-2 acceptance 0.77; the adaptive policy with it 1.77x
-# static-cache generate greedy, 1.63x sampled; on SQuAD's Wikipedia 1.04x / 0.95x at 8k, 1.82x / 1.33x at 32k;
-# docs/results.md)
+# static-cache generate greedy, 1.63x sampled; docs/results.md, "Lean drafting tiers")
 AUTO_PRECISION = "lean-int4"
 # the model dtypes each lean precision copies: the quantized ones quantize fp32 or bf16 weights; "lean" multiplies by
 # the fp32 weights themselves (a bf16 model's would be an fp32 copy twice its size). A bf16 model's activations are

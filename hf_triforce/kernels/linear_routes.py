@@ -8,8 +8,8 @@ Two routes compute the same dot products in another summation order (fp32 roundi
 
 Which is faster depends on the CPU and the row count. SmolLM2-135M fp32's whole forward without a cache, 2 threads, an
 AVX2 AMD EPYC (MKL 2024.2): ``F.linear`` 92-110 ms for one row, 152-160 for two, 181-199 for four, 164-187 for seven;
-weight-left 146 (one row as two columns), 84-110, 95-110 and 160-178 ms. On an AVX-512 Xeon ``F.linear`` was as fast or
-faster for the decoder's projections, while its 49152x576 output layer was 2-3x cheaper weight-left at 2-16 rows. So
+weight-left 146 (one row as two columns), 84-110, 95-110 and 160-178 ms. On an AVX-512 Xeon ``F.linear`` is as fast or
+faster for the decoder's projections, while its 49152x576 output layer is 2-3x cheaper weight-left at 2-16 rows. So
 `LinearRoutes` times both routes for each layer group (``"head"``: the output layer; ``"decoder"``: every other eligible
 layer) at 1, 2, 4 and 8 rows (`CALIBRATED_ROWS`; a call of ``n`` rows takes the route of the largest of them not above
 ``n``), on a working set of the group's own weights larger than a last-level cache, before the call decodes (so that no

@@ -13,8 +13,9 @@ draft model), ``streaming-self`` (StreamingLLM-cache self-speculation: TriForce 
 Force 1 and Force 2 on int8 copies (``draft_precision="int8"``). Greedy by default; with ``sampling`` every method
 samples with the same settings and seed, and the "identical" column does not apply. ``llama.cpp`` and
 ``llama.cpp-lookup`` run another engine on the same GGUF (`llama_cpp_engine.LlamaCppEngine`, prefilled once each,
-passed to `compare` as ``engines``); their greedy rows say how many leading tokens match plain `generate` (its
-arithmetic differs).
+passed to `compare` as ``engines``, each in its own process: `peer_process.PeerProcess`); their greedy rows say how
+many leading tokens match plain `generate` (its arithmetic differs), and a peer whose process dies is reported as
+crashed in its row while every other method runs on.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from ..compat import compile_everywhere
 from ..decoding.forward import prefill
 from ..stats import TriForceStats
 from .methods import METHODS, TUNED_GAMMAS, chosen_gammas, method_named
+from .peer_process import PeerCrashed
 
 
 def speculative(method: str) -> bool:
@@ -51,6 +53,7 @@ class Run:
     compile_seconds: float | None = None  # the warm-up call of a compiled method (compile + a few tokens)
     copy_seconds: float | None = None  # a TriForce method's drafting weight copies, made by its warm-up call
     decoded: int = 0  # lookup / assisted: tokens timed after their first new token (`DecodeClock`)
+    crashed: str | None = None  # a peer engine whose process died: how and when (no speed is reported)
 
     @property
     def label(self) -> str:
@@ -59,7 +62,9 @@ class Run:
     @property
     def tokens_per_second(self) -> float:
         """Decode speed: tokens over the median seconds (lookup, assisted: those after their first new token, over
-        the seconds after it, `DecodeClock`)."""
+        the seconds after it, `DecodeClock`); NaN for a crashed peer."""
+        if self.crashed is not None:
+            return float("nan")
         return (self.decoded or self.new_tokens) / statistics.median(self.seconds) if self.seconds else 0.0
 
 
@@ -132,7 +137,13 @@ def measure(model, ids, prefix, method: str, new_tokens: int, budget: int, run: 
     Methods of another engine run on ``engines[method]`` (prefilled already). ``cache_tokens``: new tokens the static
     caches make room for (default ``new_tokens``): a short warm-up compiles the shape of the timed run."""
     if method_named(method).other_engine:
-        seconds, sequences = engines[method].decode(ids, new_tokens, sampling, seed)
+        if run.crashed is not None:  # its process is gone: nothing more to time
+            return
+        try:
+            seconds, sequences = engines[method].decode(ids, new_tokens, sampling, seed)
+        except PeerCrashed as crash:
+            run.crashed = str(crash)
+            return
         run.seconds.append(seconds)
         run.new_tokens, run.sequences = sequences.shape[1] - ids.shape[1], sequences
         return
@@ -225,6 +236,9 @@ def table(runs: list[Run], sampled: bool = False) -> str:
     lines = [f"| method | decode tok/s | vs plain | {best_name} | F2 acc. | F3 acc. | tok/F3 step | "
              "cache MB full/retr./draft | steps plain/2/3 levels | identical |", "|" + "---|" * 10]
     for run in runs:
+        if run.crashed is not None:
+            lines.append(f"| {run.label} | crashed: {run.crashed} |" + " - |" * 8)
+            continue
         s = run.stats
         cells = [f"{s.force2_acceptance:.2f}", f"{s.force3_acceptance:.2f}", f"{s.tokens_per_force3_step:.2f}",
                  f"{s.full_cache_bytes / 2**20:.0f}/{s.retrieval_cache_bytes / 2**20:.1f}/"
@@ -265,7 +279,8 @@ def to_json(context: int, runs: list[Run], prefill_seconds: float, sampling: dic
         "best_plain": best.method if (best := best_plain(runs)) else None,
         "methods": {
             run.label: {
-                "decode_tokens_per_second": run.tokens_per_second,
+                "decode_tokens_per_second": None if run.crashed else run.tokens_per_second,
+                "crashed": run.crashed,
                 "seconds": run.seconds,
                 "new_tokens": run.new_tokens,
                 "stats": run.stats.to_dict() if run.stats else None,
@@ -283,10 +298,11 @@ def to_json(context: int, runs: list[Run], prefill_seconds: float, sampling: dic
 
 def speedups(result: dict) -> dict[str, float]:
     """Each method's decode speed over the best plain decoding of ``result`` (its ``best_plain``; plain ``generate``
-    where no static run was made)."""
+    where no static run was made); a crashed peer has no speed and no entry."""
     methods = result["methods"]
     base = methods.get(result.get("best_plain") or "plain") or next(iter(methods.values()))
-    return {name: m["decode_tokens_per_second"] / base["decode_tokens_per_second"] for name, m in methods.items()}
+    return {name: m["decode_tokens_per_second"] / base["decode_tokens_per_second"] for name, m in methods.items()
+            if m["decode_tokens_per_second"] is not None}
 
 
 def plot(results: list[dict], path: Path) -> bool:

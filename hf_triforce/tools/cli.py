@@ -220,7 +220,8 @@ def _bench(args) -> int:
             runs, prefill_seconds = compare(model, ids, methods, args.new_tokens, args.repeats, args.budget,
                                             draft_model, sampling, gammas, knobs_from_args(args), prefilled,
                                             engines)
-            engine_prefill = "".join(f", {m} prefill {e.prefill_seconds:.1f} s" for m, e in engines.items())
+            engine_prefill = "".join(f", {m} crashed" if e.crashed else f", {m} prefill {e.prefill_seconds:.1f} s"
+                                     for m, e in engines.items())
             rendered = (f"### context {context} tokens, {text}, prompt '{args.prompt}', {described} "
                         f"(prefill {prefill_seconds:.1f} s{engine_prefill}, {args.new_tokens} new tokens, "
                         f"median of {args.repeats}, {args.dtype}, "
@@ -233,23 +234,31 @@ def _bench(args) -> int:
                             "dtype": args.dtype})
             tables.append(rendered)
             write_results(results, tables, args.out)
+        for engine in engines.values():
+            engine.close()
     print(f"wrote {args.out}/results.json and results.md")
     return 0
 
 
 def _llama_cpp_engines(args, methods: list[str], ids) -> dict:
-    """A prefilled llama.cpp engine per method of that engine (same GGUF, threads and RoPE scaling)."""
+    """A prefilled llama.cpp engine per method of that engine (same GGUF, threads and RoPE scaling), each in its own
+    process (`peer_process.PeerProcess`): one that crashes, here or in `compare`, is reported in the table."""
     import torch
 
     from . import assets
     from .llama_cpp_engine import LlamaCppEngine
+    from .peer_process import PeerCrashed, PeerProcess
 
     engines = {}
     for method in methods:
-        engine = LlamaCppEngine(assets.gguf_path(assets.MODELS[args.model or "smollm2-135m"]),
-                                ids.shape[1] + args.new_tokens + 16, torch.get_num_threads(),
-                                lookup=method.endswith("-lookup"), rope_factor=args.rope_factor)
-        engine.prefill(ids)
+        engine = PeerProcess(method, LlamaCppEngine, dict(
+            gguf=assets.gguf_path(assets.MODELS[args.model or "smollm2-135m"]),
+            context=ids.shape[1] + args.new_tokens + 16, threads=torch.get_num_threads(),
+            lookup=method.endswith("-lookup"), rope_factor=args.rope_factor))
+        try:
+            engine.prefill(ids)
+        except PeerCrashed as crash:  # every run of it is reported as crashed
+            print(f"hf-triforce bench: {crash} during its prefill", flush=True)
         engines[method] = engine
     return engines
 

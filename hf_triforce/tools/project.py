@@ -27,8 +27,10 @@ own cost model (`hf_triforce.decoding.policy.AdaptivePolicy`, given these tier c
 same expected-tokens formula and plan arithmetic that choose plans at run time, so the projection cannot drift from
 it.
 
-Devices are presets (`DEVICES`: datasheet bandwidth and FLOP/s; the per-layer overhead and this CPU's numbers
-fitted by ``benchmarks/project_calibration.py``, errors in ``docs/bench/projection/``) or explicit numbers; models
+Devices are presets for public specs (`DEVICES`: GPUs by their datasheet's bandwidth and FLOP/s, with the per-layer
+overhead of this stack fitted on an H200), explicit numbers (a CPU by its measured bandwidth and FLOP/s, ``--cpu``), or
+presets read from a JSON file (`load_devices`, ``--devices``: the CPUs that ``benchmarks/project_calibration.py``
+fitted on this project's runs are in ``docs/bench/calibration/devices.json``, beside their measurements); models
 are presets (`MODELS`, transcribed from the models' published config.json), a local model folder or a config dict.
 Everything here is a projection: no number it prints was measured.
 """
@@ -86,29 +88,10 @@ MODELS: dict[str, dict[str, Any]] = {
                       dtype="float32"),
 }
 
-# Per-layer overhead of one eager forward of this stack on an H200 (launches and Python: random-weight SmolLM2
-# and Qwen2.5-1.5B shapes are launch-bound there): 0.91 ms, fitted by benchmarks/project_calibration.py on the
-# fixed runs of docs/bench/gpu-h200* (errors in docs/bench/projection/calibration.md; 0.80 before the policy priced
-# a step's last Force-2 round as the loop runs it, commit 16f90d1); used for every GPU preset (the same software).
-# 0 models CUDA graphs (`--layer-overhead 0`).
+# Per-layer overhead of one eager forward of this stack on an H200 (launches and Python: random-weight SmolLM2 and
+# Qwen2.5-1.5B shapes are launch-bound there), fitted by benchmarks/project_calibration.py on docs/bench/gpu-h200*
+# (docs/bench/calibration/calibration.md); used for every GPU preset (the same software). 0 models CUDA graphs.
 GPU_LAYER_OVERHEAD = 0.91e-3
-# This project's CPU (2-core AMD EPYC, 2 torch threads, fp32) as fitted on the 2026-11-30 sessions (natural-text
-# tables, llama.cpp comparison and tier-cost table: host "cpu-11-30" of benchmarks/project_calibration.py, 111 of
-# 113 points within 25%): bytes/s of one-row and multi-row weight reads, matmul and attention FLOP/s, no per-layer
-# overhead beyond those (the fit puts it at 0).
-CPU_BANDWIDTH, CPU_GEMM_BANDWIDTH, CPU_FLOPS, CPU_ATTENTION_FLOPS = 10.2e9, 10.5e9, 35.8e9, 124e9
-# The CPUs that ran the Qwen2.5-Coder 1.5B / 0.5B pair with lean-int4 drafting tiers, 2 threads, as fitted by
-# benchmarks/project_calibration.py (per-layer overhead 0 and the multi-row weight rate = bandwidth, fixed there):
-# memory bytes/s, matmul and attention FLOP/s, the int4 copies' bytes/s and FLOP/s. Session 15's AVX2 EPYC in fp32
-# (host "cpu-12-02") and session 16's Zen 4 EPYC with AVX512-BF16 in bf16 (host "cpu-12-03").
-EPYC_AVX2_FP32 = dict(bandwidth=11.8e9, flops=19.7e9, attention_flops=151e9, quantized_bandwidth=8.65e9,
-                      quantized_flops=49.7e9)
-ZEN4_BF16 = dict(bandwidth=14.2e9, flops=424e9, attention_flops=143e9, quantized_bandwidth=26.7e9,
-                 quantized_flops=215e9,
-                 # plain generate on a DynamicCache: its bf16 attention (SDPA enable_gqa) at 4.71 GFLOP/s (the packed
-                 # path a static decode takes: ~130) and its torch.cat copies at 46.5 GB/s; fitted on session 20's
-                 # kernel timings and runs (host "cpu-s20", benchmarks/plain_generate_gqa.py)
-                 gqa_attention_flops=4.71e9, copy_bandwidth=46.5e9)
 
 # Datasheet peak numbers (dense; bandwidth of the device memory; offload = a host link's practical rate).
 DEVICES: dict[str, dict[str, Any]] = {
@@ -122,19 +105,6 @@ DEVICES: dict[str, dict[str, Any]] = {
                     layer_overhead=GPU_LAYER_OVERHEAD, offload_bandwidth=25e9,
                     notes="RTX 4090: 1.01 TB/s GDDR6X, 165 TFLOP/s bf16 dense (fp32 accumulate), 82.6 fp32; "
                     "PCIe 4.0 x16 ~25 GB/s"),
-    "cpu-this": dict(bandwidth=CPU_BANDWIDTH, gemm_bandwidth=CPU_GEMM_BANDWIDTH, flops={"float32": CPU_FLOPS},
-                     attention_flops={"float32": CPU_ATTENTION_FLOPS}, layer_overhead=0.0, offload_bandwidth=0.0,
-                     cpu=True,
-                     notes="this project's 2-core AMD EPYC at 2 torch threads, fp32, fitted (docs/bench/projection)"),
-    **{name: dict(bandwidth=rates["bandwidth"], layer_overhead=0.0, offload_bandwidth=0.0, cpu=True, notes=notes,
-                  copy_bandwidth=rates.get("copy_bandwidth"),
-                  **{key: {dtype: rates[key]} for key in ("flops", "attention_flops", "quantized_bandwidth",
-                                                          "quantized_flops", "gqa_attention_flops") if key in rates})
-       for name, rates, dtype, notes in (
-           ("cpu-epyc-avx2", EPYC_AVX2_FP32, "float32", "2-core AMD EPYC, AVX2 only, 2 torch threads, fp32 with "
-            "lean-int4 drafting copies, fitted (docs/bench/projection, host cpu-12-02)"),
-           ("cpu-zen4", ZEN4_BF16, "bfloat16", "2-core AMD EPYC Zen 4 (AVX512-BF16), 2 torch threads, bf16 with "
-            "lean-int4 drafting copies, fitted (docs/bench/projection, host cpu-12-03)"))},
 }
 
 
@@ -286,7 +256,8 @@ class Device:
     """Effective rates of one device for one dtype: bytes/s of its memory (and of the host link that streams an
     offloaded full cache; 0: none), matmul and attention FLOP/s, seconds of overhead per layer per forward, and
     optionally the bytes/s at which a forward of several rows reads the weights (``gemm_bandwidth``: CPU BLAS
-    packs the weights for a product of several rows, docs/results.md "What holds speed back"; None: ``bandwidth``).
+    packs the weights for a product of several rows, docs/results.md, "The target's few-row products"; None:
+    ``bandwidth``).
 
     ``cpu``: the lean and int8 drafting copies run here (the library runs them on the CPU only). ``quantized_bandwidth``
     / ``quantized_flops``: bytes/s at which a weight-only int8/int4 product reads (and dequantizes) its weights and
@@ -329,10 +300,42 @@ the bytes/s of ``torch.cat`` growing every layer's keys and values by one entry 
                 raise ValueError(f"device {self.name}: {field_name} must be a number >= 0, got {value!r}")
 
 
-def device(name: str, dtype: str, **overrides: float | None) -> Device:
-    """A `DEVICES` preset for ``dtype`` (its FLOP/s for that dtype), with any of `Device`'s numbers overridden
-    (None: keep the preset's). ``name`` not a preset: every number must be given (``attention_flops`` defaults to
-    ``flops``)."""
+PRESET_KEYS = {"bandwidth", "flops", "attention_flops", "layer_overhead", "offload_bandwidth", "gemm_bandwidth",
+               "quantized_bandwidth", "quantized_flops", "gqa_attention_flops", "copy_bandwidth", "cpu", "notes"}
+PER_DTYPE_KEYS = ("flops", "attention_flops", "quantized_bandwidth", "quantized_flops", "gqa_attention_flops")
+
+
+def load_devices(path: str | Path) -> dict[str, dict[str, Any]]:
+    """Device presets from a JSON file ``{"devices": {name: preset}}``, each preset as in `DEVICES` (``flops``,
+    ``attention_flops``, ``quantized_*`` and ``gqa_attention_flops`` by dtype name, the other rates plain numbers);
+    checked here, so that a wrong file fails with its name and the key."""
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as error:
+        raise ValueError(f"devices file {path}: {error}") from error
+    if not isinstance(data, dict) or not isinstance(data.get("devices"), dict):
+        raise ValueError(f"devices file {path}: expected an object with a 'devices' object, name -> preset")
+    for name, preset in data["devices"].items():
+        missing = sorted({"bandwidth", "flops", "layer_overhead"} - set(preset))
+        unknown = sorted(set(preset) - PRESET_KEYS)
+        if missing or unknown:
+            raise ValueError(f"devices file {path}: device {name!r}: missing {missing}, unknown {unknown} (keys: "
+                             f"{sorted(PRESET_KEYS)})")
+        per_dtype = [key for key in PER_DTYPE_KEYS if preset.get(key) is not None and not isinstance(preset[key], dict)]
+        if per_dtype:
+            raise ValueError(f"devices file {path}: device {name!r}: {per_dtype} must map dtype names to numbers")
+        preset.setdefault("offload_bandwidth", 0.0)
+        preset.setdefault("notes", f"from {path}")
+    return data["devices"]
+
+
+def device(name: str, dtype: str, presets: dict[str, dict[str, Any]] | None = None,
+           **overrides: float | None) -> Device:
+    """A preset for ``dtype`` (its FLOP/s for that dtype) from `DEVICES` or ``presets`` (`load_devices`), with any of
+    `Device`'s numbers overridden (None: keep the preset's). ``name`` not a preset: every number must be given
+    (``attention_flops`` defaults to ``flops``)."""
+    presets = {**DEVICES, **(presets or {})}
     dtype = _dtype_name(dtype)
     given = {key: value for key, value in overrides.items() if value is not None}
     unknown = sorted(set(given) - {"bandwidth", "flops", "attention_flops", "layer_overhead", "offload_bandwidth",
@@ -340,8 +343,8 @@ def device(name: str, dtype: str, **overrides: float | None) -> Device:
                                    "gqa_attention_flops", "copy_bandwidth", "cpu"})
     if unknown:
         raise ValueError(f"device: unknown parameters {unknown}")
-    if name in DEVICES:
-        preset = DEVICES[name]
+    if name in presets:
+        preset = presets[name]
         if "flops" not in given and dtype not in preset["flops"]:
             raise ValueError(f"device {name} has FLOP/s for {sorted(preset['flops'])} only; give flops for {dtype}")
         values = dict(bandwidth=preset["bandwidth"], flops=preset["flops"].get(dtype),
@@ -357,7 +360,7 @@ def device(name: str, dtype: str, **overrides: float | None) -> Device:
     else:
         needed = [key for key in ("bandwidth", "flops", "layer_overhead") if key not in given]
         if needed:
-            raise ValueError(f"device {name!r} is not one of {sorted(DEVICES)}: give {needed}")
+            raise ValueError(f"device {name!r} is not one of {sorted(presets)}: give {needed}")
         values = dict(offload_bandwidth=0.0, attention_flops=None, gemm_bandwidth=None)
         values.update(given)
         notes = "explicit numbers"
@@ -604,8 +607,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--draft-model", default=None, help="draft (vanilla speculative decoding, TriForce's Force 1 "
                         "as a draft): a preset or a local folder")
     parser.add_argument("--dtype", default=None, help="weights and KV cache dtype (default: the config's)")
-    parser.add_argument("--device", default="h200", help=f"one of {', '.join(DEVICES)} or a name with explicit "
-                        "--bandwidth --flops --layer-overhead (default h200)")
+    parser.add_argument("--device", default="h200", help=f"one of {', '.join(DEVICES)}, a preset of --devices, or a "
+                        "name with explicit --bandwidth --flops --layer-overhead (default h200)")
+    parser.add_argument("--devices", default=None, help="a JSON file of device presets (e.g. the CPUs fitted on this "
+                        "project's runs: docs/bench/calibration/devices.json)")
     parser.add_argument("--bandwidth", type=float, default=None, help="memory bandwidth, bytes/s")
     parser.add_argument("--flops", type=float, default=None, help="matmul FLOP/s in the dtype")
     parser.add_argument("--attention-flops", type=float, default=None, help="attention FLOP/s (default --flops)")
@@ -647,7 +652,8 @@ def run(args: argparse.Namespace) -> int:
 
     target = model_shape(args.model, args.dtype)
     draft = model_shape(args.draft_model, target.dtype) if args.draft_model else None
-    dev = device(args.device, target.dtype, bandwidth=args.bandwidth, flops=args.flops,
+    presets = load_devices(args.devices) if args.devices else None
+    dev = device(args.device, target.dtype, presets, bandwidth=args.bandwidth, flops=args.flops,
                  attention_flops=args.attention_flops, layer_overhead=args.layer_overhead,
                  offload_bandwidth=args.offload_bandwidth, gemm_bandwidth=args.gemm_bandwidth,
                  quantized_bandwidth=args.quantized_bandwidth, quantized_flops=args.quantized_flops,
