@@ -284,7 +284,7 @@ class LeanModel:
         batch, n = input_ids.shape
         mask = self._mask(attention_mask, batch, n)
         fixed = self.fixed_shape
-        if fixed is not None and mask in (None, 0) and batch == 1 and fixed.covers(cache):
+        if fixed is not None and (mask is None or isinstance(mask, int)) and batch == 1 and fixed.covers(cache):
             hidden = fixed(self, input_ids, position_ids, cache)
         else:
             hidden = self._layers(input_ids, position_ids, self._cache_attention(cache.layers, mask))
