@@ -13,7 +13,8 @@
 
 The committed sequence, the scores handed to stopping criteria and processors, and the streamer see each row
 as ``generate`` built it (left padding included, `PaddedView`); the model and the caches see the row without
-its padding. Batch size 1's returned cache holds exactly the committed sequence but its last token.
+its padding. Batch size 1's returned cache holds exactly the committed sequence but its last token, and grows when a
+later call (plain ``generate`` too) continues from it with a longer sequence.
 
 Exactness per row: row ``b``'s levels, caches, processors, acceptance and stop are its own; its forwards attend
 exactly over its own entries at its own positions; each level hands up its tokens with the exact law they were
@@ -445,5 +446,6 @@ class Decoder:
         row_stats = [total] if self.batch == 1 else self.stats
         result = DecodeResult([out.sequence for out in outs], row_stats, total)
         if self.batch == 1:
-            result.scores, result.logits, result.cache = outs[0].scores, outs[0].logits, self.force3.cache
+            # the caller may continue from it with any longer sequence (plain generate or TriForce): it grows
+            result.scores, result.logits, result.cache = outs[0].scores, outs[0].logits, self.force3.cache.allow_growth()
         return result
