@@ -66,16 +66,15 @@ def test_conversations_continue_from_the_returned_cache_under_plain_generate(fam
     plain generate gives on the whole conversation."""
     model = make_family(family)
     config = replace(CFG, full_cache_device="cpu" if offloaded else None)
-    conversation, cache = random_prompt(60, period=13), None
+    sequences, cache = random_prompt(60, period=13), None
     for turn, (triforce, new) in enumerate([(True, 12), (False, 16), (True, 10)]):
-        if turn:
-            conversation = torch.cat((out.sequences, random_prompt(20 + 10 * turn, seed=turn)), dim=1)
+        conversation = torch.cat((sequences, random_prompt(20 + 10 * turn, seed=turn)), dim=1) if turn else sequences
         expected = model.generate(conversation, max_new_tokens=new, do_sample=False)
         out = model.generate(conversation, max_new_tokens=new, do_sample=False, cache=cache,
                              triforce_config=config if triforce else None, return_dict_in_generate=True)
         assert torch.equal(out.sequences, expected), turn
-        cache = out.cache
-        assert cache.get_seq_length() == out.sequences.shape[1] - 1
+        sequences, cache = out.sequences, out.cache
+        assert cache.get_seq_length() == sequences.shape[1] - 1
 
 
 @pytest.mark.parametrize("pad", [0, PAD])

@@ -446,6 +446,7 @@ class Decoder:
         row_stats = [total] if self.batch == 1 else self.stats
         result = DecodeResult([out.sequence for out in outs], row_stats, total)
         if self.batch == 1:
+            result.scores, result.logits = outs[0].scores, outs[0].logits
             # the caller may continue from it with any longer sequence (plain generate or TriForce): it grows
-            result.scores, result.logits, result.cache = outs[0].scores, outs[0].logits, self.force3.cache.allow_growth()
+            result.cache = self.force3.cache.allow_growth()
         return result
