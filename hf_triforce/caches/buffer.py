@@ -17,14 +17,14 @@ class BufferLayer(CacheLayerMixin):
     is_compileable = False
     is_croppable = True
     is_sliding = False
+    # False: a write past the capacity raises (every tier sizes its caches for the call); True: the buffers grow
+    # (`BufferCache.allow_growth`: a cache handed to the caller, whose next call may outgrow it)
+    grows = False
 
     def __init__(self, capacity: int) -> None:
         super().__init__()
         self.capacity = capacity
         self.length = 0
-        # False: a write past the capacity raises (every tier sizes its caches for the call); True: the buffers grow
-        # (`BufferCache.allow_growth`: a cache handed to the caller, whose next call may outgrow it)
-        self.grows = False
         self.expected_device: torch.device | None = None  # the layer's execution device, when known
         self.chunks_copied = 0  # chunks `replace_chunks` copied in (a re-selection copies only what changed)
 
