@@ -189,10 +189,10 @@ def acceptance(model, ids, prefix, new: int, frequent: int, samples: int) -> dic
                                             min_new_tokens=new, return_dict_in_generate=True, **sampling)
                     runs.append((time.perf_counter() - start, result.triforce_stats))
                 total = {field: sum(getattr(stats, field) for _, stats in runs) for field in
-                         ("force1_proposed", "force2_accepted", "force2_proposed", "force3_accepted", "force2_steps",
-                          "force1_seconds", "force2_seconds")}
+                         ("force1_proposed", "force2_verified", "force2_accepted", "force2_proposed", "force3_accepted",
+                          "force2_steps", "force1_seconds", "force2_seconds")}
                 out[f"{label} {mode}"] = row = {
-                    "force2_acceptance": total["force2_accepted"] / max(total["force1_proposed"], 1),
+                    "force2_acceptance": total["force2_accepted"] / max(total["force2_verified"], 1),
                     "force3_acceptance": total["force3_accepted"] / max(total["force2_proposed"], 1),
                     "runs": len(runs), "decode_seconds": [seconds for seconds, _ in runs],
                     "force1_seconds_per_draft": total["force1_seconds"] / max(total["force1_proposed"], 1),

@@ -65,14 +65,14 @@ class TriForceConfig:
     draft_precision: ``"auto"`` (default): ``"lean-int4"`` where the lean forward covers the target (and the draft
         model), i.e. fp32 Llama, Mistral and Qwen2 models on the CPU, ``"native"`` (the lean forward on the model's
         own weights, read in place) for those models on a CUDA device, else ``"model"`` (`kernels.lean.AUTO_PRECISION`;
-        ``TriForceStats.draft_precision`` says which ran and ``draft_forward`` why not lean); ``"model"`` (Force 1
-        and Force 2 run the models as given) or ``"int8"`` (they run a
-        cached int8 copy of each fp32 model's linear layers; CPU only), or ``"lean"`` / ``"lean-int8"`` /
-        ``"lean-int4"`` (a lean forward over a cached copy of the weights in fp32, weight-only int8 or weight-only
-        int4 with an int8 output layer: Llama, Mistral and Qwen2 fp32 models on CPU; other families draft with
-        their eager forward, and ``TriForceStats.draft_forward`` says so; `hf_triforce.kernels.lean`). Force 3
-        always runs the target as given, so the output is exact either way; the precision only changes how often
-        drafts are accepted and what they cost.
+        ``TriForceStats.draft_precision`` says which ran and ``draft_forward``, per tier, what forward ran and why
+        not lean); ``"model"`` (Force 1 and Force 2 run the models as given) or ``"int8"`` (they run a cached int8
+        copy of each fp32 model's linear layers; CPU only), or ``"lean"`` / ``"lean-int8"`` / ``"lean-int4"`` (a
+        lean forward over a cached copy of the weights in fp32, weight-only int8 or weight-only int4 with an int8
+        output layer: Llama, Mistral and Qwen2 fp32 models on CPU; other families draft with their eager forward,
+        and ``TriForceStats.draft_forward`` says so; `hf_triforce.kernels.lean`). Force 3 always runs the target as
+        given, so the output is exact either way; the precision only changes how often drafts are accepted and what
+        they cost.
     tier_compile: how the lean tier forwards run (a lean or ``"auto"`` ``draft_precision`` only;
         `hf_triforce.kernels.fixed_shape`): ``"auto"`` (default): ``"graph"`` where the tiers run the native lean
         forward on a CUDA device, else ``"off"``; ``"off"``: the lean forward through the caches' own ``update``;
@@ -90,7 +90,9 @@ class TriForceConfig:
         plain one-token decoding, the drafter (or free n-gram lookup; beside a draft model drafting with a lean
         copy, also the target's own lean copy, ``"self"``) verified by Force 3, or all three levels — with gammas up
         to ``gamma1`` / ``gamma2`` (`hf_triforce.decoding.policy`). ``"fixed"``: every step
-        runs ``levels`` with ``gamma1`` / ``gamma2``. Either way the output is exact.
+        runs ``levels`` with ``gamma1`` / ``gamma2``. Either way the output is exact. Only sampling draws from
+        torch's global RNG: under ``"fixed"`` a seed reproduces a sampled call; under ``"auto"`` the plans follow
+        timings measured in the call and consume random draws differently, so a seed need not reproduce it.
     full_cache_device: where Force 3's full cache lives: ``None`` (default: each layer's entries on that
         layer's execution device, next to the model) or ``"cpu"`` (TriForce's offloading mode: host memory,
         pinned for a GPU, streamed to the compute device layer by layer during verification with the next

@@ -7,16 +7,17 @@ from dataclasses import asdict, dataclass, field
 
 @dataclass
 class TriForceStats:
-    """Counts and seconds per tier; acceptance = accepted / proposed at each level."""
+    """Counts and seconds per tier; each tier's acceptance = what it accepted / what it verified."""
 
     new_tokens: int = 0
-    force3_tokens: int = 0
-    force1_proposed: int = 0
-    force2_accepted: int = 0
-    force2_steps: int = 0
-    force2_proposed: int = 0
-    force3_accepted: int = 0
-    force3_steps: int = 0
+    force3_tokens: int = 0  # tokens committed by Force-3 steps (the first token, from the prefill, not counted)
+    force1_proposed: int = 0  # Force-1 drafts, whoever verified them (Force 2 in three-level steps, else Force 3)
+    force2_verified: int = 0  # Force-1 drafts Force 2 verified (three-level steps only)
+    force2_accepted: int = 0  # of those, accepted by Force 2
+    force2_steps: int = 0  # Force-2 verifications
+    force2_proposed: int = 0  # tokens proposed to Force 3 (by Force 2 in three-level steps, by Force 1 in two-level)
+    force3_accepted: int = 0  # of those, accepted by Force 3
+    force3_steps: int = 0  # Force-3 verifications
     retrieval_selections: int = 0
     tree_nodes: int = 0  # nodes of candidate trees verified (TriForceConfig.tree_nodes; proposals count depths)
     tree_side_accepts: int = 0  # accepted tree nodes that were not their parent's first child (beyond the chain)
@@ -25,11 +26,14 @@ class TriForceStats:
     lockstep_forwards: int = 0
     lockstep_requests: int = 0
     force2_sees_whole_cache: bool = False
-    # the drafting precision that ran: TriForceConfig.draft_precision, "auto" made concrete ("lean-int4" or "model")
-    draft_precision: str = "model"
-    # how Force 1 / Force 2 ran: "eager" (the transformers forward), "lean" (`kernels.lean`), or "eager (<why>)" where
-    # a lean precision was asked for a model the lean forward does not cover
-    draft_forward: str = "eager"
+    # the drafting precision of the tiers that ran a drafting forward: TriForceConfig.draft_precision, "auto" made
+    # concrete ("lean-int4" or "model"); "none" where no tier ran one (plain steps, lookup drafts verified by Force 3)
+    draft_precision: str = "none"
+    # per tier that ran a drafting forward ("force1 <drafter>": "self", "model" for a draft model; "force2"), the
+    # forward it ran: "lean" (`kernels.lean` at draft_precision), "eager" (the transformers forward of the model as
+    # given, or of its int8 copy), or "eager (<why>)" where a lean precision was asked for a model the lean forward
+    # does not cover, or where draft_precision="auto" fell back to "model"
+    draft_forward: dict = field(default_factory=dict)
     # TriForceConfig.tier_compile other than "off": {"mode", "forwards" (fixed-shape forwards run), "compiles" (graphs
     # compiled in this call: 0 once a model's first call has compiled), "compile_seconds"} (`kernels.fixed_shape`)
     tier_compile: dict = field(default_factory=dict)
@@ -62,12 +66,12 @@ class TriForceStats:
 
     @property
     def force2_acceptance(self) -> float:
-        """Force-1 drafts accepted by Force 2 / proposed."""
-        return self.force2_accepted / self.force1_proposed if self.force1_proposed else 0.0
+        """Force-1 drafts accepted by Force 2 / verified by Force 2."""
+        return self.force2_accepted / self.force2_verified if self.force2_verified else 0.0
 
     @property
     def force3_acceptance(self) -> float:
-        """Force-2 tokens accepted by Force 3 / proposed."""
+        """Tokens accepted by Force 3 / proposed to it."""
         return self.force3_accepted / self.force2_proposed if self.force2_proposed else 0.0
 
     @property

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
@@ -26,6 +27,29 @@ def test_a_buffers_first_write_leaves_every_other_entry_zero_and_finite(monkeypa
         assert torch.equal(layer.keys[:, :, :5], keys) and torch.equal(layer.values[:, :, :5], values)
         assert not layer.keys[:, :, 5:].any() and not layer.values[:, :, 5:].any()  # zero (a NaN is truthy)
     monkeypatch.undo()
+
+
+def test_a_buffer_grows_only_where_allowed_and_keeps_its_entries():
+    """A tier's buffer past its capacity raises (the call sized it); a cache handed to the caller grows: its entries
+    kept, the rest zero, at least a quarter more room each time (a long decode copies each entry a bounded number of
+    times), and no maximum length to report."""
+    keys, values = torch.randn(1, 3, 10, 4), torch.randn(1, 3, 10, 4)
+    strict = BufferCache(1, capacity=8)
+    strict.layers[0].write(keys[:, :, :6], values[:, :, :6])
+    with pytest.raises(RuntimeError, match="overflow: 6 \\+ 3 entries exceed its capacity 8"):
+        strict.layers[0].write(keys[:, :, 6:9], values[:, :, 6:9])
+    assert strict.get_max_length() == 8
+    cache = BufferCache(1, capacity=8)
+    layer = cache.layers[0]
+    layer.write(keys[:, :, :6], values[:, :, :6])
+    cache.allow_growth()
+    layer.write(keys[:, :, 6:9], values[:, :, 6:9])  # one entry past: a quarter more
+    assert layer.capacity == 10 and layer.length == 9 and cache.get_max_length() == -1
+    assert torch.equal(layer.keys[:, :, :9], keys[:, :, :9]) and torch.equal(layer.values[:, :, :9], values[:, :, :9])
+    assert not layer.keys[:, :, 9:].any() and not layer.values[:, :, 9:].any()
+    cache.rollback(2)
+    layer.write(keys, values)  # more than a quarter past: what it needs
+    assert layer.capacity == 12 and torch.equal(layer.keys[:, :, 2:], keys)
 
 
 def test_rerotation_equals_rotation_at_the_new_position():

@@ -5,6 +5,8 @@ Each test here reproduces a bug an outside review found in the loop.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from transformers import GenerationConfig, SynthIDTextWatermarkingConfig, WatermarkingConfig
@@ -13,6 +15,7 @@ from transformers.generation.streamers import BaseStreamer
 from hf_triforce import TriForceConfig
 
 from .conftest import make_model, random_prompt
+from .families import make_family
 from .tokenizer_util import word_tokenizer
 
 # fixed plans, so that multi-token verification and stops inside accepted runs really happen; AUTO checks
@@ -54,6 +57,24 @@ def test_returned_cache_holds_exactly_the_committed_sequence_after_a_stop(model,
     expected = model.generate(turn, max_new_tokens=20, do_sample=False)
     again = model.generate(turn, max_new_tokens=20, do_sample=False, cache=out.cache, triforce_config=NGRAM)
     assert torch.equal(again, expected)
+
+
+@pytest.mark.parametrize("family, offloaded", [("llama", False), ("llama", True), ("qwen2-hybrid", False)])
+def test_conversations_continue_from_the_returned_cache_under_plain_generate(family, offloaded):
+    """Each turn's prompt (the conversation so far plus a new message) outgrows the cache the last call returned:
+    plain generate continuing from it (it grows) and TriForce continuing from what plain generate left give what
+    plain generate gives on the whole conversation."""
+    model = make_family(family)
+    config = replace(CFG, full_cache_device="cpu" if offloaded else None)
+    sequences, cache = random_prompt(60, period=13), None
+    for turn, (triforce, new) in enumerate([(True, 12), (False, 16), (True, 10)]):
+        conversation = torch.cat((sequences, random_prompt(20 + 10 * turn, seed=turn)), dim=1) if turn else sequences
+        expected = model.generate(conversation, max_new_tokens=new, do_sample=False)
+        out = model.generate(conversation, max_new_tokens=new, do_sample=False, cache=cache,
+                             triforce_config=config if triforce else None, return_dict_in_generate=True)
+        assert torch.equal(out.sequences, expected), turn
+        sequences, cache = out.sequences, out.cache
+        assert cache.get_seq_length() == sequences.shape[1] - 1
 
 
 @pytest.mark.parametrize("pad", [0, PAD])

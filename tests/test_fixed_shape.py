@@ -6,6 +6,7 @@
 * ``"compile"``: greedy output token-identical, the sampled law exactly the target's (enumerated, Force 1
   drafting 2 tokens per round), and no recompilation after a model's first call (other prompt lengths, other
   numbers of new tokens, sampled and greedy);
+* batches (their tier forwards carry a per-row mask) run the lean forward;
 * bad settings get clear errors.
 """
 
@@ -92,6 +93,25 @@ def test_compiled_tiers_keep_greedy_identity_and_never_recompile(precision):
     assert sampled.tier_compile["compiles"] == 0 and sampled.tier_compile["forwards"] > 10
 
 
+@pytest.mark.parametrize("tier_compile, levels", [("fixed", 2), ("fixed", 3), ("compile", 3)])
+def test_batches_run_under_tier_compile(tier_compile, levels):
+    """A batch's tier forwards carry its per-row mask: they run the lean forward (a fixed-shape forward covers batch
+    1 only), greedy rows identical to plain batched generate; sampled copies of a prompt run too."""
+    from .test_batch import PROMPTS, left_padded
+
+    model = make_model("llama-gqa", logit_scale=3.0)
+    ids, mask = left_padded(PROMPTS[:2])
+    config = _config(draft_precision="lean-int4", levels=levels, tier_compile=tier_compile)
+    gen = dict(attention_mask=mask, max_new_tokens=16, pad_token_id=0)
+    out = model.generate(ids, do_sample=False, triforce_config=config, return_dict_in_generate=True, **gen)
+    assert torch.equal(out.sequences, model.generate(ids, do_sample=False, **gen))
+    stats = out.triforce_stats
+    assert stats.force3_accepted > 0 and stats.tier_compile["mode"] == tier_compile
+    assert stats.tier_compile["forwards"] == 0  # the stats say that no forward ran at fixed shapes
+    sampled = model.generate(ids, do_sample=True, top_k=20, num_return_sequences=2, triforce_config=config, **gen)
+    assert sampled.shape == (4, ids.shape[1] + 16)
+
+
 VOCAB = 4
 NEW = 5  # the first token, then a round of Force 1 drafting 2 tokens (gamma2 = 3 tokens handed up)
 ENUMERATION = dict(policy="fixed", retrieval_budget=16, chunk_size=4, retrieval_recent=4, sink_tokens=2, window=8,
@@ -156,7 +176,7 @@ def test_native_fixed_shapes_draft_what_the_native_forward_drafts():
     native = assert_identical(model, prompt, _config(draft_precision="native"))
     fixed = assert_identical(model, prompt, _config(draft_precision="native", tier_compile="fixed"))
     assert {c: getattr(fixed, c) for c in COUNTS} == {c: getattr(native, c) for c in COUNTS}
-    assert native.draft_forward == "lean" and native.tier_compile == {}
+    assert native.draft_forward == {"force1 self": "lean", "force2": "lean"} and native.tier_compile == {}
 
 
 def test_graph_mode_and_auto_on_the_cpu():

@@ -141,6 +141,46 @@ def test_a_draft_model_config_also_drafts_with_the_target_s_lean_copy(monkeypatc
     assert names >= {"model", "self", "triforce self", "triforce model"}, out.triforce_stats.plans
 
 
+def test_stats_count_and_name_per_tier_what_ran(monkeypatch):
+    """Plans mixing two and three levels beside a Gemma draft the lean forward does not cover: Force 2's acceptance
+    counts only the drafts Force 2 verified (Force 1's drafts of two-level steps went to Force 3), and each tier names
+    the forward it ran (the draft's eager forward, the target's lean copy for the self drafter and Force 2)."""
+    from hf_triforce.decoding.levels import Force2
+
+    class Counting:  # Force 2's verifier, counting what it verified
+        def __init__(self, inner):
+            self.inner = inner
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+        def verify(self, proposals, probs, scores):
+            accepted, token = self.inner.verify(proposals, probs, scores)
+            verified.append((len(proposals), accepted))
+            return accepted, token
+
+    verified = []
+    init = Force2.__init__
+
+    def counting_init(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self.verifier = Counting(self.verifier)
+
+    monkeypatch.setattr(Force2, "__init__", counting_init)
+    draft = make_model("gemma", seed=4, num_hidden_layers=1)
+    cycle = [Plan(2, "model", gamma2=3), Plan(3, "self", 2, 5), Plan(1), Plan(2, "self", gamma2=4),
+             Plan(3, "model", 2, 4)]
+    stats = run_cycle(monkeypatch, cycle, 1, auto(draft, draft_precision="lean-int4")).triforce_stats
+    assert set(stats.plan_steps) == {1, 2, 3}
+    assert stats.force2_verified == sum(n for n, _ in verified) and stats.force2_accepted == sum(a for _, a in verified)
+    assert 0 < stats.force2_verified < stats.force1_proposed  # two-level drafts are Force 1's, not Force 2's to verify
+    assert stats.force2_acceptance == stats.force2_accepted / stats.force2_verified
+    assert stats.draft_precision == "lean-int4"
+    assert set(stats.draft_forward) == {"force1 model", "force1 self", "force2"}
+    assert stats.draft_forward["force1 model"].startswith("eager (GemmaForCausalLM is not one of")
+    assert stats.draft_forward["force1 self"] == stats.draft_forward["force2"] == "lean"
+
+
 def test_a_target_the_lean_forward_does_not_cover_does_not_self_draft_beside_a_draft_model():
     """An explicit lean precision on a target the lean forward does not cover leaves it its eager forward: no self
     drafter is added beside the draft model (it would be a second full-cost target forward per drafted token)."""

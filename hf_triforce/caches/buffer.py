@@ -17,6 +17,9 @@ class BufferLayer(CacheLayerMixin):
     is_compileable = False
     is_croppable = True
     is_sliding = False
+    # False: a write past the capacity raises (every tier sizes its caches for the call); True: the buffers grow
+    # (`BufferCache.allow_growth`: a cache handed to the caller, whose next call may outgrow it)
+    grows = False
 
     def __init__(self, capacity: int) -> None:
         super().__init__()
@@ -51,6 +54,8 @@ class BufferLayer(CacheLayerMixin):
     def write(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Append entries after the valid prefix."""
         n = key_states.shape[-2]
+        if self.grows and self.length + n > self.capacity:
+            self.grow(self.length + n)
         if self.length + n > self.capacity:
             raise RuntimeError(
                 f"{type(self).__name__} overflow: {self.length} + {n} entries exceed its capacity {self.capacity}"
@@ -60,6 +65,21 @@ class BufferLayer(CacheLayerMixin):
         self.keys[:, :, self.length : self.length + n] = key_states
         self.values[:, :, self.length : self.length + n] = value_states
         self.length += n
+
+    def grow(self, needed: int) -> None:
+        """Reallocate the buffers with room for at least ``needed`` entries, a quarter more than the capacity at least
+        (a decode that keeps outgrowing them copies each entry a bounded number of times): the valid prefix copied
+        over, the rest zero, on the same device (host buffers stay pinned where they were); unallocated buffers are
+        allocated at that capacity when first written."""
+        capacity = max(needed, self.capacity + self.capacity // 4)
+        for name in ("keys", "values") if self.is_initialized else ():
+            old = getattr(self, name)
+            new = torch.empty((*old.shape[:2], capacity, old.shape[-1]), dtype=old.dtype, device=old.device,
+                              pin_memory=old.is_pinned())
+            new[:, :, : self.length] = old[:, :, : self.length]
+            new[:, :, self.length :].zero_()
+            setattr(self, name, new)
+        self.capacity = capacity
 
     def write_chunks(self, keys: torch.Tensor, values: torch.Tensor, chunks: torch.Tensor, chunk_size: int) -> None:
         """Append, for each ``[b, h]``, the chunks ``chunks[b, h]`` of ``keys[b, h]`` (and of ``values``) after
@@ -148,7 +168,7 @@ class BufferLayer(CacheLayerMixin):
         return self.length
 
     def get_max_length(self) -> int:
-        return self.capacity
+        return -1 if self.grows else self.capacity  # transformers' convention: -1 for no maximum
 
     def crop(self, max_length: int) -> None:
         """transformers semantics: keep ``max_length`` entries, or drop ``-max_length`` when negative."""
@@ -210,6 +230,14 @@ class BufferCache(Cache):
     def devices(self) -> list[torch.device | None]:
         """The device each allocated layer lives on (None: not allocated yet)."""
         return [layer.keys.device if layer.is_initialized else None for layer in self.layers]
+
+    def allow_growth(self) -> BufferCache:
+        """Let its full-attention layers grow past their capacity (`BufferLayer.grow`) instead of raising: the cache
+        a call returns, which the caller may hand to the next ``generate`` call with a longer sequence (sliding-window
+        layers keep their window at any length). Nothing is copied until a write needs the room."""
+        for layer in self.layers:
+            layer.grows = True
+        return self
 
     def rollback(self, length: int) -> None:
         """Keep the first ``length`` entries of every layer."""

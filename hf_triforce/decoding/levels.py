@@ -203,6 +203,7 @@ class Force2:
                 proposed = len(proposals)
             self.rejections += accepted < proposed
             self.stats.force1_proposed += proposed
+            self.stats.force2_verified += proposed
             self.stats.force2_accepted += accepted
             self.stats.force2_steps += 1
             sequence = torch.cat((sequence, sequence.new_tensor([proposals[:accepted] + [next_token]])), dim=1)

@@ -13,7 +13,8 @@
 
 The committed sequence, the scores handed to stopping criteria and processors, and the streamer see each row
 as ``generate`` built it (left padding included, `PaddedView`); the model and the caches see the row without
-its padding. Batch size 1's returned cache holds exactly the committed sequence but its last token.
+its padding. Batch size 1's returned cache holds exactly the committed sequence but its last token, and grows when a
+later call (plain ``generate`` too) continues from it with a longer sequence.
 
 Exactness per row: row ``b``'s levels, caches, processors, acceptance and stop are its own; its forwards attend
 exactly over its own entries at its own positions; each level hands up its tokens with the exact law they were
@@ -34,7 +35,7 @@ from ..config import TriForceConfig
 from ..drafters import DRAFTERS, DraftContext, build_drafter
 from ..drafters.model import ModelDrafter
 from ..drafters.registry import MODEL_DRAFTER, spec_of
-from ..kernels.lean import LeanModel, draft_forward, drafting_models, resolve_draft_precision, tier_model
+from ..kernels.lean import LEAN_PRECISIONS, LeanModel, lean_support, resolve_draft_precision, tier_model
 from ..kernels.linear_routes import linear_routes
 from ..kernels.row_mixing import RowsApart
 from ..stats import TriForceStats
@@ -81,7 +82,17 @@ def lean_self_drafting(config: TriForceConfig, target) -> bool:
     while TriForceConfig()'s best plan there, self g2, runs 1.4x (docs/results.md, "Current results")."""
     if isinstance(config.draft, str) or config.draft_positions == "slots":
         return False
-    return draft_forward(replace(config, draft="self"), target) == "lean"
+    return config.draft_precision in LEAN_PRECISIONS and lean_support(target) is None
+
+
+def tier_forward(model, precision: str) -> str:
+    """The forward a tier running ``model`` (what `lean.tier_model` returned for ``precision``) computes with:
+    ``"lean"`` (a `LeanModel`), ``"eager"`` (the transformers forward of a model as given or of its int8 copy), or
+    ``"eager (<why>)"`` where a lean precision was asked for a model the lean forward does not cover."""
+    if isinstance(model, LeanModel):
+        return "lean"
+    why = lean_support(model) if precision in LEAN_PRECISIONS else None
+    return "eager" if why is None else f"eager ({why})"
 
 
 def kv_bytes_per_token(model) -> int:
@@ -109,7 +120,7 @@ def weight_bytes(model) -> int:
 def aggregate(row_stats: list[TriForceStats], force3_seconds: float, prefill_seconds: float) -> TriForceStats:
     """The call's statistics: counts and per-row seconds summed, flags true if true for any row, Force-3 and
     prefill seconds of the call (`Decoder` then counts each shared lower-tier forward once)."""
-    total = TriForceStats(draft_precision=row_stats[0].draft_precision, draft_forward=row_stats[0].draft_forward)
+    total = TriForceStats(draft_precision=row_stats[0].draft_precision)
     for f in fields(TriForceStats):
         values = [getattr(s, f.name) for s in row_stats]
         if isinstance(values[0], bool):
@@ -154,9 +165,8 @@ class Decoder:
                            for b, view in enumerate(self.views)]
         self.criteria = stopping_criteria
         self.sampler = sampler if sampler is not None else TorchSampler()
-        forward = draft_forward(config, model) if not_lean is None else f"eager (draft_precision='auto': {not_lean})"
-        self.stats = [TriForceStats(draft_precision=config.draft_precision, draft_forward=forward)
-                      for _ in range(batch)]
+        self.not_lean = not_lean
+        self.stats = [TriForceStats() for _ in range(batch)]
         # one verification rule per level (the same exact rule; separate objects so a test can alter one level)
         self.force2_verifier = ChainVerifier(do_sample, self.sampler)
         self.force3_verifier = ChainVerifier(do_sample, self.sampler)
@@ -174,6 +184,7 @@ class Decoder:
         self.lockstep = Lockstep(batch)
         self.drafters: dict[str, list] = {}  # name -> per row
         self.levels: dict[tuple[int, str], list] = {}  # (2, drafter) or (3, "") -> per row
+        self.tiers_run: set[str] = set()  # "force2" and the drafters of the plans that ran a step
 
     @property
     def batch(self) -> int:
@@ -206,13 +217,15 @@ class Decoder:
             return None
         key = (plan.levels, plan.drafter if plan.levels == 2 else "")  # one Force 2 whoever drafts for it
         if key not in self.levels:
-            timed = self.policy.observe_forward if self.policy is not None else None
-            target = tier_model(self.model, self.config.draft_precision, 2, self.config.tier_compile)
-            rows = [Force1Only(self.drafter(r, plan.drafter), self.config, self.stats[r]) if plan.levels == 2
-                    else Force2(target, NoForce1(), self.config, self.processors[r],
-                                self.force2_verifier, self.force3.row(r), self.stats[r], timed,
-                                self.force2_tree_verifier)
-                    for r in range(self.batch)]
+            if plan.levels == 2:
+                rows = [Force1Only(self.drafter(r, plan.drafter), self.config, self.stats[r])
+                        for r in range(self.batch)]
+            else:  # Force 2's model (a lean copy is made here if not yet: only where a three-level step runs)
+                timed = self.policy.observe_forward if self.policy is not None else None
+                target = tier_model(self.model, self.config.draft_precision, 2, self.config.tier_compile)
+                rows = [Force2(target, NoForce1(), self.config, self.processors[r], self.force2_verifier,
+                               self.force3.row(r), self.stats[r], timed, self.force2_tree_verifier)
+                        for r in range(self.batch)]
             if plan.levels == 3 and self.batch > 1:
                 self.lockstep.share([level.cache for level in rows], "force2")
             self.levels[key] = rows
@@ -231,7 +244,7 @@ class Decoder:
         fixed_shapes = list({id(f): f for f in (getattr(m, "fixed_shape", None) for m in tier_models) if f}.values())
         before = [(f.calls, f.compiles, f.compile_seconds) for f in fixed_shapes]
         # the models' CPU linear layers multiply few rows by the route timed fastest on this CPU (`linear_routes`)
-        routes = [linear_routes(model) for model in drafting_models(self.config, self.model)]
+        routes = [linear_routes(model) for model in (self.model, self.config.draft) if not isinstance(model, str)]
         calibrated = [r.calibration_seconds for r in routes]
         with ExitStack() as stack:
             for model_routes in routes:
@@ -258,10 +271,14 @@ class Decoder:
         per_token = self.force3.nbytes() / max(self.max_lengths)  # the full cache's bytes per position
         force3 = weight_bytes(self.model) + context * per_token
         window = self.config.sink_tokens + self.config.window
-        force1 = weight_bytes(tier_model(self.model, self.config.draft_precision, 1)) + window * per_token
-        force2 = weight_bytes(tier_model(self.model, self.config.draft_precision, 2)) + \
-            min(self.config.retrieval_budget, context) * per_token
-        fractions = {"draft:self": force1 / force3, "force2": force2 / force3}
+        fractions = {}  # the tiers the policy may run (pricing one makes its copy)
+        if "self" in self.policy.drafters:
+            force1 = weight_bytes(tier_model(self.model, self.config.draft_precision, 1)) + window * per_token
+            fractions["draft:self"] = force1 / force3
+        if self.policy.three_level:
+            force2 = weight_bytes(tier_model(self.model, self.config.draft_precision, 2)) + \
+                min(self.config.retrieval_budget, context) * per_token
+            fractions["force2"] = force2 / force3
         for name, drafter in self.filled_drafters().items():  # a draft model: its drafting copy and its own cache
             own = weight_bytes(drafter.model) + window * kv_bytes_per_token(drafter.fill_model)
             fractions[f"draft:{name}"] = own / force3
@@ -274,10 +291,18 @@ class Decoder:
         return {name: drafter for name in models if (drafter := self.drafter(0, name)).source is None}
 
     def _tier_models(self) -> list:
-        """The models Force 1 and Force 2 run for the config's drafting precision, for the target and a draft model
-        (`lean.tier_model`: the models themselves for ``"model"``)."""
-        return [tier_model(model, self.config.draft_precision, tier, self.config.tier_compile)
-                for model in drafting_models(self.config, self.model) for tier in (1, 2)]
+        """The models Force 1 and Force 2 run for the config's drafting precision in the plans this call may choose
+        (`lean.tier_model`: the models themselves for ``"model"``): Force 2's where a plan has three levels, the self
+        drafter's and a draft model's where they may draft. A lookup drafter verified by Force 3 alone runs none, so
+        no copy is made."""
+        if self.policy is None:
+            three, drafters = self.fixed_plan.levels == 3, {self.fixed_plan.drafter}
+        else:
+            three, drafters = bool(self.policy.three_level), set(self.policy.drafters)
+        tiers = [(self.model, 2)] if three else []
+        tiers += [(model, 1) for name, model in (("self", self.model), (MODEL_DRAFTER, self.config.draft))
+                  if name in drafters]
+        return [tier_model(model, self.config.draft_precision, tier, self.config.tier_compile) for model, tier in tiers]
 
     def _run(self, rows, prefix_cache, streamer, keep_scores, keep_logits, rows_apart) -> DecodeResult:
         policy, force3 = self.policy, self.force3
@@ -309,6 +334,10 @@ class Decoder:
             # 1. the plan
             remaining = max(self.max_lengths[b] - outs[b].sequence.shape[1] for b in active)
             plan = policy.choose(remaining) if policy is not None else self.fixed_plan
+            if plan.levels == 3:
+                self.tiers_run.add("force2")
+            if plan.levels > 1 and plan.drafter:
+                self.tiers_run.add(f"force1 {plan.drafter}")
             levels = {b: self.level(b, plan) for b in active}
             for b, level in levels.items():  # one-time set-up (a draft cache's fill, a selection): not the step's
                 if level is not None:
@@ -425,8 +454,25 @@ class Decoder:
         tokens = sum(committed for _, committed, _ in verified.values()) / max(len(verified), 1)
         policy.observe_step(plan, tokens, step_seconds, forward_seconds)
 
+    def draft_forwards(self) -> dict[str, str]:
+        """Per tier that ran a drafting forward in a step (``"force1 <drafter>"``, ``"force2"``), the forward it ran
+        (`tier_forward`; where ``draft_precision="auto"`` fell back to the models as given, why). Lookup drafters
+        run none."""
+        models = {}
+        for tier in sorted(self.tiers_run):
+            if tier == "force2":
+                models[tier] = self.levels[(3, "")][0].model
+            elif isinstance(drafter := self.drafter(0, tier.removeprefix("force1 ")), ModelDrafter):
+                models[tier] = drafter.model
+        if self.not_lean is not None:
+            return dict.fromkeys(models, f"eager (draft_precision='auto': {self.not_lean})")
+        return {tier: tier_forward(model, self.config.draft_precision) for tier, model in models.items()}
+
     def _result(self, rows, outs, force3_seconds: float, prefill_seconds: float) -> DecodeResult:
+        forwards = self.draft_forwards()
         for b, stats in enumerate(self.stats):
+            stats.draft_forward = dict(forwards)
+            stats.draft_precision = self.config.draft_precision if forwards else "none"
             stats.force1_seconds = self.drafting_seconds(b)
             stats.new_tokens = outs[b].sequence.shape[1] - rows[b].shape[1]
             stats.retrieval_cache_bytes = sum(levels[b].nbytes() for levels in self.levels.values())
@@ -447,5 +493,7 @@ class Decoder:
         row_stats = [total] if self.batch == 1 else self.stats
         result = DecodeResult([out.sequence for out in outs], row_stats, total)
         if self.batch == 1:
-            result.scores, result.logits, result.cache = outs[0].scores, outs[0].logits, self.force3.cache
+            result.scores, result.logits = outs[0].scores, outs[0].logits
+            # the caller may continue from it with any longer sequence (plain generate or TriForce): it grows
+            result.cache = self.force3.cache.allow_growth()
         return result

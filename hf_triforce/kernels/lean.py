@@ -27,7 +27,7 @@ has (kernel blocking), which is fixed before the call's tokens are drawn.
 
 Models this forward does not cover (other families, sliding-window layers, adapters, biases on layers it
 does not expect, another activation) run their eager transformers forward instead: `lean_model` returns the
-model itself and `lean_support` says why (``TriForceStats.draft_forward``). Models it cannot copy raise a
+model itself and `lean_support` says why (``TriForceStats.draft_forward``, per tier). Models it cannot copy raise a
 ValueError naming the setting (`check_lean_eligible`): weights not fp32 (or bf16, for the quantized precisions:
 `LEAN_DTYPES`), not on the CPU, or offloaded.
 """
@@ -319,7 +319,7 @@ class LeanModel:
         batch, n = input_ids.shape
         mask = self._mask(attention_mask, batch, n)
         fixed = self.fixed_shape
-        if fixed is not None and mask in (None, 0) and batch == 1 and fixed.covers(cache):
+        if fixed is not None and (mask is None or isinstance(mask, int)) and batch == 1 and fixed.covers(cache):
             hidden = fixed(self, input_ids, position_ids, cache)
         else:
             hidden = self._layers(input_ids, position_ids, self._cache_attention(cache.layers, mask))
@@ -572,7 +572,8 @@ def _resolve_tier_compile(config, target: nn.Module):
                          f"{next(target.parameters()).device} (use 'fixed' or 'compile' there)")
     if config.tier_compile != "auto":
         return config
-    native = config.draft_precision == "native" and draft_forward(config, target) == "lean"
+    native = config.draft_precision == "native" and all(
+        lean_support(model) is None for model in drafting_models(config, target))
     return replace(config, tier_compile="graph" if native and on_gpu else "off")
 
 
@@ -599,17 +600,15 @@ def forget_lean_copy(model: nn.Module) -> None:
 
 
 def drafting_models(config, target: nn.Module) -> list[nn.Module]:
-    """The models Force 1 and Force 2 run copies of: the target, and the draft model ``config.draft`` if it is one."""
-    return [target] + ([config.draft] if not isinstance(config.draft, str) else [])
+    """The models whose copies Force 1 and Force 2 may run under ``config``: the target where Force 2 may run
+    (``levels=3``) or the target may draft (a drafter that runs a model, ``"self"``; beside a draft model under
+    ``policy="auto"``, the self drafter: `loop.lean_self_drafting`), and the draft model ``config.draft`` if it is
+    one. A lookup drafter (``"ngram"``, ``"suffix"``) verified by Force 3 directly (``levels=2``) runs none."""
+    from ..drafters.registry import spec_of
 
-
-def draft_forward(config, target: nn.Module) -> str:
-    """What Force 1 and Force 2 run for ``config.draft_precision``: ``"eager"`` (the transformers forward),
-    ``"lean"``, or ``"eager (<why>)"`` where a lean precision was asked for a model it does not cover."""
-    if config.draft_precision not in LEAN_PRECISIONS:
-        return "eager"
-    reasons = [reason for reason in map(lean_support, drafting_models(config, target)) if reason is not None]
-    return "lean" if not reasons else f"eager ({'; '.join(reasons)})"
+    draft_model = not isinstance(config.draft, str)
+    target_drafts = config.policy == "auto" if draft_model else spec_of(config.draft).kind == "model"
+    return ([target] if config.levels == 3 or target_drafts else []) + ([config.draft] if draft_model else [])
 
 
 # what Force 2 runs for each lean draft precision (Force 1 runs the precision itself). For "lean-int4", Force 2 on the

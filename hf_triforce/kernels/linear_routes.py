@@ -107,7 +107,10 @@ class LinearRoutes:
             held += layer.weight.nbytes
             if held >= CALIBRATION_BYTES:
                 break
-        inputs = {weight.shape[1]: torch.randn(rows, weight.shape[1], dtype=weight.dtype) for weight in working}
+        # timing inputs from a private generator: the caller's global RNG (a seeded sampled call) is left untouched
+        generator = torch.Generator().manual_seed(0)
+        inputs = {weight.shape[1]: torch.randn(rows, weight.shape[1], dtype=weight.dtype, generator=generator)
+                  for weight in working}
         best = dict.fromkeys(ROUTES, float("inf"))
         for _ in range(CALIBRATION_ROUNDS):
             for route in ROUTES:

@@ -337,7 +337,7 @@ def plot(results: list[dict], path: Path) -> bool:
         if all(stats) and mode == "greedy":
             accept.plot(contexts, [s["force3_acceptance"] for s in stats], "-", color=color, marker="o",
                         label=f"{label} F3")
-            if any(s["force1_proposed"] for s in stats):
+            if any(s["force2_verified"] for s in stats):
                 accept.plot(contexts, [s["force2_acceptance"] for s in stats], ":", color=color, marker="x",
                             label=f"{label} F2")
     speed.axhline(1.0, color="grey", lw=0.8)
