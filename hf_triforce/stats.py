@@ -26,8 +26,9 @@ class TriForceStats:
     lockstep_forwards: int = 0
     lockstep_requests: int = 0
     force2_sees_whole_cache: bool = False
-    # the drafting precision of the tiers that ran a drafting forward: TriForceConfig.draft_precision, "auto" made
-    # concrete ("lean-int4" or "model"); "none" where no tier ran one (plain steps, lookup drafts verified by Force 3)
+    # the drafting precision of the tiers the call's plans may run (their copies made on a model's first call:
+    # draft_copy_seconds): TriForceConfig.draft_precision, "auto" made concrete ("lean-int4" or "model"); "none" where
+    # no plan runs a drafting forward (lookup drafts verified by Force 3 alone: nothing copied)
     draft_precision: str = "none"
     # per tier that ran a drafting forward ("force1 <drafter>": "self", "model" for a draft model; "force2"), the
     # forward it ran: "lean" (`kernels.lean` at draft_precision), "eager" (the transformers forward of the model as

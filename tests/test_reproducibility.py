@@ -19,13 +19,14 @@ FIXED = dict(draft="self", policy="fixed", retrieval_budget=32, chunk_size=8, si
              gamma2=4)
 
 
-@pytest.mark.parametrize("precision", ["auto", "model"])
-def test_a_greedy_call_leaves_the_global_rng_untouched(precision):
+@pytest.mark.parametrize("precision, policy", [("auto", "fixed"), ("model", "fixed"), ("auto", "auto")])
+def test_a_greedy_call_leaves_the_global_rng_untouched(precision, policy):
     model = make_model("llama-gqa", seed=21)  # fresh: this is its first call
     torch.manual_seed(5)
     state = torch.get_rng_state()
+    config = TriForceConfig(**{**FIXED, "policy": policy}, draft_precision=precision)
     out = model.generate(random_prompt(90, period=23), max_new_tokens=12, do_sample=False, return_dict_in_generate=True,
-                         triforce_config=TriForceConfig(**FIXED, draft_precision=precision))
+                         triforce_config=config)
     assert out.triforce_stats.linear_calibration_seconds > 0  # the routes were timed in this call
     assert torch.equal(torch.get_rng_state(), state)
 

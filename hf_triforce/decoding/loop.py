@@ -290,15 +290,21 @@ class Decoder:
         models = [name for name, kind in self.policy.drafters.items() if kind == "model"] if self.policy else []
         return {name: drafter for name in models if (drafter := self.drafter(0, name)).source is None}
 
+    def drafting_tiers(self) -> tuple[bool, set[str]]:
+        """What the plans this call may choose can run: whether Force 2 (a three-level plan), and which drafters
+        that run a model (`DrafterSpec.kind` ``"model"``)."""
+        if self.policy is None:
+            three, drafters = self.fixed_plan.levels == 3, {self.fixed_plan.drafter}
+        else:
+            three, drafters = bool(self.policy.three_level), set(self.policy.drafters)
+        return three, {name for name in drafters if name and DRAFTERS[name].kind == "model"}
+
     def _tier_models(self) -> list:
         """The models Force 1 and Force 2 run for the config's drafting precision in the plans this call may choose
         (`lean.tier_model`: the models themselves for ``"model"``): Force 2's where a plan has three levels, the self
         drafter's and a draft model's where they may draft. A lookup drafter verified by Force 3 alone runs none, so
         no copy is made."""
-        if self.policy is None:
-            three, drafters = self.fixed_plan.levels == 3, {self.fixed_plan.drafter}
-        else:
-            three, drafters = bool(self.policy.three_level), set(self.policy.drafters)
+        three, drafters = self.drafting_tiers()
         tiers = [(self.model, 2)] if three else []
         tiers += [(model, 1) for name, model in (("self", self.model), (MODEL_DRAFTER, self.config.draft))
                   if name in drafters]
@@ -469,10 +475,10 @@ class Decoder:
         return {tier: tier_forward(model, self.config.draft_precision) for tier, model in models.items()}
 
     def _result(self, rows, outs, force3_seconds: float, prefill_seconds: float) -> DecodeResult:
-        forwards = self.draft_forwards()
+        forwards, (three, drafters) = self.draft_forwards(), self.drafting_tiers()
         for b, stats in enumerate(self.stats):
             stats.draft_forward = dict(forwards)
-            stats.draft_precision = self.config.draft_precision if forwards else "none"
+            stats.draft_precision = self.config.draft_precision if three or drafters else "none"
             stats.force1_seconds = self.drafting_seconds(b)
             stats.new_tokens = outs[b].sequence.shape[1] - rows[b].shape[1]
             stats.retrieval_cache_bytes = sum(levels[b].nbytes() for levels in self.levels.values())
