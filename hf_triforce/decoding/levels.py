@@ -29,7 +29,7 @@ from ..compat import layer_devices
 from ..config import TriForceConfig
 from ..drafters import Drafter
 from ..drafters.branching import branched_chain
-from ..drafters.registry import proposal_steps
+from ..drafters.registry import append_tokens, proposal_steps
 from ..stats import TriForceStats
 from ..verification.draft_tree import DraftTree, agreement
 from ..verification.sampling import ChainVerifier, scores_to_probs
@@ -126,13 +126,13 @@ class Force2:
         self.stats.force2_sees_whole_cache = self.cache.sees_whole_cache
         self.steps_since_selection = 0
 
-    def scores(self, sequence: torch.Tensor, proposals: list[int]) -> torch.Tensor:
+    def scores(self, sequence: torch.Tensor, proposals: list[int] | torch.Tensor) -> torch.Tensor:
         """Processed Force-2 scores for each proposal's position and the one after."""
         return run_inline(self.score_steps(sequence, proposals))
 
-    def score_steps(self, sequence: torch.Tensor, proposals: list[int]) -> Steps[torch.Tensor]:
+    def score_steps(self, sequence: torch.Tensor, proposals: list[int] | torch.Tensor) -> Steps[torch.Tensor]:
         """`scores` as a generator of its forward (`hf_triforce.decoding.steps`)."""
-        extended = torch.cat((sequence, sequence.new_tensor([proposals])), dim=1) if proposals else sequence
+        extended = append_tokens(sequence, proposals) if len(proposals) else sequence
         request = ForwardRequest(self.model, self.cache, extended[:, self.seen :], self.seen, len(proposals) + 1)
         logits = yield request
         self.stats.force2_seconds += request.seconds
@@ -189,23 +189,25 @@ class Force2:
         wanted = min(self.config.gamma2 if gamma2 is None else gamma2, limit)
         if wanted <= 0:
             return Candidates([], None)
-        prompt_length, rows = sequence.shape[1], []
-        while sequence.shape[1] - prompt_length < wanted:
-            still_wanted = wanted - (sequence.shape[1] - prompt_length)
+        prompt_length, rows, tokens = sequence.shape[1], [], []  # tokens: what this level emitted, on the host
+        while len(tokens) < wanted:
+            still_wanted = wanted - len(tokens)
             if force1_tree:  # proposed: the tree's depth, so that acceptance compares with chains'
                 proposals, proposal_probs, accepted, next_token, q_scores, proposed = self.verify_tree(
                     sequence, min(gamma1, still_wanted - 1))
+                emitted = proposals[:accepted] + [next_token]
             else:
                 proposals, proposal_probs = yield from proposal_steps(self.drafter, sequence,
                                                                       min(gamma1, still_wanted - 1))
                 q_scores = yield from self.score_steps(sequence, proposals)
-                accepted, next_token = self.verifier.verify(proposals, proposal_probs, q_scores)
+                accepted, emitted = self.verifier.emit(proposals, proposal_probs, q_scores)
                 proposed = len(proposals)
             self.rejections += accepted < proposed
             self.stats.force1_proposed += proposed
             self.stats.force2_accepted += accepted
             self.stats.force2_steps += 1
-            sequence = torch.cat((sequence, sequence.new_tensor([proposals[:accepted] + [next_token]])), dim=1)
+            sequence = append_tokens(sequence, emitted)
+            tokens += emitted
             rows.append(self.handed_up(q_scores, proposals, proposal_probs, accepted))
             self.cache.rollback_to_sequence(sequence.shape[1] - 1)
             self.drafter.rollback(sequence.shape[1] - 1)
@@ -215,7 +217,7 @@ class Force2:
         self.stats.force2_proposed += wanted
         q_scores = torch.cat(rows)[:wanted]
         probs = scores_to_probs(q_scores) if self.verifier.do_sample else None
-        tokens = sequence[0, prompt_length:end].tolist()
+        tokens = tokens[:wanted]
         self.handed = (prompt_length, tokens)
         if force2_tree:
             return self.branched(tokens, q_scores, probs)
@@ -231,13 +233,15 @@ class Force2:
         self.stats.tree_nodes += len(tree)
         return Candidates(tokens, probs) if tree.is_chain() else Candidates([], None, tree)
 
-    def commit(self, sequence: torch.Tensor, accepted: int, proposed: int, queries: dict[int, torch.Tensor]) -> None:
-        """Roll back to the committed ``sequence`` (its last token not yet cached) or, where Force 3 accepted one
-        of a tree's alternatives, to where it left the handed-up chain; refresh the selection."""
+    def commit(self, sequence: torch.Tensor, accepted: int, proposed: int, queries: dict[int, torch.Tensor],
+               committed: list[int]) -> None:
+        """Roll back to the committed ``sequence`` (its last token not yet cached; ``committed``: the tokens this
+        step committed, on the host) or, where Force 3 accepted one of a tree's alternatives, to where it left the
+        handed-up chain; refresh the selection."""
         keep = sequence.shape[1] - 1
         if self.handed is not None:
             start, chain = self.handed
-            keep = min(keep, start + agreement(sequence[:, :keep], start, chain))
+            keep = min(keep, start + agreement(committed[: keep - start], chain))
             self.handed = None
         self.drafter.rollback(keep)
         self.cache.sync(self.full, self.full.length)
@@ -293,7 +297,8 @@ class Force1Only:
         self.stats.force2_proposed += len(proposals)
         return Candidates(proposals, probs)
 
-    def commit(self, sequence: torch.Tensor, accepted: int, proposed: int, queries: dict[int, torch.Tensor]) -> None:
+    def commit(self, sequence: torch.Tensor, accepted: int, proposed: int, queries: dict[int, torch.Tensor],
+               committed: list[int]) -> None:
         self.drafter.rollback(sequence.shape[1] - 1)
 
     def nbytes(self) -> int:

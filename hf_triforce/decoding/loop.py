@@ -39,7 +39,7 @@ from ..kernels.linear_routes import linear_routes
 from ..kernels.row_mixing import RowsApart
 from ..stats import TriForceStats
 from ..verification.sampling import ChainVerifier, Sampler, TorchSampler, scores_to_probs
-from ..verification.scoring import process_rows, row_processors
+from ..verification.scoring import deferred_nan_checks, process_rows, row_processors
 from ..verification.tree import TreeVerifier
 from .force3 import Force3, RaggedForce3
 from .levels import Candidates, Force1Only, Force2, NoForce1
@@ -237,6 +237,7 @@ class Decoder:
             for model_routes in routes:
                 stack.enter_context(model_routes.installed())
             rows_apart = stack.enter_context(RowsApart(self.model))
+            stack.enter_context(deferred_nan_checks())  # NaN checks read with the verifications' readbacks
             result = self._run(rows, prefix_cache, streamer, keep_scores, keep_logits, rows_apart)
         compiled = {} if not fixed_shapes else {
             "mode": self.config.tier_compile,
@@ -357,20 +358,20 @@ class Decoder:
             proposals, accepted, last_row = [tree.tokens[node] for node in path], len(path), path[-1] + 1 if path else 0
             rows = [0] + [node + 1 for node in path]
             logits, p_scores = logits[rows], p_scores[rows]
+            emitted = proposals + [next_token]
         else:
-            proposals = candidates.tokens
-            accepted, next_token = self.force3_verifier.verify(proposals, candidates.probs, p_scores)
+            accepted, emitted = self.force3_verifier.emit(candidates.tokens, candidates.probs, p_scores)
             last_row = accepted
         stats.force3_seconds += seconds
         stats.force3_steps += 1
         stats.force3_accepted += accepted
         stats.plan_steps[plan.levels] = stats.plan_steps.get(plan.levels, 0) + 1
-        committed, done[b] = out.commit_verified(proposals[:accepted] + [next_token], p_scores, logits)
+        committed, done[b] = out.commit_verified(emitted, p_scores, logits)
         stats.force3_tokens += committed
         self.force3.set_length(b, out.sequence.shape[1] - 1)  # the committed sequence but its last token
         queries[b] = self.force3.queries(b, last_row)
         if not done[b] and level is not None:
-            level.commit(out.sequence, accepted, proposed_of(candidates), queries[b])
+            level.commit(out.sequence, accepted, proposed_of(candidates), queries[b], emitted[:committed])
         return accepted, committed, p_scores[0]
 
     def _counters(self, levels: dict) -> dict[int, tuple]:

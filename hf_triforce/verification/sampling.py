@@ -18,10 +18,12 @@ from typing import Protocol
 
 import torch
 
+from .scoring import check_nan, read_back
+
 
 class Sampler(Protocol):
-    def bernoulli(self, probability: torch.Tensor) -> bool:
-        """True with ``probability`` (a 0-d tensor in [0, 1])."""
+    def bernoulli(self, probability: float | torch.Tensor) -> bool:
+        """True with ``probability`` (in [0, 1]: a float read back to the host, or a 0-d tensor)."""
 
     def categorical(self, probs: torch.Tensor) -> int:
         """One index drawn from the 1-D distribution ``probs``."""
@@ -30,8 +32,9 @@ class Sampler(Protocol):
 class TorchSampler:
     """Draws from torch's global RNG (seeded by ``torch.manual_seed``, like ``generate``)."""
 
-    def bernoulli(self, probability: torch.Tensor) -> bool:
-        return bool(torch.rand((), device=probability.device) < probability)
+    def bernoulli(self, probability: float | torch.Tensor) -> bool:
+        device = probability.device if isinstance(probability, torch.Tensor) else None
+        return bool(torch.rand((), device=device) < probability)
 
     def categorical(self, probs: torch.Tensor) -> int:
         return int(torch.multinomial(probs, num_samples=1))
@@ -90,7 +93,7 @@ class ChainVerifier:
             return True, token
         return False, self.sampler.categorical(self.resample(p, q))
 
-    def verify(self, proposals: list[int], proposal_probs: torch.Tensor | None,
+    def verify(self, proposals: list[int] | torch.Tensor, proposal_probs: torch.Tensor | None,
                target_scores: torch.Tensor) -> tuple[int, int]:
         """Verify ``proposals`` against ``len(proposals) + 1`` rows of processed target scores.
 
@@ -98,22 +101,40 @@ class ChainVerifier:
         ``next_token`` (a residual resample at the first rejection, or a bonus token from the last row).
         ``proposal_probs[i]`` is the distribution proposal ``i`` was drawn from (``None``: point masses).
         """
+        accepted, emitted = self.emit(proposals, proposal_probs, target_scores)
+        return accepted, emitted[-1]
+
+    def emit(self, proposals: list[int] | torch.Tensor, proposal_probs: torch.Tensor | None,
+             target_scores: torch.Tensor) -> tuple[int, list[int]]:
+        """`verify`, returning ``(n_accepted, emitted)``: the accepted proposals, then the next token.
+
+        ``proposals``: token ids, or a ``[n]`` tensor on the scores' device (a drafter's greedy tokens, compared
+        there). The host reads one transfer (`scoring.read_back`: greedy, the argmax of every row and how many
+        agree; sampling, each proposal's acceptance probability), and when sampling the token drawn after them.
+        """
         n = len(proposals)
         if target_scores.shape[0] != n + 1:
             raise ValueError(f"verify needs {n + 1} rows of target scores, got {target_scores.shape[0]}")
         if not self.do_sample:
-            best = target_scores.argmax(-1).tolist()
-            for i, token in enumerate(proposals):
-                if best[i] != token:
-                    return i, best[i]
-            return n, best[n]
-        p = scores_to_probs(target_scores)
-        for i, token in enumerate(proposals):
-            q = None if proposal_probs is None else proposal_probs[i]
-            accepted, emitted = self.accept_or_resample(token, p[i], q)
-            if not accepted:
-                return i, emitted
-        return n, self.sampler.categorical(p[n])
+            best = target_scores.argmax(-1)
+            if isinstance(proposals, torch.Tensor):
+                agree = (proposals.to(best.device) == best[:n]).long().cumprod(0).sum()
+                *tokens, accepted = read_back(torch.cat((best, agree[None])))
+            else:
+                tokens = read_back(best)
+                accepted = next((i for i, token in enumerate(proposals) if tokens[i] != token), n)
+            return accepted, tokens[: accepted + 1]
+        tokens = proposals.tolist() if isinstance(proposals, torch.Tensor) else list(proposals)
+        p = torch.softmax(target_scores.float(), dim=-1)
+        check_nan(p)
+        rows, chosen = torch.arange(n, device=p.device), torch.tensor(tokens, dtype=torch.long, device=p.device)
+        q_chosen = torch.ones(n, device=p.device) if proposal_probs is None else proposal_probs[rows, chosen]
+        acceptance = read_back(acceptance_probability(p[rows, chosen], q_chosen))
+        for i, token in enumerate(tokens):
+            if not self.sampler.bernoulli(acceptance[i]):
+                q = point_mass(token, p[i]) if proposal_probs is None else proposal_probs[i]
+                return i, tokens[:i] + [self.sampler.categorical(self.resample(p[i], q))]
+        return n, tokens + [self.sampler.categorical(p[n])]
 
 
 def verify_chain(proposals: list[int], proposal_probs: torch.Tensor | None, target_scores: torch.Tensor,
