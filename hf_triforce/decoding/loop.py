@@ -33,7 +33,7 @@ from .. import compat
 from ..config import TriForceConfig
 from ..drafters import DRAFTERS, DraftContext, build_drafter
 from ..drafters.model import ModelDrafter
-from ..drafters.registry import MODEL_DRAFTER, spec_of
+from ..drafters.registry import MODEL_DRAFTER, drafting_sequence, spec_of
 from ..kernels.lean import LeanModel, draft_forward, drafting_models, resolve_draft_precision, tier_model
 from ..kernels.linear_routes import linear_routes
 from ..kernels.row_mixing import RowsApart
@@ -315,12 +315,13 @@ class Decoder:
             if policy is not None and plan.levels > 1:
                 policy.started(plan.drafter)
             # what each free lookup would propose next, scored against Force 3 below (no state, no randomness)
-            counterfactual = {b: {name: self.drafter(b, name).propose(outs[b].sequence, 1)[0] for name in lookups}
-                              for b in active}
+            counterfactual = {b: {name: (drafter := self.drafter(b, name)).propose(
+                drafting_sequence(drafter, outs[b].sequence, outs[b].host), 1)[0] for name in lookups} for b in active}
             step_start, before, lockstep_before = time.perf_counter(), self._counters(levels), self.lockstep.clock()
             # 2. candidates, the rows in lockstep
             steps = {b: level.candidate_steps(outs[b].sequence, self.max_lengths[b] - outs[b].sequence.shape[1] - 1,
-                                              plan.gamma1, plan.gamma2, plan.force1_tree, plan.force2_tree)
+                                              plan.gamma1, plan.gamma2, plan.force1_tree, plan.force2_tree,
+                                              outs[b].host)
                      for b, level in levels.items() if level is not None}
             candidates: dict[int, Candidates] = self.lockstep.drive(steps)
             for b in active:

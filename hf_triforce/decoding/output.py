@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from transformers import LogitsProcessorList, StoppingCriteriaList
 
@@ -53,6 +54,7 @@ class Output:
     def __init__(self, input_ids: torch.LongTensor, view: PaddedView, criteria: StoppingCriteriaList | None,
                  max_length: int, streamer=None, keep_scores: bool = False, keep_logits: bool = False) -> None:
         self.sequence = input_ids  # [1, n] without the left padding
+        self.host = input_ids.cpu().numpy()  # the same on the host: lookups read it, not the device's
         self.scores: list[torch.Tensor] = []
         self.logits: list[torch.Tensor] = []
         self.view, self.criteria, self.max_length, self.streamer = view, criteria, max_length, streamer
@@ -78,6 +80,7 @@ class Output:
                                            for i in range(n)]))
         committed = next((i + 1 for i, stop in enumerate(stops) if stop), n)
         self.sequence = extended[:, : start + committed]
+        self.host = np.concatenate((self.host, [tokens[:committed]]), axis=1)
         for index, token in enumerate(tokens[:committed]):
             if self.keep_scores:
                 self.scores.append(scores[index][None])
