@@ -99,3 +99,48 @@ def test_one_host_read_per_verification(model, monkeypatch, name):
     bound = last_verifications - first_verifications + STEP_READS * steps
     listing = "\n".join(f"{count} {where}" for where, count in reads.where.most_common())
     assert counted <= bound, f"{counted} host reads in {steps} steps > {bound}; in the whole call:\n{listing}"
+
+
+def test_the_sync_free_reselection_lays_out_what_the_data_dependent_one_does(monkeypatch):
+    """Both forms of `BufferLayer.replace_chunks` give the same slot order and the same entries, slot for slot."""
+    from hf_triforce.caches.retrieval import RetrievalCache
+
+    torch.manual_seed(3)
+    full = buffer.BufferCache(2, 300)
+    for layer in full.layers:
+        layer.write(torch.randn(2, 3, 203, 4), torch.randn(2, 3, 203, 4))
+    first = {i: torch.randn(2, 6, 4) for i in range(2)}
+    caches = []
+    for free in (False, True):
+        monkeypatch.setattr(buffer, "sync_free", lambda device, free=free: free)
+        cache = RetrievalCache(2, budget=96, chunk_size=8, recent=16, tail_capacity=40)
+        cache.select(full, 203, first)
+        caches.append(cache)
+    torch.manual_seed(4)
+    for grown in (11, 30):
+        for layer in full.layers:
+            layer.write(torch.randn(2, 3, grown, 4), torch.randn(2, 3, grown, 4))
+        queries = {i: torch.randn(2, 6, 4) for i in range(2)}
+        for free, cache in zip((False, True), caches):
+            monkeypatch.setattr(buffer, "sync_free", lambda device, free=free: free)
+            cache.select(full, full.length, queries)
+        data_dependent, sync_free = caches
+        assert all(torch.equal(a, b) for a, b in zip(data_dependent._held, sync_free._held))
+        for mine, theirs in zip(data_dependent.layers, sync_free.layers):
+            assert all(torch.equal(a, b) for a, b in zip(mine.valid(), theirs.valid()))
+        assert any(layer.chunks_copied for layer in data_dependent.layers)  # the selection did change
+
+
+def test_a_nan_noted_in_a_step_raises_at_the_verifications_readback():
+    """Deferred, a tier's NaN check reads nothing until the next readback, which raises the same clear error."""
+    from hf_triforce.verification.sampling import ChainVerifier
+    from hf_triforce.verification.scoring import check_nan, deferred_nan_checks
+
+    scores = torch.tensor([[0.0, 5.0, 1.0], [3.0, 0.0, 1.0]])
+    with deferred_nan_checks():
+        check_nan(torch.tensor([[float("nan"), 1.0]]))  # a draft tier's scores
+        with pytest.raises(FloatingPointError, match="NaN in the logits"):
+            ChainVerifier(False, None).verify(torch.tensor([1]), None, scores)
+        assert ChainVerifier(False, None).verify(torch.tensor([1]), None, scores) == (1, 0)  # read: cleared
+    with pytest.raises(FloatingPointError, match="NaN in the logits"), deferred_nan_checks():
+        check_nan(torch.tensor([float("nan")]))  # still pending at the end: read then
