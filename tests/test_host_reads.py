@@ -139,8 +139,8 @@ def test_a_nan_noted_in_a_step_raises_at_the_verifications_readback():
     scores = torch.tensor([[0.0, 5.0, 1.0], [3.0, 0.0, 1.0]])
     with deferred_nan_checks():
         check_nan(torch.tensor([[float("nan"), 1.0]]))  # a draft tier's scores
-        with pytest.raises(FloatingPointError, match="NaN in the logits"):
+        with pytest.raises(FloatingPointError, match="NaN in the scores"):
             ChainVerifier(False, None).verify(torch.tensor([1]), None, scores)
         assert ChainVerifier(False, None).verify(torch.tensor([1]), None, scores) == (1, 0)  # read: cleared
-    with pytest.raises(FloatingPointError, match="NaN in the logits"), deferred_nan_checks():
+    with pytest.raises(FloatingPointError, match="NaN in the scores"), deferred_nan_checks():
         check_nan(torch.tensor([float("nan")]))  # still pending at the end: read then

@@ -203,7 +203,8 @@ class Force2:
                 proposals, proposal_probs = yield from proposal_steps(self.drafter, sequence,
                                                                       min(gamma1, still_wanted - 1), host)
                 q_scores = yield from self.score_steps(sequence, proposals)
-                accepted, emitted = self.verifier.emit(proposals, proposal_probs, q_scores)
+                accepted, next_token = self.verifier.verify(proposals, proposal_probs, q_scores)
+                emitted = self.verifier.emitted(proposals, accepted, next_token)
                 proposed = len(proposals)
             self.rejections += accepted < proposed
             self.stats.force1_proposed += proposed

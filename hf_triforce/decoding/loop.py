@@ -361,7 +361,8 @@ class Decoder:
             logits, p_scores = logits[rows], p_scores[rows]
             emitted = proposals + [next_token]
         else:
-            accepted, emitted = self.force3_verifier.emit(candidates.tokens, candidates.probs, p_scores)
+            accepted, next_token = self.force3_verifier.verify(candidates.tokens, candidates.probs, p_scores)
+            emitted = self.force3_verifier.emitted(candidates.tokens, accepted, next_token)
             last_row = accepted
         stats.force3_seconds += seconds
         stats.force3_steps += 1

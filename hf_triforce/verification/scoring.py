@@ -104,8 +104,8 @@ def process_each(processors: LogitsProcessorList, context_of: Callable[[int], to
     return scores
 
 
-NAN_MESSAGE = ("NaN in the logits of a TriForce tier: the model produced NaN (overflow in float16? try bfloat16 "
-               "or float32); refusing to pick tokens from garbage")
+NAN_MESSAGE = ("NaN in the scores of a TriForce tier: the model produced NaN or inf logits (overflow in float16? try "
+               "bfloat16 or float32); refusing to pick tokens from garbage")
 # within `deferred_nan_checks`: the NaN checks noted since the last readback, as one device flag (None: none)
 _PENDING: ContextVar[list | None] = ContextVar("hf_triforce_pending_nan", default=None)
 
@@ -123,15 +123,17 @@ def deferred_nan_checks() -> Iterator[None]:
         _PENDING.reset(token)
 
 
-def check_nan(scores: torch.Tensor) -> None:
-    """Raise `FloatingPointError` if ``scores`` hold a NaN: now, or (`deferred_nan_checks`) at the next readback."""
+def check_nan(scores: torch.Tensor) -> torch.Tensor | None:
+    """Raise `FloatingPointError` if ``scores`` hold a NaN: now, or (`deferred_nan_checks`) at the next readback;
+    then returns the device flag (a 0-d bool tensor; None when checked now)."""
     pending = _PENDING.get()
     if pending is None:
         if torch.isnan(scores).any():
             raise FloatingPointError(NAN_MESSAGE)
-        return
+        return None
     flag = torch.isnan(scores).any()
     pending[0] = flag if pending[0] is None else pending[0] | flag.to(pending[0].device)
+    return flag
 
 
 def read_back(values: torch.Tensor | None) -> list:
