@@ -128,8 +128,12 @@ class BufferLayer(CacheLayerMixin):
         held_rows, wanted_rows = held.reshape(rows, k), chunks.to(held.device).reshape(rows, k)
         wanted = torch.zeros(rows, count, dtype=torch.bool, device=held.device).scatter_(1, wanted_rows, True)
         had = torch.zeros_like(wanted).scatter_(1, held_rows, True)
-        free_row, free_slot = (~wanted.gather(1, held_rows)).nonzero(as_tuple=True)
-        incoming = wanted_rows[~had.gather(1, wanted_rows)]  # row-major, as the free slots
+        kept, new = wanted.gather(1, held_rows), ~had.gather(1, wanted_rows)
+        if sync_free(held.device):
+            order = self._replace_in_place(keys, values, start, held_rows, wanted_rows, kept, new, chunk_size)
+            return order.view(batch, heads, k)
+        free_row, free_slot = (~kept).nonzero(as_tuple=True)
+        incoming = wanted_rows[new]  # row-major, as the free slots
         self.chunks_copied += incoming.numel()
         order = held_rows.clone()
         order[free_row, free_slot] = incoming
@@ -141,6 +145,30 @@ class BufferLayer(CacheLayerMixin):
             slots[free_row.to(slots.device), free_slot.to(slots.device)] = (
                 from_rows[free_row.to(where), incoming.to(where)].to(slots.device))
         return order.view(batch, heads, k)
+
+    def _replace_in_place(self, keys: torch.Tensor, values: torch.Tensor, start: int, held_rows: torch.Tensor,
+                          wanted_rows: torch.Tensor, kept: torch.Tensor, new: torch.Tensor,
+                          chunk_size: int) -> torch.Tensor:
+        """`replace_chunks` in fixed shapes, with no host read (``held_rows``/``wanted_rows``/``kept``/``new``:
+        ``[rows, k]``): each row's free slots (stable-sorted first) take its new chunks (sorted first) in order,
+        the same assignment as the data-dependent path; the other slots rewrite the chunk they hold. Every slot is
+        written: on an accelerator the copy is cheap, a host read of how many changed is not."""
+        rows, k = held_rows.shape
+        free_first = torch.sort(kept.to(torch.uint8), dim=1, stable=True).indices
+        new_first = torch.sort((~new).to(torch.uint8), dim=1, stable=True).indices
+        changes = (~kept).sum(1, keepdim=True)
+        taken = torch.where(torch.arange(k, device=kept.device) < changes, wanted_rows.gather(1, new_first),
+                            held_rows.gather(1, free_first))
+        order = held_rows.scatter(1, free_first, taken)
+        self.chunks_copied += k * rows
+        index = torch.arange(rows, device=order.device)[:, None]
+        for source, target in ((keys, self.keys), (values, self.values)):
+            width = chunk_size * source.shape[-1]
+            from_rows = source[:, :, : keys.shape[2] // chunk_size * chunk_size].reshape(rows, -1, width)
+            slots = target[:, :, start : start + k * chunk_size].view(rows, k, width)
+            where = from_rows.device
+            slots.copy_(from_rows[index.to(where), order.to(where)])
+        return order
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         self.check_device(key_states)
@@ -295,3 +323,8 @@ def copy_prefix(source: Cache, target: BufferCache) -> int:
     if len(lengths) > 1:
         raise ValueError(f"cache=: its layers hold different lengths {sorted(lengths)}")
     return lengths.pop() if lengths else 0
+
+
+def sync_free(device: torch.device) -> bool:
+    """Whether to avoid host reads of tensor values on ``device`` (each is a synchronisation there)."""
+    return device.type != "cpu"

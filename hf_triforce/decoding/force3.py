@@ -27,6 +27,7 @@ from ..caches.offloaded import OffloadedBufferCache
 from ..caches.ragged import RaggedBufferCache
 from ..compat import layer_devices
 from ..config import TriForceConfig
+from ..drafters.registry import append_tokens
 from ..kernels.attention import QueryRecorder
 from ..verification.scoring import process_rows
 from .forward import prefill, ragged_forward, score_continuation, settle
@@ -81,7 +82,7 @@ class Force3:
             logits, scores = score_tree(self.model, cache, cache.length, sequence, found.tree, processors[b],
                                         self.recorder)
         else:
-            extended = torch.cat((sequence, sequence.new_tensor([found.tokens])), dim=1)
+            extended = append_tokens(sequence, found.tokens)
             logits, scores = score_continuation(self.model, cache, cache.length, extended, sequence.shape[1],
                                                 processors[b], self.recorder)
         return {b: (logits, settle(scores))}
@@ -152,7 +153,7 @@ class RaggedForce3:
               processors: list) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
         """The step's forward for the active rows ``sequences`` (stopped rows take no part)."""
         lengths = self.cache.lengths
-        fed = {b: torch.cat((sequence[:, -1:], sequence.new_tensor([candidates[b].tokens])), dim=1)
+        fed = {b: append_tokens(sequence[:, -1:], candidates[b].tokens)
                for b, sequence in sequences.items()}  # the last committed token, then the candidates
         logits = ragged_forward(self.model, self.cache, fed, {b: lengths[b] for b in fed}, self.recorder)
         scored = {}

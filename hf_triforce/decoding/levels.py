@@ -5,9 +5,9 @@ retrieval selection, a sync after steps without it). ``candidate_steps(sequence,
 force1_tree, force2_tree)`` is a generator of its forwards (`hf_triforce.decoding.steps`: a batch's rows run them
 in lockstep) that returns a `Candidates`: up to ``limit`` tokens and, row by row, the exact distribution each was
 drawn from (``None``: point masses, or greedy decoding), or a candidate tree. After Force 3 has committed,
-``commit(sequence, accepted, proposed, queries)`` is told the committed sequence (its last token not yet
-cached), how many of the ``proposed`` it accepted, and the verifier's queries at the last cached row; every cache
-rolls back or catches up.
+``commit(sequence, accepted, proposed, queries, committed)`` is told the committed sequence (its last token not yet
+cached), how many of the ``proposed`` it accepted, the verifier's queries at the last cached row and the tokens
+the step committed (on the host); every cache rolls back or catches up.
 
 Force 2 verifies Force 1's chain with its `ChainVerifier` (accept with min(1, q/r), else draw from the
 residual) and hands up the tokens it emitted with q: each emitted token is distributed exactly as q, so
@@ -19,6 +19,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from transformers import LogitsProcessorList
 
@@ -29,7 +30,7 @@ from ..compat import layer_devices
 from ..config import TriForceConfig
 from ..drafters import Drafter
 from ..drafters.branching import branched_chain
-from ..drafters.registry import proposal_steps
+from ..drafters.registry import append_tokens, drafting_sequence, proposal_steps
 from ..stats import TriForceStats
 from ..verification.draft_tree import DraftTree, agreement
 from ..verification.sampling import ChainVerifier, scores_to_probs
@@ -126,13 +127,13 @@ class Force2:
         self.stats.force2_sees_whole_cache = self.cache.sees_whole_cache
         self.steps_since_selection = 0
 
-    def scores(self, sequence: torch.Tensor, proposals: list[int]) -> torch.Tensor:
+    def scores(self, sequence: torch.Tensor, proposals: list[int] | torch.Tensor) -> torch.Tensor:
         """Processed Force-2 scores for each proposal's position and the one after."""
         return run_inline(self.score_steps(sequence, proposals))
 
-    def score_steps(self, sequence: torch.Tensor, proposals: list[int]) -> Steps[torch.Tensor]:
+    def score_steps(self, sequence: torch.Tensor, proposals: list[int] | torch.Tensor) -> Steps[torch.Tensor]:
         """`scores` as a generator of its forward (`hf_triforce.decoding.steps`)."""
-        extended = torch.cat((sequence, sequence.new_tensor([proposals])), dim=1) if proposals else sequence
+        extended = append_tokens(sequence, proposals) if len(proposals) else sequence
         request = ForwardRequest(self.model, self.cache, extended[:, self.seen :], self.seen, len(proposals) + 1)
         logits = yield request
         self.stats.force2_seconds += request.seconds
@@ -140,13 +141,14 @@ class Force2:
             self.timed("force2", extended.shape[1] - self.seen, request.seconds)
         return process_rows(self.processors, extended, logits, sequence.shape[1])
 
-    def verify_tree(self, sequence: torch.Tensor, depth: int):
+    def verify_tree(self, sequence: torch.Tensor, depth: int, host: np.ndarray | None = None):
         """Force 1's tree of depth ``depth`` verified in one tree forward on the retrieval cache; its accepted
         path's entries are compacted into place. Returns what the chain branch of `candidate_steps` has: the
         accepted path as ``proposals``, ``None`` (their laws: unused past verification), ``accepted``, the next
         token, the q rows of the root and path, and the tree's depth."""
         config = self.config
-        tree = self.drafter.propose_tree(sequence, depth, config.tree_nodes, config.tree_branch) if depth > 0 \
+        tree = self.drafter.propose_tree(drafting_sequence(self.drafter, sequence, host), depth, config.tree_nodes,
+                                         config.tree_branch) if depth > 0 \
             else DraftTree([], [])
         chain = tree.as_chain()
         if chain is not None:  # no branching this step (or nothing proposed): the cheaper chain path
@@ -179,34 +181,39 @@ class Force2:
 
     def candidate_steps(self, sequence: torch.Tensor, limit: int, gamma1: int | None = None,
                         gamma2: int | None = None, force1_tree: bool | None = None,
-                        force2_tree: bool | None = None) -> Steps[Candidates]:
+                        force2_tree: bool | None = None, host: np.ndarray | None = None) -> Steps[Candidates]:
         """Up to ``min(gamma2, limit)`` tokens (gammas default to the config's); ``force1_tree``: Force 1
         proposes trees of ``tree_nodes``, ``force2_tree``: a tree of ``force2_tree_nodes`` goes up (both default
-        to whether the config sets those). A generator of its forwards (`hf_triforce.decoding.steps`)."""
+        to whether the config sets those); ``host``: the sequence's host copy, for a lookup Force 1
+        (`registry.drafting_sequence`). A generator of its forwards (`hf_triforce.decoding.steps`)."""
         force1_tree = bool(self.config.tree_nodes) if force1_tree is None else force1_tree
         force2_tree = bool(self.config.force2_tree_nodes) if force2_tree is None else force2_tree
         gamma1 = self.config.gamma1 if gamma1 is None else gamma1
         wanted = min(self.config.gamma2 if gamma2 is None else gamma2, limit)
         if wanted <= 0:
             return Candidates([], None)
-        prompt_length, rows = sequence.shape[1], []
-        while sequence.shape[1] - prompt_length < wanted:
-            still_wanted = wanted - (sequence.shape[1] - prompt_length)
+        prompt_length, rows, tokens = sequence.shape[1], [], []  # tokens: what this level emitted, on the host
+        while len(tokens) < wanted:
+            still_wanted = wanted - len(tokens)
             if force1_tree:  # proposed: the tree's depth, so that acceptance compares with chains'
                 proposals, proposal_probs, accepted, next_token, q_scores, proposed = self.verify_tree(
-                    sequence, min(gamma1, still_wanted - 1))
+                    sequence, min(gamma1, still_wanted - 1), host)
+                emitted = proposals[:accepted] + [next_token]
             else:
                 proposals, proposal_probs = yield from proposal_steps(self.drafter, sequence,
-                                                                      min(gamma1, still_wanted - 1))
+                                                                      min(gamma1, still_wanted - 1), host)
                 q_scores = yield from self.score_steps(sequence, proposals)
                 accepted, next_token = self.verifier.verify(proposals, proposal_probs, q_scores)
+                emitted = self.verifier.emitted(proposals, accepted, next_token)
                 proposed = len(proposals)
             self.rejections += accepted < proposed
             self.stats.force1_proposed += proposed
             self.stats.force2_verified += proposed
             self.stats.force2_accepted += accepted
             self.stats.force2_steps += 1
-            sequence = torch.cat((sequence, sequence.new_tensor([proposals[:accepted] + [next_token]])), dim=1)
+            sequence = append_tokens(sequence, emitted)
+            host = None if host is None else np.concatenate((host, [emitted]), axis=1)
+            tokens += emitted
             rows.append(self.handed_up(q_scores, proposals, proposal_probs, accepted))
             self.cache.rollback_to_sequence(sequence.shape[1] - 1)
             self.drafter.rollback(sequence.shape[1] - 1)
@@ -216,7 +223,7 @@ class Force2:
         self.stats.force2_proposed += wanted
         q_scores = torch.cat(rows)[:wanted]
         probs = scores_to_probs(q_scores) if self.verifier.do_sample else None
-        tokens = sequence[0, prompt_length:end].tolist()
+        tokens = tokens[:wanted]
         self.handed = (prompt_length, tokens)
         if force2_tree:
             return self.branched(tokens, q_scores, probs)
@@ -232,13 +239,15 @@ class Force2:
         self.stats.tree_nodes += len(tree)
         return Candidates(tokens, probs) if tree.is_chain() else Candidates([], None, tree)
 
-    def commit(self, sequence: torch.Tensor, accepted: int, proposed: int, queries: dict[int, torch.Tensor]) -> None:
-        """Roll back to the committed ``sequence`` (its last token not yet cached) or, where Force 3 accepted one
-        of a tree's alternatives, to where it left the handed-up chain; refresh the selection."""
+    def commit(self, sequence: torch.Tensor, accepted: int, proposed: int, queries: dict[int, torch.Tensor],
+               committed: list[int]) -> None:
+        """Roll back to the committed ``sequence`` (its last token not yet cached; ``committed``: the tokens this
+        step committed, on the host) or, where Force 3 accepted one of a tree's alternatives, to where it left the
+        handed-up chain; refresh the selection."""
         keep = sequence.shape[1] - 1
         if self.handed is not None:
             start, chain = self.handed
-            keep = min(keep, start + agreement(sequence[:, :keep], start, chain))
+            keep = min(keep, start + agreement(committed[: keep - start], chain))
             self.handed = None
         self.drafter.rollback(keep)
         self.cache.sync(self.full, self.full.length)
@@ -273,28 +282,30 @@ class Force1Only:
 
     def candidate_steps(self, sequence: torch.Tensor, limit: int, gamma1: int | None = None,
                         gamma2: int | None = None, force1_tree: bool | None = None,
-                        force2_tree: bool | None = None) -> Steps[Candidates]:
+                        force2_tree: bool | None = None, host: np.ndarray | None = None) -> Steps[Candidates]:
         """Up to ``min(gamma2, limit)`` tokens, or (``force1_tree``, default: whether the config sets
-        ``tree_nodes``) Force 1's tree of that depth; ``gamma1`` and ``force2_tree`` are unused (no Force 2). A
-        generator of its forwards (`hf_triforce.decoding.steps`)."""
+        ``tree_nodes``) Force 1's tree of that depth; ``gamma1`` and ``force2_tree`` are unused (no Force 2);
+        ``host``: as `Force2.candidate_steps`. A generator of its forwards (`hf_triforce.decoding.steps`)."""
         force1_tree = bool(self.config.tree_nodes) if force1_tree is None else force1_tree
         wanted = min(self.config.gamma2 if gamma2 is None else gamma2, limit)
         if wanted <= 0:
             return Candidates([], None)
         if force1_tree:  # Force 3 verifies Force 1's tree
-            tree = self.drafter.propose_tree(sequence, wanted, self.config.tree_nodes, self.config.tree_branch)
+            tree = self.drafter.propose_tree(drafting_sequence(self.drafter, sequence, host), wanted,
+                                             self.config.tree_nodes, self.config.tree_branch)
             depth = max(tree.depths(), default=0)  # counted like a chain of that length (acceptance comparable)
             self.stats.force1_proposed += depth
             self.stats.force2_proposed += depth
             self.stats.tree_nodes += len(tree)
             chain = tree.as_chain()  # no branching this step (or nothing proposed): the cheaper chain path
             return Candidates(*chain) if chain is not None else Candidates([], None, tree)
-        proposals, probs = yield from proposal_steps(self.drafter, sequence, wanted)
+        proposals, probs = yield from proposal_steps(self.drafter, sequence, wanted, host)
         self.stats.force1_proposed += len(proposals)
         self.stats.force2_proposed += len(proposals)
         return Candidates(proposals, probs)
 
-    def commit(self, sequence: torch.Tensor, accepted: int, proposed: int, queries: dict[int, torch.Tensor]) -> None:
+    def commit(self, sequence: torch.Tensor, accepted: int, proposed: int, queries: dict[int, torch.Tensor],
+               committed: list[int]) -> None:
         self.drafter.rollback(sequence.shape[1] - 1)
 
     def nbytes(self) -> int:

@@ -34,13 +34,13 @@ from .. import compat
 from ..config import TriForceConfig
 from ..drafters import DRAFTERS, DraftContext, build_drafter
 from ..drafters.model import ModelDrafter
-from ..drafters.registry import MODEL_DRAFTER, spec_of
+from ..drafters.registry import MODEL_DRAFTER, drafting_sequence, spec_of
 from ..kernels.lean import LEAN_PRECISIONS, LeanModel, lean_support, resolve_draft_precision, tier_model
 from ..kernels.linear_routes import linear_routes
 from ..kernels.row_mixing import RowsApart
 from ..stats import TriForceStats
 from ..verification.sampling import ChainVerifier, Sampler, TorchSampler, scores_to_probs
-from ..verification.scoring import process_rows, row_processors
+from ..verification.scoring import deferred_nan_checks, process_rows, row_processors
 from ..verification.tree import TreeVerifier
 from .force3 import Force3, RaggedForce3
 from .levels import Candidates, Force1Only, Force2, NoForce1
@@ -250,6 +250,7 @@ class Decoder:
             for model_routes in routes:
                 stack.enter_context(model_routes.installed())
             rows_apart = stack.enter_context(RowsApart(self.model))
+            stack.enter_context(deferred_nan_checks())  # NaN checks read with the verifications' readbacks
             result = self._run(rows, prefix_cache, streamer, keep_scores, keep_logits, rows_apart)
         compiled = {} if not fixed_shapes else {
             "mode": self.config.tier_compile,
@@ -351,12 +352,13 @@ class Decoder:
             if policy is not None:
                 policy.started(plan)
             # what each free lookup would propose next, scored against Force 3 below (no state, no randomness)
-            counterfactual = {b: {name: self.drafter(b, name).propose(outs[b].sequence, 1)[0] for name in lookups}
-                              for b in active}
+            counterfactual = {b: {name: (drafter := self.drafter(b, name)).propose(
+                drafting_sequence(drafter, outs[b].sequence, outs[b].host), 1)[0] for name in lookups} for b in active}
             step_start, before, lockstep_before = time.perf_counter(), self._counters(levels), self.lockstep.clock()
             # 2. candidates, the rows in lockstep
             steps = {b: level.candidate_steps(outs[b].sequence, self.max_lengths[b] - outs[b].sequence.shape[1] - 1,
-                                              plan.gamma1, plan.gamma2, plan.force1_tree, plan.force2_tree)
+                                              plan.gamma1, plan.gamma2, plan.force1_tree, plan.force2_tree,
+                                              outs[b].host)
                      for b, level in levels.items() if level is not None}
             candidates: dict[int, Candidates] = self.lockstep.drive(steps)
             for b in active:
@@ -394,20 +396,21 @@ class Decoder:
             proposals, accepted, last_row = [tree.tokens[node] for node in path], len(path), path[-1] + 1 if path else 0
             rows = [0] + [node + 1 for node in path]
             logits, p_scores = logits[rows], p_scores[rows]
+            emitted = proposals + [next_token]
         else:
-            proposals = candidates.tokens
-            accepted, next_token = self.force3_verifier.verify(proposals, candidates.probs, p_scores)
+            accepted, next_token = self.force3_verifier.verify(candidates.tokens, candidates.probs, p_scores)
+            emitted = self.force3_verifier.emitted(candidates.tokens, accepted, next_token)
             last_row = accepted
         stats.force3_seconds += seconds
         stats.force3_steps += 1
         stats.force3_accepted += accepted
         stats.plan_steps[plan.levels] = stats.plan_steps.get(plan.levels, 0) + 1
-        committed, done[b] = out.commit_verified(proposals[:accepted] + [next_token], p_scores, logits)
+        committed, done[b] = out.commit_verified(emitted, p_scores, logits)
         stats.force3_tokens += committed
         self.force3.set_length(b, out.sequence.shape[1] - 1)  # the committed sequence but its last token
         queries[b] = self.force3.queries(b, last_row)
         if not done[b] and level is not None:
-            level.commit(out.sequence, accepted, proposed_of(candidates), queries[b])
+            level.commit(out.sequence, accepted, proposed_of(candidates), queries[b], emitted[:committed])
         return accepted, committed, p_scores[0]
 
     def _counters(self, levels: dict) -> dict[int, tuple]:

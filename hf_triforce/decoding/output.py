@@ -4,11 +4,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from transformers import LogitsProcessorList, StoppingCriteriaList
 
 from ..caches.buffer import BufferCache
+from ..drafters.registry import append_tokens
 from ..stats import TriForceStats
+from ..verification.scoring import read_back
 
 
 @dataclass
@@ -51,6 +54,7 @@ class Output:
     def __init__(self, input_ids: torch.LongTensor, view: PaddedView, criteria: StoppingCriteriaList | None,
                  max_length: int, streamer=None, keep_scores: bool = False, keep_logits: bool = False) -> None:
         self.sequence = input_ids  # [1, n] without the left padding
+        self.host = input_ids.cpu().numpy()  # the same on the host: lookups read it, not the device's
         self.scores: list[torch.Tensor] = []
         self.logits: list[torch.Tensor] = []
         self.view, self.criteria, self.max_length, self.streamer = view, criteria, max_length, streamer
@@ -60,23 +64,31 @@ class Output:
 
     def commit(self, token: int, scores: torch.Tensor, logits: torch.Tensor) -> bool:
         """Append one token; True when generation must stop."""
-        self.sequence = torch.cat((self.sequence, self.sequence.new_tensor([[token]])), dim=1)
-        if self.keep_scores:
-            self.scores.append(scores[None])
-        if self.keep_logits:
-            self.logits.append(logits[None].float())
-        if self.streamer is not None:
-            self.streamer.put(torch.tensor([token]))
-        stopped = bool(self.criteria(self.view(self.sequence), scores[None]).all()) if self.criteria else False
-        return stopped or self.sequence.shape[1] >= self.max_length
+        return self.commit_verified([token], scores[None], logits[None])[1]
 
     def commit_verified(self, tokens: list[int], scores: torch.Tensor, logits: torch.Tensor) -> tuple[int, bool]:
         """Commit the tokens one verification emitted (token ``i`` with row ``i`` of ``scores``/``logits``) until a
-        stop; returns how many were committed and whether generation must stop."""
-        for index, token in enumerate(tokens):
-            if self.commit(token, scores[index], logits[index]):
-                return index + 1, True
-        return len(tokens), False
+        stop; returns how many were committed and whether generation must stop. The stopping criteria of every
+        token up to ``max_length`` are evaluated first and read back at once (one host read, not one per token):
+        a criterion may so be asked about a token after the one it stops at, which is then not committed."""
+        start = self.sequence.shape[1]
+        extended = append_tokens(self.sequence, tokens)
+        n = min(len(tokens), self.max_length - start)
+        stops = [False] * n
+        if self.criteria and n:
+            stops = read_back(torch.stack([self.criteria(self.view(extended[:, : start + i + 1]), scores[i][None]).all()
+                                           for i in range(n)]))
+        committed = next((i + 1 for i, stop in enumerate(stops) if stop), n)
+        self.sequence = extended[:, : start + committed]
+        self.host = np.concatenate((self.host, [tokens[:committed]]), axis=1)
+        for index, token in enumerate(tokens[:committed]):
+            if self.keep_scores:
+                self.scores.append(scores[index][None])
+            if self.keep_logits:
+                self.logits.append(logits[index][None].float())
+            if self.streamer is not None:
+                self.streamer.put(torch.tensor([token]))
+        return committed, any(stops) or start + committed >= self.max_length
 
     def end(self) -> None:
         if self.streamer is not None:

@@ -13,7 +13,7 @@ from ..verification.draft_tree import DraftTree, agreement
 from ..verification.sampling import Sampler, scores_to_probs
 from ..verification.scoring import process_rows
 from .branching import branched_chain
-from .registry import MODEL_DRAFTER, DraftContext, register_drafter
+from .registry import MODEL_DRAFTER, DraftContext, append_tokens, register_drafter
 
 # a drafter filling by copy refills once it is more than this many tokens behind the sequence (steps ran without
 # it); catching up costs a forward of that many rows, a copy a few milliseconds. One filling by forwards refills
@@ -103,40 +103,45 @@ class ModelDrafter:
         self.seen = n
 
     def propose(self, sequence: torch.Tensor, n: int) -> tuple[list[int], torch.Tensor | None]:
-        return run_inline(self.propose_steps(sequence, n))
+        tokens, probs = run_inline(self.propose_steps(sequence, n))
+        return (tokens.tolist() if isinstance(tokens, torch.Tensor) else tokens), probs
 
-    def propose_steps(self, sequence: torch.Tensor, n: int) -> Steps[tuple[list[int], torch.Tensor | None]]:
-        """`propose` as a generator of its forwards (`hf_triforce.decoding.steps`): a batch drafts its rows together."""
+    def propose_steps(self, sequence: torch.Tensor, n: int) -> Steps[tuple[list[int] | torch.Tensor,
+                                                                          torch.Tensor | None]]:
+        """`propose` as a generator of its forwards (`hf_triforce.decoding.steps`): a batch drafts its rows together.
+        Greedy tokens stay on the device (a ``[n]`` tensor) until verification reads them with its own readback."""
         tokens, _, probs = yield from self._draft_steps(sequence, n)
         return tokens, (torch.stack(probs) if probs else None)
 
-    def _draft_steps(self, sequence: torch.Tensor, n: int) -> Steps[tuple[list[int], list[torch.Tensor],
-                                                                          list[torch.Tensor]]]:
-        """``n`` drafted tokens, each row's processed scores, and (sampling) the law each token was drawn from."""
+    def _draft_steps(self, sequence: torch.Tensor, n: int) -> Steps[tuple[list[int] | torch.Tensor,
+                                                                          list[torch.Tensor], list[torch.Tensor]]]:
+        """``n`` drafted tokens (greedy: a ``[n]`` tensor on the device), each row's processed scores, and
+        (sampling) the law each token was drawn from."""
         if self.drafted is not None:  # a tree's side node may have been accepted: keep only what still agrees
             start, drafted = self.drafted
-            self.rollback(start + agreement(sequence, start, drafted))
+            self.rollback(start + agreement(sequence[0, start : start + len(drafted)].tolist(), drafted))
             self.drafted = None
         behind = COPY_REFILL_BEHIND if self.source is not None else self.cache.window // 2
         if sequence.shape[1] - self.seen > behind:  # far behind (steps ran without it)
             self._fill(sequence)
-        tokens: list[int] = []
+        tokens: list[int] | list[torch.Tensor] = []
         rows, probs = [], []
         pending = sequence[:, self.seen :]
         while len(tokens) < n:
             logits = yield from self._forward_steps(pending)
-            current = torch.cat((sequence, sequence.new_tensor([tokens])), dim=1) if tokens else sequence
-            scores = process_rows(self.processors, current, logits, current.shape[1])
+            current = sequence if not tokens or not self.processors else append_tokens(sequence, tokens)
+            scores = process_rows(self.processors, current, logits, sequence.shape[1] + len(tokens))
             rows.append(scores[0])
             if self.do_sample:
                 law = scores_to_probs(scores)[0]
                 token = self.sampler.categorical(law)
                 probs.append(law)
-            else:
-                token = int(scores[0].argmax())
+                pending = sequence.new_tensor([[token]])
+            else:  # stays on the device: verification compares it there (no host read per drafted token)
+                token = scores[0].argmax()
+                pending = token.view(1, 1)
             tokens.append(token)
-            pending = sequence.new_tensor([[token]])
-        return tokens, rows, probs
+        return (torch.stack(tokens) if tokens and not self.do_sample else tokens), rows, probs
 
     def propose_tree(self, sequence: torch.Tensor, depth: int, nodes: int, branch: int) -> DraftTree:
         """The drafted chain (as `propose`), plus alternatives where the chain is least certain: the remaining
@@ -149,6 +154,7 @@ class ModelDrafter:
         sampled verification either way: an alternative is a function of (or a fresh draw given) the path and
         the siblings before it; how many there are depends on the chain only."""
         tokens, rows, probs = run_inline(self._draft_steps(sequence, min(depth, nodes)))
+        tokens = tokens.tolist() if isinstance(tokens, torch.Tensor) else tokens
         # the cache holds the chain's entries; the committed path may leave it at a side node (checked next time)
         self.drafted = (sequence.shape[1], tokens)
         laws = probs if self.do_sample else [scores_to_probs(row) for row in rows]

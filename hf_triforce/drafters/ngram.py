@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
 import torch
 
 from ..verification.draft_tree import DraftTree, TreeBuilder
-from .registry import register_drafter
+from .registry import host_row, register_drafter
 
 # occurrences of one suffix size a tree looks at, most recent first: bounds the per-occurrence Python work of a
 # common short suffix in a long prompt (a budget, not a tuned value)
@@ -21,37 +22,36 @@ class NgramDrafter:
     def __init__(self, ngram_max: int, ngram_min: int):
         self.ngram_max, self.ngram_min = ngram_max, ngram_min
         self.seconds = 0.0
+        self.host_sequence = True  # proposes from the sequence's host copy (`registry.drafting_sequence`)
 
     def prefill(self, prompt: torch.Tensor) -> None:
         pass
 
-    def propose(self, sequence: torch.Tensor, n: int) -> tuple[list[int], None]:
+    def propose(self, sequence: torch.Tensor | np.ndarray, n: int) -> tuple[list[int], None]:
         start = time.perf_counter()
-        seq = sequence[0]
+        seq = host_row(sequence)
         length = seq.shape[0]
         try:
             for size in range(min(self.ngram_max, length - 1), self.ngram_min - 1, -1):
-                windows = seq[: length - 1].unfold(0, size, 1)  # candidates that have a continuation
-                hits = (windows == seq[length - size :]).all(1).nonzero()
-                if hits.numel():
+                hits = occurrences(seq, size)
+                if hits.size:
                     begin = int(hits[-1]) + size
                     return seq[begin : begin + n].tolist(), None
             return [], None
         finally:
             self.seconds += time.perf_counter() - start
 
-    def propose_tree(self, sequence: torch.Tensor, depth: int, nodes: int, branch: int) -> DraftTree:
+    def propose_tree(self, sequence: torch.Tensor | np.ndarray, depth: int, nodes: int, branch: int) -> DraftTree:
         """Distinct continuations of the suffix's occurrences as one tree: the longest suffix first, each size's
         occurrences most recent first, so the first path is `propose`'s chain; shorter suffixes add
         alternatives. Deterministic (point masses), no side effects."""
         start = time.perf_counter()
-        seq = sequence[0]
+        seq = host_row(sequence)
         length = seq.shape[0]
         builder = TreeBuilder(nodes, branch)
         try:
             for size in range(min(self.ngram_max, length - 1), self.ngram_min - 1, -1):
-                windows = seq[: length - 1].unfold(0, size, 1)
-                for hit in (windows == seq[length - size :]).all(1).nonzero()[:, 0].flip(0)[:TREE_OCCURRENCES].tolist():
+                for hit in occurrences(seq, size)[::-1][:TREE_OCCURRENCES].tolist():
                     builder.add_path(seq[hit + size : hit + size + depth].tolist())
                     if len(builder.tokens) >= nodes:
                         return builder.tree()
@@ -64,6 +64,13 @@ class NgramDrafter:
 
     def nbytes(self) -> int:
         return 0
+
+
+def occurrences(seq: np.ndarray, size: int) -> np.ndarray:
+    """Start positions, increasing, of the earlier occurrences of ``seq``'s last ``size`` tokens that have a
+    continuation (``seq``: 1-D host token ids)."""
+    windows = np.lib.stride_tricks.sliding_window_view(seq[: seq.shape[0] - 1], size)
+    return np.flatnonzero((windows == seq[seq.shape[0] - size :]).all(1))
 
 
 register_drafter("ngram", lambda context: NgramDrafter(context.config.ngram_max, context.config.ngram_min),

@@ -7,7 +7,9 @@ proposal. ``seconds`` accumulates the time spent proposing. A ``"lookup"`` draft
 side effects and draw no random numbers: the adaptive policy asks it every step what it would propose
 (counterfactual scoring), whether or not the step uses it. A drafter that runs a model may also offer
 ``propose_steps(sequence, n)``, `propose` as a generator of its forwards (`hf_triforce.decoding.steps`), so that a
-batch drafts all its rows in one forward per token.
+batch drafts all its rows in one forward per token. A drafter that reads token values (the lookups) sets
+``host_sequence = True`` and is then given the sequence's host copy, an int64 NumPy array ``[1, n]``, where the
+decoder has one (`drafting_sequence`).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+import numpy as np
 import torch
 from transformers import LogitsProcessorList
 
@@ -35,13 +38,51 @@ class Drafter(Protocol):
     def nbytes(self) -> int: ...
 
 
-def proposal_steps(drafter: Drafter, sequence: torch.Tensor, n: int) -> Steps[tuple[list[int], torch.Tensor | None]]:
+def proposal_steps(drafter: Drafter, sequence: torch.Tensor, n: int,
+                   host: np.ndarray | None = None) -> Steps[tuple[list[int] | torch.Tensor, torch.Tensor | None]]:
     """``drafter.propose(sequence, n)`` as a generator of forward requests (none for a drafter without
-    ``propose_steps``: it proposes directly)."""
+    ``propose_steps``: it proposes directly; ``host``: the sequence's host copy, `drafting_sequence`). The tokens
+    are ids, or a ``[n]`` tensor on the device where a drafter's ``propose_steps`` keeps them there (verification
+    reads them back with its acceptance)."""
     steps = getattr(drafter, "propose_steps", None)
     if steps is None:
-        return drafter.propose(sequence, n)
+        return drafter.propose(drafting_sequence(drafter, sequence, host), n)
     return (yield from steps(sequence, n))
+
+
+def drafting_sequence(drafter: Drafter, sequence: torch.Tensor, host: np.ndarray | None) -> torch.Tensor | np.ndarray:
+    """What ``drafter`` proposes from: ``host``, the sequence's host copy (int64 ``[1, n]``), for a drafter that reads
+    token values (``host_sequence``: the lookups; on an accelerator each read of ``sequence`` would wait for the
+    device), where the caller has one; else ``sequence``."""
+    return host if host is not None and getattr(drafter, "host_sequence", False) else sequence
+
+
+def host_row(sequence: torch.Tensor | np.ndarray) -> np.ndarray:
+    """Row 0 of a ``[1, n]`` sequence as host int64 token ids (a tensor is copied to the host: a read)."""
+    if isinstance(sequence, torch.Tensor):
+        return sequence[0].cpu().numpy().astype(np.int64, copy=False)
+    return np.asarray(sequence[0], dtype=np.int64)
+
+
+def append_tokens(sequence: torch.Tensor, tokens: list[int] | list[torch.Tensor] | torch.Tensor) -> torch.Tensor:
+    """``sequence`` ``[1, n]`` followed by ``tokens``: ids (copied to the device), 0-d tensors or a ``[k]`` tensor
+    on the device (no host read either way)."""
+    if isinstance(tokens, torch.Tensor):
+        row = tokens.to(sequence.device)
+    elif tokens and isinstance(tokens[0], torch.Tensor):
+        row = torch.stack(tokens).to(sequence.device)
+    else:
+        row = device_tokens(tokens, sequence.device)
+    return torch.cat((sequence, row.view(1, -1)), dim=1)
+
+
+def device_tokens(tokens: list[int], device: torch.device) -> torch.Tensor:
+    """``tokens`` as a ``[k]`` long tensor on ``device``; to an accelerator by an asynchronous copy from pinned
+    memory (a blocking copy from the host waits for the device)."""
+    host = torch.tensor(tokens, dtype=torch.long)
+    if torch.device(device).type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 @dataclass(frozen=True)

@@ -11,40 +11,42 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
 import torch
 
-from .registry import DraftContext, register_drafter
+from .ngram import occurrences
+from .registry import DraftContext, host_row, register_drafter
 
 
 class SuffixDrafter:
     def __init__(self, ngram_max: int, ngram_min: int):
         self.ngram_max, self.ngram_min = ngram_max, ngram_min
         self.seconds = 0.0
+        self.host_sequence = True  # proposes from the sequence's host copy (`registry.drafting_sequence`)
 
     def prefill(self, prompt: torch.Tensor) -> None:
         pass
 
-    def _continuations(self, seq: torch.Tensor) -> torch.Tensor:
+    def _continuations(self, seq: np.ndarray) -> np.ndarray:
         """Positions right after each earlier occurrence of the longest matching suffix (empty: no match)."""
         length = seq.shape[0]
         for size in range(min(self.ngram_max, length - 1), self.ngram_min - 1, -1):
-            windows = seq[: length - 1].unfold(0, size, 1)
-            hits = (windows == seq[length - size :]).all(1).nonzero()[:, 0]
-            if hits.numel():
+            hits = occurrences(seq, size)
+            if hits.size:
                 return hits + size
-        return seq.new_empty(0)
+        return np.empty(0, dtype=np.int64)
 
-    def propose(self, sequence: torch.Tensor, n: int) -> tuple[list[int], None]:
+    def propose(self, sequence: torch.Tensor | np.ndarray, n: int) -> tuple[list[int], None]:
         start = time.perf_counter()
-        seq = sequence[0]
+        seq = host_row(sequence)
         starts = self._continuations(seq)
         tokens: list[int] = []
         while len(tokens) < n:
             starts = starts[starts < seq.shape[0]]
-            if not starts.numel():
+            if not starts.size:
                 break
             following = seq[starts]
-            values, counts = following.unique(return_counts=True)
+            values, counts = np.unique(following, return_counts=True)
             best = values[counts.argmax()]
             tokens.append(int(best))
             starts = starts[following == best] + 1

@@ -122,13 +122,22 @@ def _varlen(q, k, v, causal: bool, scale: float | None, lse: bool):
     """One sequence through ``varlen_attn``: ``q`` ``[total_q, heads, d]``, ``k``/``v`` ``[total_k, kv_heads, d]``
     (last dim contiguous; other strides free)."""
     fn = varlen_function()
-    bounds = torch.tensor([[0, q.shape[0]], [0, k.shape[0]]], dtype=torch.int32, device=q.device)
+    bounds = _varlen_bounds(q.shape[0], k.shape[0], q.device)
     kwargs = dict(scale=scale, window_size=(-1, 0) if causal else (-1, -1))
     if fn.takes_gqa and k.shape[1] != q.shape[1]:
         kwargs["enable_gqa"] = True
     if lse:
         kwargs["return_aux"] = fn.aux(lse=True)
     return fn.call(q, k, v, bounds[0], bounds[1], q.shape[0], k.shape[0], **kwargs)
+
+
+@functools.lru_cache(maxsize=8)
+def _varlen_bounds(q_len: int, kv_len: int, device: torch.device) -> torch.Tensor:
+    """``cu_seqlens`` of one sequence, queries ``[0, q_len]`` and keys ``[0, kv_len]`` (int32 ``[2, 2]``): made once per
+    shape (every layer of a forward shares it) by a kernel, not copied from the host (a blocking copy to an
+    accelerator waits for it)."""
+    steps = torch.arange(2, dtype=torch.int32, device=device)
+    return torch.stack((steps * q_len, steps * kv_len))
 
 
 def varlen_verify(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -214,7 +223,7 @@ def _causal_block_mask(q_len: int, groups: int, kv_len: int, device: torch.devic
     of a forward reuses it. The offsets are captured tensors (graph inputs, not constants: a compiled kernel is
     not recompiled as the cache grows)."""
     fa = _flex_module()
-    rows, offset = torch.tensor(q_len, device=device), torch.tensor(kv_len - q_len, device=device)
+    rows, offset = torch.full((), q_len, device=device), torch.full((), kv_len - q_len, device=device)
 
     def bottom_right_causal(b, h, q_idx, kv_idx):
         return kv_idx <= q_idx % rows + offset

@@ -109,12 +109,12 @@ class DraftTree:
         return torch.tensor([[first - 1 + depth for depth in self.depths()]], device=device)
 
 
-def agreement(sequence: torch.Tensor, start: int, tokens: list[int]) -> int:
-    """How many of ``tokens`` (proposed from position ``start`` on) the sequence ``[1, n]`` still holds there:
-    where a cache that holds their entries must roll back to after verification (``start`` + this)."""
+def agreement(committed: list[int], tokens: list[int]) -> int:
+    """How many of ``tokens`` (proposed from some position on) the ``committed`` tokens from that position on
+    still hold: where a cache that holds their entries must roll back to after verification (that position +
+    this). Host lists: the host knows every committed token from the verifications' readbacks."""
     agree = 0
-    end = min(len(tokens), sequence.shape[1] - start)
-    while agree < end and int(sequence[0, start + agree]) == tokens[agree]:
+    while agree < min(len(tokens), len(committed)) and committed[agree] == tokens[agree]:
         agree += 1
     return agree
 

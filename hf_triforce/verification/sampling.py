@@ -13,15 +13,17 @@ does; a test can substitute a sampler that enumerates every outcome with its pro
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
 
+from .scoring import check_nan, read_back
+
 
 class Sampler(Protocol):
-    def bernoulli(self, probability: torch.Tensor) -> bool:
-        """True with ``probability`` (a 0-d tensor in [0, 1])."""
+    def bernoulli(self, probability: float | torch.Tensor) -> bool:
+        """True with ``probability`` (in [0, 1]: a float read back to the host, or a 0-d tensor)."""
 
     def categorical(self, probs: torch.Tensor) -> int:
         """One index drawn from the 1-D distribution ``probs``."""
@@ -30,22 +32,22 @@ class Sampler(Protocol):
 class TorchSampler:
     """Draws from torch's global RNG (seeded by ``torch.manual_seed``, like ``generate``)."""
 
-    def bernoulli(self, probability: torch.Tensor) -> bool:
-        return bool(torch.rand((), device=probability.device) < probability)
+    def bernoulli(self, probability: float | torch.Tensor) -> bool:
+        device = probability.device if isinstance(probability, torch.Tensor) else None
+        return bool(torch.rand((), device=device) < probability)
 
     def categorical(self, probs: torch.Tensor) -> int:
         return int(torch.multinomial(probs, num_samples=1))
 
 
 def scores_to_probs(scores: torch.Tensor) -> torch.Tensor:
-    """Softmax of processed scores in fp32; raises on NaN so garbage is never sampled."""
+    """Softmax of processed scores in fp32; raises on NaN so garbage is never sampled. Within
+    `scoring.deferred_nan_checks` the check is read with the next readback, which raises before anything drawn
+    from these probabilities is emitted; a NaN row is uniform meanwhile, so that a draw from it does not fail
+    first (on CUDA a draw from NaN probabilities is a device-side assert)."""
     probs = torch.softmax(scores.float(), dim=-1)
-    if torch.isnan(probs).any():
-        raise FloatingPointError(
-            "NaN in the probabilities of a TriForce tier: the model produced NaN/inf logits "
-            "(try float32 or bfloat16 instead of float16)"
-        )
-    return probs
+    flag = check_nan(probs)
+    return probs if flag is None else torch.where(flag, torch.full_like(probs, 1.0 / probs.shape[-1]), probs)
 
 
 def acceptance_probability(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
@@ -81,6 +83,8 @@ class ChainVerifier:
     do_sample: bool
     sampler: Sampler
     resample: Resample = residual_distribution
+    # (proposals, the values of the accepted ones) of the last greedy readback of proposals on the device
+    read: tuple | None = field(default=None, repr=False, compare=False)
 
     def accept_or_resample(self, token: int, p: torch.Tensor, q: torch.Tensor | None) -> tuple[bool, int]:
         """Speculative acceptance of one proposal ``token ~ q`` against target ``p`` (1-D probabilities)."""
@@ -90,30 +94,50 @@ class ChainVerifier:
             return True, token
         return False, self.sampler.categorical(self.resample(p, q))
 
-    def verify(self, proposals: list[int], proposal_probs: torch.Tensor | None,
+    def verify(self, proposals: list[int] | torch.Tensor, proposal_probs: torch.Tensor | None,
                target_scores: torch.Tensor) -> tuple[int, int]:
         """Verify ``proposals`` against ``len(proposals) + 1`` rows of processed target scores.
 
         Returns ``(n_accepted, next_token)``: the first ``n_accepted`` proposals stand, followed by
         ``next_token`` (a residual resample at the first rejection, or a bonus token from the last row).
         ``proposal_probs[i]`` is the distribution proposal ``i`` was drawn from (``None``: point masses).
+        ``proposals``: token ids, or a ``[n]`` tensor on the scores' device (a drafter's greedy tokens, compared
+        there; `emitted` then has their values). The host reads one transfer (`scoring.read_back`: greedy, the
+        argmax of every row and how many agree; sampling, each proposal's acceptance probability), and when
+        sampling the token drawn after them.
         """
         n = len(proposals)
         if target_scores.shape[0] != n + 1:
             raise ValueError(f"verify needs {n + 1} rows of target scores, got {target_scores.shape[0]}")
         if not self.do_sample:
-            best = target_scores.argmax(-1).tolist()
-            for i, token in enumerate(proposals):
-                if best[i] != token:
-                    return i, best[i]
-            return n, best[n]
+            best = target_scores.argmax(-1)
+            if isinstance(proposals, torch.Tensor):
+                agree = (proposals.to(best.device) == best[:n]).long().cumprod(0).sum()
+                *tokens, accepted = read_back(torch.cat((best, agree[None])))
+                self.read = (proposals, tokens[:accepted])  # the accepted proposals are the argmax there
+                return accepted, tokens[accepted]
+            tokens = read_back(best)
+            accepted = next((i for i, token in enumerate(proposals) if tokens[i] != token), n)
+            return accepted, tokens[accepted]
+        tokens = proposals.tolist() if isinstance(proposals, torch.Tensor) else list(proposals)
         p = scores_to_probs(target_scores)
-        for i, token in enumerate(proposals):
-            q = None if proposal_probs is None else proposal_probs[i]
-            accepted, emitted = self.accept_or_resample(token, p[i], q)
-            if not accepted:
-                return i, emitted
+        rows, chosen = torch.arange(n, device=p.device), torch.tensor(tokens, dtype=torch.long, device=p.device)
+        q_chosen = torch.ones(n, device=p.device) if proposal_probs is None else proposal_probs[rows, chosen]
+        acceptance = read_back(acceptance_probability(p[rows, chosen], q_chosen))
+        for i, token in enumerate(tokens):
+            if not self.sampler.bernoulli(acceptance[i]):
+                q = point_mass(token, p[i]) if proposal_probs is None else proposal_probs[i]
+                return i, self.sampler.categorical(self.resample(p[i], q))
         return n, self.sampler.categorical(p[n])
+
+    def emitted(self, proposals: list[int] | torch.Tensor, accepted: int, next_token: int) -> list[int]:
+        """The tokens a `verify` emitted, on the host: the first ``accepted`` proposals, then ``next_token``
+        (proposals on the device: as its readback had them, else read now)."""
+        if not isinstance(proposals, torch.Tensor):
+            return list(proposals[:accepted]) + [next_token]
+        if self.read is not None and self.read[0] is proposals and len(self.read[1]) >= accepted:
+            return self.read[1][:accepted] + [next_token]
+        return proposals[:accepted].tolist() + [next_token]
 
 
 def verify_chain(proposals: list[int], proposal_probs: torch.Tensor | None, target_scores: torch.Tensor,

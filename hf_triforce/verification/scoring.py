@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 
 import torch
 from transformers import (
@@ -98,12 +100,56 @@ def process_each(processors: LogitsProcessorList, context_of: Callable[[int], to
     scores = logits.float()
     if processors:
         scores = torch.stack([processors(context_of(i), scores[i : i + 1].clone())[0] for i in range(scores.shape[0])])
-    if torch.isnan(scores).any():
-        raise FloatingPointError(
-            "NaN in the logits of a TriForce tier: the model produced NaN (overflow in float16? try bfloat16 "
-            "or float32); refusing to pick tokens from garbage"
-        )
+    check_nan(scores)
     return scores
+
+
+NAN_MESSAGE = ("NaN in the scores of a TriForce tier: the model produced NaN or inf logits (overflow in float16? try "
+               "bfloat16 or float32); refusing to pick tokens from garbage")
+# within `deferred_nan_checks`: the NaN checks noted since the last readback, as one device flag (None: none)
+_PENDING: ContextVar[list | None] = ContextVar("hf_triforce_pending_nan", default=None)
+
+
+@contextmanager
+def deferred_nan_checks() -> Iterator[None]:
+    """Within, `check_nan` reads nothing: it notes a device flag that the next `read_back` (a verification's
+    acceptance readback) reads with its own values and raises on, so that a step's only host reads are its
+    readbacks (on CUDA each read is a synchronisation). A flag still pending at the end is read then."""
+    token = _PENDING.set([None])
+    try:
+        yield
+        read_back(None)
+    finally:
+        _PENDING.reset(token)
+
+
+def check_nan(scores: torch.Tensor) -> torch.Tensor | None:
+    """Raise `FloatingPointError` if ``scores`` hold a NaN: now, or (`deferred_nan_checks`) at the next readback;
+    then returns the device flag (a 0-d bool tensor; None when checked now)."""
+    pending = _PENDING.get()
+    if pending is None:
+        if torch.isnan(scores).any():
+            raise FloatingPointError(NAN_MESSAGE)
+        return None
+    flag = torch.isnan(scores).any()
+    pending[0] = flag if pending[0] is None else pending[0] | flag.to(pending[0].device)
+    return flag
+
+
+def read_back(values: torch.Tensor | None) -> list:
+    """``values`` (1-D) on the host in one transfer, with the pending NaN checks (`deferred_nan_checks`): raises
+    `FloatingPointError` if one found a NaN. ``None``: only the pending checks (no read if none)."""
+    pending = _PENDING.get()
+    flag = pending[0] if pending is not None else None
+    if flag is None:
+        return [] if values is None else values.tolist()
+    pending[0] = None
+    flag = flag.reshape(1).to(values.device if values is not None else flag.device)
+    both = flag if values is None else torch.cat((values, flag.to(values.dtype)))
+    read = both.tolist()
+    if read[-1]:
+        raise FloatingPointError(NAN_MESSAGE)
+    return read[:-1]
 
 
 def process_rows(
