@@ -68,10 +68,9 @@ def first_stop(criteria: StoppingCriteriaList, sequence: torch.Tensor, start: in
 
 
 def assisted_generate(model, input_ids: torch.LongTensor, logits_processor, stopping_criteria, generation_config,
-                      config: TriForceConfig, streamer, model_kwargs: dict, sampler: Sampler | None = None):
+                      config: TriForceConfig, streamer, model_kwargs: dict):
     """`integration.triforce_generate` for ``config.loop == "assisted"`` (the request already checked there).
-    ``sampler``: the tiers' random draws (default: torch's global RNG, as transformers' loop). Returns the sequences,
-    or a `TriForceGenerateOutput` with ``return_dict_in_generate``."""
+    Returns the sequences, or a `TriForceGenerateOutput` with ``return_dict_in_generate``."""
     from .integration import TriForceGenerateOutput, _strip_padding, recording_attention  # it imports this module
 
     if input_ids.shape[0] != 1:
@@ -91,16 +90,46 @@ def assisted_generate(model, input_ids: torch.LongTensor, logits_processor, stop
     criteria = PaddedCriteria(stopping_criteria or StoppingCriteriaList(), view)
     unpadded = copy.deepcopy(generation_config)
     unpadded.max_length = generation_config.max_length - pad
-    cache = full_cache(model, config, unpadded.max_length)
-    with recording_attention(model), ExitStack() as stack:
+    with recording_attention(model):
         check_model(model, config, ids[:, :1])  # before the prefill: what would fail after it fails now
-        generator = TriForceCandidateGenerator(model, unpadded, processors, triforce_config=config,
+        if streamer is not None:
+            streamer.put(input_ids.cpu())  # generate puts the prompt before decoding
+        out, generator = run_assisted(model, ids, processors, criteria, unpadded, config, streamer, prefix)
+    sequences = out.sequences if not isinstance(out, torch.Tensor) else out
+    if generator.do_sample and stopping_criteria:  # the loop's token past a stop its last candidate completed
+        length = first_stop(criteria, sequences, ids.shape[1])
+        if length < sequences.shape[1]:
+            generator.full.rollback(length - 1)
+            sequences = sequences[:, :length]
+    new_tokens = sequences.shape[1] - ids.shape[1]
+    stats = generator.finish(new_tokens)
+    sequences = torch.cat((input_ids[:, :pad], sequences), dim=1)
+    if isinstance(out, torch.Tensor):
+        return sequences
+    return TriForceGenerateOutput(
+        sequences=sequences,
+        scores=out.scores[:new_tokens] if out.scores is not None else None,
+        logits=out.logits[:new_tokens] if out.logits is not None else None,
+        cache=generator.full,
+        triforce_stats=stats,
+        triforce_row_stats=[stats],
+    )
+
+
+def run_assisted(model, ids: torch.LongTensor, processors, criteria, generation_config, config: TriForceConfig,
+                 streamer=None, prefix=None, sampler: Sampler | None = None):
+    """Prefill and decode ``ids`` ``[1, n]`` (no padding; ``prefix``: a cache holding its start) in transformers'
+    loop; returns what ``_assisted_decoding`` returns and the `TriForceCandidateGenerator` (its ``full`` cache, its
+    ``stats``). ``sampler``: the tiers' random draws (default: torch's global RNG, as transformers' loop)."""
+    from .integration import recording_attention  # it imports this module
+
+    cache = full_cache(model, config, generation_config.max_length)
+    with recording_attention(model), ExitStack() as stack:
+        generator = TriForceCandidateGenerator(model, generation_config, processors, triforce_config=config,
                                                stopping_criteria=criteria, full_cache=cache, sampler=sampler)
         for model_routes in (linear_routes(m) for m in drafting_models(generator.config, model)):
             stack.enter_context(model_routes.installed())
         rows_apart = stack.enter_context(RowsApart(model))
-        if streamer is not None:
-            streamer.put(input_ids.cpu())  # generate puts the prompt before decoding
         began = time.perf_counter()
         cached = copy_prefix(prefix, cache) if prefix is not None else 0
         with torch.no_grad():
@@ -110,25 +139,6 @@ def assisted_generate(model, input_ids: torch.LongTensor, logits_processor, stop
         generator.prefilled()
         rows_apart.enable()  # after the prefill, as in the library's own loop
         with recording(generator.recorder):
-            out = compat.assisted_decoding(model, generator, ids, processors, criteria, unpadded, streamer,
+            out = compat.assisted_decoding(model, generator, ids, processors, criteria, generation_config, streamer,
                                            cache=cache, use_cache=True, logits_to_keep=1)
-    dict_out = not isinstance(out, torch.Tensor)
-    sequences = out.sequences if dict_out else out
-    if generator.do_sample and stopping_criteria:  # the loop's token past a stop its last candidate completed
-        length = first_stop(criteria, sequences, ids.shape[1])
-        if length < sequences.shape[1]:
-            cache.rollback(length - 1)
-            sequences = sequences[:, :length]
-    new_tokens = sequences.shape[1] - ids.shape[1]
-    stats = generator.finish(new_tokens)
-    sequences = torch.cat((input_ids[:, :pad], sequences), dim=1)
-    if not dict_out:
-        return sequences
-    return TriForceGenerateOutput(
-        sequences=sequences,
-        scores=out.scores[:new_tokens] if out.scores is not None else None,
-        logits=out.logits[:new_tokens] if out.logits is not None else None,
-        cache=cache,
-        triforce_stats=stats,
-        triforce_row_stats=[stats],
-    )
+    return out, generator
