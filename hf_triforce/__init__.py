@@ -5,6 +5,7 @@
 
 from .caches import RetrievalCache, SinkWindowCache
 from .config import TriForceConfig
+from .decoding.candidates import TriForceCandidateGenerator
 from .integration import TriForceGenerateOutput, disable, enable, triforce_generate
 from .stats import TriForceStats
 
@@ -12,6 +13,7 @@ __version__ = "0.1.0"
 __all__ = [
     "RetrievalCache",
     "SinkWindowCache",
+    "TriForceCandidateGenerator",
     "TriForceConfig",
     "TriForceGenerateOutput",
     "TriForceStats",

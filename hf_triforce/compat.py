@@ -23,7 +23,14 @@ and reach anything else through the functions below:
 - ``hf_quantizer.remove_quantization_config`` (a GGUF-loaded model is marked quantized until it is removed);
 - ``PrefixConstrainedLogitsProcessor``'s callback and rows per batch id (``prefix_constraint``);
 - ``CompileConfig._compile_all_devices``: ``generate`` compiles its decoding forward on CUDA-like devices only
-  unless it is set (``compile_everywhere``; the bench's compiled static-cache baseline on the CPU).
+  unless it is set (``compile_everywhere``; the bench's compiled static-cache baseline on the CPU);
+- transformers' assisted-generation loop (``assisted_decoding``): ``GenerationMixin._assisted_decoding``, which asks
+  ``self._get_candidate_generator(...)`` for its `CandidateGenerator` (no public hook in 5.24/5.25), calls
+  ``get_candidates(input_ids)`` and ``update_candidate_strategy(input_ids, new_logits, n_matches)`` (after
+  ``cache.crop(-rejected)``), feeds its first iteration through ``prepare_inputs_for_generation(...,
+  next_sequence_length=None, is_first_iteration=True)`` (the whole sequence, even after a pre-filled cache), applies
+  the call's processors to the verifier's logits, and accepts sampled candidates by ``_speculative_sampling``
+  (``q = candidate_logits.softmax``, ``p = new_logits.softmax``, residual ``max(p - q, 0)``).
 
 Other libraries' attributes read here, with the same contract tests:
 
@@ -44,6 +51,7 @@ from contextlib import ExitStack, contextmanager
 import torch
 from transformers import GenerationMixin
 from transformers.cache_utils import Cache, CacheLayerMixin, get_layer_types_and_kwargs
+from transformers.generation.candidate_generator import CandidateGenerator
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 
@@ -65,9 +73,11 @@ ORIGINAL_GENERATE = GenerationMixin.generate
 __all__ = [
     "Cache",
     "CacheLayerMixin",
+    "CandidateGenerator",
     "GenerateDecoderOnlyOutput",
     "ORIGINAL_GENERATE",
     "TESTED_TRANSFORMERS",
+    "assisted_decoding",
     "attention_function",
     "builds_sliding_masks",
     "bnb_outlier_threshold",
@@ -320,3 +330,53 @@ def strip_hooks(model: torch.nn.Module) -> None:
 def install_generate(generate: Callable | None) -> None:
     """Install ``generate`` on every model (``None``: transformers' own)."""
     GenerationMixin.generate = ORIGINAL_GENERATE if generate is None else generate
+
+
+@contextmanager
+def _instance_attributes(obj, **values) -> Iterator[None]:
+    """Set attributes on the instance ``obj`` for the block (shadowing its class's), then restore what it had."""
+    missing = object()
+    saved = {name: obj.__dict__.get(name, missing) for name in values}
+    for name, value in values.items():
+        setattr(obj, name, value)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is missing:
+                delattr(obj, name)
+            else:
+                setattr(obj, name, value)
+
+
+def assisted_decoding(model, candidate_generator: CandidateGenerator, input_ids: torch.LongTensor, logits_processor,
+                      stopping_criteria, generation_config, streamer=None, **model_kwargs):
+    """transformers' own assisted-generation loop (``GenerationMixin._assisted_decoding``), batch size 1, driven by
+    ``candidate_generator``: the model verifies its candidates (greedy: the longest prefix equal to its argmax;
+    sampling with candidate logits: ``_speculative_sampling``), crops the cache to what it accepted and calls the
+    generator's ``update_candidate_strategy``. Returns what ``_assisted_decoding`` returns.
+
+    For the call, ``model._get_candidate_generator`` answers ``candidate_generator`` (transformers 5.24/5.25 take no
+    generator from the caller), and the first iteration feeds only what ``model_kwargs["cache"]`` does not hold yet:
+    the stock loop feeds the whole sequence on its first iteration, so a cache pre-filled with the start of the
+    sequence would get those tokens a second time (at positions counted after them). A transformers that already
+    trims it (the upstream patch) passes ``next_sequence_length`` itself, which is then left as it is."""
+    prepare = model.prepare_inputs_for_generation
+
+    def prepare_inputs(input_ids, next_sequence_length=None, is_first_iteration=False, **kwargs):
+        cache = kwargs.get("cache")
+        if is_first_iteration and next_sequence_length is None and cache is not None:
+            cached = int(cache.get_seq_length())
+            if 0 < cached < input_ids.shape[1]:
+                next_sequence_length = input_ids.shape[1] - cached
+        return prepare(input_ids, next_sequence_length=next_sequence_length, is_first_iteration=is_first_iteration,
+                       **kwargs)
+
+    def get_candidate_generator(**kwargs) -> CandidateGenerator:
+        return candidate_generator
+
+    with _instance_attributes(model, _get_candidate_generator=get_candidate_generator,
+                              prepare_inputs_for_generation=prepare_inputs):
+        return model._assisted_decoding(input_ids, logits_processor=logits_processor,
+                                        stopping_criteria=stopping_criteria, generation_config=generation_config,
+                                        synced_gpus=False, streamer=streamer, **model_kwargs)

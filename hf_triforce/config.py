@@ -15,6 +15,7 @@ TIER_COMPILE = ("auto", "off", *TIER_COMPILE_MODES)
 FULL_CACHE_DEVICES = (None, "cpu")
 POLICIES = ("auto", "fixed")
 DRAFT_POSITIONS = ("auto", "absolute", "slots")
+LOOPS = ("triforce", "assisted")
 # the longest lookup chain the adaptive policy may verify in one Force-3 step (two levels): HF prompt lookup's
 # default (`prompt_lookup_num_tokens=10`); with chains of at most gamma2=6 the policy's n-gram plans got 1.1-1.2x the
 # best plain decoding where HF prompt lookup got 2.7-4.1x (Qwen2.5-Coder-1.5B bf16, extractive questions at 2k)
@@ -115,6 +116,12 @@ class TriForceConfig:
         Under ``policy="auto"``: three-level plans with and without it, chosen as with ``tree_nodes``.
     explore_every: under ``policy="auto"``, steps between tries of the best plan other than the current
         one, a kind of plan not yet run in the call first (doubling, up to 16x, while such tries do not pay).
+    loop: which loop runs Force 3. ``"triforce"`` (default): the library's own (`hf_triforce.decoding.loop`: batches,
+        trees, the adaptive ``policy``). ``"assisted"``: transformers' assisted-generation loop, with Force 1 and
+        Force 2 as its candidate generator (`hf_triforce.TriForceCandidateGenerator`) and the full model verifying
+        their tokens with transformers' own rule; every step runs the configured plan (``levels``, ``gamma1``,
+        ``gamma2``: that loop asks for candidates and has no per-step plan, so ``policy`` does not apply), one prompt
+        per call, chains only (docs/assisted.md). Exact either way.
     """
 
     draft: Any = "self"
@@ -141,6 +148,7 @@ class TriForceConfig:
     tree_branch: int = 2
     force2_tree_nodes: int = 0
     full_cache_device: str | None = None
+    loop: str = "triforce"
 
     def __post_init__(self) -> None:
         if isinstance(self.draft, str):
@@ -246,6 +254,12 @@ class TriForceConfig:
             )
         if self.policy not in POLICIES:
             raise ValueError(f"TriForceConfig.policy must be one of {POLICIES}, got {self.policy!r}")
+        if self.loop not in LOOPS:
+            raise ValueError(f"TriForceConfig.loop must be one of {LOOPS}, got {self.loop!r}")
+        if self.loop == "assisted" and self.trees:
+            raise ValueError("TriForceConfig(loop='assisted'): transformers' assisted loop verifies chains only: set "
+                             f"tree_nodes=0 and force2_tree_nodes=0 (got {self.tree_nodes} and "
+                             f"{self.force2_tree_nodes}), or loop='triforce'")
         if not isinstance(self.show_progress, bool):
             raise ValueError(f"TriForceConfig.show_progress must be a bool, got {self.show_progress!r}")
 

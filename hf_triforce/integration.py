@@ -185,6 +185,11 @@ def triforce_generate(
         raise TypeError(f"triforce_config must be a TriForceConfig, got {type(config).__name__}")
     generation_config = generation_config if generation_config is not None else model.generation_config
     _check_request(model, input_ids, config, generation_config, model_kwargs, logits_processor)
+    if config.loop == "assisted":
+        from .assisted import assisted_generate  # it imports this module
+
+        return assisted_generate(model, input_ids, logits_processor, stopping_criteria, generation_config, config,
+                                 triforce_streamer, model_kwargs)
     if input_ids.shape[0] > 1:
         return _generate_batch(model, input_ids, logits_processor, stopping_criteria, generation_config, config,
                                triforce_streamer, model_kwargs)
@@ -239,7 +244,12 @@ def _move_stop_strings_to_criteria(model, kwargs: dict[str, Any]) -> None:
 
 @functools.wraps(compat.ORIGINAL_GENERATE)
 def _generate(self, *args, triforce_config: TriForceConfig | None = None, **kwargs):
-    if triforce_config is None and kwargs.get("custom_generate") is not triforce_generate:
+    # a Hub repository's (or local folder's) custom_generate/generate.py, and a transformers patched for
+    # candidate_generator=, take triforce_config= themselves
+    passed_on = isinstance(kwargs.get("custom_generate"), str) or kwargs.get("candidate_generator") is not None
+    if passed_on and triforce_config is not None:
+        kwargs["triforce_config"] = triforce_config
+    if passed_on or (triforce_config is None and kwargs.get("custom_generate") is not triforce_generate):
         return compat.ORIGINAL_GENERATE(self, *args, **kwargs)
     if kwargs.get("custom_generate", triforce_generate) is not triforce_generate:
         raise ValueError("triforce_config= cannot be combined with another custom_generate")

@@ -269,3 +269,68 @@ def test_compile_everywhere_makes_generate_compile_on_the_cpu():
     config.compile_config = compat.compile_everywhere()
     assert model._valid_auto_compile_criteria({"cache": cache}, config)
 
+
+
+def test_assisted_loop_contract():
+    """`compat.assisted_decoding` / `TriForceCandidateGenerator`: transformers' assisted loop asks
+    ``_get_candidate_generator`` for its generator, calls ``get_candidates(input_ids)`` and, after cropping the cache
+    by ``crop(-rejected)``, ``update_candidate_strategy(input_ids, new_logits, n_matches)``; its first iteration
+    passes ``next_sequence_length=None`` to ``prepare_inputs_for_generation``; the verifier's logits are processed by
+    the call's processors; sampled candidates with logits go through ``_speculative_sampling``, which compares
+    ``softmax(candidate_logits)`` with ``softmax(new_logits)`` using torch's ``rand_like`` and ``multinomial`` (the
+    draws tests/test_assisted_loop.py enumerates)."""
+    from transformers.generation import utils as generation_utils
+
+    source = inspect.getsource(GenerationMixin._assisted_decoding)
+    for fragment in ("self._get_candidate_generator(", "candidate_generator.get_candidates(input_ids)",
+                     "candidate_generator.update_candidate_strategy(input_ids, new_logits, n_matches",
+                     "outputs.cache.crop(-number_of_tokens_to_crop)",
+                     "next_sequence_length = candidate_length + 1 if not is_first_iteration else None",
+                     "self.prepare_inputs_for_generation(", "next_sequence_length=next_sequence_length",
+                     "logits_processor(candidate_input_ids[:, : cur_len + i], new_logits[:, i, :])",
+                     "if do_sample and candidate_logits is not None:", "_speculative_sampling("):
+        assert fragment in source, fragment
+    sampling = inspect.getsource(generation_utils._speculative_sampling)
+    for fragment in ("q = candidate_logits.softmax(dim=-1)", "p = new_logits.softmax(dim=-1)",
+                     "probability_ratio = p_i / q_i", "torch.rand_like(probability_ratio)",
+                     "torch.clamp((p_n_plus_1 - q_n_plus_1), min=0)", "torch.multinomial(p_prime, num_samples=1)"):
+        assert fragment in sampling, fragment
+    assert not compat.CandidateGenerator.requires_model_outputs
+
+
+def test_assisted_loop_runs_a_generator_over_a_prefilled_cache():
+    """Behaviour: a generator proposing plain greedy's own next tokens runs in the loop over a `BufferCache`
+    pre-filled with all of the prompt but its last token (only the rest is fed on the first iteration; ``crop(0)``
+    keeps everything), sees the committed sequence with the cache one token behind it, and the output is plain
+    greedy's."""
+    from transformers import GenerationConfig, LogitsProcessorList, MaxLengthCriteria, StoppingCriteriaList
+
+    from hf_triforce.caches.buffer import BufferCache
+
+    model = make_model("llama-gqa")
+    prompt = torch.arange(30)[None] % 7
+    expected = model.generate(prompt, max_new_tokens=12, do_sample=False)
+    cache = BufferCache(compat.num_layers(model.config), 64)
+    with torch.no_grad():
+        model(prompt[:, :-1], cache=cache)
+    seen = []
+
+    class Replay(compat.CandidateGenerator):
+        num_drafting_tokens = 3  # 5.25's loop reads it (the stock base class does not define it)
+
+        def get_candidates(self, input_ids, **kwargs):
+            seen.append(("get", input_ids.shape[1], cache.get_seq_length()))
+            return expected[:, : min(input_ids.shape[1] + 3, expected.shape[1] - 1)], None
+
+        def update_candidate_strategy(self, input_ids, scores, num_matches):
+            seen.append(("update", input_ids.shape[1], cache.get_seq_length(), scores.shape[1], int(num_matches)))
+
+    config = GenerationConfig(do_sample=False, max_length=expected.shape[1])
+    criteria = StoppingCriteriaList([MaxLengthCriteria(expected.shape[1])])
+    out = compat.assisted_decoding(model, Replay(), prompt, LogitsProcessorList(), criteria, config, cache=cache,
+                                   use_cache=True)
+    assert torch.equal(out, expected)
+    updates = [event for event in seen if event[0] == "update"]
+    assert updates and all(length == cached + 1 for _, length, cached, _, _ in updates)
+    assert any(matches > 0 for *_, matches in updates)  # several tokens per verification: the cache was cropped
+    assert seen[0] == ("get", 30, 29)

@@ -201,9 +201,39 @@ else:
     raise AssertionError("candidate_generator= with beam search ran")
 
 # hf_triforce still works on the patched transformers (imported last: it wraps generate)
-from hf_triforce import TriForceConfig
+from dataclasses import replace
+from hf_triforce import TriForceCandidateGenerator, TriForceConfig
 cfg = TriForceConfig(draft="self", retrieval_budget=32, chunk_size=8, sink_tokens=4, window=24, gamma1=2, gamma2=4)
 out["hf_triforce"] = seq(model.generate(prompt, triforce_config=cfg, **greedy))
+out["hf_triforce_assisted_loop"] = seq(model.generate(prompt, triforce_config=replace(cfg, loop="assisted"), **greedy))
+
+# the real generator as candidate_generator=: transformers builds it (a factory) with the call's generation config
+# (triforce_config as a dict), processors and cache, and hands it the verification forward's queries
+built = []
+def triforce(**kwargs):
+    built.append(TriForceCandidateGenerator(**kwargs))
+    return built[-1]
+TRIFORCE = {"draft": "self", "retrieval_budget": 32, "chunk_size": 8, "sink_tokens": 4, "window": 24, "gamma1": 2,
+            "gamma2": 4, "draft_precision": "model"}
+out["triforce_candidate_generator"] = seq(
+    model.generate(prompt, candidate_generator=triforce, triforce_config=TRIFORCE, **greedy))
+out["triforce_candidate_generator_class"] = seq(
+    model.generate(prompt, candidate_generator=TriForceCandidateGenerator, triforce_config=TRIFORCE, **greedy))
+stats = built[0].stats
+assert stats.force3_steps > 0 and stats.force2_proposed > 0 and stats.retrieval_selections > 1, stats
+assert not stats.force2_sees_whole_cache and built[0].queries is not None
+torch.manual_seed(0)
+sampled = model.generate(prompt, candidate_generator=TriForceCandidateGenerator, triforce_config=TRIFORCE,
+                         max_new_tokens=NEW_TOKENS, do_sample=True, top_k=20)
+assert sampled.shape[1] == prompt.shape[1] + NEW_TOKENS
+try:
+    padded = torch.ones_like(prompt).index_fill(1, torch.tensor([0]), 0)
+    model.generate(prompt, candidate_generator=TriForceCandidateGenerator, attention_mask=padded,
+                   triforce_config=TRIFORCE, **greedy)
+except ValueError as err:
+    assert "padded prompt" in str(err), err
+else:
+    raise AssertionError("a padded prompt ran on generate()'s cache")
 print(json.dumps(out))
 '''
 

@@ -272,6 +272,14 @@ class BufferCache(Cache):
         for layer in self.layers:
             layer.crop(length)
 
+    def crop(self, tokens_to_remove: int) -> None:
+        """transformers' `Cache.crop`: drop the last ``-tokens_to_remove`` tokens (``0``: none), as its assisted
+        loop calls it after each verification; a positive count is refused, as transformers' layers refuse it."""
+        if tokens_to_remove > 0:
+            raise ValueError(f"{type(self).__name__}.crop takes the negative number of tokens to remove, got "
+                             f"{tokens_to_remove} (rollback(length) keeps the first length tokens)")
+        self.rollback(self.length + tokens_to_remove)
+
     def keep_rows(self, first: int, rows: list[int]) -> None:
         """`BufferLayer.keep_rows` in every layer (``first`` in this cache's coordinates). Sliding-window layers
         keep other coordinates and are refused (candidate trees are not supported there)."""

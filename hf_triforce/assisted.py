@@ -1,0 +1,144 @@
+"""``TriForceConfig(loop="assisted")``: TriForce run by transformers' own assisted-generation loop.
+
+    prompt without left padding -> the full cache (a `BufferCache`) prefilled with all of it but its last token,
+    the last row's query recorded -> transformers' ``_assisted_decoding`` (`compat.assisted_decoding`) with a
+    `TriForceCandidateGenerator` over that cache: each iteration Force 1 drafts and Force 2 verifies
+    (`get_candidates`), the model verifies Force 2's tokens with transformers' rule and crops the cache, the
+    generator's levels follow (`update_candidate_strategy`); the verification forwards' queries are recorded
+    through the attention wrapper for Force 2's retrieval selection.
+
+What ``generate`` shows the processors, the stopping criteria and the streamer is the sequence as it built it,
+left padding included (`PaddedView`); the model and the caches see it without. Sampling: a stop that the loop's
+last accepted candidate completes may be followed in the loop by one more token; it is cut from the returned
+sequence (a streamer has seen it).
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from contextlib import ExitStack
+
+import torch
+from transformers import LogitsProcessorList, StoppingCriteriaList
+
+from . import compat
+from .caches.buffer import BufferCache, copy_prefix
+from .caches.offloaded import OffloadedBufferCache
+from .compat import layer_devices
+from .config import TriForceConfig
+from .decoding.candidates import TriForceCandidateGenerator
+from .decoding.forward import prefill
+from .decoding.output import PaddedView
+from .decoding.preflight import check_model
+from .kernels.attention import recording
+from .kernels.lean import drafting_models
+from .kernels.linear_routes import linear_routes
+from .kernels.row_mixing import RowsApart
+from .verification.sampling import Sampler
+
+
+class PaddedCriteria(StoppingCriteriaList):
+    """Stopping criteria shown the sequence with its left padding first, as ``generate`` built it."""
+
+    def __init__(self, criteria: StoppingCriteriaList, view: PaddedView) -> None:
+        super().__init__(criteria)
+        self.view = view
+
+    def __call__(self, input_ids: torch.LongTensor, scores, **kwargs) -> torch.BoolTensor:
+        return super().__call__(self.view(input_ids), scores, **kwargs)
+
+
+def full_cache(model, config: TriForceConfig, max_length: int) -> BufferCache:
+    """Force 3's preallocated cache for ``max_length`` tokens plus a chain of candidates (sliding-window layers: their
+    window plus room to roll a chain back), host memory with ``full_cache_device="cpu"``."""
+    cache_class = OffloadedBufferCache if config.full_cache_device == "cpu" else BufferCache
+    cache = cache_class(compat.num_layers(model.config), max_length + config.gamma2 + 2,
+                        compat.layer_windows(model.config), rollback=config.gamma2 + 2)
+    return cache.expect_devices(layer_devices(model))
+
+
+def first_stop(criteria: StoppingCriteriaList, sequence: torch.Tensor, start: int) -> int:
+    """The shortest length ``> start`` of ``sequence`` ``[1, n]`` at which ``criteria`` stop generation (``n`` if
+    none does before)."""
+    for length in range(start + 1, sequence.shape[1]):
+        if bool(criteria(sequence[:, :length], None).any()):
+            return length
+    return sequence.shape[1]
+
+
+def assisted_generate(model, input_ids: torch.LongTensor, logits_processor, stopping_criteria, generation_config,
+                      config: TriForceConfig, streamer, model_kwargs: dict):
+    """`integration.triforce_generate` for ``config.loop == "assisted"`` (the request already checked there).
+    Returns the sequences, or a `TriForceGenerateOutput` with ``return_dict_in_generate``."""
+    from .integration import TriForceGenerateOutput, _strip_padding, recording_attention  # it imports this module
+
+    if input_ids.shape[0] != 1:
+        raise ValueError(f"TriForceConfig(loop='assisted') runs transformers' assisted-generation loop, which decodes "
+                         f"one prompt per call; got a batch of {input_ids.shape[0]}: use loop='triforce' (the default) "
+                         "for batches")
+    ids, pad = _strip_padding(input_ids, model_kwargs.get("attention_mask"))
+    prefix = model_kwargs.get("cache")
+    prefix = prefix if prefix is not None and prefix.get_seq_length() > 0 else None  # generate's empty default
+    if prefix is not None and int(prefix.get_seq_length()) >= ids.shape[1]:
+        raise ValueError(f"cache= holds {int(prefix.get_seq_length())} tokens; the prompt must extend it by at "
+                         "least one token")
+    if pad and prefix is not None:
+        raise ValueError("triforce_config= does not support a padded prompt together with cache=")
+    view = PaddedView(input_ids[:, :pad])
+    processors = view.processors(logits_processor or LogitsProcessorList())
+    criteria = PaddedCriteria(stopping_criteria or StoppingCriteriaList(), view)
+    unpadded = copy.deepcopy(generation_config)
+    unpadded.max_length = generation_config.max_length - pad
+    with recording_attention(model):
+        check_model(model, config, ids[:, :1])  # before the prefill: what would fail after it fails now
+        if streamer is not None:
+            streamer.put(input_ids.cpu())  # generate puts the prompt before decoding
+        out, generator = run_assisted(model, ids, processors, criteria, unpadded, config, streamer, prefix)
+    sequences = out.sequences if not isinstance(out, torch.Tensor) else out
+    if generator.do_sample and stopping_criteria:  # the loop's token past a stop its last candidate completed
+        length = first_stop(criteria, sequences, ids.shape[1])
+        if length < sequences.shape[1]:
+            generator.full.rollback(length - 1)
+            sequences = sequences[:, :length]
+    new_tokens = sequences.shape[1] - ids.shape[1]
+    stats = generator.finish(new_tokens)
+    sequences = torch.cat((input_ids[:, :pad], sequences), dim=1)
+    if isinstance(out, torch.Tensor):
+        return sequences
+    return TriForceGenerateOutput(
+        sequences=sequences,
+        scores=out.scores[:new_tokens] if out.scores is not None else None,
+        logits=out.logits[:new_tokens] if out.logits is not None else None,
+        cache=generator.full,
+        triforce_stats=stats,
+        triforce_row_stats=[stats],
+    )
+
+
+def run_assisted(model, ids: torch.LongTensor, processors, criteria, generation_config, config: TriForceConfig,
+                 streamer=None, prefix=None, sampler: Sampler | None = None):
+    """Prefill and decode ``ids`` ``[1, n]`` (no padding; ``prefix``: a cache holding its start) in transformers'
+    loop; returns what ``_assisted_decoding`` returns and the `TriForceCandidateGenerator` (its ``full`` cache, its
+    ``stats``). ``sampler``: the tiers' random draws (default: torch's global RNG, as transformers' loop)."""
+    from .integration import recording_attention  # it imports this module
+
+    cache = full_cache(model, config, generation_config.max_length)
+    with recording_attention(model), ExitStack() as stack:
+        generator = TriForceCandidateGenerator(model, generation_config, processors, triforce_config=config,
+                                               stopping_criteria=criteria, full_cache=cache, sampler=sampler)
+        for model_routes in (linear_routes(m) for m in drafting_models(generator.config, model)):
+            stack.enter_context(model_routes.installed())
+        rows_apart = stack.enter_context(RowsApart(model))
+        began = time.perf_counter()
+        cached = copy_prefix(prefix, cache) if prefix is not None else 0
+        with torch.no_grad():
+            prefill(model, ids[:, cached:-1], cache, config.prefill_chunk_size, config.show_progress,
+                    generator.recorder)
+        generator.stats.prefill_seconds = time.perf_counter() - began
+        generator.prefilled()
+        rows_apart.enable()  # after the prefill, as in the library's own loop
+        with recording(generator.recorder):
+            out = compat.assisted_decoding(model, generator, ids, processors, criteria, generation_config, streamer,
+                                           cache=cache, use_cache=True, logits_to_keep=1)
+    return out, generator

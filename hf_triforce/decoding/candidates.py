@@ -1,0 +1,283 @@
+"""`TriForceCandidateGenerator`: Force 1 and Force 2 as a transformers `CandidateGenerator`.
+
+transformers' assisted-generation loop (``_assisted_decoding``) asks a candidate generator for candidate tokens,
+verifies them with the full model in one forward, crops its cache to what it accepted, and tells the generator.
+Here the candidates are what the library's own levels hand Force 3 (`levels.Force2` over a Force-1 drafter, or
+`levels.Force1Only` with ``levels=2``), so that loop's model is Force 3:
+
+    get_candidates(input_ids)          the level proposes up to gamma2 tokens (Force 1 drafts, Force 2 verifies
+                                       with its exact rule) -> the tokens, and the log of the law each was drawn from
+    (transformers verifies: greedy, the longest prefix equal to its argmax; sampling, `_speculative_sampling`)
+    update_candidate_strategy(...)     the level commits what the model accepted: its caches roll back by length,
+                                       the retrieval cache syncs from the full cache and re-selects with the query
+                                       of the last cached token
+
+Exactness: every token Force 2 hands up is distributed exactly as Force 2's processed law q given the tokens before
+it (docs/exactness.md), and the candidate logits are ``log q``, the call's processors already applied. transformers
+accepts a candidate ``x`` with probability ``min(1, p(x) / q(x))`` (``q = softmax(candidate_logits)``, ``p`` the
+model's logits after the same processors) and resamples from ``norm(max(p - q, 0))``: the emitted token is
+distributed exactly as p. Deterministic proposals (an n-gram drafter with ``levels=2``) come without logits; the
+loop then accepts a candidate when its own draw from p equals it, which is the same rule for a point mass. Greedy:
+the candidates only decide how many tokens one forward commits, never which.
+
+The generator needs the full model's cache as the tiers read it (Force 1 copies its sink and window entries from
+it, Force 2 its retrieval selection) and the query of the last accepted token (`TriForceConfig(loop="assisted")`
+prefills a `BufferCache` and records queries through the attention wrapper; on a transformers with the upstream
+patch, ``generate(candidate_generator=TriForceCandidateGenerator)`` reads ``generate``'s own cache and gets the
+verification forward's queries as ``verifier_queries``).
+
+No `LogitsProcessor` comes with it: the call's own processors are applied to Force 2's logits here and to the model's
+in the loop, which is all the pair needs for both sides to be the same processed law.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from transformers import LogitsProcessorList, StoppingCriteriaList
+
+from .. import compat
+from ..config import TriForceConfig
+from ..drafters import DraftContext, build_drafter
+from ..drafters.model import ModelDrafter
+from ..drafters.registry import MODEL_DRAFTER
+from ..kernels.attention import QueryRecorder
+from ..kernels.lean import draft_forward, resolve_draft_precision, tier_model
+from ..stats import TriForceStats
+from ..verification.sampling import ChainVerifier, Sampler, TorchSampler
+from ..verification.scoring import row_processors
+from .levels import Force1Only, Force2, NoForce1
+from .steps import run_inline
+
+
+class CacheView:
+    """A transformers cache (``generate``'s `DynamicCache`) read as the tiers read Force 3's `BufferCache`: ``length``
+    tokens, every layer's ``keys``/``values`` holding each token at its position. Sliding-window layers keep only
+    their window there: refused."""
+
+    def __init__(self, cache) -> None:
+        kept = [index for index, layer in enumerate(cache.layers)
+                if getattr(layer, "is_sliding", False) or not hasattr(layer, "keys")]
+        if kept:
+            raise ValueError(f"TriForceCandidateGenerator: the cache's layers {kept} do not keep every token (sliding "
+                             "window or another layout); use TriForceConfig(loop='assisted') with this model")
+        self.cache = cache
+
+    @property
+    def layers(self) -> list:
+        return self.cache.layers
+
+    @property
+    def length(self) -> int:
+        return int(self.cache.get_seq_length())
+
+
+def resolve_config(generation_config, triforce_config, assistant_model) -> TriForceConfig:
+    """The `TriForceConfig` of a generator: the one given, else ``generation_config.triforce_config`` (a dict on a
+    patched transformers; ``assistant_model``, if any, as its draft model), else the default; chains only."""
+    config = triforce_config
+    if config is None:
+        raw = getattr(generation_config, "triforce_config", None)
+        if isinstance(raw, TriForceConfig):
+            config = raw
+        elif isinstance(raw, dict):
+            config = TriForceConfig.from_dict(raw, draft_model=assistant_model)
+        elif raw is None:
+            config = TriForceConfig() if assistant_model is None else TriForceConfig(draft=assistant_model)
+        else:
+            raise TypeError(f"generation_config.triforce_config must be a dict or a TriForceConfig, got "
+                            f"{type(raw).__name__}")
+    if not isinstance(config, TriForceConfig):
+        raise TypeError(f"triforce_config must be a TriForceConfig, got {type(config).__name__}")
+    if config.trees:
+        raise ValueError("TriForceCandidateGenerator: transformers' assisted loop verifies chains only: set "
+                         f"tree_nodes=0 and force2_tree_nodes=0 (got {config.tree_nodes} and "
+                         f"{config.force2_tree_nodes})")
+    return config
+
+
+class TriForceCandidateGenerator(compat.CandidateGenerator):
+    """Force 1 drafting and Force 2 verifying as transformers' `CandidateGenerator` (module docstring).
+
+    Built by ``TriForceConfig(loop="assisted")``, or by transformers with the upstream patch as a factory:
+    ``model.generate(ids, candidate_generator=TriForceCandidateGenerator, triforce_config={...})`` (the keyword
+    arguments below are what it passes; ``assistant_model=``, if given, is the draft model).
+
+    model: the target (Force 3 runs it in transformers' loop; Force 1 and Force 2 run it, or copies of its weights
+        for ``draft_precision``, on their own caches).
+    generation_config: the call's: ``max_length``, ``do_sample``, and ``triforce_config`` where ``triforce_config=``
+        is not given.
+    logits_processor: the call's processors (``generate`` builds them, warpers included when sampling): applied to
+        Force 1's and Force 2's logits as the loop applies them to the model's.
+    model_kwargs: the call's; its ``"cache"`` is the full cache where ``full_cache`` is not given.
+    triforce_config: a `TriForceConfig` (trees are refused: the loop verifies chains).
+    stopping_criteria: the call's criteria, if known: candidates stop at the first token at which they would stop
+        generation (greedy: before it, so that the loop's bonus token is never past a stop; sampling: after it, since
+        dropping a candidate because of its own value would bias the law). Criteria must be functions of the
+        sequence, as transformers' are; they are called with ``scores=None``, as the loop calls them without
+        ``output_scores``.
+    full_cache: Force 3's cache holding the sequence (a `BufferCache`; default: ``model_kwargs["cache"]``, full
+        attention layers only).
+    sampler: the tiers' random draws (default: torch's global RNG, which transformers' loop uses too).
+
+    ``stats`` (`TriForceStats`) counts what the tiers did; ``recorder`` receives the verification forwards' queries
+    where no ``verifier_queries`` come with ``update_candidate_strategy`` (a forward run under
+    `kernels.attention.recording` with the model on the recording attention).
+    """
+
+    # a transformers with the upstream patch hands update_candidate_strategy the verification forward's queries
+    requires_verifier_queries = True
+
+    def __init__(self, model, generation_config=None, logits_processor: LogitsProcessorList | None = None,
+                 model_kwargs: dict | None = None, *, triforce_config: TriForceConfig | None = None,
+                 stopping_criteria: StoppingCriteriaList | None = None, full_cache=None, sampler: Sampler | None = None,
+                 input_ids: torch.LongTensor | None = None, inputs_tensor: torch.Tensor | None = None,
+                 assistant_model=None) -> None:
+        generation_config = generation_config if generation_config is not None else model.generation_config
+        config, not_lean = resolve_draft_precision(resolve_config(generation_config, triforce_config,
+                                                                  assistant_model), model)
+        model_kwargs = model_kwargs or {}
+        if full_cache is None:
+            self._check_foreign_call(model, config, input_ids, generation_config, model_kwargs, logits_processor)
+            full_cache = CacheView(model_kwargs["cache"])
+        self.model, self.config, self.full = model, config, full_cache
+        self.do_sample = bool(generation_config.do_sample)
+        self.max_length = int(generation_config.max_length)
+        self.criteria = stopping_criteria
+        self.sampler = sampler if sampler is not None else TorchSampler()
+        processors = row_processors(logits_processor or LogitsProcessorList(), 0, 1)
+        forward = draft_forward(config, model) if not_lean is None else f"eager (draft_precision='auto': {not_lean})"
+        self.stats = TriForceStats(draft_precision=config.draft_precision, draft_forward=forward)
+        self.recorder = QueryRecorder()
+        # the exact rule of the Force-2 level (a field, so that a test can substitute a wrong one)
+        self.force2_verifier = ChainVerifier(self.do_sample, self.sampler)
+        self.drafter = build_drafter(DraftContext(model, config, processors, self.do_sample, self.sampler,
+                                                  full_cache))
+        if isinstance(self.drafter, ModelDrafter):
+            name = config.draft if isinstance(config.draft, str) else MODEL_DRAFTER
+            self.stats.draft_caches[name] = f"{self.drafter.cache.positions} positions, filled by {self.drafter.fill}"
+        if config.levels == 2:
+            self.level = Force1Only(self.drafter, config, self.stats)
+        else:
+            self.level = Force2(tier_model(model, config.draft_precision, 2, config.tier_compile), NoForce1(), config,
+                                processors, self.force2_verifier, full_cache, self.stats)
+            self.level.use(self.drafter)
+        self.queries: dict[int, torch.Tensor] | None = None  # per layer, the query of the last cached token
+        self.proposed, self.ran, self.length, self.handed_at = 0, False, 0, 0.0
+
+    @staticmethod
+    def _check_foreign_call(model, config, input_ids, generation_config, model_kwargs, logits_processor) -> None:
+        """Built by transformers (the upstream patch's factory): what `TriForceConfig(loop="assisted")` checks before
+        its prefill, and what the tiers cannot read from ``generate``'s own cache."""
+        from ..integration import _check_request, recording_attention  # integration imports this module
+
+        if "cache" not in model_kwargs:
+            raise ValueError("TriForceCandidateGenerator needs the full model's cache: model_kwargs['cache'] or "
+                             "full_cache=")
+        mask = model_kwargs.get("attention_mask")
+        if mask is not None and not bool(mask.all()):
+            raise ValueError("TriForceCandidateGenerator on generate()'s cache: a padded prompt (attention_mask with "
+                             "zeros) is not supported there; use TriForceConfig(loop='assisted'), which removes the "
+                             "padding, or an unpadded prompt")
+        if any(window is not None for window in compat.layer_windows(model.config)):
+            raise ValueError("TriForceCandidateGenerator on generate()'s cache: the model has sliding-window layers, "
+                             "whose cache keeps only the window; use TriForceConfig(loop='assisted')")
+        ids = input_ids if input_ids is not None else torch.zeros(1, 1, dtype=torch.long, device=model.device)
+        checked = {k: v for k, v in model_kwargs.items() if k not in ("cache", "position_ids")}
+        _check_request(model, ids, config, generation_config, checked, logits_processor)
+        with recording_attention(model):
+            from .preflight import check_model
+
+            check_model(model, config, ids[:, :1])
+
+    @property
+    def num_drafting_tokens(self) -> int:
+        """The most tokens `get_candidates` proposes (transformers 5.25 keeps that many recurrent states)."""
+        return self.config.gamma2
+
+    def candidate_logits(self, probs: torch.Tensor) -> torch.Tensor:
+        """Logits whose softmax is ``probs`` ``[n, vocab]`` (the laws the candidates were drawn from): ``log probs``,
+        ``-inf`` where a processor removed a token."""
+        return torch.log(probs)
+
+    def get_candidates(self, input_ids: torch.LongTensor, **kwargs) -> tuple[torch.LongTensor, torch.Tensor | None]:
+        """``input_ids`` ``[1, n]`` (the committed sequence) followed by up to ``gamma2`` candidates, and
+        ``[1, k, vocab]`` logits of the laws they were drawn from (None: greedy, point masses, or no candidate).
+        No candidate where the full cache is not yet ``n - 1`` tokens with a recorded query (transformers' first
+        iteration then prefills) or the call has no room for one."""
+        from ..integration import recording_attention  # integration imports this module
+
+        if input_ids.shape[0] != 1:
+            raise ValueError(f"TriForceCandidateGenerator: transformers' assisted loop decodes one prompt per call; "
+                             f"got a batch of {input_ids.shape[0]}")
+        self.proposed, self.ran, self.length = 0, False, input_ids.shape[1]
+        limit = self.max_length - input_ids.shape[1] - 1
+        if limit <= 0 or self.queries is None or self.full.length != input_ids.shape[1] - 1:
+            self.handed_at = time.perf_counter()
+            return input_ids, None
+        with recording_attention(self.model), torch.no_grad():
+            self.level.start(input_ids, self.queries)
+            found = run_inline(self.level.candidate_steps(input_ids, limit))
+        self.ran = True
+        tokens = self._before_stop(input_ids, found.tokens)
+        self.proposed = len(tokens)
+        self.handed_at = time.perf_counter()
+        if not tokens:
+            return input_ids, None
+        candidates = torch.cat((input_ids, input_ids.new_tensor([tokens])), dim=1)
+        if found.probs is None:
+            return candidates, None
+        return candidates, self.candidate_logits(found.probs[: len(tokens)])[None]
+
+    def _before_stop(self, sequence: torch.Tensor, tokens: list[int]) -> list[int]:
+        """``tokens`` up to the first at which the stopping criteria stop generation: greedy, without it (the loop's
+        own next token then stops it, or does not); sampling, with it (a candidate dropped for its own value would
+        bias the law; the loop may then add one token past the stop)."""
+        if not self.criteria:
+            return tokens
+        for index in range(len(tokens)):
+            prefix = torch.cat((sequence, sequence.new_tensor([tokens[: index + 1]])), dim=1)
+            if bool(self.criteria(prefix, None).any()):
+                return tokens[: index + 1 if self.do_sample else index]
+        return tokens
+
+    def update_candidate_strategy(self, input_ids: torch.LongTensor, scores: torch.Tensor, num_matches: int,
+                                  **verifier_outputs) -> None:
+        """The model accepted ``num_matches`` candidates and appended its own token (``input_ids``, its cache holds
+        all but that token): count the step, keep the query of the last cached token, and let the level keep its
+        caches to the committed sequence."""
+        stats, num_matches = self.stats, int(num_matches)
+        stats.force3_seconds += time.perf_counter() - self.handed_at
+        stats.force3_steps += 1
+        stats.force3_accepted += num_matches
+        stats.force3_tokens += input_ids.shape[1] - self.length
+        plan = self.config.levels if self.proposed else 1
+        stats.plan_steps[plan] = stats.plan_steps.get(plan, 0) + 1
+        if "verifier_queries" in verifier_outputs:  # rows: the candidates' forward, row num_matches the last accepted
+            self.queries = {layer: q[:, :, num_matches] for layer, q in verifier_outputs["verifier_queries"].items()}
+        elif self.recorder.queries:  # the verification forward's last proposed + 1 rows
+            self.queries = self.recorder.at(num_matches - self.proposed - 1)
+        if self.ran and input_ids.shape[1] < self.max_length:
+            with torch.no_grad():
+                self.level.commit(input_ids, num_matches, self.proposed, self.queries)
+
+    def prefilled(self) -> None:
+        """The full cache was just prefilled with the queries going to ``recorder``: its last row's query seeds the
+        first retrieval selection."""
+        if self.recorder.queries:
+            self.queries = self.recorder.at(-1)
+
+    def finish(self, new_tokens: int) -> TriForceStats:
+        """The call's `TriForceStats`, with the caches' sizes."""
+        stats = self.stats
+        stats.new_tokens = new_tokens
+        stats.force1_seconds = self.drafter.seconds
+        stats.draft_cache_bytes = self.drafter.nbytes()
+        stats.retrieval_cache_bytes = self.level.nbytes()
+        stats.retrieval_summary_bytes = self.level.summary_bytes()
+        if hasattr(self.full, "nbytes"):
+            stats.full_cache_bytes = self.full.nbytes()
+            stats.device_resident_bytes = (self.full.resident_bytes() + stats.retrieval_cache_bytes
+                                           + stats.draft_cache_bytes + stats.retrieval_summary_bytes)
+        return stats
