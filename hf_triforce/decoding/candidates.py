@@ -43,11 +43,12 @@ from ..drafters import DraftContext, build_drafter
 from ..drafters.model import ModelDrafter
 from ..drafters.registry import MODEL_DRAFTER
 from ..kernels.attention import QueryRecorder
-from ..kernels.lean import draft_forward, resolve_draft_precision, tier_model
+from ..kernels.lean import resolve_draft_precision, tier_model
 from ..stats import TriForceStats
 from ..verification.sampling import ChainVerifier, Sampler, TorchSampler
 from ..verification.scoring import row_processors
 from .levels import Force1Only, Force2, NoForce1
+from .loop import tier_forward
 from .steps import run_inline
 
 
@@ -147,8 +148,7 @@ class TriForceCandidateGenerator(compat.CandidateGenerator):
         self.criteria = stopping_criteria
         self.sampler = sampler if sampler is not None else TorchSampler()
         processors = row_processors(logits_processor or LogitsProcessorList(), 0, 1)
-        forward = draft_forward(config, model) if not_lean is None else f"eager (draft_precision='auto': {not_lean})"
-        self.stats = TriForceStats(draft_precision=config.draft_precision, draft_forward=forward)
+        self.stats = TriForceStats(draft_precision=config.draft_precision)
         self.recorder = QueryRecorder()
         # the exact rule of the Force-2 level (a field, so that a test can substitute a wrong one)
         self.force2_verifier = ChainVerifier(self.do_sample, self.sampler)
@@ -163,6 +163,15 @@ class TriForceCandidateGenerator(compat.CandidateGenerator):
             self.level = Force2(tier_model(model, config.draft_precision, 2, config.tier_compile), NoForce1(), config,
                                 processors, self.force2_verifier, full_cache, self.stats)
             self.level.use(self.drafter)
+        # per tier that runs a drafting forward, the forward it runs (as `Decoder.draft_forwards` reports it)
+        models = {}
+        if isinstance(self.drafter, ModelDrafter):
+            models[f"force1 {config.draft if isinstance(config.draft, str) else MODEL_DRAFTER}"] = self.drafter.model
+        if config.levels == 3:
+            models["force2"] = self.level.model
+        self.stats.draft_forward = {
+            tier: tier_forward(tier_model_, config.draft_precision) if not_lean is None
+            else f"eager (draft_precision='auto': {not_lean})" for tier, tier_model_ in models.items()}
         self.queries: dict[int, torch.Tensor] | None = None  # per layer, the query of the last cached token
         self.proposed, self.ran, self.length, self.handed_at = 0, False, 0, 0.0
 
@@ -220,7 +229,9 @@ class TriForceCandidateGenerator(compat.CandidateGenerator):
             self.level.start(input_ids, self.queries)
             found = run_inline(self.level.candidate_steps(input_ids, limit))
         self.ran = True
-        tokens = self._before_stop(input_ids, found.tokens)
+        # a drafter may keep its tokens on the device (`proposal_steps`); transformers' loop takes them as ids
+        drafted = found.tokens.tolist() if isinstance(found.tokens, torch.Tensor) else found.tokens
+        tokens = self._before_stop(input_ids, drafted)
         self.proposed = len(tokens)
         self.handed_at = time.perf_counter()
         if not tokens:
@@ -260,7 +271,9 @@ class TriForceCandidateGenerator(compat.CandidateGenerator):
             self.queries = self.recorder.at(num_matches - self.proposed - 1)
         if self.ran and input_ids.shape[1] < self.max_length:
             with torch.no_grad():
-                self.level.commit(input_ids, num_matches, self.proposed, self.queries)
+                # the tokens this step committed, on the host (transformers' loop has read them back already)
+                self.level.commit(input_ids, num_matches, self.proposed, self.queries,
+                                  input_ids[0, self.length:].tolist())
 
     def prefilled(self) -> None:
         """The full cache was just prefilled with the queries going to ``recorder``: its last row's query seeds the
