@@ -37,9 +37,10 @@ def truncated_draft(model, layers: int):
     return draft
 
 
-def timed(call, *args, **kwargs) -> tuple[float, torch.Tensor]:
+def timed(model, prompt, **kwargs) -> tuple[float, torch.Tensor]:
+    """Seconds of ``model.generate(prompt, **kwargs)`` and its output."""
     began = time.perf_counter()
-    out = call(*args, **kwargs)
+    out = model.generate(prompt, **kwargs)
     return time.perf_counter() - began, out
 
 
@@ -72,14 +73,13 @@ def main() -> None:
         }
         for name, extra in methods.items():
             torch.manual_seed(0)
-            seconds, out = timed(model.generate, prompt, cache=copy.deepcopy(prefix), max_new_tokens=new,
-                                 min_new_tokens=new, **sampling, **extra)
+            seconds, out = timed(model, prompt, cache=copy.deepcopy(prefix), max_new_tokens=new, min_new_tokens=new,
+                                 **sampling, **extra)
             row[name] = new / seconds
             outputs[name] = out[0, prompt.shape[1]:].tolist()
         torch.manual_seed(0)
-        one, _ = timed(model.generate, prompt, assistant_model=draft, max_new_tokens=1, **sampling)
-        full, out = timed(model.generate, prompt, assistant_model=draft, max_new_tokens=new, min_new_tokens=new,
-                          **sampling)
+        one, _ = timed(model, prompt, assistant_model=draft, max_new_tokens=1, **sampling)
+        full, out = timed(model, prompt, assistant_model=draft, max_new_tokens=new, min_new_tokens=new, **sampling)
         name = f"HF assisted generation (draft: first {args.draft_layers} layers)"
         row[name] = (new - 1) / max(full - one, 1e-9)
         outputs[name] = out[0, prompt.shape[1]:].tolist()
