@@ -572,9 +572,14 @@ def _resolve_tier_compile(config, target: nn.Module):
                          f"{next(target.parameters()).device} (use 'fixed' or 'compile' there)")
     if config.tier_compile != "auto":
         return config
-    native = config.draft_precision == "native" and all(
-        lean_support(model) is None for model in drafting_models(config, target))
-    return replace(config, tier_compile="graph" if native and on_gpu else "off")
+    covered = all(lean_support(model) is None for model in drafting_models(config, target))
+    return replace(config, tier_compile=_auto_tier_compile(config.draft_precision, target) if covered else "off")
+
+
+def _auto_tier_compile(precision: str, model: nn.Module) -> str:
+    """What ``tier_compile="auto"`` runs for ``model``'s tiers at ``precision``."""
+    on_gpu = next(model.parameters()).device.type == "cuda"
+    return "graph" if precision == "native" and on_gpu else "off"
 
 
 def lean_model(model: nn.Module, precision: str):
@@ -623,6 +628,8 @@ def tier_model(model: nn.Module, precision: str, tier: int, tier_compile: str = 
     (`FORCE2_PRECISION` for Force 2; its `LeanModel.compiled` view unless ``tier_compile`` is ``"off"``), or
     `quantized.drafting_model` for ``"model"`` / ``"int8"``."""
     if precision in LEAN_PRECISIONS:
+        if tier_compile == "auto":  # a tier built outside a call's resolved config (`resolve_draft_precision`)
+            tier_compile = _auto_tier_compile(precision, model)
         lean = lean_model(model, precision if tier == 1 else FORCE2_PRECISION[precision])
         return lean if tier_compile == "off" or not isinstance(lean, LeanModel) else lean.compiled(tier_compile)
     from .quantized import drafting_model
