@@ -86,14 +86,12 @@ class FixedShapeForward:
             return False
         return len({layer.length for layer in layers}) == 1
 
-    def _replay(self, lean, input_ids, position_ids, start: int, keys, values) -> torch.Tensor:
+    def _replay(self, lean, input_ids, position_ids, write_index, keys, values) -> torch.Tensor:
         """The ``"graph"`` forward: captured on its first call per row count and cache buffer, replayed after."""
         if input_ids.device.type != "cuda":
             raise RuntimeError(f"TriForceConfig.tier_compile='graph' captures CUDA graphs; this model is on "
                                f"{input_ids.device} (use 'fixed' or 'compile' there)")
-        n = input_ids.shape[1]
-        write_index = torch.arange(start, start + n, device=input_ids.device)
-        key = (n, keys[0].shape[2])
+        key = (input_ids.shape[1], keys[0].shape[2])
         captured = self._graphs.get(key)
         if captured is None or captured.buffers != _pointers(keys, values):
             self._graphs.pop(key, None)  # its pool is freed before the next capture allocates one
@@ -129,23 +127,25 @@ class FixedShapeForward:
         if start + n > capacity:
             raise RuntimeError(f"BufferLayer overflow: {start} + {n} entries exceed its capacity {capacity}")
         keys, values = [layer.keys for layer in layers], [layer.values for layer in layers]
+        write_index = torch.arange(start, start + n, device=input_ids.device)
         if self.mode == "graph":
-            hidden = self._replay(lean, input_ids, position_ids, start, keys, values)
-            for layer in layers:
-                layer.length += n
-            self.calls += 1
-            return hidden
+            hidden = self._replay(lean, input_ids, position_ids, write_index, keys, values)
+        else:
+            hidden = self._run_compiled(lean, input_ids, position_ids, write_index, keys, values)
+        for layer in layers:
+            layer.length += n
+        self.calls += 1
+        return hidden
+
+    def _run_compiled(self, lean, input_ids, position_ids, write_index, keys, values) -> torch.Tensor:
+        """The ``"fixed"`` / ``"compile"`` forward (its first call per shape compiles)."""
         function = self._compiled(lean)
         if self._cuda_graphs:
             self._mark_static(keys + values)
-        write_index = torch.arange(start, start + n, device=input_ids.device)
         compiles, began = self.compiles, time.perf_counter()
         hidden = function(input_ids, position_ids, write_index, keys, values)
         if self.compiles != compiles:
             self.compile_seconds += time.perf_counter() - began
-        for layer in layers:
-            layer.length += n
-        self.calls += 1
         return hidden.clone() if self._cuda_graphs else hidden  # a graph's output is overwritten by its next replay
 
 
