@@ -409,19 +409,31 @@ def project(plan: Plan, stage: Stage, acceptance: dict[str, float]) -> None:
     stage.save()
 
 
+# the library's configurations timed end to end: the default, and fixed plans whose every step replays the drafting
+# tiers (the default may choose n-gram chains on a repeating random prompt, where no tier forward runs)
+LIBRARY_CONFIGS = {"auto": {}, "fixed, 3 levels": {"policy": "fixed", "levels": 3},
+                   "fixed, 2 levels": {"policy": "fixed", "levels": 2}}
+
+
 def library_check(plan: Plan, device: torch.device, stage: Stage) -> None:
-    """TriForceConfig() end to end: identity with plain generate (bf16 and fp32), decode tok/s from a shared
-    prefill, host syncs of one call."""
+    """TriForceConfig() and fixed plans end to end: identity with plain generate (bf16 and fp32), decode tok/s from
+    a shared prefill, ms per tier forward, host syncs of one call."""
     for dtype in (torch.float32, plan.dtype) if plan.dtype != torch.float32 else (torch.float32,):
-        row = _library_row(plan, dtype, device)
-        stage.data["library"].append(row)
-        log(f"  library {row['dtype']}: plain {row['plain_tok_s']:.1f} tok/s, static {row['static_tok_s']:.1f}, "
-            f"triforce {row['triforce_tok_s']:.1f} (identical: {row['triforce_identical']}), "
-            f"syncs/call {row['host_syncs_per_call']}")
-        stage.save()
+        for row in _library_rows(plan, dtype, device):
+            stage.data["library"].append(row)
+            log(f"  library {row['dtype']} {row['config']}: plain {row['plain_tok_s']:.1f} tok/s, static "
+                f"{row['static_tok_s']:.1f}, triforce {row['triforce_tok_s']:.1f} (identical: "
+                f"{row['triforce_identical']}), ms per forward {row['tier_ms']}, syncs/call {row['host_syncs_per_call']}")
+            stage.save()
 
 
-def _library_row(plan: Plan, dtype: torch.dtype, device: torch.device) -> dict:
+def _tier_ms(stats) -> dict:
+    """Mean ms of one forward of each tier that ran (Force 1 per drafted token, Force 2/3 per verification)."""
+    counts = {"force1": stats.force1_proposed, "force2": stats.force2_steps, "force3": stats.force3_steps}
+    return {tier: round(getattr(stats, f"{tier}_seconds") / n * 1e3, 3) for tier, n in counts.items() if n}
+
+
+def _library_rows(plan: Plan, dtype: torch.dtype, device: torch.device) -> list[dict]:
     model = build(plan.library_model, dtype, device)
     with torch.no_grad():  # peaked logits: argmax margins far above either dtype's rounding
         model.lm_head.weight.mul_(8.0)
@@ -434,15 +446,18 @@ def _library_row(plan: Plan, dtype: torch.dtype, device: torch.device) -> dict:
     # one prefill of every prompt token but the last, shared: each method decodes from its copy of it (made before
     # the clock; TriForce's own copy, `prefix_copy_seconds`, is subtracted), so tok/s is decoding's
     prefix = prefill_prefix(model, ids)
-    config = TriForceConfig(retrieval_budget=plan.budget, window=plan.window)
+    configs = {name: TriForceConfig(retrieval_budget=plan.budget, window=plan.window, gamma1=plan.gamma1,
+                                    gamma2=plan.gamma2, **extra) for name, extra in LIBRARY_CONFIGS.items()}
     methods = {"plain": lambda: {"cache": copy.deepcopy(prefix)},
                "static": lambda: {"cache": static_copy(model, prefix, ids.shape[1] + plan.new_tokens + 16),
-                                  "disable_compile": True},
-               "triforce": lambda: {"cache": prefix, "triforce_config": config, "return_dict_in_generate": True}}
+                                  "disable_compile": True}}
+    for name, config in configs.items():
+        methods[name] = lambda config=config: {"cache": prefix, "triforce_config": config,
+                                               "return_dict_in_generate": True}
     results = {}
     for name, arguments in methods.items():
-        warm = {k: v for k, v in arguments().items() if k != "cache"}
-        model.generate(ids[:, :256], **kwargs, **warm)  # warm-up (kernels, the lean/route probes, graphs)
+        # warm-up: the same call (kernels, the lean/route probes, graphs of the timed call's shapes)
+        model.generate(ids, **kwargs, **arguments())
         given = arguments()
         _sync(device)
         start = time.perf_counter()
@@ -452,15 +467,20 @@ def _library_row(plan: Plan, dtype: torch.dtype, device: torch.device) -> dict:
         seconds = time.perf_counter() - start - (stats.prefix_copy_seconds if stats is not None else 0.0)
         sequences = out.sequences if hasattr(out, "sequences") else out
         results[name] = (seconds, sequences[0, ids.shape[1]:].tolist(), stats)
-    syncs = count_syncs(device, model.generate, ids, **kwargs, cache=prefix, triforce_config=config)
-    plain, stats = results["plain"][1], results["triforce"][2]
-    row = {"model": plan.library_model, "dtype": str(dtype).removeprefix("torch."), "context": ids.shape[1],
-           "new_tokens": plan.new_tokens, "host_syncs_per_call": syncs, "stats": stats.to_dict()}
-    for name, (seconds, tokens, _) in results.items():
-        row[f"{name}_tok_s"] = plan.new_tokens / seconds
-        row[f"{name}_identical"] = tokens == plain
-        row[f"{name}_agree"] = next((i for i, (a, b) in enumerate(zip(tokens, plain)) if a != b), len(plain))
-    return row
+    plain = results["plain"][1]
+    rows = []
+    for name, config in configs.items():
+        seconds, tokens, stats = results[name]
+        syncs = count_syncs(device, model.generate, ids, **kwargs, cache=prefix, triforce_config=config)
+        row = {"model": plan.library_model, "dtype": str(dtype).removeprefix("torch."), "context": ids.shape[1],
+               "new_tokens": plan.new_tokens, "config": name, "host_syncs_per_call": syncs,
+               "tier_ms": _tier_ms(stats), "stats": stats.to_dict(),
+               "triforce_tok_s": plan.new_tokens / seconds, "triforce_identical": tokens == plain,
+               "triforce_agree": next((i for i, (a, b) in enumerate(zip(tokens, plain)) if a != b), len(plain))}
+        for base in ("plain", "static"):
+            row[f"{base}_tok_s"] = plan.new_tokens / results[base][0]
+        rows.append(row)
+    return rows
 
 
 def hf_static(plan: Plan, device: torch.device, stage: Stage) -> None:
@@ -548,13 +568,14 @@ def render(data: dict) -> str:
     if data["library"]:
         lines += ["## The library end to end (TriForceConfig(), greedy, scaled output layer, decode tok/s from a "
                   "shared prefill)", "",
-                  "| model | dtype | context | plain tok/s | static tok/s | TriForce tok/s | identical (agree) | "
-                  "host syncs per call | forwards |", "|---|---|---|---|---|---|---|---|---|"]
+                  "| model | dtype | context | config | plain tok/s | static tok/s | TriForce tok/s | identical (agree) "
+                  "| ms per forward | host syncs per call | forwards |", "|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in data["library"]:
             stats = r["stats"] or {}
-            lines.append(f"| {r['model']} | {r['dtype']} | {r['context']} | {r['plain_tok_s']:.1f} | "
-                         f"{r['static_tok_s']:.1f} | {r['triforce_tok_s']:.1f} | {r['triforce_identical']} "
-                         f"({r['triforce_agree']}/{r['new_tokens']}) | {r['host_syncs_per_call']} | "
+            lines.append(f"| {r['model']} | {r['dtype']} | {r['context']} | {r.get('config', 'auto')} | "
+                         f"{r['plain_tok_s']:.1f} | {r['static_tok_s']:.1f} | {r['triforce_tok_s']:.1f} | "
+                         f"{r['triforce_identical']} ({r['triforce_agree']}/{r['new_tokens']}) | "
+                         f"{r.get('tier_ms', '-')} | {r['host_syncs_per_call']} | "
                          f"{stats.get('draft_precision', '-')}, {stats.get('draft_forward', '-')}, tier_compile "
                          f"{(stats.get('tier_compile') or {}).get('mode', 'off')} |")
         lines.append("")

@@ -36,12 +36,17 @@ if [ "${1:-}" = "fetch" ]; then
     exit
 fi
 BENCH_ARGS=()
+DRY=0
 if [ "${1:-}" = "--dry-run" ]; then
     BENCH_ARGS=(--dry-run)
+    DRY=1
     PYTHON_BIN="$ROOT/.venv/bin"
     [ -x "$PYTHON_BIN/python3" ] && export PATH="$PYTHON_BIN:$PATH"
 fi
 
+# GPU_CHECK_ARGS: extra arguments for benchmarks/gpu_check.py (e.g. "--stages library")
+read -r -a EXTRA <<< "${GPU_CHECK_ARGS:-}"
+BENCH_ARGS+=("${EXTRA[@]}")
 START=$SECONDS
 BUDGET="${GPU_CHECK_BUDGET_S:-420}"
 OUTDIR="${OUT:-/tmp/gpu-check-out}"
@@ -68,11 +73,11 @@ stage() {  # stage NAME LIMIT_S LOG CMD...: run CMD under timeout, tee to LOG, r
 }
 
 # 1. wheels -> /tmp/site, ahead of the machine's site-packages; the repo itself is importable from its root.
-if [ ${#BENCH_ARGS[@]} -eq 0 ] && ls .whl/*.whl >/dev/null 2>&1; then
+if [ "$DRY" = 0 ] && ls .whl/*.whl >/dev/null 2>&1; then
     stage install 90 "$OUTDIR/env.log" python3 -m pip install -q --no-index --no-deps --no-compile \
         --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 else
-    [ ${#BENCH_ARGS[@]} -gt 0 ] && echo "install: dry run, this machine's packages" | tee -a "$SUMMARY" || echo "install: no .whl/ here (carry [\".whl\"] and run 'bash scripts/gpu_check.sh fetch' first)" | tee -a "$SUMMARY"
+    [ "$DRY" = 1 ] && echo "install: dry run, this machine's packages" | tee -a "$SUMMARY" || echo "install: no .whl/ here (carry [\".whl\"] and run 'bash scripts/gpu_check.sh fetch' first)" | tee -a "$SUMMARY"
 fi
 export PYTHONPATH="/tmp/site:$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 
