@@ -423,7 +423,8 @@ def library_check(plan: Plan, device: torch.device, stage: Stage) -> None:
             stage.data["library"].append(row)
             log(f"  library {row['dtype']} {row['config']}: plain {row['plain_tok_s']:.1f} tok/s, static "
                 f"{row['static_tok_s']:.1f}, triforce {row['triforce_tok_s']:.1f} (identical: "
-                f"{row['triforce_identical']}), ms per forward {row['tier_ms']}, syncs/call {row['host_syncs_per_call']}")
+                f"{row['triforce_identical']}), ms per forward {row['tier_ms']}, "
+                f"syncs/call {row['host_syncs_per_call']}")
             stage.save()
 
 
@@ -479,6 +480,7 @@ def _library_rows(plan: Plan, dtype: torch.dtype, device: torch.device) -> list[
                "triforce_agree": next((i for i, (a, b) in enumerate(zip(tokens, plain)) if a != b), len(plain))}
         for base in ("plain", "static"):
             row[f"{base}_tok_s"] = plan.new_tokens / results[base][0]
+        row["static_identical"] = results["static"][1] == plain
         rows.append(row)
     return rows
 
@@ -568,8 +570,9 @@ def render(data: dict) -> str:
     if data["library"]:
         lines += ["## The library end to end (TriForceConfig(), greedy, scaled output layer, decode tok/s from a "
                   "shared prefill)", "",
-                  "| model | dtype | context | config | plain tok/s | static tok/s | TriForce tok/s | identical (agree) "
-                  "| ms per forward | host syncs per call | forwards |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "| model | dtype | context | config | plain tok/s | static tok/s | TriForce tok/s | identical "
+                  "(agree) | ms per forward | host syncs per call | forwards |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in data["library"]:
             stats = r["stats"] or {}
             lines.append(f"| {r['model']} | {r['dtype']} | {r['context']} | {r.get('config', 'auto')} | "

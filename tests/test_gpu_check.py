@@ -33,8 +33,11 @@ def test_dry_run_every_stage(gpu_check, tmp_path):
     assert {("force2", 0, rows) for rows in range(1, plan.gamma1 + 2)} <= tiers
     kinds = {p["label"] for p in data["projection"]}
     assert "plain decoding" in kinds and "TriForce, Force 1 = draft" in kinds
-    (library,) = data["library"]
-    assert library["triforce_identical"] and library["static_identical"]
+    library = {row["config"]: row for row in data["library"]}
+    assert set(library) == set(gpu_check.LIBRARY_CONFIGS)
+    assert all(row["triforce_identical"] and row["static_identical"] for row in library.values())
+    assert set(library["fixed, 3 levels"]["tier_ms"]) == {"force1", "force2", "force3"}
+    assert set(library["fixed, 2 levels"]["tier_ms"]) == {"force1", "force3"}
     assert "Tier forwards" in (tmp_path / "gpu_table.md").read_text()
 
 
