@@ -1,9 +1,10 @@
-"""`TriForceConfig`: every knob of the three tiers, validated on construction."""
+"""`TriForceConfig`: the knobs of the three tiers, grouped (user settings, tuning, experimental), validated on
+construction."""
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
-from typing import Any
+from typing import Any, ClassVar
 
 from .drafters import DRAFTERS, drafter_names
 from .kernels.fixed_shape import TIER_COMPILE_MODES
@@ -16,13 +17,8 @@ FULL_CACHE_DEVICES = (None, "cpu")
 POLICIES = ("auto", "fixed")
 DRAFT_POSITIONS = ("auto", "absolute", "slots")
 LOOPS = ("triforce", "assisted")
-# the longest lookup chain the adaptive policy may verify in one Force-3 step (two levels): HF prompt lookup's
-# default (`prompt_lookup_num_tokens=10`); with chains of at most gamma2=6 the policy's n-gram plans got 1.1-1.2x the
-# best plain decoding where HF prompt lookup got 2.7-4.1x (Qwen2.5-Coder-1.5B bf16, extractive questions at 2k)
-LOOKUP_GAMMA2 = 10
-# Force 1's recent window by default (see TriForceConfig's docstring): SmolLM2's lean-int4 self drafter at 8k, window
-# 1024 vs 256, two levels fixed: Force-3 acceptance 0.85 / 0.57 greedy and 0.81-0.88 / 0.37-0.50 sampled, 7.95-9.35 /
-# 6.8-7.05 tok/s greedy and 8.8 / 4.5-5.2 sampled (one process, alternating; an AVX2 EPYC, 2 threads)
+# Force 1's window: where a self drafter agrees with Force 3 at little more cost than a smaller one
+# (docs/results.md, "Force 1: a window of 1024")
 DEFAULT_WINDOW = 1024
 
 
@@ -31,124 +27,159 @@ def _check_int(name: str, value: Any, minimum: int) -> None:
         raise ValueError(f"TriForceConfig.{name} must be an integer >= {minimum}, got {value!r}")
 
 
-@dataclass
+@dataclass(kw_only=True)
 class TriForceConfig:
-    """Configuration of TriForce hierarchical speculative decoding.
+    """Configuration of TriForce hierarchical speculative decoding: Force 1 drafts, Force 2 (the target on a
+    retrieval cache) verifies Force 1 and drafts for Force 3 (the target on its full cache), which verifies exactly.
+    Pass it as ``model.generate(ids, triforce_config=TriForceConfig(...))``; every output is exact whatever the
+    values (greedy: token-identical to ``generate``; sampled: the target's distribution).
 
-    draft: Force-1 proposer: a registered drafter name (``hf_triforce.drafters.DRAFTERS``: ``"self"``, the
-        target on a sink+window cache; ``"ngram"``, lookup of the most recent occurrence of the suffix over the
-        prompt and output; ``"suffix"``, its most frequent continuation) or a ``PreTrainedModel`` sharing the
-        target's vocabulary.
-    retrieval_budget: tokens of the Force-2 retrieval cache (sink chunk + top-k chunks + recent tokens);
-        a multiple of ``chunk_size``.
-    chunk_size: tokens per chunk whose keys are summarised (mean key per KV head) for retrieval.
-    retrieval_recent: most recent tokens always kept in the retrieval cache; a multiple of ``chunk_size``
-        below the budget. ``None`` means a quarter of the budget rounded down to whole chunks.
-    refresh_every: re-select the retrieval chunks every this many Force-3 steps.
-    refresh_below: also re-select when a Force-3 step accepts less than this fraction (``None``: never).
-    sink_tokens, window: the Force-1 cache holds the first ``sink_tokens`` and the last ``window`` tokens. The default
-        window, 1024 (`DEFAULT_WINDOW`), is where a self drafter agrees with the full model at little more cost than
-        at 256: teacher-forced on SQuAD's Wikipedia at 16k (SmolLM2, lean-int4) 0.92 against 0.76-0.78 at 256; live at
-        8k, two levels fixed, Force-3 acceptance 0.81-0.88 against 0.37-0.57, a drafted token 46 ms against 40 ms
-        (docs/results.md). A draft model that fills its cache by a forward fills ``sink_tokens + window`` rows.
-    draft_positions: where a model drafter's tokens sit (`caches.sink_window.SinkWindowCache`): ``"absolute"`` (each at
-        its position in the sequence, as the full model sees it), ``"slots"`` (in-cache positions, TriForce's and
-        StreamingLLM's layout: a draft never sees a position past ``sink_tokens + window``), or ``"auto"``
-        (default): absolute for ``draft="self"`` and for a draft model that takes at least the target's
-        ``max_position_embeddings``, slots for one that takes fewer. Teacher-forced on held-out text (SmolLM2,
-        Wikipedia at 16k, sink 16 + window 256, lean-int4) absolute positions agree with Force 3 0.78 against
-        0.72 for slots (`benchmarks/sparse_agreement.py`).
-    gamma1: tokens Force 1 drafts per Force-2 verification.
-    gamma2: tokens Force 2 hands up per Force-3 verification.
-    ngram_max, ngram_min: longest and shortest suffix matched by the ``"ngram"`` drafter.
-    prefill_chunk_size: prompt tokens per forward during the chunked prefill of the full cache.
-    show_progress: show a tqdm bar during prefill.
-    draft_precision: ``"auto"`` (default): ``"lean-int4"`` where the lean forward covers the target (and the draft
-        model), i.e. fp32 Llama, Mistral and Qwen2 models on the CPU, ``"native"`` (the lean forward on the model's
-        own weights, read in place) for those models on a CUDA device, else ``"model"`` (`kernels.lean.AUTO_PRECISION`;
-        ``TriForceStats.draft_precision`` says which ran and ``draft_forward``, per tier, what forward ran and why
-        not lean); ``"model"`` (Force 1 and Force 2 run the models as given) or ``"int8"`` (they run a cached int8
-        copy of each fp32 model's linear layers; CPU only), or ``"lean"`` / ``"lean-int8"`` / ``"lean-int4"`` (a
-        lean forward over a cached copy of the weights in fp32, weight-only int8 or weight-only int4 with an int8
-        output layer: Llama, Mistral and Qwen2 fp32 models on CPU; other families draft with their eager forward,
-        and ``TriForceStats.draft_forward`` says so; `hf_triforce.kernels.lean`). Force 3 always runs the target as
-        given, so the output is exact either way; the precision only changes how often drafts are accepted and what
-        they cost.
+    Keyword arguments only. Each value is checked on construction: a bad one raises a ``ValueError`` (a ``TypeError``
+    for a ``draft`` of the wrong type) naming the field and what it allows. The fields come in three groups, declared
+    in this order and listed in `USER_FIELDS`, `TUNING_FIELDS` and `EXPERIMENTAL_FIELDS` (docs/config.md).
+
+    User settings
+    -------------
+    The fields that choose the method (what drafts, how many levels, who plans, which loop), its sizes (gammas,
+    budget, window) and where it runs (precision, compilation, full-cache device): what a user sets first.
+
+    draft: Force 1's proposer. ``"self"`` (default): the target itself on a sink + window cache. ``"ngram"``: the
+        continuation of the most recent earlier occurrence of the current suffix, over the prompt and the output.
+        ``"suffix"``: the continuation most earlier occurrences of the suffix share. Or a ``PreTrainedModel``
+        sharing the target's vocabulary (a draft model). The names are those of ``hf_triforce.drafters.DRAFTERS``.
+    levels: ``3`` (default): TriForce, Force 1 verified by Force 2, Force 2's tokens verified by Force 3. ``2``: Force 1
+        verified directly by Force 3 (with ``draft="self"``, the StreamingLLM-cache self-speculation baseline); the
+        Force-2 fields are then unused.
+    policy: ``"auto"`` (default): each Force-3 step runs the plan an online cost model predicts fastest: plain
+        one-token decoding, the drafter (or the free n-gram lookup; beside a draft model drafting with a lean copy,
+        also the target's own lean copy) verified by Force 3, or all three levels, with gammas up to ``gamma1`` /
+        ``gamma2`` (`hf_triforce.decoding.policy`). ``"fixed"``: every step runs ``levels`` with ``gamma1`` /
+        ``gamma2``. Only sampling draws from torch's global RNG: under ``"fixed"`` a seed reproduces a sampled
+        call; under ``"auto"`` the plans follow timings measured in the call, so a seed need not reproduce it.
+    gamma1: integer >= 1, default 2: tokens Force 1 drafts per Force-2 verification (under ``policy="auto"``, at
+        most this many).
+    gamma2: integer >= 1, default 6: tokens handed to one Force-3 verification, by Force 2 (three levels) or by
+        Force 1 (two levels). Under ``policy="auto"`` a bound on every chain but a lookup drafter's: the two-level
+        chains of ``"ngram"`` and ``"suffix"`` (and of the n-gram lookup the policy always weighs) go up to
+        ``max(gamma2, LOOKUP_GAMMA2)``, 10 tokens, since they cost nothing to draft
+        (`hf_triforce.decoding.sizing.LOOKUP_GAMMA2`); under ``"fixed"`` they stay within ``gamma2``.
+    retrieval_budget: integer, default 4096: tokens of Force 2's retrieval cache (the sink chunk, the top-scored
+        chunks and the recent tokens); a multiple of ``chunk_size``, at least two chunks. A request no longer than
+        the budget leaves Force 2 the whole cache (no three-level plan under ``policy="auto"``).
+    window: integer, default 1024 (`DEFAULT_WINDOW`): recent tokens in Force 1's cache, beside ``sink_tokens``;
+        must exceed ``gamma1 + gamma2 + 1``. A draft model that fills its cache by a forward fills
+        ``sink_tokens + window`` rows.
+    draft_precision: how Force 1 and Force 2 run (Force 3 always runs the target as given). ``"auto"`` (default):
+        ``"lean-int4"`` where the lean forward covers the target (and a draft model): fp32 or bf16 Llama, Mistral
+        and Qwen2 models on the CPU; ``"native"`` for those models on a CUDA device; else ``"model"``
+        (``TriForceStats.draft_precision`` says which ran, ``draft_forward`` per tier what forward ran and why not
+        lean). ``"model"``: the models as given. ``"int8"``: a cached int8 copy of each fp32 model's linear layers
+        (CPU only). ``"lean"``, ``"lean-int8"``, ``"lean-int4"``: a lean forward over a cached copy of the weights in
+        fp32, weight-only int8, or weight-only int4 with an int8 output layer (CPU). ``"native"``: the lean forward
+        on the model's own weights, read in place (`hf_triforce.kernels.lean`). Families the lean forward does not
+        cover draft with their eager forward, and ``TriForceStats.draft_forward`` says so.
     tier_compile: how the lean tier forwards run (a lean or ``"auto"`` ``draft_precision`` only;
-        `hf_triforce.kernels.fixed_shape`): ``"auto"`` (default): ``"graph"`` where the tiers run the native lean
-        forward on a CUDA device, else ``"off"``; ``"off"``: the lean forward through the caches' own ``update``;
-        ``"fixed"``: the same on whole cache buffers (fixed shapes, eager); ``"compile"``: that fixed-shape forward
-        compiled once per model with ``torch.compile`` (on CUDA as CUDA graphs), reused by every later step and call
-        (``TriForceStats.tier_compile`` reports graphs compiled and compile seconds). Forwards it does not cover
-        (batches, candidate trees) run the lean forward. ``"graph"`` (CUDA): the fixed-shape forward captured as
-        a CUDA graph per row count and cache (a capture costs one forward). Measured on a 2-core Xeon (SmolLM2,
-        lean-int4): compiling takes ~54 s once per model and process and makes Force 1 28% and Force 2 15% cheaper
-        (docs/results.md),
-        so it pays only over long or many generations. The output is exact either way.
-    levels: 3 (TriForce) or 2 (Force 1 verified directly by Force 3: with ``draft="self"`` the
-        StreamingLLM-cache self-speculation baseline; Force-2 knobs are then unused).
-    policy: ``"auto"`` (default): each Force-3 step runs the plan an online cost model predicts fastest —
-        plain one-token decoding, the drafter (or free n-gram lookup; beside a draft model drafting with a lean
-        copy, also the target's own lean copy, ``"self"``) verified by Force 3, or all three levels — with gammas up
-        to ``gamma1`` / ``gamma2`` (`hf_triforce.decoding.policy`). ``"fixed"``: every step
-        runs ``levels`` with ``gamma1`` / ``gamma2``. Either way the output is exact. Only sampling draws from
-        torch's global RNG: under ``"fixed"`` a seed reproduces a sampled call; under ``"auto"`` the plans follow
-        timings measured in the call and consume random draws differently, so a seed need not reproduce it.
-    full_cache_device: where Force 3's full cache lives: ``None`` (default: each layer's entries on that
-        layer's execution device, next to the model) or ``"cpu"`` (TriForce's offloading mode: host memory,
-        pinned for a GPU, streamed to the compute device layer by layer during verification with the next
-        layer prefetched; the retrieval and draft caches stay on the device). Output is identical either way.
-    tree_nodes: 0 (default): every level proposes a chain. ``> 0``: the drafter proposes a candidate tree of at
-        most this many nodes (depth at most the level's gamma), verified exactly in one forward with tree
-        attention (`hf_triforce.verification.tree`); drafters ``"ngram"`` (several matches of the suffix:
-        distinct continuations) and model drafters (``"self"``, a draft model: their chain plus alternatives
-        where the chain is least certain, `hf_triforce.drafters.branching`: the draft's next most likely tokens as point
-        masses; a registered drafter proposes trees if registered with ``trees=True``). Needs a model without
-        sliding-window layers. Under ``policy="fixed"`` every proposal is a
-        tree; under ``"auto"`` tree plans stand beside chain plans and run where the cost model predicts they pay
-        (their own acceptance and forward costs, measured; `hf_triforce.decoding.policy`).
-    tree_branch: at most this many children per tree node (with ``tree_nodes > 0`` or ``force2_tree_nodes > 0``: at
-        least 2).
-    force2_tree_nodes: 0 (default): Force 2 hands Force 3 a chain. ``> gamma2`` (three levels): Force 2 hands
-        Force 3 a tree of at most this many nodes: its chain plus, as leaves, the tokens it scored next most
-        likely where its chain is least certain (`hf_triforce.drafters.branching`; point masses), verified exactly in
-        one tree forward on the full cache. Free to propose (Force 2 has scored them); Force 3 pays a row each.
-        Under ``policy="auto"``: three-level plans with and without it, chosen as with ``tree_nodes``.
-    explore_every: under ``policy="auto"``, steps between tries of the best plan other than the current
-        one, a kind of plan not yet run in the call first (doubling, up to 16x, while such tries do not pay).
-    loop: which loop runs Force 3. ``"triforce"`` (default): the library's own (`hf_triforce.decoding.loop`: batches,
-        trees, the adaptive ``policy``). ``"assisted"``: transformers' assisted-generation loop, with Force 1 and
-        Force 2 as its candidate generator (`hf_triforce.TriForceCandidateGenerator`) and the full model verifying
-        their tokens with transformers' own rule; every step runs the configured plan (``levels``, ``gamma1``,
-        ``gamma2``: that loop asks for candidates and has no per-step plan, so ``policy`` does not apply), one prompt
-        per call, chains only (docs/assisted.md). Exact either way.
+        `hf_triforce.kernels.fixed_shape`). ``"auto"`` (default): ``"graph"`` where the tiers run the native lean
+        forward on a CUDA device, else ``"off"``. ``"off"``: through the caches' own ``update``. ``"fixed"``: on
+        whole cache buffers (fixed shapes, eager). ``"compile"``: that fixed-shape forward compiled once per model
+        with ``torch.compile`` and reused by every later step and call; on the CPU it pays only over long or many
+        generations (docs/results.md, "Tier forwards compiled"). ``"graph"`` (CUDA): the fixed-shape forward
+        captured as a CUDA graph per row count and cache. Batches and candidate trees run the lean forward;
+        ``TriForceStats.tier_compile`` reports what was compiled and its seconds.
+    full_cache_device: where Force 3's full cache lives. ``None`` (default): each layer's entries on that layer's
+        execution device, next to the model. ``"cpu"``: host memory (pinned for a GPU), streamed to the compute device
+        layer by layer during verification with the next layer prefetched (TriForce's offloading mode; the
+        retrieval and draft caches stay on the device).
+    loop: which loop runs Force 3. ``"triforce"`` (default): the library's own (`hf_triforce.decoding.loop`:
+        batches, trees, the adaptive ``policy``). ``"assisted"``: transformers' assisted-generation loop, with
+        Force 1 and Force 2 as its candidate generator (`hf_triforce.TriForceCandidateGenerator`): the configured
+        plan every step (``policy`` does not apply), one prompt per call, chains only (docs/assisted.md).
+    show_progress: bool, default ``False``: show a tqdm bar during the prefill.
+
+    Tuning
+    ------
+    Defaults that suit most uses: retrieval details, Force 1's cache layout, the n-gram matcher, the prefill, the
+    adaptive policy's exploration.
+
+    chunk_size: integer >= 1, default 8: tokens per retrieval chunk; each chunk is scored by its mean key per KV
+        head.
+    retrieval_recent: ``None`` (default: a quarter of ``retrieval_budget``, rounded down to whole chunks) or a
+        multiple of ``chunk_size`` from 0 to ``retrieval_budget - chunk_size``: the most recent tokens Force 2's
+        cache always keeps.
+    refresh_every: integer >= 1, default 1: re-select the retrieval chunks every this many Force-3 steps.
+    refresh_below: ``None`` (default: never) or a fraction in (0, 1]: also re-select after a Force-3 step that
+        accepts less than this fraction of its tokens.
+    sink_tokens: integer >= 0, default 16: the first tokens of the sequence Force 1's cache always keeps (attention
+        sinks), beside ``window``.
+    draft_positions: where a model drafter's cached tokens sit (`hf_triforce.caches.sink_window.SinkWindowCache`).
+        ``"absolute"``: each at its position in the sequence, as the full model sees it. ``"slots"``: at its
+        in-cache position (TriForce's and StreamingLLM's layout: the draft never sees a position past
+        ``sink_tokens + window``). ``"auto"`` (default): absolute for ``draft="self"`` and for a draft model that
+        takes at least the target's ``max_position_embeddings``, slots for one that takes fewer.
+    ngram_max, ngram_min: integers >= 1, defaults 3 and 1, ``ngram_min <= ngram_max``: the longest and shortest
+        suffix the n-gram lookup matches.
+    prefill_chunk_size: integer >= 1, default 2048: prompt tokens per forward in the chunked prefill of the full
+        cache (bounds the activation memory).
+    explore_every: integer >= 1, default 16: under ``policy="auto"``, steps between tries of the best plan other
+        than the current one, a kind of plan not yet run in the call first (the interval doubles, up to 16x, while
+        such tries do not pay).
+
+    Experimental
+    ------------
+    Candidate trees: exact, off by default, chosen by the adaptive policy only where it predicts they pay; they have
+    not paid on the CPU at long contexts (docs/results.md, "Candidate trees"). Refused on sliding-window models, in
+    batches and with ``loop="assisted"``.
+
+    tree_nodes: integer from 0 to 63, default 0 (chains). ``> 0``: the drafter proposes a candidate tree of at most
+        this many nodes (depth at most the level's gamma), verified exactly in one tree-attention forward
+        (`hf_triforce.verification.tree`): ``"ngram"`` (distinct continuations of several matches) and model
+        drafters (their chain plus the next most likely tokens where the chain is least certain, as point masses:
+        `hf_triforce.drafters.branching`); ``"suffix"`` proposes chains only. Under ``policy="fixed"`` every
+        proposal is a tree; under ``"auto"`` tree plans stand beside chain plans.
+    tree_branch: integer >= 1, default 2: at most this many children per tree node; at least 2 with ``tree_nodes > 0``
+        or ``force2_tree_nodes > 0``.
+    force2_tree_nodes: 0 (default: Force 2 hands Force 3 a chain) or from ``gamma2 + 1`` to 63 (three levels): Force 2
+        hands Force 3 a tree of at most this many nodes, its chain plus, as leaves, the tokens it scored next most
+        likely where the chain is least certain (point masses), verified exactly in one tree forward; free to
+        propose, one Force-3 row each. Under ``policy="auto"`` three-level plans run with and without it.
     """
 
+    USER_FIELDS: ClassVar[tuple[str, ...]] = (
+        "draft", "levels", "policy", "gamma1", "gamma2", "retrieval_budget", "window", "draft_precision",
+        "tier_compile", "full_cache_device", "loop", "show_progress")
+    TUNING_FIELDS: ClassVar[tuple[str, ...]] = (
+        "chunk_size", "retrieval_recent", "refresh_every", "refresh_below", "sink_tokens", "draft_positions",
+        "ngram_max", "ngram_min", "prefill_chunk_size", "explore_every")
+    EXPERIMENTAL_FIELDS: ClassVar[tuple[str, ...]] = ("tree_nodes", "tree_branch", "force2_tree_nodes")
+
+    # user settings
     draft: Any = "self"
+    levels: int = 3
+    policy: str = "auto"
+    gamma1: int = 2
+    gamma2: int = 6
     retrieval_budget: int = 4096
+    window: int = DEFAULT_WINDOW
+    draft_precision: str = "auto"
+    tier_compile: str = "auto"
+    full_cache_device: str | None = None
+    loop: str = "triforce"
+    show_progress: bool = False
+    # tuning
     chunk_size: int = 8
     retrieval_recent: int | None = None
     refresh_every: int = 1
     refresh_below: float | None = None
     sink_tokens: int = 16
-    window: int = DEFAULT_WINDOW
     draft_positions: str = "auto"
-    gamma1: int = 2
-    gamma2: int = 6
     ngram_max: int = 3
     ngram_min: int = 1
     prefill_chunk_size: int = 2048
-    show_progress: bool = False
-    levels: int = 3
-    draft_precision: str = "auto"
-    tier_compile: str = "auto"
-    policy: str = "auto"
     explore_every: int = 16
+    # experimental
     tree_nodes: int = 0
     tree_branch: int = 2
     force2_tree_nodes: int = 0
-    full_cache_device: str | None = None
-    loop: str = "triforce"
 
     def __post_init__(self) -> None:
         if isinstance(self.draft, str):
@@ -267,30 +298,6 @@ class TriForceConfig:
     def trees(self) -> bool:
         """Whether any level proposes candidate trees."""
         return bool(self.tree_nodes or self.force2_tree_nodes)
-
-    @property
-    def lookup_gamma2(self) -> int:
-        """Most tokens a lookup drafter (``"ngram"``, ``"suffix"``) proposes straight to Force 3 under
-        ``policy="auto"``: at least `LOOKUP_GAMMA2` (drafting them costs nothing; the policy prices their rows)."""
-        return max(self.gamma2, LOOKUP_GAMMA2) if self.policy == "auto" else self.gamma2
-
-    @property
-    def force3_rows(self) -> int:
-        """At least the most proposals one Force-3 verification scores: a chain of ``gamma2`` (a lookup's
-        `lookup_gamma2`), or a tree."""
-        return max(self.gamma2, self.lookup_gamma2, self.tree_nodes, self.force2_tree_nodes)
-
-    @property
-    def proposal_rows(self) -> int:
-        """Most rows Force 1 proposes for one Force-2 verification: ``gamma1``, or a tree's ``tree_nodes``."""
-        return max(self.gamma1, self.tree_nodes)
-
-    @property
-    def recent_tokens(self) -> int:
-        """Recent tokens always kept by the retrieval cache."""
-        if self.retrieval_recent is not None:
-            return self.retrieval_recent
-        return (self.retrieval_budget // 4) // self.chunk_size * self.chunk_size
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-friendly dict; a draft model is stored by its ``name_or_path``."""

@@ -197,11 +197,11 @@ def test_a_target_the_lean_forward_does_not_cover_does_not_self_draft_beside_a_d
 def test_lookup_chains_may_be_longer_than_gamma2():
     """Under the auto policy a lookup drafter's two-level chains go up to `LOOKUP_GAMMA2` (model drafters' stay within
     gamma2); on a repeating prompt it runs such chains, greedy-identically, and Force 3 keeps room for their rows."""
-    from hf_triforce.config import LOOKUP_GAMMA2
     from hf_triforce.decoding.loop import adaptive_policy
+    from hf_triforce.decoding.sizing import LOOKUP_GAMMA2, force3_rows
 
     config = auto("self", gamma2=4)
-    assert config.force3_rows == LOOKUP_GAMMA2 and TriForceConfig(policy="fixed", gamma2=4).force3_rows == 4
+    assert force3_rows(config) == LOOKUP_GAMMA2 and force3_rows(TriForceConfig(policy="fixed", gamma2=4)) == 4
     plans = adaptive_policy(config, "self", 10_000).candidates()
     assert max(p.gamma2 for p in plans if p.levels == 2 and p.drafter == "ngram") == LOOKUP_GAMMA2
     assert max(p.gamma2 for p in plans if p.levels == 2 and p.drafter == "self") == 4

@@ -32,6 +32,7 @@ from ..kernels.attention import QueryRecorder
 from ..verification.scoring import process_rows
 from .forward import prefill, ragged_forward, score_continuation, settle
 from .levels import Candidates
+from .sizing import force3_rows
 from .tree_forward import score_tree
 
 # a model drafter's cache fill is priced from the prefill's first chunk only if that chunk had at least this many
@@ -46,8 +47,8 @@ class Force3:
         self.model, self.config = model, config
         cache_class = OffloadedBufferCache if config.full_cache_device == "cpu" else BufferCache
         # sliding-window layers keep their window plus room for the deepest rollback (a rejected chain, a stop)
-        self.cache = cache_class(compat.num_layers(model.config), max_length + config.force3_rows + 2,
-                                 compat.layer_windows(model.config), rollback=config.force3_rows + 2)
+        self.cache = cache_class(compat.num_layers(model.config), max_length + force3_rows(config) + 2,
+                                 compat.layer_windows(model.config), rollback=force3_rows(config) + 2)
         self.cache.expect_devices(layer_devices(model))
         self.recorder = QueryRecorder()
         self.uncached = 1  # tokens of the sequence fed before the candidates in the last `score`
@@ -111,7 +112,7 @@ class RaggedForce3:
     def __init__(self, model, config: TriForceConfig, max_lengths: list[int], paddings: list[torch.Tensor]) -> None:
         self.model, self.config, self.paddings, self.batch = model, config, paddings, len(max_lengths)
         self.cache = RaggedBufferCache(compat.num_layers(model.config), len(max_lengths),
-                                       max(max_lengths) + config.force3_rows + 2)
+                                       max(max_lengths) + force3_rows(config) + 2)
         self.cache.expect_devices(layer_devices(model))
         self.additive_mask = compat.current_attention_implementation(model).removeprefix("triforce_") == "eager"
         self.recorder = QueryRecorder()

@@ -37,6 +37,7 @@ from ..verification.sampling import ChainVerifier, scores_to_probs
 from ..verification.scoring import process_rows
 from ..verification.tree import TreeVerifier
 from .forward import settle
+from .sizing import proposal_rows, recent_tokens
 from .steps import ForwardRequest, Steps, run_inline
 from .tree_forward import score_tree
 
@@ -81,9 +82,9 @@ class Force2:
         self.timed = timed  # optional callback (tier, rows, seconds) for the adaptive policy's cost model
         self.started = False
         self.rejections = 0  # Force-2 verifications that rejected a draft
-        tail = config.refresh_every * (config.gamma2 + 1) + config.proposal_rows + config.gamma2 + 2
+        tail = config.refresh_every * (config.gamma2 + 1) + proposal_rows(config) + config.gamma2 + 2
         self.cache = RetrievalCache(
-            compat.num_layers(model.config), config.retrieval_budget, config.chunk_size, config.recent_tokens, tail,
+            compat.num_layers(model.config), config.retrieval_budget, config.chunk_size, recent_tokens(config), tail,
             compat.layer_windows(model.config),
         ).expect_devices(layer_devices(model))
         self.steps_since_selection = 0
@@ -108,7 +109,7 @@ class Force2:
             self.select(queries, first=True)
             self.started = True
         elif self.cache.synced != self.full.length:
-            if self.cache.tail_room(self.full.length) >= self.config.proposal_rows + self.config.gamma2 + 2:
+            if self.cache.tail_room(self.full.length) >= proposal_rows(self.config) + self.config.gamma2 + 2:
                 self.cache.sync(self.full, self.full.length)
             else:
                 self.select(queries)
@@ -253,7 +254,7 @@ class Force2:
         self.cache.sync(self.full, self.full.length)
         self.steps_since_selection += 1
         low = self.config.refresh_below is not None and proposed and accepted / proposed < self.config.refresh_below
-        no_room = self.cache.tail_room(self.full.length) < self.config.proposal_rows + self.config.gamma2 + 2
+        no_room = self.cache.tail_room(self.full.length) < proposal_rows(self.config) + self.config.gamma2 + 2
         if self.steps_since_selection >= self.config.refresh_every or low or no_room:
             self.select(queries)
 

@@ -47,6 +47,7 @@ from .levels import Candidates, Force1Only, Force2, NoForce1
 from .lockstep import Lockstep
 from .output import DecodeResult, Output, PaddedView
 from .policy import RETRIEVAL, AdaptivePolicy, Plan
+from .sizing import lookup_gamma2
 
 
 def adaptive_policy(config: TriForceConfig, draft_name: str, max_length: int, target=None) -> AdaptivePolicy | None:
@@ -70,7 +71,7 @@ def adaptive_policy(config: TriForceConfig, draft_name: str, max_length: int, ta
     return AdaptivePolicy(kinds, three, config.gamma1, config.gamma2, config.explore_every,
                           tree_drafters=trees, tree_nodes=config.tree_nodes if trees else 0,
                           force2_tree_nodes=config.force2_tree_nodes, tree_branch=config.tree_branch,
-                          max_lookup_gamma2=config.lookup_gamma2)
+                          max_lookup_gamma2=lookup_gamma2(config))
 
 
 def lean_self_drafting(config: TriForceConfig, target) -> bool:
