@@ -356,23 +356,16 @@ class Decoder:
         plan = policy.choose(remaining) if policy is not None else self.fixed_plan
         self.tiers_run |= {"force2"} if plan.levels == 3 else set()
         self.tiers_run |= {f"force1 {plan.drafter}"} if plan.levels > 1 and plan.drafter else set()
-        levels = {row.index: self.level(row.index, plan) for row in active}
-        for row in active:
-            if (level := levels[row.index]) is not None:
-                level.start(row.out.sequence, row.queries)
-                report = level.take_report()
-                report.add_to(self.stats[row.index])
-                for timing in report.timings if policy is not None else ():  # a catch-up selection
-                    policy.observe_forward(*timing)
+        levels = {row.index: self._started_level(row, plan) for row in active}
         if policy is not None:
             policy.started(plan)
         lookups = {row.index: self._lookup_proposals(row) for row in active}  # scored against Force 3 below
         began, lockstep_clock = time.perf_counter(), self.lockstep.clock()
         # 2. candidates, the rows in lockstep
+        room = {row.index: self.max_lengths[row.index] - row.out.sequence.shape[1] - 1 for row in active}
         candidates: dict[int, Candidates] = self.lockstep.drive({
-            row.index: level.candidate_steps(row.out.sequence, self.max_lengths[row.index] - row.out.sequence.shape[1]
-                                             - 1, plan.gamma1, plan.gamma2, plan.force1_tree, plan.force2_tree,
-                                             row.out.host)
+            row.index: level.candidate_steps(row.out.sequence, room[row.index], plan.gamma1, plan.gamma2,
+                                             plan.force1_tree, plan.force2_tree, row.out.host)
             for row in active if (level := levels[row.index]) is not None})
         for row in active:
             candidates.setdefault(row.index, Candidates([], None))
@@ -400,6 +393,18 @@ class Decoder:
             repeated = self.lockstep.repeated_seconds_since(lockstep_clock)
             policy.observe(StepRecord(plan, width, bool(trees), force3_seconds, outcomes,
                                       time.perf_counter() - began, force3_seconds + lower - repeated))
+
+    def _started_level(self, row: Row, plan: Plan):
+        """``row``'s level for ``plan`` (None: plain), caught up with the row (a draft cache's fill, a selection:
+        counted in the row's statistics, not in the step's cost)."""
+        level = self.level(row.index, plan)
+        if level is not None:
+            level.start(row.out.sequence, row.queries)
+            report = level.take_report()
+            report.add_to(self.stats[row.index])
+            for timing in report.timings if self.policy is not None else ():  # a catch-up selection
+                self.policy.observe_forward(*timing)
+        return level
 
     def _lookup_proposals(self, row: Row) -> dict[str, list[int]]:
         """What each free lookup drafter of the policy would propose next for ``row`` (no state, no randomness)."""
