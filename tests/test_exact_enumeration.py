@@ -18,7 +18,7 @@ import torch
 from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper
 
 from hf_triforce import TriForceConfig
-from hf_triforce.decoding.levels import Force2
+from hf_triforce.decoding.levels import Force2Level
 from hf_triforce.decoding.loop import Decoder
 from hf_triforce.integration import recording_attention
 from hf_triforce.verification.sampling import point_mass, residual_distribution, scores_to_probs
@@ -141,7 +141,7 @@ def hands_up_the_residual(monkeypatch):
             rows[accepted] = torch.log(residual_distribution(q, r))
         return rows
 
-    monkeypatch.setattr(Force2, "handed_up", handed_up)
+    monkeypatch.setattr(Force2Level, "handed_up", handed_up)
 
 
 MUTATIONS = ["middle level resamples from q", "top level resamples from p", "Force 2 hands up the residual"]

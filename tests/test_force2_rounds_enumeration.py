@@ -1,6 +1,6 @@
 """Force 1 drafting two tokens per Force-2 round: the enumerated law is the target's, and a wrong rule is caught.
 
-A Force-2 round drafts ``min(gamma1, still_wanted - 1)`` tokens (`Force2.candidate_steps`): with the suite's
+A Force-2 round drafts ``min(gamma1, still_wanted - 1)`` tokens (`Force2Level.candidate_steps`): with the suite's
 ``gamma2=2`` (and the policy rotations' ``gamma1=1``) Force 1 never drafts more than one token per round, so a
 Force-2 rule that verifies every draft of a round against the *first* draft's laws (Force 2's row ``q[0]`` and
 Force 1's ``r[0]`` at every position) gives the target's law there (total variation below 1e-6 in each of their

@@ -71,14 +71,14 @@ def count_reads(model, monkeypatch, prompt, **config):
     config = TriForceConfig(retrieval_budget=96, chunk_size=8, window=32, sink_tokens=4, gamma1=2, gamma2=6,
                             policy="fixed", draft_precision="model", **config)
     reads, marks = HostReads().install(monkeypatch), []
-    verify_row = Decoder._verify_row
+    step = Decoder._step
 
-    def marked(decoder, b, *args, **kwargs):
-        result = verify_row(decoder, b, *args, **kwargs)
-        marks.append((reads.total, decoder.stats[b].force2_steps + decoder.stats[b].force3_steps))
-        return result
+    def marked(decoder, active):
+        step(decoder, active)
+        (row,) = active
+        marks.append((reads.total, decoder.stats[row.index].force2_steps + decoder.stats[row.index].force3_steps))
 
-    monkeypatch.setattr(Decoder, "_verify_row", marked)
+    monkeypatch.setattr(Decoder, "_step", marked)
     monkeypatch.setattr(buffer, "sync_free", lambda device: True)
     reads.active = True
     out = model.generate(prompt, max_new_tokens=40, triforce_config=config, return_dict_in_generate=True)

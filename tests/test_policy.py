@@ -92,11 +92,11 @@ def test_three_level_drafters_share_one_force2(monkeypatch, period):
     """Force 2 is the target on the retrieval cache whoever drafts for it: three-level plans of the self drafter,
     of the n-gram lookup and of none (Force 2 drafting alone) use one retrieval cache per row (one first selection,
     one cache's memory), greedy-identically, each drafter catching up after the steps it sat out."""
-    from hf_triforce.decoding.levels import Force2
+    from hf_triforce.decoding.levels import Force2Level
 
     built = []
-    init = Force2.__init__
-    monkeypatch.setattr(Force2, "__init__", lambda self, *a, **kw: (built.append(self), init(self, *a, **kw))[1])
+    init = Force2Level.__init__
+    monkeypatch.setattr(Force2Level, "__init__", lambda self, *a, **kw: (built.append(self), init(self, *a, **kw))[1])
     cycle = [Plan(3, "self", 2, 5), Plan(3, "ngram", 2, 4), Plan(1), Plan(3, "", 0, 4), Plan(3, "ngram", 1, 3),
              Plan(3, "self", 1, 3), Plan(3, "", 0, 2)]
     out = run_cycle(monkeypatch, cycle, period, auto("self", window=24))
@@ -145,7 +145,7 @@ def test_stats_count_and_name_per_tier_what_ran(monkeypatch):
     """Plans mixing two and three levels beside a Gemma draft the lean forward does not cover: Force 2's acceptance
     counts only the drafts Force 2 verified (Force 1's drafts of two-level steps went to Force 3), and each tier names
     the forward it ran (the draft's eager forward, the target's lean copy for the self drafter and Force 2)."""
-    from hf_triforce.decoding.levels import Force2
+    from hf_triforce.decoding.levels import Force2Level
 
     class Counting:  # Force 2's verifier, counting what it verified
         def __init__(self, inner):
@@ -160,13 +160,13 @@ def test_stats_count_and_name_per_tier_what_ran(monkeypatch):
             return accepted, token
 
     verified = []
-    init = Force2.__init__
+    init = Force2Level.__init__
 
     def counting_init(self, *args, **kwargs):
         init(self, *args, **kwargs)
         self.verifier = Counting(self.verifier)
 
-    monkeypatch.setattr(Force2, "__init__", counting_init)
+    monkeypatch.setattr(Force2Level, "__init__", counting_init)
     draft = make_model("gemma", seed=4, num_hidden_layers=1)
     cycle = [Plan(2, "model", gamma2=3), Plan(3, "self", 2, 5), Plan(1), Plan(2, "self", gamma2=4),
              Plan(3, "model", 2, 4)]
@@ -424,7 +424,7 @@ def test_the_decoder_prices_the_target_s_tiers_by_the_bytes_they_read():
 def literal_force2_seconds(gamma1: int, gamma2: int, rate: float, coverage: float, draft: float,
                            force2: dict[int, float]) -> float:
     """Expected Force-1 + Force-2 seconds of one three-level step, by walking every outcome of the rounds exactly
-    as `Force2.candidate_steps` runs them (drafts ``min(gamma1, wanted - produced - 1)``; a lookup proposes with
+    as `Force2Level.candidate_steps` runs them (drafts ``min(gamma1, wanted - produced - 1)``; a lookup proposes with
     probability ``coverage``; accepted + 1 tokens a round; stop once ``gamma2`` are produced)."""
     def walk(produced: int) -> float:
         if produced >= gamma2:

@@ -68,11 +68,11 @@ def test_drafter_forgets_force2_chain_past_an_accepted_alternative(gqa_model, mo
     never evicts, so that a fresh prefill and the incremental cache hold the same entries)."""
     from transformers import LogitsProcessorList
 
-    from hf_triforce.decoding.levels import Force2
+    from hf_triforce.decoding.levels import Force2Level
     from hf_triforce.decoding.steps import run_inline
     from hf_triforce.drafters.model import ModelDrafter
 
-    commit, checked = Force2.commit, []
+    commit, checked = Force2Level.commit, []
 
     def checking_commit(self, sequence, *args):
         commit(self, sequence, *args)
@@ -84,7 +84,7 @@ def test_drafter_forgets_force2_chain_past_an_accepted_alternative(gqa_model, mo
         self.drafter.rollback(sequence.shape[1] - 1)
         checked.append(sequence.shape[1])
 
-    monkeypatch.setattr(Force2, "commit", checking_commit)
+    monkeypatch.setattr(Force2Level, "commit", checking_commit)
     # the target's own weights draft (not a lean copy): entries copied from the full cache at the fill are what
     # a fresh drafter's forward computes
     config = _config("self", 3, 0, 3, force2_tree_nodes=10, window=256, draft_precision="model")

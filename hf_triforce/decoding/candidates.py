@@ -2,8 +2,8 @@
 
 transformers' assisted-generation loop (``_assisted_decoding``) asks a candidate generator for candidate tokens,
 verifies them with the full model in one forward, crops its cache to what it accepted, and tells the generator.
-Here the candidates are what the library's own levels hand Force 3 (`levels.Force2` over a Force-1 drafter, or
-`levels.Force1Only` with ``levels=2``), so that loop's model is Force 3:
+Here the candidates are what the library's own levels hand Force 3 (`levels.Force2Level` over a Force-1 drafter, or
+`levels.Force1Level` with ``levels=2``), so that loop's model is Force 3:
 
     get_candidates(input_ids)          the level proposes up to gamma2 tokens (Force 1 drafts, Force 2 verifies
                                        with its exact rule) -> the tokens, and the log of the law each was drawn from
@@ -47,7 +47,7 @@ from ..kernels.lean import resolve_draft_precision, tier_model
 from ..stats import TriForceStats
 from ..verification.sampling import ChainVerifier, Sampler, TorchSampler
 from ..verification.scoring import row_processors
-from .levels import Force1Only, Force2, NoForce1
+from .levels import Force1Level, Force2Level, NoDrafter
 from .loop import tier_forward
 from .steps import run_inline
 
@@ -158,10 +158,10 @@ class TriForceCandidateGenerator(compat.CandidateGenerator):
             name = config.draft if isinstance(config.draft, str) else MODEL_DRAFTER
             self.stats.draft_caches[name] = f"{self.drafter.cache.positions} positions, filled by {self.drafter.fill}"
         if config.levels == 2:
-            self.level = Force1Only(self.drafter, config, self.stats)
+            self.level = Force1Level(self.drafter, config)
         else:
-            self.level = Force2(tier_model(model, config.draft_precision, 2, config.tier_compile), NoForce1(), config,
-                                processors, self.force2_verifier, full_cache, self.stats)
+            self.level = Force2Level(tier_model(model, config.draft_precision, 2, config.tier_compile), NoDrafter(),
+                                     config, processors, self.force2_verifier, full_cache)
             self.level.use(self.drafter)
         # per tier that runs a drafting forward, the forward it runs (as `Decoder.draft_forwards` reports it)
         models = {}
@@ -228,6 +228,7 @@ class TriForceCandidateGenerator(compat.CandidateGenerator):
         with recording_attention(self.model), torch.no_grad():
             self.level.start(input_ids, self.queries)
             found = run_inline(self.level.candidate_steps(input_ids, limit))
+        self.level.take_report().add_to(self.stats)
         self.ran = True
         # a drafter may keep its tokens on the device (`proposal_steps`); transformers' loop takes them as ids
         drafted = found.tokens.tolist() if isinstance(found.tokens, torch.Tensor) else found.tokens
@@ -274,6 +275,7 @@ class TriForceCandidateGenerator(compat.CandidateGenerator):
                 # the tokens this step committed, on the host (transformers' loop has read them back already)
                 self.level.commit(input_ids, num_matches, self.proposed, self.queries,
                                   input_ids[0, self.length:].tolist())
+            self.level.take_report().add_to(self.stats)
 
     def prefilled(self) -> None:
         """The full cache was just prefilled with the queries going to ``recorder``: its last row's query seeds the
@@ -286,6 +288,8 @@ class TriForceCandidateGenerator(compat.CandidateGenerator):
         stats = self.stats
         stats.new_tokens = new_tokens
         stats.force1_seconds = self.drafter.seconds
+        if isinstance(self.level, Force2Level) and self.level.started:
+            stats.force2_sees_whole_cache = self.level.cache.sees_whole_cache
         stats.draft_cache_bytes = self.drafter.nbytes()
         stats.retrieval_cache_bytes = self.level.nbytes()
         stats.retrieval_summary_bytes = self.level.summary_bytes()

@@ -1,4 +1,5 @@
-"""The levels that propose to Force 3: Force 2 over Force 1 (three levels), or Force 1 alone (two levels).
+"""The levels that propose to Force 3: Force 2 over Force 1 (`Force2Level`, three levels), or Force 1 straight to
+Force 3 (`Force1Level`, two levels).
 
 A level's ``start(sequence, queries)`` catches it up before a step that uses it (a draft cache's fill, the first
 retrieval selection, a sync after steps without it). ``candidate_steps(sequence, limit, gamma1, gamma2,
@@ -7,7 +8,8 @@ in lockstep) that returns a `Candidates`: up to ``limit`` tokens and, row by row
 drawn from (``None``: point masses, or greedy decoding), or a candidate tree. After Force 3 has committed,
 ``commit(sequence, accepted, proposed, queries, committed)`` is told the committed sequence (its last token not yet
 cached), how many of the ``proposed`` it accepted, the verifier's queries at the last cached row and the tokens
-the step committed (on the host); every cache rolls back or catches up.
+the step committed (on the host); every cache rolls back or catches up. What it did meanwhile — drafted, verified,
+accepted, handed up, seconds per tier — it counts in its `LevelReport`, which ``take_report()`` hands over.
 
 Force 2 verifies Force 1's chain with its `ChainVerifier` (accept with min(1, q/r), else draw from the
 residual) and hands up the tokens it emitted with q: each emitted token is distributed exactly as q, so
@@ -31,13 +33,13 @@ from ..config import TriForceConfig
 from ..drafters import Drafter
 from ..drafters.branching import branched_chain
 from ..drafters.registry import append_tokens, drafting_sequence, proposal_steps
-from ..stats import TriForceStats
 from ..verification.draft_tree import DraftTree, agreement
 from ..verification.sampling import ChainVerifier, scores_to_probs
 from ..verification.scoring import process_rows
 from ..verification.tree import TreeVerifier
 from .forward import settle
-from .sizing import proposal_rows, recent_tokens
+from .report import LevelReport
+from .sizing import recent_tokens, round_rows
 from .steps import ForwardRequest, Steps, run_inline
 from .tree_forward import score_tree
 
@@ -52,8 +54,10 @@ class Candidates:
     tree: DraftTree | None = None
 
 
-class NoForce1:
-    """Force 1 of `Force2` drafting alone: it proposes nothing, so each Force-2 round emits Force 2's own token."""
+class NoDrafter:
+    """Force 1 of `Force2Level` drafting alone: it proposes nothing, so each Force-2 round emits Force 2's own token."""
+
+    seconds = 0.0
 
     def prefill(self, prompt: torch.Tensor) -> None:
         pass
@@ -65,7 +69,17 @@ class NoForce1:
         pass
 
 
-class Force2:
+class Reporting:
+    """A level's `LevelReport`: filled as it works, handed over (and started afresh) by `take_report`."""
+
+    report: LevelReport
+
+    def take_report(self) -> LevelReport:
+        report, self.report = self.report, LevelReport()
+        return report
+
+
+class Force2Level(Reporting):
     """The target (or its int8 copy) on a `RetrievalCache`: verifies Force 1, hands its tokens up with q.
 
     One per row and call, whichever drafter is Force 1 (`use`): the retrieval tier does not depend on who drafts
@@ -74,15 +88,13 @@ class Force2:
     """
 
     def __init__(self, model, drafter: Drafter, config: TriForceConfig, processors: LogitsProcessorList,
-                 verifier: ChainVerifier, full: BufferCache, stats: TriForceStats, timed=None,
-                 tree_verifier: TreeVerifier | None = None) -> None:
+                 verifier: ChainVerifier, full: BufferCache, tree_verifier: TreeVerifier | None = None) -> None:
         self.model, self.drafter, self.config = model, drafter, config
         self.tree_verifier = tree_verifier  # verifies Force 1's trees (TriForceConfig.tree_nodes)
-        self.processors, self.verifier, self.full, self.stats = processors, verifier, full, stats
-        self.timed = timed  # optional callback (tier, rows, seconds) for the adaptive policy's cost model
+        self.processors, self.verifier, self.full = processors, verifier, full
+        self.report = LevelReport()
         self.started = False
-        self.rejections = 0  # Force-2 verifications that rejected a draft
-        tail = config.refresh_every * (config.gamma2 + 1) + proposal_rows(config) + config.gamma2 + 2
+        tail = config.refresh_every * (config.gamma2 + 1) + round_rows(config)
         self.cache = RetrievalCache(
             compat.num_layers(model.config), config.retrieval_budget, config.chunk_size, recent_tokens(config), tail,
             compat.layer_windows(model.config),
@@ -96,7 +108,7 @@ class Force2:
         return self.cache.base_upto + self.cache.length - self.cache.base_length
 
     def use(self, drafter: Drafter) -> None:
-        """Force 1 of the coming step(s) (`NoForce1`: Force 2 drafts alone, its own token each round). A drafter
+        """Force 1 of the coming step(s) (`NoDrafter`: Force 2 drafts alone, its own token each round). A drafter
         that sat out steps catches up when it next drafts (its cache was rolled back to the committed sequence after
         its last step; `prefill` fills it only once)."""
         self.drafter = drafter
@@ -109,23 +121,22 @@ class Force2:
             self.select(queries, first=True)
             self.started = True
         elif self.cache.synced != self.full.length:
-            if self.cache.tail_room(self.full.length) >= proposal_rows(self.config) + self.config.gamma2 + 2:
+            if self.cache.tail_room(self.full.length) >= round_rows(self.config):
                 self.cache.sync(self.full, self.full.length)
             else:
                 self.select(queries)
 
     def select(self, queries: dict[int, torch.Tensor], first: bool = False) -> None:
-        """Re-select the retrieval cache's chunks. The ``first`` selection (every chunk summarised and copied: set-up,
-        like a draft cache's fill) is not a step's cost: told to the policy, it priced every three-level step at
-        0.7 s (Qwen2.5-Coder-1.5B at 32k, against re-selections of ~50 ms) until re-selections averaged it away."""
+        """Re-select the retrieval cache's chunks. The ``first`` selection (every chunk summarised and copied) is
+        set-up, like a draft cache's fill, not a re-selection's cost: it is not timed for the policy, whose cost
+        model prices it apart (`policy.RETRIEVAL`)."""
         start = time.perf_counter()
         self.cache.select(self.full, self.full.length, queries)
         seconds = time.perf_counter() - start
-        self.stats.retrieval_seconds += seconds
-        if self.timed is not None and not first:
-            self.timed("select", 1, seconds)
-        self.stats.retrieval_selections += 1
-        self.stats.force2_sees_whole_cache = self.cache.sees_whole_cache
+        self.report.selection_seconds += seconds
+        self.report.selections += 1
+        if not first:
+            self.report.timings.append(("select", 1, seconds))
         self.steps_since_selection = 0
 
     def scores(self, sequence: torch.Tensor, proposals: list[int] | torch.Tensor) -> torch.Tensor:
@@ -137,9 +148,8 @@ class Force2:
         extended = append_tokens(sequence, proposals) if len(proposals) else sequence
         request = ForwardRequest(self.model, self.cache, extended[:, self.seen :], self.seen, len(proposals) + 1)
         logits = yield request
-        self.stats.force2_seconds += request.seconds
-        if self.timed is not None:
-            self.timed("force2", extended.shape[1] - self.seen, request.seconds)
+        self.report.force2_seconds += request.seconds
+        self.report.timings.append(("force2", extended.shape[1] - self.seen, request.seconds))
         return process_rows(self.processors, extended, logits, sequence.shape[1])
 
     def verify_tree(self, sequence: torch.Tensor, depth: int, host: np.ndarray | None = None):
@@ -156,20 +166,19 @@ class Force2:
             proposals, proposal_probs = chain
             q_scores = self.scores(sequence, proposals)
             accepted, next_token = self.verifier.verify(proposals, proposal_probs, q_scores)
-            self.stats.tree_nodes += len(tree)
+            self.report.tree_nodes += len(tree)
             return proposals, proposal_probs, accepted, next_token, q_scores[: accepted + 1], len(proposals)
         first = self.cache.length + sequence.shape[1] - self.seen  # cache coordinates of the first node
         start = time.perf_counter()
         _, q_scores = score_tree(self.model, self.cache, self.seen, sequence, tree, self.processors)
         settle(q_scores)
         seconds = time.perf_counter() - start
-        self.stats.force2_seconds += seconds
-        if self.timed is not None:
-            self.timed("force2-tree", sequence.shape[1] - self.seen + len(tree), seconds)
+        self.report.force2_seconds += seconds
+        self.report.timings.append(("force2-tree", sequence.shape[1] - self.seen + len(tree), seconds))
         path, next_token = self.tree_verifier.verify(tree, q_scores)
         self.cache.keep_rows(first, path)
-        self.stats.tree_nodes += len(tree)
-        self.stats.tree_side_accepts += tree.side_nodes(path)
+        self.report.tree_nodes += len(tree)
+        self.report.tree_side_accepts += tree.side_nodes(path)
         rows = [0] + [node + 1 for node in path]
         depth = max(tree.depths(), default=0)
         return [tree.tokens[node] for node in path], None, len(path), next_token, q_scores[rows], depth
@@ -194,6 +203,7 @@ class Force2:
         if wanted <= 0:
             return Candidates([], None)
         prompt_length, rows, tokens = sequence.shape[1], [], []  # tokens: what this level emitted, on the host
+        drafting_before = self.drafter.seconds
         while len(tokens) < wanted:
             still_wanted = wanted - len(tokens)
             if force1_tree:  # proposed: the tree's depth, so that acceptance compares with chains'
@@ -207,11 +217,12 @@ class Force2:
                 accepted, next_token = self.verifier.verify(proposals, proposal_probs, q_scores)
                 emitted = self.verifier.emitted(proposals, accepted, next_token)
                 proposed = len(proposals)
-            self.rejections += accepted < proposed
-            self.stats.force1_proposed += proposed
-            self.stats.force2_verified += proposed
-            self.stats.force2_accepted += accepted
-            self.stats.force2_steps += 1
+            report = self.report
+            report.force2_rejections += accepted < proposed
+            report.drafted += proposed
+            report.force2_verified += proposed
+            report.force2_accepted += accepted
+            report.force2_steps += 1
             sequence = append_tokens(sequence, emitted)
             host = None if host is None else np.concatenate((host, [emitted]), axis=1)
             tokens += emitted
@@ -221,7 +232,8 @@ class Force2:
         end = prompt_length + wanted
         self.cache.rollback_to_sequence(min(self.seen, end))
         self.drafter.rollback(end)
-        self.stats.force2_proposed += wanted
+        self.report.handed += wanted
+        self.report.force1_seconds += self.drafter.seconds - drafting_before
         q_scores = torch.cat(rows)[:wanted]
         probs = scores_to_probs(q_scores) if self.verifier.do_sample else None
         tokens = tokens[:wanted]
@@ -237,7 +249,7 @@ class Force2:
         laws = list(probs) if probs is not None else list(scores_to_probs(q_scores))
         chain_laws = list(probs) if probs is not None else [None] * len(tokens)
         tree = branched_chain(tokens, laws, chain_laws, self.config.force2_tree_nodes, self.config.tree_branch)
-        self.stats.tree_nodes += len(tree)
+        self.report.tree_nodes += len(tree)
         return Candidates(tokens, probs) if tree.is_chain() else Candidates([], None, tree)
 
     def commit(self, sequence: torch.Tensor, accepted: int, proposed: int, queries: dict[int, torch.Tensor],
@@ -254,7 +266,7 @@ class Force2:
         self.cache.sync(self.full, self.full.length)
         self.steps_since_selection += 1
         low = self.config.refresh_below is not None and proposed and accepted / proposed < self.config.refresh_below
-        no_room = self.cache.tail_room(self.full.length) < proposal_rows(self.config) + self.config.gamma2 + 2
+        no_room = self.cache.tail_room(self.full.length) < round_rows(self.config)
         if self.steps_since_selection >= self.config.refresh_every or low or no_room:
             self.select(queries)
 
@@ -265,15 +277,16 @@ class Force2:
         return self.cache.summary_bytes()
 
 
-class Force1Only:
+class Force1Level(Reporting):
     """Two levels (``TriForceConfig(levels=2)``): Force 1's drafts go straight to Force 3.
 
     With ``draft="self"`` this is StreamingLLM-cache self-speculation (MagicDec-style), the baseline
     TriForce's middle tier is measured against.
     """
 
-    def __init__(self, drafter: Drafter, config: TriForceConfig, stats: TriForceStats) -> None:
-        self.drafter, self.config, self.stats = drafter, config, stats
+    def __init__(self, drafter: Drafter, config: TriForceConfig) -> None:
+        self.drafter, self.config = drafter, config
+        self.report = LevelReport()
         self.started = False
 
     def start(self, sequence: torch.Tensor, queries: dict[int, torch.Tensor]) -> None:
@@ -286,23 +299,26 @@ class Force1Only:
                         force2_tree: bool | None = None, host: np.ndarray | None = None) -> Steps[Candidates]:
         """Up to ``min(gamma2, limit)`` tokens, or (``force1_tree``, default: whether the config sets
         ``tree_nodes``) Force 1's tree of that depth; ``gamma1`` and ``force2_tree`` are unused (no Force 2);
-        ``host``: as `Force2.candidate_steps`. A generator of its forwards (`hf_triforce.decoding.steps`)."""
+        ``host``: as `Force2Level.candidate_steps`. A generator of its forwards (`hf_triforce.decoding.steps`)."""
         force1_tree = bool(self.config.tree_nodes) if force1_tree is None else force1_tree
         wanted = min(self.config.gamma2 if gamma2 is None else gamma2, limit)
         if wanted <= 0:
             return Candidates([], None)
+        drafting_before = self.drafter.seconds
         if force1_tree:  # Force 3 verifies Force 1's tree
             tree = self.drafter.propose_tree(drafting_sequence(self.drafter, sequence, host), wanted,
                                              self.config.tree_nodes, self.config.tree_branch)
+            self.report.force1_seconds += self.drafter.seconds - drafting_before
             depth = max(tree.depths(), default=0)  # counted like a chain of that length (acceptance comparable)
-            self.stats.force1_proposed += depth
-            self.stats.force2_proposed += depth
-            self.stats.tree_nodes += len(tree)
+            self.report.drafted += depth
+            self.report.handed += depth
+            self.report.tree_nodes += len(tree)
             chain = tree.as_chain()  # no branching this step (or nothing proposed): the cheaper chain path
             return Candidates(*chain) if chain is not None else Candidates([], None, tree)
         proposals, probs = yield from proposal_steps(self.drafter, sequence, wanted, host)
-        self.stats.force1_proposed += len(proposals)
-        self.stats.force2_proposed += len(proposals)
+        self.report.force1_seconds += self.drafter.seconds - drafting_before
+        self.report.drafted += len(proposals)
+        self.report.handed += len(proposals)
         return Candidates(proposals, probs)
 
     def commit(self, sequence: torch.Tensor, accepted: int, proposed: int, queries: dict[int, torch.Tensor],

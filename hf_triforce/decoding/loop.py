@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import time
 from contextlib import ExitStack
-from dataclasses import fields, replace
+from dataclasses import dataclass, fields, replace
 
 import torch
 from transformers import LogitsProcessorList, StoppingCriteriaList
@@ -43,10 +43,11 @@ from ..verification.sampling import ChainVerifier, Sampler, TorchSampler, scores
 from ..verification.scoring import deferred_nan_checks, process_rows, row_processors
 from ..verification.tree import TreeVerifier
 from .force3 import Force3, RaggedForce3
-from .levels import Candidates, Force1Only, Force2, NoForce1
+from .levels import Candidates, Force1Level, Force2Level, NoDrafter
 from .lockstep import Lockstep
 from .output import DecodeResult, Output, PaddedView
-from .policy import RETRIEVAL, AdaptivePolicy, Plan
+from .policy import AdaptivePolicy, Plan
+from .report import RowOutcome, StepRecord
 from .sizing import lookup_gamma2
 
 
@@ -144,6 +145,17 @@ def proposed_of(candidates: Candidates) -> int:
     return len(candidates.tokens) if candidates.tree is None else max(candidates.tree.depths(), default=0)
 
 
+@dataclass
+class Row:
+    """Row ``index`` of the batch in the loop: its committed output, the verifier's queries at its last cached token
+    (a retrieval selection's input), whether it stopped."""
+
+    index: int
+    out: Output
+    queries: dict[int, torch.Tensor]
+    done: bool = False
+
+
 class Decoder:
     """The Force-3 loop of one call. Row ``b`` has its own padding view, processors, drafters, levels, stats and
     stop; every random choice goes through ``sampler`` (default: torch's global RNG).
@@ -184,8 +196,9 @@ class Decoder:
                                force1_tree=bool(config.tree_nodes), force2_tree=bool(config.force2_tree_nodes))
         self.lockstep = Lockstep(batch)
         self.drafters: dict[str, list] = {}  # name -> per row
-        self.levels: dict[tuple[int, str], list] = {}  # (2, drafter) or (3, "") -> per row
+        self.levels_by_plan: dict[tuple[int, str], list] = {}  # (2, drafter) or (3, "") -> per row
         self.tiers_run: set[str] = set()  # "force2" and the drafters of the plans that ran a step
+        self.force3_seconds = self.prefill_seconds = 0.0  # the call's
 
     @property
     def batch(self) -> int:
@@ -212,32 +225,30 @@ class Decoder:
         return sum(drafters[b].seconds for drafters in self.drafters.values())
 
     def level(self, b: int, plan: Plan):
-        """Row ``b``'s level for ``plan``: None (plain), `Force1Only` or `Force2` (its retrieval cache synced
+        """Row ``b``'s level for ``plan``: None (plain), `Force1Level` or `Force2Level` (its retrieval cache synced
         from row ``b`` of the full cache; in a batch, a row of a cache shared by every row's)."""
         if plan.levels == 1:
             return None
         key = (plan.levels, plan.drafter if plan.levels == 2 else "")  # one Force 2 whoever drafts for it
-        if key not in self.levels:
+        if key not in self.levels_by_plan:
             if plan.levels == 2:
-                rows = [Force1Only(self.drafter(r, plan.drafter), self.config, self.stats[r])
-                        for r in range(self.batch)]
+                rows = [Force1Level(self.drafter(r, plan.drafter), self.config) for r in range(self.batch)]
             else:  # Force 2's model (a lean copy is made here if not yet: only where a three-level step runs)
-                timed = self.policy.observe_forward if self.policy is not None else None
                 target = tier_model(self.model, self.config.draft_precision, 2, self.config.tier_compile)
-                rows = [Force2(target, NoForce1(), self.config, self.processors[r], self.force2_verifier,
-                               self.force3.row(r), self.stats[r], timed, self.force2_tree_verifier)
+                rows = [Force2Level(target, NoDrafter(), self.config, self.processors[r], self.force2_verifier,
+                                    self.force3.row(r), self.force2_tree_verifier)
                         for r in range(self.batch)]
             if plan.levels == 3 and self.batch > 1:
                 self.lockstep.share([level.cache for level in rows], "force2")
-            self.levels[key] = rows
-        level = self.levels[key][b]
+            self.levels_by_plan[key] = rows
+        level = self.levels_by_plan[key][b]
         if plan.levels == 3:  # Force 1: the plan's drafter, or none (Force 2 drafts alone)
-            level.use(self.drafter(b, plan.drafter) if plan.drafter else NoForce1())
+            level.use(self.drafter(b, plan.drafter) if plan.drafter else NoDrafter())
         return level
 
-    def run(self, rows: list[torch.LongTensor], prefix_cache=None, streamer=None, keep_scores: bool = False,
+    def run(self, prompts: list[torch.LongTensor], prefix_cache=None, streamer=None, keep_scores: bool = False,
             keep_logits: bool = False) -> DecodeResult:
-        """Decode ``rows`` (per row ``[1, n_b]``, without padding); ``streamer``, ``keep_scores`` and
+        """Decode ``prompts`` (per row ``[1, n_b]``, without padding); ``streamer``, ``keep_scores`` and
         ``keep_logits``: batch size 1."""
         began = time.perf_counter()
         tier_models = self._tier_models()  # a lean or int8 copy is made on a model's first call, then kept
@@ -252,7 +263,10 @@ class Decoder:
                 stack.enter_context(model_routes.installed())
             rows_apart = stack.enter_context(RowsApart(self.model))
             stack.enter_context(deferred_nan_checks())  # NaN checks read with the verifications' readbacks
-            result = self._run(rows, prefix_cache, streamer, keep_scores, keep_logits, rows_apart)
+            rows = self._start(prompts, prefix_cache, streamer, keep_scores, keep_logits, rows_apart)
+            while active := [row for row in rows if not row.done]:
+                self._step(active)
+            result = self._result(prompts, rows)
         compiled = {} if not fixed_shapes else {
             "mode": self.config.tier_compile,
             "forwards": sum(f.calls - b[0] for f, b in zip(fixed_shapes, before)),
@@ -312,84 +326,110 @@ class Decoder:
                   if name in drafters]
         return [tier_model(model, self.config.draft_precision, tier, self.config.tier_compile) for model, tier in tiers]
 
-    def _run(self, rows, prefix_cache, streamer, keep_scores, keep_logits, rows_apart) -> DecodeResult:
-        policy, force3 = self.policy, self.force3
-        outs = [Output(ids, self.views[b], self.criteria, self.max_lengths[b], streamer, keep_scores, keep_logits)
-                for b, ids in enumerate(rows)]
+    def _start(self, prompts, prefix_cache, streamer, keep_scores: bool, keep_logits: bool,
+               rows_apart: RowsApart) -> list[Row]:
+        """Prefill every row's full cache and commit each row's first token (sampled from the prefill's last row: no
+        Force-3 step); the policy set up with what the prefill measured."""
         began = time.perf_counter()
-        first_logits, queries, seconds_per_token = force3.prefill(rows, prefix_cache, self.stats)
-        prefill_seconds = time.perf_counter() - began
+        first_logits, queries, seconds_per_token = self.force3.prefill(prompts, prefix_cache, self.stats)
+        self.prefill_seconds = time.perf_counter() - began
         rows_apart.enable()  # after the prefill (plain generate prefills with rows together too)
-        done = [False] * self.batch
-        for b, ids in enumerate(rows):  # the first token: from the prefill's last row (no Force-3 step)
+        rows = []
+        for b, ids in enumerate(prompts):
+            row = Row(b, Output(ids, self.views[b], self.criteria, self.max_lengths[b], streamer, keep_scores,
+                                keep_logits), queries[b])
             scores = process_rows(self.processors[b], ids, first_logits[b], ids.shape[1])
             first = self.sampler.categorical(scores_to_probs(scores)[0]) if self.do_sample else int(scores[0].argmax())
-            done[b] = outs[b].commit(first, scores[0], first_logits[b][0])
-        if policy is not None:  # a draft cache's fill is a short-context prefill, priced at the prefill's speed
+            row.done = row.out.commit(first, scores[0], first_logits[b][0])
+            rows.append(row)
+        if self.policy is not None:  # a draft cache's fill is a short-context prefill, priced at the prefill's speed
             window = self.config.sink_tokens + self.config.window
-            fills = {name: window * weight_bytes(drafter.fill_model) / weight_bytes(self.model)
-                     for name, drafter in self.filled_drafters().items()}  # a copy: ~free
-            policy.setup_seconds = {name: None if seconds_per_token is None else fill * seconds_per_token
-                                    for name, fill in fills.items()}
-            if policy.three_level:  # the first selection: measured only once it runs
-                policy.setup_seconds[RETRIEVAL] = None
-            policy.setup_rows = fills
-            policy.prior_fractions.update(self.tier_fractions(max(ids.shape[1] for ids in rows)))
-        lookups = [name for name, kind in (policy.drafters.items() if policy else []) if kind == "lookup"]
-        force3_seconds = 0.0
-        while not all(done):
-            active = [b for b in range(self.batch) if not done[b]]
-            # 1. the plan
-            remaining = max(self.max_lengths[b] - outs[b].sequence.shape[1] for b in active)
-            plan = policy.choose(remaining) if policy is not None else self.fixed_plan
-            if plan.levels == 3:
-                self.tiers_run.add("force2")
-            if plan.levels > 1 and plan.drafter:
-                self.tiers_run.add(f"force1 {plan.drafter}")
-            levels = {b: self.level(b, plan) for b in active}
-            for b, level in levels.items():  # one-time set-up (a draft cache's fill, a selection): not the step's
-                if level is not None:
-                    level.start(outs[b].sequence, queries[b])
-            if policy is not None:
-                policy.started(plan)
-            # what each free lookup would propose next, scored against Force 3 below (no state, no randomness)
-            counterfactual = {b: {name: (drafter := self.drafter(b, name)).propose(
-                drafting_sequence(drafter, outs[b].sequence, outs[b].host), 1)[0] for name in lookups} for b in active}
-            step_start, before, lockstep_before = time.perf_counter(), self._counters(levels), self.lockstep.clock()
-            # 2. candidates, the rows in lockstep
-            steps = {b: level.candidate_steps(outs[b].sequence, self.max_lengths[b] - outs[b].sequence.shape[1] - 1,
-                                              plan.gamma1, plan.gamma2, plan.force1_tree, plan.force2_tree,
-                                              outs[b].host)
-                     for b, level in levels.items() if level is not None}
-            candidates: dict[int, Candidates] = self.lockstep.drive(steps)
-            for b in active:
-                candidates.setdefault(b, Candidates([], None))
-            # 3. one Force-3 forward
-            begin = time.perf_counter()
-            scored = force3.score({b: outs[b].sequence for b in active}, candidates, self.processors)
-            seconds = time.perf_counter() - begin
-            force3_seconds += seconds
-            # 4. per row: verify, keep, commit
-            verified = {}
-            for b in active:
-                verified[b] = self._verify_row(b, outs[b], plan, levels[b], candidates[b], *scored[b], seconds,
-                                               done, queries)
-            # 5. the policy told
-            if policy is not None:
-                width = 1 + max(len(found.tokens) for found in candidates.values())
-                self._observe(plan, levels, candidates, verified, counterfactual, width, seconds, before,
-                              lockstep_before, time.perf_counter() - step_start)
-        for out in outs:
-            out.end()
-        return self._result(rows, outs, force3_seconds, prefill_seconds)
+            fill_rows = {name: window * weight_bytes(drafter.fill_model) / weight_bytes(self.model)
+                         for name, drafter in self.filled_drafters().items()}  # a copy: ~free
+            self.policy.set_up(fill_rows, seconds_per_token, self.tier_fractions(max(ids.shape[1] for ids in prompts)))
+        return rows
 
-    def _verify_row(self, b: int, out: Output, plan: Plan, level, candidates: Candidates, logits: torch.Tensor,
-                    p_scores: torch.Tensor, seconds: float, done: list[bool],
-                    queries: list) -> tuple[int, int, torch.Tensor]:
-        """Row ``b`` of one step: verify against its own p, keep its accepted entries, commit. Returns ``(accepted,
-        committed, processed scores of the first row)``; ``queries[b]`` becomes the query at its last cached
-        token."""
-        stats, length, tree = self.stats[b], out.sequence.shape[1], candidates.tree
+    def _step(self, active: list[Row]) -> None:
+        """One Force-3 step of the ``active`` rows."""
+        policy = self.policy
+        # 1. the plan, and each row's level for it, caught up (a draft cache's fill, a selection: not the step's)
+        remaining = max(self.max_lengths[row.index] - row.out.sequence.shape[1] for row in active)
+        plan = policy.choose(remaining) if policy is not None else self.fixed_plan
+        self.tiers_run |= {"force2"} if plan.levels == 3 else set()
+        self.tiers_run |= {f"force1 {plan.drafter}"} if plan.levels > 1 and plan.drafter else set()
+        levels = {row.index: self._started_level(row, plan) for row in active}
+        if policy is not None:
+            policy.started(plan)
+        lookups = {row.index: self._lookup_proposals(row) for row in active}  # scored against Force 3 below
+        began, lockstep_clock = time.perf_counter(), self.lockstep.clock()
+        # 2. candidates, the rows in lockstep
+        room = {row.index: self.max_lengths[row.index] - row.out.sequence.shape[1] - 1 for row in active}
+        candidates: dict[int, Candidates] = self.lockstep.drive({
+            row.index: level.candidate_steps(row.out.sequence, room[row.index], plan.gamma1, plan.gamma2,
+                                             plan.force1_tree, plan.force2_tree, row.out.host)
+            for row in active if (level := levels[row.index]) is not None})
+        for row in active:
+            candidates.setdefault(row.index, Candidates([], None))
+        # 3. one Force-3 forward scores every row's candidates
+        force3_began = time.perf_counter()
+        scored = self.force3.score({row.index: row.out.sequence for row in active}, candidates, self.processors)
+        force3_seconds = time.perf_counter() - force3_began
+        self.force3_seconds += force3_seconds
+        # 4. per row: verify against its own p, keep what Force 3 accepted, commit, its level told
+        outcomes = []
+        for row in active:
+            level, found = levels[row.index], candidates[row.index]
+            accepted, committed, first_scores = self._verify_row(row, plan, level, found, *scored[row.index])
+            self.stats[row.index].force3_seconds += force3_seconds
+            report = level.take_report() if level is not None else None
+            if report is not None:
+                report.add_to(self.stats[row.index])
+            outcomes.append(RowOutcome(report, proposed_of(found), accepted, committed,
+                                       self._lookup_acceptances(lookups[row.index], first_scores)))
+        # 5. the policy told what the step cost (each forward's wall once) and how each row's levels did
+        if policy is not None:
+            trees = [found.tree for found in candidates.values() if found.tree is not None]  # batch size 1
+            width = len(trees[0]) + 1 if trees else 1 + max(len(found.tokens) for found in candidates.values())
+            lower = sum(outcome.report.lower_seconds for outcome in outcomes if outcome.report is not None)
+            repeated = self.lockstep.repeated_seconds_since(lockstep_clock)
+            policy.observe(StepRecord(plan, width, bool(trees), force3_seconds, outcomes,
+                                      time.perf_counter() - began, force3_seconds + lower - repeated))
+
+    def _started_level(self, row: Row, plan: Plan):
+        """``row``'s level for ``plan`` (None: plain), caught up with the row (a draft cache's fill, a selection:
+        counted in the row's statistics, not in the step's cost)."""
+        level = self.level(row.index, plan)
+        if level is not None:
+            level.start(row.out.sequence, row.queries)
+            report = level.take_report()
+            report.add_to(self.stats[row.index])
+            for timing in report.timings if self.policy is not None else ():  # a catch-up selection
+                self.policy.observe_forward(*timing)
+        return level
+
+    def _lookup_proposals(self, row: Row) -> dict[str, list[int]]:
+        """What each free lookup drafter of the policy would propose next for ``row`` (no state, no randomness)."""
+        names = [name for name, kind in self.policy.drafters.items() if kind == "lookup"] if self.policy else []
+        return {name: (drafter := self.drafter(row.index, name)).propose(
+            drafting_sequence(drafter, row.out.sequence, row.out.host), 1)[0] for name in names}
+
+    def _lookup_acceptances(self, proposals: dict[str, list[int]],
+                            first_scores: torch.Tensor) -> dict[str, float | None]:
+        """Per lookup, the acceptance probability of its proposal under Force 3's first row ``first_scores``
+        ``[vocab]`` (``p(x)`` sampling, ``x == argmax p`` greedy); None where it proposes nothing."""
+        if not proposals:
+            return {}
+        probs = scores_to_probs(first_scores) if self.do_sample else None
+        return {name: None if not tokens else float(probs[tokens[0]]) if probs is not None
+                else float(int(first_scores.argmax()) == tokens[0]) for name, tokens in proposals.items()}
+
+    def _verify_row(self, row: Row, plan: Plan, level, candidates: Candidates, logits: torch.Tensor,
+                    p_scores: torch.Tensor) -> tuple[int, int, torch.Tensor]:
+        """Verify ``row``'s candidates against its own p (``p_scores`` ``[n + 1, vocab]``, ``logits`` the same rows
+        unprocessed), keep its accepted entries, commit, tell its level. Returns ``(accepted, committed, processed
+        scores of the first row)``; the row's queries become those at its last cached token."""
+        b, out, stats = row.index, row.out, self.stats[row.index]
+        length, tree = out.sequence.shape[1], candidates.tree
         if tree is not None:  # the accepted path's entries compacted into place
             path, next_token = self.force3_tree_verifier.verify(tree, p_scores)
             self.force3.keep_tree_path(b, length, path)
@@ -402,67 +442,16 @@ class Decoder:
             accepted, next_token = self.force3_verifier.verify(candidates.tokens, candidates.probs, p_scores)
             emitted = self.force3_verifier.emitted(candidates.tokens, accepted, next_token)
             last_row = accepted
-        stats.force3_seconds += seconds
         stats.force3_steps += 1
         stats.force3_accepted += accepted
         stats.plan_steps[plan.levels] = stats.plan_steps.get(plan.levels, 0) + 1
-        committed, done[b] = out.commit_verified(emitted, p_scores, logits)
+        committed, row.done = out.commit_verified(emitted, p_scores, logits)
         stats.force3_tokens += committed
         self.force3.set_length(b, out.sequence.shape[1] - 1)  # the committed sequence but its last token
-        queries[b] = self.force3.queries(b, last_row)
-        if not done[b] and level is not None:
-            level.commit(out.sequence, accepted, proposed_of(candidates), queries[b], emitted[:committed])
+        row.queries = self.force3.queries(b, last_row)
+        if not row.done and level is not None:
+            level.commit(out.sequence, accepted, proposed_of(candidates), row.queries, emitted[:committed])
         return accepted, committed, p_scores[0]
-
-    def _counters(self, levels: dict) -> dict[int, tuple]:
-        """Per row, the counters a step's observation subtracts: Force-2 accepted, rejections, Force-1 proposed,
-        drafters' seconds, Force-2 seconds, selection seconds."""
-        return {b: (self.stats[b].force2_accepted, getattr(level, "rejections", 0), self.stats[b].force1_proposed,
-                    self.drafting_seconds(b), self.stats[b].force2_seconds, self.stats[b].retrieval_seconds)
-                for b, level in levels.items()}
-
-    def _observe(self, plan: Plan, levels: dict, candidates: dict, verified: dict, counterfactual: dict,
-                 width: int, force3_seconds: float, before: dict, lockstep_before: tuple,
-                 step_seconds: float) -> None:
-        """Tell the policy what the step cost (each forward's wall once: a plan's cost for the whole call) and
-        how each row's levels did (acceptances, lookups' counterfactuals)."""
-        policy = self.policy
-        trees = [found.tree for found in candidates.values() if found.tree is not None]
-        if trees:  # batch size 1
-            policy.observe_forward("force3-tree", len(trees[0]) + 1, force3_seconds)
-        else:
-            policy.observe_forward("force3", width, force3_seconds)
-        drafted, drafts, lower = 0.0, 0, 0.0
-        for b, (accepted, _, first_scores) in verified.items():
-            probs = scores_to_probs(first_scores) if self.do_sample else None
-            for name, tokens in counterfactual[b].items():
-                acceptance = 0.0
-                if tokens:
-                    acceptance = float(probs[tokens[0]]) if probs is not None else float(
-                        int(first_scores.argmax()) == tokens[0])
-                policy.observe_lookup(name, bool(tokens), acceptance)
-            f2_accepted, rejections, force1_proposed, drafted_before, force2_before, selection_before = before[b]
-            proposed = proposed_of(candidates[b])
-            if plan.levels == 2 and proposed:
-                policy.observe_direct(plan.drafter, accepted, proposed, plan.force1_tree)
-            elif plan.levels == 3:
-                policy.observe_three_level(plan, self.stats[b].force2_accepted - f2_accepted,
-                                           levels[b].rejections - rejections, accepted, proposed)
-            if plan.levels > 1:
-                drafted += self.drafting_seconds(b) - drafted_before
-                drafts += proposed if plan.levels == 2 else self.stats[b].force1_proposed - force1_proposed
-            lower += self.stats[b].force2_seconds - force2_before + self.stats[b].retrieval_seconds - selection_before
-        lookup = plan.levels > 1 and policy.drafters.get(plan.drafter) == "lookup"
-        if drafts and (plan.levels == 2 or not lookup):
-            # model drafters: seconds per drafted token (a row's seconds are the walls of the shared forwards it
-            # took part in); lookups (two levels: one call per row): seconds per step, the rows' calls in turn
-            policy.observe_forward(f"draft:{plan.drafter}", 1, drafted if lookup else drafted / drafts)
-        # the forwards' seconds, each wall once: rows' own seconds less what rows sharing one forward counted
-        # more than once; the rest (scoring, sampling, verification) is the plan's overhead per step
-        repeated = self.lockstep.repeated_seconds_since(lockstep_before)
-        forward_seconds = force3_seconds + lower + drafted - repeated
-        tokens = sum(committed for _, committed, _ in verified.values()) / max(len(verified), 1)
-        policy.observe_step(plan, tokens, step_seconds, forward_seconds)
 
     def draft_forwards(self) -> dict[str, str]:
         """Per tier that ran a drafting forward in a step (``"force1 <drafter>"``, ``"force2"``), the forward it ran
@@ -471,24 +460,28 @@ class Decoder:
         models = {}
         for tier in sorted(self.tiers_run):
             if tier == "force2":
-                models[tier] = self.levels[(3, "")][0].model
+                models[tier] = self.levels_by_plan[(3, "")][0].model
             elif isinstance(drafter := self.drafter(0, tier.removeprefix("force1 ")), ModelDrafter):
                 models[tier] = drafter.model
         if self.not_lean is not None:
             return dict.fromkeys(models, f"eager (draft_precision='auto': {self.not_lean})")
         return {tier: tier_forward(model, self.config.draft_precision) for tier, model in models.items()}
 
-    def _result(self, rows, outs, force3_seconds: float, prefill_seconds: float) -> DecodeResult:
+    def _result(self, prompts: list[torch.Tensor], rows: list[Row]) -> DecodeResult:
+        for row in rows:
+            row.out.end()
         forwards, (three, drafters) = self.draft_forwards(), self.drafting_tiers()
+        force2 = self.levels_by_plan.get((3, ""), [])
         for b, stats in enumerate(self.stats):
             stats.draft_forward = dict(forwards)
             stats.draft_precision = self.config.draft_precision if three or drafters else "none"
             stats.force1_seconds = self.drafting_seconds(b)
-            stats.new_tokens = outs[b].sequence.shape[1] - rows[b].shape[1]
-            stats.retrieval_cache_bytes = sum(levels[b].nbytes() for levels in self.levels.values())
+            stats.new_tokens = rows[b].out.sequence.shape[1] - prompts[b].shape[1]
+            stats.force2_sees_whole_cache = bool(force2) and force2[b].started and force2[b].cache.sees_whole_cache
+            stats.retrieval_cache_bytes = sum(levels[b].nbytes() for levels in self.levels_by_plan.values())
             stats.draft_cache_bytes = sum(drafters[b].nbytes() for drafters in self.drafters.values())
-            stats.retrieval_summary_bytes = sum(levels[b].summary_bytes() for levels in self.levels.values())
-        total = aggregate(self.stats, force3_seconds, prefill_seconds)
+            stats.retrieval_summary_bytes = sum(levels[b].summary_bytes() for levels in self.levels_by_plan.values())
+        total = aggregate(self.stats, self.force3_seconds, self.prefill_seconds)
         # the call's seconds count each shared forward once (a row's stats count every forward it took part in)
         shared = self.lockstep.seconds
         total.force2_seconds = shared.get("force2", total.force2_seconds)
@@ -501,9 +494,9 @@ class Decoder:
         if self.policy is not None:
             total.plans = self.policy.summary()
         row_stats = [total] if self.batch == 1 else self.stats
-        result = DecodeResult([out.sequence for out in outs], row_stats, total)
+        result = DecodeResult([row.out.sequence for row in rows], row_stats, total)
         if self.batch == 1:
-            result.scores, result.logits = outs[0].scores, outs[0].logits
+            result.scores, result.logits = rows[0].out.scores, rows[0].out.logits
             # the caller may continue from it with any longer sequence (plain generate or TriForce): it grows
             result.cache = self.force3.cache.allow_growth()
         return result

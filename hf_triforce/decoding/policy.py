@@ -43,6 +43,10 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 from statistics import median_low
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .report import StepRecord
 
 # Extra cost of each additional row of a forward, as a fraction of a one-row forward, until measured
 # (SmolLM2-135M fp32, 2 CPU threads: 9 rows cost about 2x one row, docs/results.md).
@@ -317,6 +321,21 @@ class AdaptivePolicy:
         tokens, seconds = self._predict(plan)
         return tokens, seconds * self.calibration.get(plan.kind, 1.0)
 
+    def set_up(self, fill_rows: dict[str, float], seconds_per_row: float | None,
+               prior_fractions: dict[str, float]) -> None:
+        """The call's set-ups and priors, known once its prompt is prefilled. ``fill_rows``: per model drafter that
+        fills its cache by a forward, its fill's rows in the target's rows (rows x the draft's bytes over the
+        target's), priced at the prefill's ``seconds_per_row`` (None: unmeasured, `FILL_ROW_FRACTION` of a one-row
+        Force-3 forward per row); where three-level plans may run, the retrieval cache's first selection (priced by
+        `SELECTION_SETUP_FRACTION`); ``prior_fractions``: one-row forwards of tiers not yet timed, as fractions of
+        Force 3's."""
+        self.setup_seconds = {name: None if seconds_per_row is None else rows * seconds_per_row
+                              for name, rows in fill_rows.items()}
+        if self.three_level:
+            self.setup_seconds[RETRIEVAL] = None
+        self.setup_rows = dict(fill_rows)
+        self.prior_fractions.update(prior_fractions)
+
     def started(self, plan: Plan) -> None:
         """``plan`` is about to run: its set-ups (`setups`) are paid."""
         for name in self.setups(plan):
@@ -358,12 +377,12 @@ class AdaptivePolicy:
 
     def _chain_rounds(self, plan: Plan, rate: float, coverage: float, fallback: float) -> float:
         """Expected seconds of Force 1 and Force 2 until Force 2 holds ``plan.gamma2`` tokens, the rounds run as
-        `levels.Force2.candidate_steps` runs them: with ``s`` tokens still wanted Force 1 drafts ``min(gamma1, s - 1)``
-        (a lookup proposes with probability ``coverage``, else nothing), Force 2 verifies them in one forward of
-        that many rows + 1 and keeps the accepted ones (per-token ``rate``, geometric) and its own next token. A
-        round's chain is shorter than ``gamma1`` near the end: priced at ``gamma1`` every round, three-level steps
-        would be over-priced by 28-45% against the seconds measured (1.31-1.73 drafted tokens a round at ``gamma1``
-        2; docs/bench/calibration/calibration.md)."""
+        `levels.Force2Level.candidate_steps` runs them: with ``s`` tokens still wanted Force 1 drafts
+        ``min(gamma1, s - 1)`` (a lookup proposes with probability ``coverage``, else nothing), Force 2 verifies
+        them in one forward of that many rows + 1 and keeps the accepted ones (per-token ``rate``, geometric) and its
+        own next token. A round's chain is shorter than ``gamma1`` near the end: priced at ``gamma1`` every round,
+        three-level steps would be over-priced by 28-45% against the seconds measured (1.31-1.73 drafted tokens a
+        round at ``gamma1`` 2; docs/bench/calibration/calibration.md)."""
         seconds = [0.0] * (plan.gamma2 + 1)  # seconds[s]: expected seconds with s tokens still wanted
         for s in range(1, plan.gamma2 + 1):
             alone = self.costs.estimate("force2", 1, fallback) + seconds[s - 1]  # nothing drafted: Force 2's token
@@ -443,6 +462,33 @@ class AdaptivePolicy:
         return seconds - tokens / best_speed if best_speed > 0 else 0.0
 
     # -- observations -----------------------------------------------------------------------------------
+    def observe(self, step: StepRecord) -> None:
+        """One finished step: what each forward cost (a forward shared by rows: its wall, once per row that took
+        part), how each row's levels did, what the free lookups would have proposed, and the step's seconds."""
+        plan = step.plan
+        self.observe_forward("force3-tree" if step.force3_tree else "force3", step.force3_rows, step.force3_seconds)
+        drafted, force1_seconds = 0, 0.0
+        for row in step.rows:
+            for name, acceptance in row.lookups.items():
+                self.observe_lookup(name, acceptance is not None, acceptance or 0.0)
+            if row.report is None:
+                continue
+            for timing in row.report.timings:
+                self.observe_forward(*timing)
+            if plan.levels == 2 and row.proposed:
+                self.observe_direct(plan.drafter, row.accepted, row.proposed, plan.force1_tree)
+            elif plan.levels == 3:
+                self.observe_three_level(plan, row.report.force2_accepted, row.report.force2_rejections,
+                                         row.accepted, row.proposed)
+            drafted += row.report.drafted
+            force1_seconds += row.report.force1_seconds
+        lookup = plan.levels > 1 and self.drafters.get(plan.drafter) == "lookup"
+        if drafted and (plan.levels == 2 or not lookup):
+            # a model drafter: seconds per drafted token; a lookup (two levels: one call per row): per step
+            self.observe_forward(f"draft:{plan.drafter}", 1, force1_seconds if lookup else force1_seconds / drafted)
+        tokens = sum(row.committed for row in step.rows) / max(len(step.rows), 1)
+        self.observe_step(plan, tokens, step.seconds, step.forward_seconds)
+
     def observe_forward(self, tier: str, rows: int, seconds: float) -> None:
         self.costs.observe(tier, rows, seconds)
 

@@ -37,3 +37,9 @@ def recent_tokens(config: TriForceConfig) -> int:
     if config.retrieval_recent is not None:
         return config.retrieval_recent
     return (config.retrieval_budget // 4) // config.chunk_size * config.chunk_size
+
+
+def round_rows(config: TriForceConfig) -> int:
+    """Entries one Force-2 round may append to the retrieval cache's tail: Force 1's proposals, up to ``gamma2``
+    tokens Force 2 emitted before them this step, and two more (the verifier's next token, the last committed one)."""
+    return proposal_rows(config) + config.gamma2 + 2

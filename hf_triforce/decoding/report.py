@@ -1,0 +1,84 @@
+"""What a Force-3 step did, counted once where it happens: a level's `LevelReport`, a row's `RowOutcome`, the step's
+`StepRecord` (what the adaptive policy learns from).
+
+A level (`levels.Force2Level`, `levels.Force1Level`) fills its report as it drafts, verifies and re-selects; the
+`Decoder` takes it after each step (`take_report`), adds it to the row's `TriForceStats` and hands it to the policy
+with Force 3's verdict (`policy.StepRecord`). Nothing is threaded through the loop as counters.
+
+Terms: *drafted*: Force-1 tokens proposed (a tree counts its depth, so that acceptance compares with chains');
+*verified* / *accepted*: of those, the ones Force 2 verified / accepted; *rejections*: Force-2 verifications that
+rejected a draft; *handed*: tokens handed up to Force 3; a *selection*: a re-selection of the retrieval cache's chunks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from ..stats import TriForceStats
+
+if TYPE_CHECKING:
+    from .policy import Plan
+
+
+@dataclass
+class LevelReport:
+    drafted: int = 0
+    handed: int = 0
+    force2_steps: int = 0
+    force2_verified: int = 0
+    force2_accepted: int = 0
+    force2_rejections: int = 0
+    tree_nodes: int = 0
+    tree_side_accepts: int = 0
+    force1_seconds: float = 0.0  # its drafter's (in a batch: the walls of the shared forwards the row took part in)
+    force2_seconds: float = 0.0
+    selections: int = 0
+    selection_seconds: float = 0.0
+    # (tier, rows, seconds) of each forward timed for the policy's cost model ("force2", "force2-tree", "select")
+    timings: list[tuple[str, int, float]] = field(default_factory=list)
+
+    @property
+    def lower_seconds(self) -> float:
+        """Seconds below Force 3: Force 1's, Force 2's forwards, selections."""
+        return self.force1_seconds + self.force2_seconds + self.selection_seconds
+
+    def add_to(self, stats: TriForceStats) -> None:
+        """Count this report in a row's statistics (Force 1's seconds are counted from its drafters: `Decoder`)."""
+        stats.force1_proposed += self.drafted
+        stats.force2_proposed += self.handed
+        stats.force2_steps += self.force2_steps
+        stats.force2_verified += self.force2_verified
+        stats.force2_accepted += self.force2_accepted
+        stats.tree_nodes += self.tree_nodes
+        stats.tree_side_accepts += self.tree_side_accepts
+        stats.force2_seconds += self.force2_seconds
+        stats.retrieval_selections += self.selections
+        stats.retrieval_seconds += self.selection_seconds
+
+
+@dataclass
+class RowOutcome:
+    """One row of a step: its level's report (None: a plain step), the tokens proposed to Force 3 (a tree: its
+    depth), how many Force 3 accepted and how many were committed; per free lookup drafter, the acceptance
+    probability under Force 3 of the token it would have proposed next (None: it would have proposed nothing)."""
+
+    report: LevelReport | None
+    proposed: int
+    accepted: int
+    committed: int
+    lookups: dict[str, float | None]
+
+
+@dataclass
+class StepRecord:
+    """One Force-3 step of ``plan``: its forward (``force3_rows`` rows, a tree's where ``force3_tree``), each
+    active row's outcome, the step's wall seconds and the part spent in forwards (each shared forward once)."""
+
+    plan: Plan
+    force3_rows: int
+    force3_tree: bool
+    force3_seconds: float
+    rows: list[RowOutcome]
+    seconds: float
+    forward_seconds: float
