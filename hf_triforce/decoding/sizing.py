@@ -40,6 +40,6 @@ def recent_tokens(config: TriForceConfig) -> int:
 
 
 def round_rows(config: TriForceConfig) -> int:
-    """Entries one Force-2 round may append to the retrieval cache's tail: Force 1's proposals, up to ``gamma2``
-    tokens Force 2 emitted before them this step, and two more (the verifier's next token, the last committed one)."""
+    """Tail room a step's Force-2 rounds need in the retrieval cache: Force 1's most proposals (`proposal_rows`),
+    Force 2's chain of up to ``gamma2`` tokens, and two rows more."""
     return proposal_rows(config) + config.gamma2 + 2
