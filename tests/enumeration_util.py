@@ -2,7 +2,8 @@
 
 `ReplaySampler` implements the library's `Sampler` protocol: each draw takes the scripted option (the first
 one past the script) over the draw's support and multiplies the path's probability by that option's
-probability. `enumerate_outcomes` runs a decode once per path of the choice tree and sums each output's
+probability; the device-side draws (`device_categorical`, `leading_successes`) read their laws on the host and
+are replayed the same way. `enumerate_outcomes` runs a decode once per path of the choice tree and sums each output's
 probability: the output law of the library's own code, exactly (up to float rounding), with no sampling noise.
 """
 
@@ -10,6 +11,8 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Callable, Hashable
+
+import torch
 
 
 class ReplaySampler:
@@ -35,6 +38,18 @@ class ReplaySampler:
         support = (probs > 0).nonzero()[:, 0].tolist()
         total = float(probs[support].double().sum())
         return support[self._choose([float(probs[i]) / total for i in support])]
+
+    def device_categorical(self, probs) -> torch.Tensor:
+        return torch.tensor(self.categorical(probs), device=probs.device)
+
+    def leading_successes(self, probabilities) -> torch.Tensor:
+        """The coins tossed one at a time, none past the first False."""
+        successes = 0
+        for probability in probabilities.tolist():
+            if not self.bernoulli(probability):
+                break
+            successes += 1
+        return torch.tensor(successes, device=probabilities.device)
 
 
 def enumerate_outcomes(run: Callable[[ReplaySampler], Hashable], max_paths: int = 20000) -> tuple[dict, int]:

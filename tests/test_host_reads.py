@@ -5,6 +5,12 @@ plus one for the stopping criteria of the tokens it commits. Every method that r
 host is patched to count (`HostReads`), and a call's count is bounded by its verifications: a read added
 anywhere in a step fails the bound. The data-dependent retrieval re-selection the CPU keeps (a CPU read is no
 sync, and it copies only the chunks that changed) is switched to its sync-free form (`buffer.sync_free`) here.
+
+Greedy and sampled calls have the same bound. Sampling, every draw stays on the device until its verification's
+readback (`Sampler.device_categorical` for each drafted token and the token after the accepted ones,
+`Sampler.leading_successes` for the acceptance coins), which reads the proposals, the accepted count and that
+token in one transfer; the adaptive policy's scoring of the free lookups against Force 3 (`report.LookupAcceptances`)
+and the tiers' NaN checks are read with it (`scoring.Deferred`, `scoring.deferred_nan_checks`).
 """
 
 from __future__ import annotations
@@ -22,7 +28,8 @@ from hf_triforce.decoding.loop import Decoder
 from .conftest import make_model, random_prompt
 
 READS = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "nonzero", "cpu", "numpy")
-# reads per step besides the verifications' readbacks: the stopping criteria of the committed tokens
+# reads per step besides the verifications' readbacks: the stopping criteria of the committed tokens (evaluated on
+# the device for every token a verification emitted, read at once: `Output.commit_verified`), greedy or sampled
 STEP_READS = 1
 
 
@@ -62,38 +69,57 @@ CONFIGS = {
     "three levels": dict(draft="self", levels=3),
     "two levels": dict(draft="self", levels=2),
     "lookup": dict(draft="ngram", levels=2),
+    # the adaptive policy also scores the free n-gram lookup's proposal against Force 3 at every step
+    "adaptive": dict(draft="self", levels=3, policy="auto"),
 }
+BASE = dict(retrieval_budget=96, chunk_size=8, window=32, sink_tokens=4, gamma1=2, gamma2=6, policy="fixed",
+            draft_precision="model")
+MODES = {"greedy": dict(do_sample=False), "sampled": dict(do_sample=True, temperature=0.6, top_p=0.9)}
 
 
-def count_reads(model, monkeypatch, prompt, **config):
-    """One greedy call counted: ``(output, reads, marks)``; ``marks``: after each Force-3 step, the reads so far
-    and the verifications so far (Force-2 rounds and Force-3 steps)."""
-    config = TriForceConfig(retrieval_budget=96, chunk_size=8, window=32, sink_tokens=4, gamma1=2, gamma2=6,
-                            policy="fixed", draft_precision="model", **config)
-    reads, marks = HostReads().install(monkeypatch), []
-    step = Decoder._step
+def count_reads(model, monkeypatch, prompt, mode="greedy", **config):
+    """One call counted (``mode``: a key of `MODES`): ``(output, reads, marks, lookups)``; ``marks``: after each
+    Force-3 step, the reads so far and the verifications so far (Force-2 rounds and Force-3 steps); ``lookups``:
+    how many lookup proposals the adaptive policy scored."""
+    config = TriForceConfig(**{**BASE, **config})
+    reads, marks, lookups = HostReads().install(monkeypatch), [], []
+    step, lookup_proposals = Decoder._step, Decoder._lookup_proposals
 
     def marked(decoder, active):
         step(decoder, active)
         (row,) = active
         marks.append((reads.total, decoder.stats[row.index].force2_steps + decoder.stats[row.index].force3_steps))
 
+    def proposals(decoder, row):
+        proposed = lookup_proposals(decoder, row)
+        lookups.extend(name for name, tokens in proposed.items() if tokens)
+        return proposed
+
     monkeypatch.setattr(Decoder, "_step", marked)
+    monkeypatch.setattr(Decoder, "_lookup_proposals", proposals)
     monkeypatch.setattr(buffer, "sync_free", lambda device: True)
+    torch.manual_seed(0)
     reads.active = True
-    out = model.generate(prompt, max_new_tokens=40, triforce_config=config, return_dict_in_generate=True)
+    out = model.generate(prompt, max_new_tokens=40, triforce_config=config, return_dict_in_generate=True,
+                         **MODES[mode])
     reads.active = False
-    return out, reads, marks
+    return out, reads, marks, lookups
 
 
+@pytest.mark.parametrize("mode", sorted(MODES))
 @pytest.mark.parametrize("name", sorted(CONFIGS))
-def test_one_host_read_per_verification(model, monkeypatch, name):
+def test_one_host_read_per_verification(model, monkeypatch, name, mode):
     """Every step after the first (its set-up: the drafter built, its cache filled, the first selection)."""
     prompt = random_prompt(400, period=97)
-    out, reads, marks = count_reads(model, monkeypatch, prompt, **CONFIGS[name])
-    assert torch.equal(out.sequences, model.generate(prompt, max_new_tokens=40, do_sample=False))
+    out, reads, marks, lookups = count_reads(model, monkeypatch, prompt, mode, **CONFIGS[name])
+    if mode == "greedy":
+        assert torch.equal(out.sequences, model.generate(prompt, max_new_tokens=40, do_sample=False))
     stats = out.triforce_stats
-    assert stats.force3_steps >= 8 and stats.plan_steps == {CONFIGS[name]["levels"]: stats.force3_steps}
+    assert stats.force3_steps >= 8
+    if CONFIGS[name].get("policy") == "auto":
+        assert len(lookups) >= stats.force3_steps // 2  # the lookup proposed (and was scored) on most steps
+    else:
+        assert stats.plan_steps == {CONFIGS[name]["levels"]: stats.force3_steps} and not lookups
     (first_reads, first_verifications), (last_reads, last_verifications) = marks[0], marks[-1]
     steps, counted = len(marks) - 1, last_reads - first_reads
     bound = last_verifications - first_verifications + STEP_READS * steps
@@ -144,3 +170,30 @@ def test_a_nan_noted_in_a_step_raises_at_the_verifications_readback():
         assert ChainVerifier(False, None).verify(torch.tensor([1]), None, scores) == (1, 0)  # read: cleared
     with pytest.raises(FloatingPointError, match="NaN in the scores"), deferred_nan_checks():
         check_nan(torch.tensor([float("nan")]))  # still pending at the end: read then
+
+
+def test_values_deferred_to_a_readback_arrive_exactly(monkeypatch):
+    """`scoring.Deferred` values travel with the next readback, bit for bit (float32, float64 and bool beside its
+    int64 values), in its one read; the adaptive policy's lookup scores (`report.LookupAcceptances`) are what
+    reading them at once gives."""
+    from hf_triforce.decoding.report import LookupAcceptances
+    from hf_triforce.verification.sampling import scores_to_probs
+    from hf_triforce.verification.scoring import Deferred, deferred_nan_checks, read_back
+
+    torch.manual_seed(5)
+    scores = torch.randn(10) * 3
+    probs = scores_to_probs(scores)
+    tensors = [torch.rand(4), torch.rand(3, dtype=torch.float64), torch.tensor([True, False])]
+    best, worst = int(scores.argmax()), int(scores.argmin())
+    reads = HostReads().install(monkeypatch)
+    with deferred_nan_checks():
+        reads.active = True
+        held = [Deferred(tensor) for tensor in tensors]
+        sampled = LookupAcceptances({"ngram": [7, 1], "none": [], "suffix": [2]}, scores, do_sample=True)
+        greedy = LookupAcceptances({"ngram": [best], "suffix": [worst]}, scores, do_sample=False)
+        assert read_back(torch.tensor([5, -3])) == [5, -3]
+        reads.active = False
+    assert reads.total == 1
+    assert [deferred.values for deferred in held] == [tensor.tolist() for tensor in tensors]
+    assert sampled.read() == {"ngram": float(probs[7]), "none": None, "suffix": float(probs[2])}
+    assert greedy.read() == {"ngram": 1.0, "suffix": 0.0}

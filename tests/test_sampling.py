@@ -8,6 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hf_triforce.verification.sampling import (
+    ChainVerifier,
+    TorchSampler,
     acceptance_probability,
     residual_distribution,
     scores_to_probs,
@@ -94,6 +96,43 @@ def test_point_mass_proposals_keep_the_target_law():
         counts[1 if accepted else nxt] += 1
     assert counts[3] == 0
     assert chi_square_pvalue(counts[:3], p[:3]) > 1e-3
+
+
+class CountsEverySuccess(TorchSampler):
+    """A planted wrong `leading_successes`: every True coin counted, not only those before the first False."""
+
+    def leading_successes(self, probabilities: torch.Tensor) -> torch.Tensor:
+        return (torch.rand(probabilities.shape) < probabilities).long().sum()
+
+
+def emitted_pairs(sampler, runs: int = 6000) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Three point-mass proposals verified ``runs`` times with ``sampler``'s device-side draws: ``p`` (the four
+    target rows), the counts of the first emitted token, and of the second where the first is the first proposal."""
+    g = torch.Generator().manual_seed(9)
+    vocab = 5
+    p = torch.stack([random_simplex(g, vocab, 1.0) for _ in range(4)]).float()
+    proposals = p[:3].argmax(-1).tolist()  # each row's likeliest token: accepted often, rejected often enough
+    verifier = ChainVerifier(True, sampler)
+    first, second = torch.zeros(vocab), torch.zeros(vocab)
+    for _ in range(runs):
+        accepted, token = verifier.verify(proposals, None, torch.log(p))
+        emitted = verifier.emitted(proposals, accepted, token)
+        first[emitted[0]] += 1
+        if emitted[0] == proposals[0]:
+            second[emitted[1]] += 1
+    return p, first, second
+
+
+def test_device_draws_keep_the_target_law_along_a_chain():
+    """`TorchSampler`'s device-side draws (the coins at once, `leading_successes`; the token after them,
+    `device_categorical`) give a chain's emitted tokens the target's law, row after row; a sampler counting every
+    successful coin (not only those before the first rejection) is caught."""
+    torch.manual_seed(13)
+    p, first, second = emitted_pairs(TorchSampler())
+    assert chi_square_pvalue(first, p[0]) > 1e-3 and chi_square_pvalue(second, p[1]) > 1e-3
+    torch.manual_seed(13)
+    p, first, _ = emitted_pairs(CountsEverySuccess())
+    assert chi_square_pvalue(first, p[0]) < 1e-6
 
 
 def test_greedy_chain():

@@ -99,6 +99,9 @@ class Argmax:
     def categorical(self, probs):
         return int(probs.argmax())
 
+    def device_categorical(self, probs):
+        return probs.argmax()
+
 
 @pytest.mark.parametrize("do_sample, sampled_siblings", [(False, False), (True, False), (True, True)])
 def test_model_drafter_tree_has_the_chosen_shape(do_sample, sampled_siblings):

@@ -135,6 +135,9 @@ class Argmax:
     def categorical(self, probs):
         return int(probs.argmax())
 
+    def device_categorical(self, probs):
+        return probs.argmax()
+
 
 def test_model_drafter_forgets_its_chain_past_an_accepted_side_node():
     """After a side node (not the drafted chain's token) is committed, the draft cache must hold the committed

@@ -47,7 +47,7 @@ from .levels import Candidates, Force1Level, Force2Level, NoDrafter
 from .lockstep import Lockstep
 from .output import DecodeResult, Output, PaddedView
 from .policy import AdaptivePolicy, Plan
-from .report import RowOutcome, StepRecord
+from .report import LookupAcceptances, RowOutcome, StepRecord
 from .sizing import lookup_gamma2
 
 
@@ -375,17 +375,19 @@ class Decoder:
         scored = self.force3.score({row.index: row.out.sequence for row in active}, candidates, self.processors)
         force3_seconds = time.perf_counter() - force3_began
         self.force3_seconds += force3_seconds
+        # the free lookups scored against each row's first row of p, read with the verifications' readbacks
+        looked_up = {row.index: LookupAcceptances(lookups[row.index], scored[row.index][1][0], self.do_sample)
+                     for row in active}
         # 4. per row: verify against its own p, keep what Force 3 accepted, commit, its level told
         outcomes = []
         for row in active:
             level, found = levels[row.index], candidates[row.index]
-            accepted, committed, first_scores = self._verify_row(row, plan, level, found, *scored[row.index])
+            accepted, committed = self._verify_row(row, plan, level, found, *scored[row.index])
             self.stats[row.index].force3_seconds += force3_seconds
             report = level.take_report() if level is not None else None
             if report is not None:
                 report.add_to(self.stats[row.index])
-            outcomes.append(RowOutcome(report, proposed_of(found), accepted, committed,
-                                       self._lookup_acceptances(lookups[row.index], first_scores)))
+            outcomes.append(RowOutcome(report, proposed_of(found), accepted, committed, looked_up[row.index].read()))
         # 5. the policy told what the step cost (each forward's wall once) and how each row's levels did
         if policy is not None:
             trees = [found.tree for found in candidates.values() if found.tree is not None]  # batch size 1
@@ -413,21 +415,11 @@ class Decoder:
         return {name: (drafter := self.drafter(row.index, name)).propose(
             drafting_sequence(drafter, row.out.sequence, row.out.host), 1)[0] for name in names}
 
-    def _lookup_acceptances(self, proposals: dict[str, list[int]],
-                            first_scores: torch.Tensor) -> dict[str, float | None]:
-        """Per lookup, the acceptance probability of its proposal under Force 3's first row ``first_scores``
-        ``[vocab]`` (``p(x)`` sampling, ``x == argmax p`` greedy); None where it proposes nothing."""
-        if not proposals:
-            return {}
-        probs = scores_to_probs(first_scores) if self.do_sample else None
-        return {name: None if not tokens else float(probs[tokens[0]]) if probs is not None
-                else float(int(first_scores.argmax()) == tokens[0]) for name, tokens in proposals.items()}
-
     def _verify_row(self, row: Row, plan: Plan, level, candidates: Candidates, logits: torch.Tensor,
-                    p_scores: torch.Tensor) -> tuple[int, int, torch.Tensor]:
+                    p_scores: torch.Tensor) -> tuple[int, int]:
         """Verify ``row``'s candidates against its own p (``p_scores`` ``[n + 1, vocab]``, ``logits`` the same rows
-        unprocessed), keep its accepted entries, commit, tell its level. Returns ``(accepted, committed, processed
-        scores of the first row)``; the row's queries become those at its last cached token."""
+        unprocessed), keep its accepted entries, commit, tell its level. Returns ``(accepted, committed)``; the row's
+        queries become those at its last cached token."""
         b, out, stats = row.index, row.out, self.stats[row.index]
         length, tree = out.sequence.shape[1], candidates.tree
         if tree is not None:  # the accepted path's entries compacted into place
@@ -451,7 +443,7 @@ class Decoder:
         row.queries = self.force3.queries(b, last_row)
         if not row.done and level is not None:
             level.commit(out.sequence, accepted, proposed_of(candidates), row.queries, emitted[:committed])
-        return accepted, committed, p_scores[0]
+        return accepted, committed
 
     def draft_forwards(self) -> dict[str, str]:
         """Per tier that ran a drafting forward in a step (``"force1 <drafter>"``, ``"force2"``), the forward it ran

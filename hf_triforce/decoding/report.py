@@ -15,7 +15,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import torch
+
+from ..drafters.registry import device_tokens
 from ..stats import TriForceStats
+from ..verification.sampling import scores_to_probs
+from ..verification.scoring import Deferred
 
 if TYPE_CHECKING:
     from .policy import Plan
@@ -68,6 +73,27 @@ class RowOutcome:
     accepted: int
     committed: int
     lookups: dict[str, float | None]
+
+
+class LookupAcceptances:
+    """A row's `RowOutcome.lookups`: per free lookup drafter (``proposals``: what each would propose next, the
+    counterfactual), the acceptance probability of its first token under Force 3's first row ``first_scores``
+    ``[vocab]`` (``p(x)`` sampling, ``x == argmax p`` greedy); None where it proposes nothing. Computed on the device
+    now and read with the next readback (`scoring.Deferred`: the row's verification); `read` after it."""
+
+    def __init__(self, proposals: dict[str, list[int]], first_scores: torch.Tensor, do_sample: bool) -> None:
+        self.names = list(proposals)
+        self.proposing = [name for name, tokens in proposals.items() if tokens]
+        self.deferred = None
+        if self.proposing:
+            tokens = device_tokens([proposals[name][0] for name in self.proposing], first_scores.device)
+            values = scores_to_probs(first_scores).index_select(0, tokens) if do_sample \
+                else (tokens == first_scores.argmax()).float()
+            self.deferred = Deferred(values)
+
+    def read(self) -> dict[str, float | None]:
+        read = dict(zip(self.proposing, self.deferred.values)) if self.deferred is not None else {}
+        return {name: read.get(name) for name in self.names}
 
 
 @dataclass

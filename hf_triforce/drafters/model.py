@@ -109,14 +109,14 @@ class ModelDrafter:
     def propose_steps(self, sequence: torch.Tensor, n: int) -> Steps[tuple[list[int] | torch.Tensor,
                                                                           torch.Tensor | None]]:
         """`propose` as a generator of its forwards (`hf_triforce.decoding.steps`): a batch drafts its rows together.
-        Greedy tokens stay on the device (a ``[n]`` tensor) until verification reads them with its own readback."""
+        The tokens stay on the device (a ``[n]`` tensor) until verification reads them with its own readback."""
         tokens, _, probs = yield from self._draft_steps(sequence, n)
         return tokens, (torch.stack(probs) if probs else None)
 
     def _draft_steps(self, sequence: torch.Tensor, n: int) -> Steps[tuple[list[int] | torch.Tensor,
                                                                           list[torch.Tensor], list[torch.Tensor]]]:
-        """``n`` drafted tokens (greedy: a ``[n]`` tensor on the device), each row's processed scores, and
-        (sampling) the law each token was drawn from."""
+        """``n`` drafted tokens (a ``[n]`` tensor on the device), each row's processed scores, and (sampling) the law
+        each token was drawn from."""
         if self.drafted is not None:  # a tree's side node may have been accepted: keep only what still agrees
             start, drafted = self.drafted
             self.rollback(start + agreement(sequence[0, start : start + len(drafted)].tolist(), drafted))
@@ -124,7 +124,7 @@ class ModelDrafter:
         behind = COPY_REFILL_BEHIND if self.source is not None else self.cache.window // 2
         if sequence.shape[1] - self.seen > behind:  # far behind (steps ran without it)
             self._fill(sequence)
-        tokens: list[int] | list[torch.Tensor] = []
+        tokens: list[torch.Tensor] = []
         rows, probs = [], []
         pending = sequence[:, self.seen :]
         while len(tokens) < n:
@@ -132,16 +132,16 @@ class ModelDrafter:
             current = sequence if not tokens or not self.processors else append_tokens(sequence, tokens)
             scores = process_rows(self.processors, current, logits, sequence.shape[1] + len(tokens))
             rows.append(scores[0])
+            # the token stays on the device: verification reads it with its own readback (no read per drafted token)
             if self.do_sample:
                 law = scores_to_probs(scores)[0]
-                token = self.sampler.categorical(law)
+                token = self.sampler.device_categorical(law)
                 probs.append(law)
-                pending = sequence.new_tensor([[token]])
-            else:  # stays on the device: verification compares it there (no host read per drafted token)
+            else:
                 token = scores[0].argmax()
-                pending = token.view(1, 1)
+            pending = token.view(1, 1)
             tokens.append(token)
-        return (torch.stack(tokens) if tokens and not self.do_sample else tokens), rows, probs
+        return (torch.stack(tokens) if tokens else tokens), rows, probs
 
     def propose_tree(self, sequence: torch.Tensor, depth: int, nodes: int, branch: int) -> DraftTree:
         """The drafted chain (as `propose`), plus alternatives where the chain is least certain: the remaining

@@ -7,7 +7,9 @@ Greedy verification accepts while the proposal equals ``argmax p`` and emits ``a
 
 Every random draw goes through a `Sampler` (two discrete choices: a biased coin and a categorical draw), so
 that one decode call's randomness is one object: `TorchSampler` uses torch's global RNG as ``generate``
-does; a test can substitute a sampler that enumerates every outcome with its probability.
+does; a test can substitute a sampler that enumerates every outcome with its probability. The draws of a decoding
+step stay on the device (`Sampler.device_categorical`, `Sampler.leading_successes`) until the verification's one
+readback.
 """
 
 from __future__ import annotations
@@ -28,16 +30,33 @@ class Sampler(Protocol):
     def categorical(self, probs: torch.Tensor) -> int:
         """One index drawn from the 1-D distribution ``probs``."""
 
+    def device_categorical(self, probs: torch.Tensor) -> torch.Tensor:
+        """`categorical` left on the device: a 0-d long tensor on ``probs``' device (``probs``: ``[vocab]``)."""
+
+    def leading_successes(self, probabilities: torch.Tensor) -> torch.Tensor:
+        """Of independent coins, coin ``i`` True with ``probabilities[i]`` (``[n]``, in [0, 1]), how many come up True
+        before the first False (``n`` if none does): a 0-d long tensor on ``probabilities``' device. A sampler that
+        tosses the coins one at a time tosses none past the first False (they do not change the count's law)."""
+
 
 class TorchSampler:
-    """Draws from torch's global RNG (seeded by ``torch.manual_seed``, like ``generate``)."""
+    """Draws from torch's global RNG (seeded by ``torch.manual_seed``, like ``generate``), on the device of what it
+    draws from: a categorical draw is ``torch.multinomial``'s; the coins of `leading_successes` are ``n`` uniforms
+    drawn at once (``torch.rand``, the same values as ``n`` coins drawn one by one)."""
 
     def bernoulli(self, probability: float | torch.Tensor) -> bool:
         device = probability.device if isinstance(probability, torch.Tensor) else None
         return bool(torch.rand((), device=device) < probability)
 
     def categorical(self, probs: torch.Tensor) -> int:
-        return int(torch.multinomial(probs, num_samples=1))
+        return int(self.device_categorical(probs))
+
+    def device_categorical(self, probs: torch.Tensor) -> torch.Tensor:
+        return torch.multinomial(probs, num_samples=1)[0]
+
+    def leading_successes(self, probabilities: torch.Tensor) -> torch.Tensor:
+        coins = torch.rand(probabilities.shape, device=probabilities.device) < probabilities
+        return coins.long().cumprod(0).sum()
 
 
 def scores_to_probs(scores: torch.Tensor) -> torch.Tensor:
@@ -83,7 +102,7 @@ class ChainVerifier:
     do_sample: bool
     sampler: Sampler
     resample: Resample = residual_distribution
-    # (proposals, the values of the accepted ones) of the last greedy readback of proposals on the device
+    # (proposals, the values of the accepted ones) of the last readback of proposals
     read: tuple | None = field(default=None, repr=False, compare=False)
 
     def accept_or_resample(self, token: int, p: torch.Tensor, q: torch.Tensor | None) -> tuple[bool, int]:
@@ -103,8 +122,8 @@ class ChainVerifier:
         ``proposal_probs[i]`` is the distribution proposal ``i`` was drawn from (``None``: point masses).
         ``proposals``: token ids, or a ``[n]`` tensor on the scores' device (a drafter's greedy tokens, compared
         there; `emitted` then has their values). The host reads one transfer (`scoring.read_back`: greedy, the
-        argmax of every row and how many agree; sampling, each proposal's acceptance probability), and when
-        sampling the token drawn after them.
+        argmax of every row and how many agree; sampling, the proposals, how many the sampler's coins accepted and
+        the token drawn after them, every draw made on the device).
         """
         n = len(proposals)
         if target_scores.shape[0] != n + 1:
@@ -119,16 +138,24 @@ class ChainVerifier:
             tokens = read_back(best)
             accepted = next((i for i, token in enumerate(proposals) if tokens[i] != token), n)
             return accepted, tokens[accepted]
-        tokens = proposals.tolist() if isinstance(proposals, torch.Tensor) else list(proposals)
         p = scores_to_probs(target_scores)
-        rows, chosen = torch.arange(n, device=p.device), torch.tensor(tokens, dtype=torch.long, device=p.device)
+        chosen = proposals.to(p.device) if isinstance(proposals, torch.Tensor) else \
+            torch.tensor(list(proposals), dtype=torch.long, device=p.device)
+        rows = torch.arange(n, device=p.device)
         q_chosen = torch.ones(n, device=p.device) if proposal_probs is None else proposal_probs[rows, chosen]
-        acceptance = read_back(acceptance_probability(p[rows, chosen], q_chosen))
-        for i, token in enumerate(tokens):
-            if not self.sampler.bernoulli(acceptance[i]):
-                q = point_mass(token, p[i]) if proposal_probs is None else proposal_probs[i]
-                return i, self.sampler.categorical(self.resample(p[i], q))
-        return n, self.sampler.categorical(p[n])
+        accepted = self.sampler.leading_successes(acceptance_probability(p[rows, chosen], q_chosen))
+        # the law of the token after the accepted ones: the residual at the first rejection, p after the last
+        at = accepted.reshape(1)
+        law = p.index_select(0, at)[0]
+        if n:
+            last = at.clamp(max=n - 1)  # the rejected proposal's row (where none was rejected: unused)
+            q = torch.zeros_like(law).index_fill_(0, chosen.index_select(0, last), 1.0) if proposal_probs is None \
+                else proposal_probs.index_select(0, last.to(proposal_probs.device))[0].to(p.device)
+            law = torch.where(accepted < n, self.resample(law, q), law)
+        next_token = self.sampler.device_categorical(law)
+        *tokens, accepted, next_token = read_back(torch.cat((chosen, at, next_token.reshape(1).to(p.device))))
+        self.read = (proposals, tokens[:accepted])
+        return accepted, next_token
 
     def emitted(self, proposals: list[int] | torch.Tensor, accepted: int, next_token: int) -> list[int]:
         """The tokens a `verify` emitted, on the host: the first ``accepted`` proposals, then ``next_token``

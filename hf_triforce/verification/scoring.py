@@ -5,7 +5,9 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
+from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from transformers import (
     EpsilonLogitsWarper,
@@ -106,16 +108,47 @@ def process_each(processors: LogitsProcessorList, context_of: Callable[[int], to
 
 NAN_MESSAGE = ("NaN in the scores of a TriForce tier: the model produced NaN or inf logits (overflow in float16? try "
                "bfloat16 or float32); refusing to pick tokens from garbage")
-# within `deferred_nan_checks`: the NaN checks noted since the last readback, as one device flag (None: none)
-_PENDING: ContextVar[list | None] = ContextVar("hf_triforce_pending_nan", default=None)
+
+
+@dataclass
+class _Pending:
+    """Within `deferred_nan_checks`: what the next `read_back` reads besides its own values."""
+
+    flag: torch.Tensor | None = None  # the NaN checks noted since the last readback, as one device flag
+    reads: list[Deferred] = field(default_factory=list)
+
+
+_PENDING: ContextVar[_Pending | None] = ContextVar("hf_triforce_pending_reads", default=None)
+
+
+class Deferred:
+    """The values of a 1-D tensor, read on the host with the next readback (`read_back`: within
+    `deferred_nan_checks`, a verification's acceptance readback) rather than by a read of their own; outside that
+    context, read at once. ``values`` once read (asked before the next readback: read then)."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+        self.host: list | None = None  # the values, once read
+        pending = _PENDING.get()
+        if pending is None:
+            self.host = tensor.tolist()
+        else:
+            pending.reads.append(self)
+
+    @property
+    def values(self) -> list:
+        if self.host is None:
+            read_back(None)
+        return self.host
 
 
 @contextmanager
 def deferred_nan_checks() -> Iterator[None]:
     """Within, `check_nan` reads nothing: it notes a device flag that the next `read_back` (a verification's
-    acceptance readback) reads with its own values and raises on, so that a step's only host reads are its
-    readbacks (on CUDA each read is a synchronisation). A flag still pending at the end is read then."""
-    token = _PENDING.set([None])
+    acceptance readback) reads with its own values and raises on, and `Deferred` values wait for that readback too,
+    so that a step's only host reads are its readbacks (on CUDA each read is a synchronisation). What is still
+    pending at the end is read then."""
+    token = _PENDING.set(_Pending())
     try:
         yield
         read_back(None)
@@ -132,24 +165,52 @@ def check_nan(scores: torch.Tensor) -> torch.Tensor | None:
             raise FloatingPointError(NAN_MESSAGE)
         return None
     flag = torch.isnan(scores).any()
-    pending[0] = flag if pending[0] is None else pending[0] | flag.to(pending[0].device)
+    pending.flag = flag if pending.flag is None else pending.flag | flag.to(pending.flag.device)
     return flag
 
 
 def read_back(values: torch.Tensor | None) -> list:
-    """``values`` (1-D) on the host in one transfer, with the pending NaN checks (`deferred_nan_checks`): raises
-    `FloatingPointError` if one found a NaN. ``None``: only the pending checks (no read if none)."""
+    """``values`` (1-D) on the host in one transfer, with what is pending (`deferred_nan_checks`): raises
+    `FloatingPointError` if a NaN check found a NaN, and fills the pending `Deferred` values. ``None``: only what is
+    pending (no read if nothing is)."""
     pending = _PENDING.get()
-    flag = pending[0] if pending is not None else None
-    if flag is None:
+    if pending is None or (pending.flag is None and not pending.reads):
         return [] if values is None else values.tolist()
-    pending[0] = None
-    flag = flag.reshape(1).to(values.device if values is not None else flag.device)
-    both = flag if values is None else torch.cat((values, flag.to(values.dtype)))
-    read = both.tolist()
-    if read[-1]:
+    flag, reads = pending.flag, pending.reads
+    pending.flag, pending.reads = None, []
+    parts = ([] if values is None else [values]) + [deferred.tensor for deferred in reads]
+    parts += [] if flag is None else [flag]
+    device = parts[0].device
+    read = torch.cat([_as_int64(part.reshape(-1)).to(device) for part in parts]).tolist()
+    if flag is not None and read[-1]:
         raise FloatingPointError(NAN_MESSAGE)
-    return read[:-1]
+    at = 0 if values is None else values.numel()
+    for deferred in reads:
+        size = deferred.tensor.numel()
+        deferred.host = _from_int64(read[at : at + size], deferred.tensor.dtype)
+        at += size
+    return [] if values is None else _from_int64(read[: values.numel()], values.dtype)
+
+
+def _as_int64(values: torch.Tensor) -> torch.Tensor:
+    """``values`` as int64 holding each value exactly (floats bit for bit: float64 as its 8 bytes, narrower ones as
+    float32's 4), so that tensors of several dtypes travel in one transfer."""
+    if values.dtype == torch.float64:
+        return values.view(torch.int64)
+    if values.is_floating_point():
+        return values.float().view(torch.int32).long()
+    return values.long()
+
+
+def _from_int64(read: list[int], dtype: torch.dtype) -> list:
+    """The host values `_as_int64` packed from a tensor of ``dtype`` (floats narrower than float64: as float32)."""
+    if dtype == torch.float64:
+        return np.asarray(read, dtype=np.int64).view(np.float64).tolist()
+    if dtype.is_floating_point:
+        return np.asarray(read, dtype=np.int64).astype(np.int32).view(np.float32).tolist()
+    if dtype == torch.bool:
+        return [bool(value) for value in read]
+    return read
 
 
 def process_rows(
