@@ -46,7 +46,7 @@ from .force3 import Force3, RaggedForce3
 from .levels import Candidates, Force1Level, Force2Level, NoDrafter
 from .lockstep import Lockstep
 from .output import DecodeResult, Output, PaddedView
-from .policy import AdaptivePolicy, Plan
+from .policy import ROW_COST_SLOPE, ROW_COST_SLOPES, AdaptivePolicy, Plan
 from .report import RowOutcome, StepRecord
 from .sizing import lookup_gamma2
 
@@ -72,7 +72,13 @@ def adaptive_policy(config: TriForceConfig, draft_name: str, max_length: int, ta
     return AdaptivePolicy(kinds, three, config.gamma1, config.gamma2, config.explore_every,
                           tree_drafters=trees, tree_nodes=config.tree_nodes if trees else 0,
                           force2_tree_nodes=config.force2_tree_nodes, tree_branch=config.tree_branch,
-                          max_lookup_gamma2=lookup_gamma2(config))
+                          max_lookup_gamma2=lookup_gamma2(config), row_cost_slope=row_cost_slope(target))
+
+
+def row_cost_slope(target) -> float:
+    """The per-row cost prior of ``target``'s device type (`policy.ROW_COST_SLOPES`; a CPU's for any other)."""
+    device = getattr(target, "device", None)
+    return ROW_COST_SLOPES.get(getattr(device, "type", "cpu"), ROW_COST_SLOPE)
 
 
 def lean_self_drafting(config: TriForceConfig, target) -> bool:
