@@ -18,8 +18,8 @@ from transformers import LogitsProcessorList, TopKLogitsWarper
 
 from hf_triforce import TriForceConfig
 from hf_triforce.caches.buffer import BufferCache
+from hf_triforce.decoding.tiers import lean_model
 from hf_triforce.kernels.fixed_shape import FixedShapeForward
-from hf_triforce.kernels.lean import lean_model
 
 from .conftest import make_model, random_prompt
 from .families import make_family

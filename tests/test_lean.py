@@ -19,16 +19,11 @@ from transformers import LogitsProcessorList, TopKLogitsWarper
 from hf_triforce import TriForceConfig
 from hf_triforce.caches.buffer import BufferCache
 from hf_triforce.caches.ragged import RaggedBufferCache
+from hf_triforce.decoding import tiers
 from hf_triforce.decoding.forward import ragged_forward
+from hf_triforce.decoding.tiers import forget_lean_copy, lean_copy_bytes, lean_model
 from hf_triforce.kernels import lean
-from hf_triforce.kernels.lean import (
-    LEAN_PRECISIONS,
-    LeanModel,
-    Projection,
-    forget_lean_copy,
-    lean_copy_bytes,
-    lean_model,
-)
+from hf_triforce.kernels.lean import LEAN_PRECISIONS, LeanModel, Projection
 
 from .conftest import make_model, random_prompt
 from .families import make_family
@@ -154,7 +149,7 @@ def test_lookup_drafts_verified_by_force3_alone_run_no_drafting_forward_and_copy
     stats = assert_identical(model, random_prompt(150, period=37), config)
     assert stats.force1_proposed > 0 and stats.plan_steps.get(2, 0) > 0
     assert (stats.draft_precision, stats.draft_forward) == ("none", {})
-    assert lean.lean_copy_bytes(model) == 0 and stats.draft_copy_seconds < 0.01
+    assert tiers.lean_copy_bytes(model) == 0 and stats.draft_copy_seconds < 0.01
 
 
 # --- exactness of the sampled law -----------------------------------------------------------------------------
@@ -353,12 +348,13 @@ def test_the_default_precision_runs_lean_int4_where_the_lean_forward_covers_the_
     lean_tiers = {"force1 self": "lean", "force2": "lean"}
     assert (first.draft_precision, first.draft_forward) == ("lean-int4", lean_tiers) and first.draft_copy_seconds > 0
     assert first.force2_accepted > 0
-    copy = lean.tier_model(model, "lean-int4", 1)
+    copy = tiers.tier_model(model, "lean-int4", 1)
     made = []
     with pytest.MonkeyPatch.context() as patch:  # the second call looks the copy up: no LeanModel is made
-        patch.setattr(lean, "LeanModel", lambda *args: made.append(args))
+        real_init = LeanModel.__init__
+        patch.setattr(LeanModel, "__init__", lambda self, *a, **k: made.append(a) or real_init(self, *a, **k))
         again = assert_identical(model, random_prompt(90, period=31, seed=2), config)
-    assert again.draft_precision == "lean-int4" and not made and lean.tier_model(model, "lean-int4", 1) is copy
+    assert again.draft_precision == "lean-int4" and not made and tiers.tier_model(model, "lean-int4", 1) is copy
     half = make_model("llama-gqa", logit_scale=3.0, seed=5).to(torch.float16)
     out = half.generate(random_prompt(60), max_new_tokens=6, triforce_config=config, return_dict_in_generate=True)
     stats = out.triforce_stats
@@ -387,4 +383,4 @@ def test_a_bf16_model_drafts_on_a_quantized_lean_copy():
     assert stats.draft_forward == {"force1 self": "lean", "force2": "lean"} and stats.draft_precision == "lean-int4"
     assert stats.force2_accepted > 0
     with pytest.raises(ValueError, match="'lean' copies a float32 model; parameter"):
-        lean.check_lean_eligible(bf16, "lean")
+        tiers.check_lean_eligible(bf16, "lean")

@@ -9,7 +9,7 @@ import torch
 from transformers import LogitsProcessorList, TopKLogitsWarper
 
 from hf_triforce import TriForceConfig
-from hf_triforce.decoding.loop import Decoder, weight_bytes
+from hf_triforce.decoding.loop import Decoder
 from hf_triforce.decoding.policy import (
     FILL_ROW_FRACTION,
     ROW_COST_SLOPE,
@@ -22,6 +22,7 @@ from hf_triforce.decoding.policy import (
     TierCosts,
     expected_tokens,
 )
+from hf_triforce.decoding.tiers import weight_bytes
 from hf_triforce.integration import recording_attention
 
 from .conftest import FAMILIES, make_model, random_prompt
@@ -189,8 +190,7 @@ def test_stats_count_and_name_per_tier_what_ran(monkeypatch):
 def test_a_target_the_lean_forward_does_not_cover_does_not_self_draft_beside_a_draft_model():
     """An explicit lean precision on a target the lean forward does not cover leaves it its eager forward: no self
     drafter is added beside the draft model (it would be a second full-cost target forward per drafted token)."""
-    from hf_triforce.decoding.loop import lean_self_drafting
-    from hf_triforce.kernels.lean import lean_support
+    from hf_triforce.decoding.tiers import lean_self_drafting, lean_support
 
     uncovered = make_model("gemma")
     assert lean_support(uncovered) is not None

@@ -43,13 +43,12 @@ from ..drafters import DraftContext, build_drafter
 from ..drafters.model import ModelDrafter
 from ..drafters.registry import MODEL_DRAFTER
 from ..kernels.attention import QueryRecorder
-from ..kernels.lean import resolve_draft_precision, tier_model
 from ..stats import TriForceStats
 from ..verification.sampling import ChainVerifier, Sampler, TorchSampler
 from ..verification.scoring import row_processors
 from .levels import Force1Level, Force2Level, NoDrafter
-from .loop import tier_forward
 from .steps import run_inline
+from .tiers import resolve_draft_precision, tier_forward, tier_model
 
 
 class CacheView:

@@ -35,7 +35,6 @@ from ..config import TriForceConfig
 from ..drafters import DRAFTERS, DraftContext, build_drafter
 from ..drafters.model import ModelDrafter
 from ..drafters.registry import MODEL_DRAFTER, drafting_sequence, spec_of
-from ..kernels.lean import LEAN_PRECISIONS, LeanModel, lean_support, resolve_draft_precision, tier_model
 from ..kernels.linear_routes import linear_routes
 from ..kernels.row_mixing import RowsApart
 from ..stats import TriForceStats
@@ -49,6 +48,14 @@ from .output import DecodeResult, Output, PaddedView
 from .policy import ROW_COST_SLOPE, ROW_COST_SLOPES, AdaptivePolicy, Plan
 from .report import RowOutcome, StepRecord
 from .sizing import lookup_gamma2
+from .tiers import (
+    kv_bytes_per_token,
+    lean_self_drafting,
+    resolve_draft_precision,
+    tier_forward,
+    tier_model,
+    weight_bytes,
+)
 
 
 def adaptive_policy(config: TriForceConfig, draft_name: str, max_length: int, target=None) -> AdaptivePolicy | None:
@@ -79,50 +86,6 @@ def row_cost_slope(target) -> float:
     """The per-row cost prior of ``target``'s device type (`policy.ROW_COST_SLOPES`; a CPU's for any other)."""
     device = getattr(target, "device", None)
     return ROW_COST_SLOPES.get(getattr(device, "type", "cpu"), ROW_COST_SLOPE)
-
-
-def lean_self_drafting(config: TriForceConfig, target) -> bool:
-    """Whether the auto policy may also draft with ``target``'s own lean copy beside the draft model ``config.draft``:
-    where that copy runs lean (Force 2 runs it anyway: no more weight memory; not the target's eager forward) and the
-    self drafter keeps its tokens at their absolute positions (``draft_positions="slots"``, asked for the draft
-    model, would re-rotate the target's keys, which the preflight checks for the configured drafter only). On the
-    Qwen2.5-Coder pair at 2k (sampled) TriForceConfig(draft=<the 0.5B>) without it runs 0.86x static-cache generate
-    while TriForceConfig()'s best plan there, self g2, runs 1.4x (docs/results.md, "Current results")."""
-    if isinstance(config.draft, str) or config.draft_positions == "slots":
-        return False
-    return config.draft_precision in LEAN_PRECISIONS and lean_support(target) is None
-
-
-def tier_forward(model, precision: str) -> str:
-    """The forward a tier running ``model`` (what `lean.tier_model` returned for ``precision``) computes with:
-    ``"lean"`` (a `LeanModel`), ``"eager"`` (the transformers forward of a model as given or of its int8 copy), or
-    ``"eager (<why>)"`` where a lean precision was asked for a model the lean forward does not cover."""
-    if isinstance(model, LeanModel):
-        return "lean"
-    why = lean_support(model) if precision in LEAN_PRECISIONS else None
-    return "eager" if why is None else f"eager ({why})"
-
-
-def kv_bytes_per_token(model) -> int:
-    """Bytes one position of ``model``'s KV cache holds (keys and values of every layer, in its dtype)."""
-    config = model.config.get_text_config()
-    heads = config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    dtype = next(model.parameters()).dtype
-    return 2 * compat.num_layers(config) * kv_heads * head_dim * torch.finfo(dtype).bits // 8
-
-
-def weight_bytes(model) -> int:
-    """Bytes of weights one forward of ``model`` reads: a lean copy's (`LeanModel.weight_bytes`), or every parameter
-    but an input embedding that is not also the output layer (a forward reads one row of it)."""
-    if isinstance(model, LeanModel):
-        return model.weight_bytes()
-    embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
-    tied = getattr(head, "weight", None) is embedding.weight  # an int8 copy's output layer holds int8 buffers
-    skip = set() if tied else {id(embedding.weight)}
-    tensors = {id(t): t for t in [*model.parameters(), *model.buffers()] if id(t) not in skip}
-    return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
 def aggregate(row_stats: list[TriForceStats], force3_seconds: float, prefill_seconds: float) -> TriForceStats:
