@@ -64,7 +64,7 @@ def adaptive_policy(config: TriForceConfig, draft_name: str, max_length: int, ta
     too if ``levels=3`` and the request (``max_length`` tokens) is longer than the retrieval budget, with
     tree plans beside the chain plans where the config sets ``tree_nodes`` (drafters that propose trees) or
     ``force2_tree_nodes`` (three levels); ``"fixed"``: None (every step runs the configured plan).
-    ``config.draft_precision`` must be concrete (`lean.resolve_draft_precision`)."""
+    ``config.draft_precision`` must be concrete (`tiers.resolve_draft_precision`)."""
     if config.policy == "fixed":
         return None
     kinds = {draft_name: spec_of(config.draft).kind}
@@ -286,7 +286,7 @@ class Decoder:
 
     def _tier_models(self) -> list:
         """The models Force 1 and Force 2 run for the config's drafting precision in the plans this call may choose
-        (`lean.tier_model`: the models themselves for ``"model"``): Force 2's where a plan has three levels, the self
+        (`tiers.tier_model`: the models themselves for ``"model"``): Force 2's where a plan has three levels, the self
         drafter's and a draft model's where they may draft. A lookup drafter verified by Force 3 alone runs none, so
         no copy is made."""
         three, drafters = self.drafting_tiers()
