@@ -198,7 +198,7 @@ def acceptance(model, ids, prefix, new: int, frequent: int, samples: int) -> dic
                     "runs": len(runs), "decode_seconds": [seconds for seconds, _ in runs],
                     "force1_seconds_per_draft": total["force1_seconds"] / max(total["force1_proposed"], 1),
                     "force2_seconds_per_verification": total["force2_seconds"] / max(total["force2_steps"], 1),
-                    "draft_forward": runs[0][1].draft_forward, "load": load()}
+                    "tier_forwards": runs[0][1].tier_forwards, "load": load()}
                 print(f"  {label:28s} {mode:8s} F2 acc {row['force2_acceptance']:.3f}  F3 acc "
                       f"{row['force3_acceptance']:.3f}  decode {statistics.median(row['decode_seconds']):6.1f} s  F1 "
                       f"{1e3 * row['force1_seconds_per_draft']:6.2f} ms/draft  F2 "
@@ -229,7 +229,7 @@ def default_policy(model, ids, prefix, new: int) -> dict:
                                             "load": load()}
             if stats is not None:
                 row.update(plan_steps=stats.plan_steps, force2_acceptance=stats.force2_acceptance,
-                           force3_acceptance=stats.force3_acceptance, draft_forward=stats.draft_forward)
+                           force3_acceptance=stats.force3_acceptance, tier_forwards=stats.tier_forwards)
             print(f"  {mode:8s} {label:32s} {new / seconds:6.2f} tok/s "
                   + ("" if stats is None else f"steps by levels {stats.plan_steps} F2 {stats.force2_acceptance:.2f} "
                      f"F3 {stats.force3_acceptance:.2f}") + f" load {load()}", flush=True)

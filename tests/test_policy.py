@@ -182,9 +182,9 @@ def test_stats_count_and_name_per_tier_what_ran(monkeypatch):
     assert 0 < stats.force2_verified < stats.force1_proposed  # two-level drafts are Force 1's, not Force 2's to verify
     assert stats.force2_acceptance == stats.force2_accepted / stats.force2_verified
     assert stats.draft_precision == "lean-int4"
-    assert set(stats.draft_forward) == {"force1 model", "force1 self", "force2"}
-    assert stats.draft_forward["force1 model"].startswith("eager (GemmaForCausalLM is not one of")
-    assert stats.draft_forward["force1 self"] == stats.draft_forward["force2"] == "lean"
+    assert set(stats.tier_forwards) == {"force1 model", "force1 self", "force2"}
+    assert stats.tier_forwards["force1 model"].startswith("eager (GemmaForCausalLM is not one of")
+    assert stats.tier_forwards["force1 self"] == stats.tier_forwards["force2"] == "lean"
 
 
 def test_a_target_the_lean_forward_does_not_cover_does_not_self_draft_beside_a_draft_model():

@@ -162,13 +162,13 @@ class TriForceCandidateGenerator(compat.CandidateGenerator):
             self.level = Force2Level(tier_model(model, config.draft_precision, 2, config.tier_compile), NoDrafter(),
                                      config, processors, self.force2_verifier, full_cache)
             self.level.use(self.drafter)
-        # per tier that runs a drafting forward, the forward it runs (as `Decoder.draft_forwards` reports it)
+        # per tier that runs a drafting forward, the forward it runs (as `Decoder.tier_forwards` reports it)
         models = {}
         if isinstance(self.drafter, ModelDrafter):
             models[f"force1 {config.draft if isinstance(config.draft, str) else MODEL_DRAFTER}"] = self.drafter.model
         if config.levels == 3:
             models["force2"] = self.level.model
-        self.stats.draft_forward = {
+        self.stats.tier_forwards = {
             tier: tier_forward(tier_model_, config.draft_precision) if not_lean is None
             else f"eager (draft_precision='auto': {not_lean})" for tier, tier_model_ in models.items()}
         self.queries: dict[int, torch.Tensor] | None = None  # per layer, the query of the last cached token

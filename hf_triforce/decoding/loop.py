@@ -422,7 +422,7 @@ class Decoder:
             level.commit(out.sequence, accepted, proposed_of(candidates), row.queries, emitted[:committed])
         return accepted, committed, p_scores[0]
 
-    def draft_forwards(self) -> dict[str, str]:
+    def tier_forwards(self) -> dict[str, str]:
         """Per tier that ran a drafting forward in a step (``"force1 <drafter>"``, ``"force2"``), the forward it ran
         (`tier_forward`; where ``draft_precision="auto"`` fell back to the models as given, why). Lookup drafters
         run none."""
@@ -439,10 +439,10 @@ class Decoder:
     def _result(self, prompts: list[torch.Tensor], rows: list[Row]) -> DecodeResult:
         for row in rows:
             row.out.end()
-        forwards, (three, drafters) = self.draft_forwards(), self.drafting_tiers()
+        forwards, (three, drafters) = self.tier_forwards(), self.drafting_tiers()
         force2 = self.levels_by_plan.get((3, ""), [])
         for b, stats in enumerate(self.stats):
-            stats.draft_forward = dict(forwards)
+            stats.tier_forwards = dict(forwards)
             stats.draft_precision = self.config.draft_precision if three or drafters else "none"
             stats.force1_seconds = self.drafting_seconds(b)
             stats.new_tokens = rows[b].out.sequence.shape[1] - prompts[b].shape[1]

@@ -97,7 +97,7 @@ def lean_refusal(model: nn.Module, precision: str) -> Exception | None:
     if precision not in LEAN_PRECISIONS:
         return ValueError(f"draft_precision must be one of {tuple(LEAN_PRECISIONS)} here, got {precision!r}")
     if lean_support(model) is not None:
-        return None  # drafts with its eager forward (TriForceStats.draft_forward says why)
+        return None  # drafts with its eager forward (TriForceStats.tier_forwards says why)
     for name, module in model.named_modules():
         if compat.execution_device(module) is not None:
             return ValueError(f"TriForceConfig.draft_precision={precision!r} copies the weights of a model loaded in "
