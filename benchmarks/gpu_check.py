@@ -96,7 +96,7 @@ class Plan:
     gamma1: int = 2
     gamma2: int = 6
     replays: int = 40
-    new_tokens: int = 32
+    new_tokens: int = 64
 
 
 GPU_PLAN = Plan("llama-3.1-8b", "llama-3.2-1b", "smollm2-135m", (32768, MAX_POSITIONS - 256, 65536), 16384,
