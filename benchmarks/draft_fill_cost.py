@@ -19,8 +19,8 @@ import torch
 from transformers import LogitsProcessorList
 
 from hf_triforce.config import TriForceConfig
+from hf_triforce.decoding.tiers import resolve_draft_precision, tier_model
 from hf_triforce.drafters.model import ModelDrafter
-from hf_triforce.kernels.lean import resolve_draft_precision, tier_model
 from hf_triforce.tools import assets
 
 

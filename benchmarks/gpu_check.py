@@ -96,7 +96,7 @@ class Plan:
     gamma1: int = 2
     gamma2: int = 6
     replays: int = 40
-    new_tokens: int = 32
+    new_tokens: int = 64
 
 
 GPU_PLAN = Plan("llama-3.1-8b", "llama-3.2-1b", "smollm2-135m", (32768, MAX_POSITIONS - 256, 65536), 16384,
@@ -579,7 +579,7 @@ def render(data: dict) -> str:
                          f"{r['plain_tok_s']:.1f} | {r['static_tok_s']:.1f} | {r['triforce_tok_s']:.1f} | "
                          f"{r['triforce_identical']} ({r['triforce_agree']}/{r['new_tokens']}) | "
                          f"{r.get('tier_ms', '-')} | {r['host_syncs_per_call']} | "
-                         f"{stats.get('draft_precision', '-')}, {stats.get('draft_forward', '-')}, tier_compile "
+                         f"{stats.get('draft_precision', '-')}, {stats.get('tier_forwards', '-')}, tier_compile "
                          f"{(stats.get('tier_compile') or {}).get('mode', 'off')} |")
         lines.append("")
     for r in data.get("hf_static", []):

@@ -42,6 +42,7 @@ from transformers import DynamicCache, LogitsProcessorList, TemperatureLogitsWar
 
 from hf_triforce import TriForceConfig
 from hf_triforce.caches.buffer import BufferCache
+from hf_triforce.decoding import tiers
 from hf_triforce.decoding.forward import forward_logits
 from hf_triforce.drafters import model as drafter_module
 from hf_triforce.drafters.model import ModelDrafter
@@ -76,7 +77,7 @@ def vocabulary(model, prompt: torch.Tensor, frequent: int) -> torch.Tensor:
 def drafting_models(model, prompt: torch.Tensor, frequent: int) -> dict:
     models = {"model": model, "int8": int8_copy(model)}
     for precision in lean.LEAN_PRECISIONS:
-        models[precision] = lean.lean_model(model, precision)
+        models[precision] = tiers.lean_model(model, precision)
     models["lean-int4/vocab"] = models["lean-int4"].restricted(vocabulary(model, prompt, frequent))
     return models
 
@@ -169,13 +170,13 @@ def acceptance(model, ids, prefix, new: int, frequent: int, samples: int) -> dic
         out[f"static {mode}"] = {"decode_seconds": walls, "load": load()}
         print(f"  {'static (baseline)':28s} {mode:8s} decode {statistics.median(walls):6.1f} s  load {load()}",
               flush=True)
-    real_tier_model, real_force2 = drafter_module.tier_model, dict(lean.FORCE2_PRECISION)
+    real_tier_model, real_force2 = drafter_module.tier_model, dict(tiers.FORCE2_PRECISION)
     subset = vocabulary(model, ids, frequent)
     for label, precision, force2, restricted in variants:
         if force2 is not None:
-            lean.FORCE2_PRECISION[precision] = force2
+            tiers.FORCE2_PRECISION[precision] = force2
         if restricted:
-            drafter_module.tier_model = lambda m, p, tier: real_tier_model(m, p, tier).restricted(subset)
+            drafter_module.tier_model = lambda m, p, tier, *rest: real_tier_model(m, p, tier, *rest).restricted(subset)
         try:
             for mode, sampling, seeds in (("greedy", {"do_sample": False}, [0]), ("sampled", SAMPLING, range(samples))):
                 config = TriForceConfig(draft="self", policy="fixed", levels=3, gamma1=2, gamma2=6,
@@ -197,14 +198,14 @@ def acceptance(model, ids, prefix, new: int, frequent: int, samples: int) -> dic
                     "runs": len(runs), "decode_seconds": [seconds for seconds, _ in runs],
                     "force1_seconds_per_draft": total["force1_seconds"] / max(total["force1_proposed"], 1),
                     "force2_seconds_per_verification": total["force2_seconds"] / max(total["force2_steps"], 1),
-                    "draft_forward": runs[0][1].draft_forward, "load": load()}
+                    "tier_forwards": runs[0][1].tier_forwards, "load": load()}
                 print(f"  {label:28s} {mode:8s} F2 acc {row['force2_acceptance']:.3f}  F3 acc "
                       f"{row['force3_acceptance']:.3f}  decode {statistics.median(row['decode_seconds']):6.1f} s  F1 "
                       f"{1e3 * row['force1_seconds_per_draft']:6.2f} ms/draft  F2 "
                       f"{1e3 * row['force2_seconds_per_verification']:6.2f} ms/verify  load {load()}", flush=True)
         finally:
             drafter_module.tier_model = real_tier_model
-            lean.FORCE2_PRECISION.update(real_force2)
+            tiers.FORCE2_PRECISION.update(real_force2)
     return out
 
 
@@ -228,7 +229,7 @@ def default_policy(model, ids, prefix, new: int) -> dict:
                                             "load": load()}
             if stats is not None:
                 row.update(plan_steps=stats.plan_steps, force2_acceptance=stats.force2_acceptance,
-                           force3_acceptance=stats.force3_acceptance, draft_forward=stats.draft_forward)
+                           force3_acceptance=stats.force3_acceptance, tier_forwards=stats.tier_forwards)
             print(f"  {mode:8s} {label:32s} {new / seconds:6.2f} tok/s "
                   + ("" if stats is None else f"steps by levels {stats.plan_steps} F2 {stats.force2_acceptance:.2f} "
                      f"F3 {stats.force3_acceptance:.2f}") + f" load {load()}", flush=True)

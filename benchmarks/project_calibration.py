@@ -63,7 +63,7 @@ import numpy as np
 
 from hf_triforce.config import TriForceConfig
 from hf_triforce.decoding.policy import Plan
-from hf_triforce.kernels.lean import FORCE2_PRECISION
+from hf_triforce.decoding.tiers import FORCE2_PRECISION
 from hf_triforce.tools.project import (
     DEVICES,
     GPU_LAYER_OVERHEAD,

@@ -19,7 +19,7 @@ import torch
 
 from hf_triforce.caches.buffer import BufferCache
 from hf_triforce.caches.sink_window import SinkWindowCache, make_layer_rerotations
-from hf_triforce.kernels.lean import lean_model
+from hf_triforce.decoding.tiers import lean_model
 from hf_triforce.tools.assets import essays, load_smollm2
 
 

@@ -31,8 +31,8 @@ from .decoding.candidates import TriForceCandidateGenerator
 from .decoding.forward import prefill
 from .decoding.output import PaddedView
 from .decoding.preflight import check_model
+from .decoding.tiers import drafting_models
 from .kernels.attention import recording
-from .kernels.lean import drafting_models
 from .kernels.linear_routes import linear_routes
 from .kernels.row_mixing import RowsApart
 from .verification.sampling import Sampler

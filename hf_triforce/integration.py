@@ -25,8 +25,9 @@ from . import compat
 from .config import TriForceConfig
 from .decoding.loop import Decoder
 from .decoding.preflight import check_batch_request, check_model
+from .decoding.tiers import check_lean_eligible, drafting_models
 from .kernels.attention import wrapped_name
-from .kernels.lean import LEAN_PRECISIONS, check_lean_eligible, drafting_models
+from .kernels.lean import LEAN_PRECISIONS
 from .kernels.quantized import check_int8_eligible
 from .kernels.row_mixing import ROW_INDEPENDENT_MAX_ROWS, row_mixing_layers
 from .stats import TriForceStats

@@ -34,7 +34,7 @@ class TriForceStats:
     # forward it ran: "lean" (`kernels.lean` at draft_precision), "eager" (the transformers forward of the model as
     # given, or of its int8 copy), or "eager (<why>)" where a lean precision was asked for a model the lean forward
     # does not cover, or where draft_precision="auto" fell back to "model"
-    draft_forward: dict = field(default_factory=dict)
+    tier_forwards: dict = field(default_factory=dict)
     # TriForceConfig.tier_compile other than "off": {"mode", "forwards" (fixed-shape forwards run), "compiles" (graphs
     # compiled in this call: 0 once a model's first call has compiled), "compile_seconds"} (`kernels.fixed_shape`)
     tier_compile: dict = field(default_factory=dict)
@@ -74,6 +74,11 @@ class TriForceStats:
     def force3_acceptance(self) -> float:
         """Tokens accepted by Force 3 / proposed to it."""
         return self.force3_accepted / self.force2_proposed if self.force2_proposed else 0.0
+
+    @property
+    def draft_forward(self) -> dict:
+        """`tier_forwards` under the name earlier releases gave it (read-only; see CHANGELOG.md)."""
+        return self.tier_forwards
 
     @property
     def tokens_per_force3_step(self) -> float:

@@ -18,8 +18,8 @@ from transformers import LogitsProcessorList, TopKLogitsWarper
 
 from hf_triforce import TriForceConfig
 from hf_triforce.caches.buffer import BufferCache
+from hf_triforce.decoding.tiers import lean_model
 from hf_triforce.kernels.fixed_shape import FixedShapeForward
-from hf_triforce.kernels.lean import lean_model
 
 from .conftest import make_model, random_prompt
 from .families import make_family
@@ -176,7 +176,7 @@ def test_native_fixed_shapes_draft_what_the_native_forward_drafts():
     native = assert_identical(model, prompt, _config(draft_precision="native"))
     fixed = assert_identical(model, prompt, _config(draft_precision="native", tier_compile="fixed"))
     assert {c: getattr(fixed, c) for c in COUNTS} == {c: getattr(native, c) for c in COUNTS}
-    assert native.draft_forward == {"force1 self": "lean", "force2": "lean"} and native.tier_compile == {}
+    assert native.tier_forwards == {"force1 self": "lean", "force2": "lean"} and native.tier_compile == {}
 
 
 def test_graph_mode_and_auto_on_the_cpu():

@@ -19,16 +19,11 @@ from transformers import LogitsProcessorList, TopKLogitsWarper
 from hf_triforce import TriForceConfig
 from hf_triforce.caches.buffer import BufferCache
 from hf_triforce.caches.ragged import RaggedBufferCache
+from hf_triforce.decoding import tiers
 from hf_triforce.decoding.forward import ragged_forward
+from hf_triforce.decoding.tiers import forget_lean_copy, lean_copy_bytes, lean_model
 from hf_triforce.kernels import lean
-from hf_triforce.kernels.lean import (
-    LEAN_PRECISIONS,
-    LeanModel,
-    Projection,
-    forget_lean_copy,
-    lean_copy_bytes,
-    lean_model,
-)
+from hf_triforce.kernels.lean import LEAN_PRECISIONS, LeanModel, Projection
 
 from .conftest import make_model, random_prompt
 from .families import make_family
@@ -69,8 +64,8 @@ def test_fp32_lean_drafts_what_the_eager_forward_drafts(family, lean_calls):
         eager = assert_identical(model, prompt, _config(**extra))
         fast = assert_identical(model, prompt, _config(draft_precision="lean", **extra))
         tiers = ["force1 self"] + ["force2"] * (extra.get("levels", 3) == 3)
-        assert fast.draft_forward == dict.fromkeys(tiers, "lean")
-        assert eager.draft_forward == dict.fromkeys(tiers, "eager")
+        assert fast.tier_forwards == dict.fromkeys(tiers, "lean")
+        assert eager.tier_forwards == dict.fromkeys(tiers, "eager")
         assert {c: getattr(fast, c) for c in counts} == {c: getattr(eager, c) for c in counts}, extra
     assert "lean" in lean_calls
 
@@ -100,7 +95,7 @@ def test_greedy_identity_with_quantized_lean_tiers(family, precision, draft, lev
         draft = make_model(family, num_hidden_layers=1, seed=5)
     stats = assert_identical(model, random_prompt(150, period=37), _config(draft, levels=levels,
                                                                             draft_precision=precision))
-    assert stats.draft_forward == dict.fromkeys(tiers, "lean") and stats.draft_precision == precision
+    assert stats.tier_forwards == dict.fromkeys(tiers, "lean") and stats.draft_precision == precision
     assert stats.force3_steps > 0 and lean_calls == [precision] * len(lean_calls)
     assert len(lean_calls) > 10
 
@@ -130,8 +125,8 @@ def test_greedy_trees_with_lean_tiers(precision, levels, lean_calls):
 def test_other_families_draft_with_their_eager_forward_and_say_so(lean_calls):
     model = make_model("gemma")
     stats = assert_identical(model, random_prompt(120, period=37), _config(draft_precision="lean-int4"))
-    assert set(stats.draft_forward) == {"force1 self", "force2"} and not lean_calls
-    assert all(forward.startswith("eager (GemmaForCausalLM is not one of") for forward in stats.draft_forward.values())
+    assert set(stats.tier_forwards) == {"force1 self", "force2"} and not lean_calls
+    assert all(forward.startswith("eager (GemmaForCausalLM is not one of") for forward in stats.tier_forwards.values())
 
 
 def test_a_draft_model_the_lean_forward_does_not_cover_drafts_eager_beside_a_lean_force2(lean_calls):
@@ -139,9 +134,9 @@ def test_a_draft_model_the_lean_forward_does_not_cover_drafts_eager_beside_a_lea
     Force 2."""
     target, draft = make_model("llama-gqa", logit_scale=3.0), make_model("gemma", seed=4, num_hidden_layers=1)
     stats = assert_identical(target, random_prompt(120, period=37), _config(draft, draft_precision="lean-int4"))
-    assert stats.draft_precision == "lean-int4" and set(stats.draft_forward) == {"force1 model", "force2"}
-    assert stats.draft_forward["force1 model"].startswith("eager (GemmaForCausalLM is not one of")
-    assert stats.draft_forward["force2"] == "lean" and lean_calls == ["lean-int4"] * len(lean_calls) and lean_calls
+    assert stats.draft_precision == "lean-int4" and set(stats.tier_forwards) == {"force1 model", "force2"}
+    assert stats.tier_forwards["force1 model"].startswith("eager (GemmaForCausalLM is not one of")
+    assert stats.tier_forwards["force2"] == "lean" and lean_calls == ["lean-int4"] * len(lean_calls) and lean_calls
 
 
 @pytest.mark.parametrize("policy", ["fixed", "auto"])
@@ -153,8 +148,8 @@ def test_lookup_drafts_verified_by_force3_alone_run_no_drafting_forward_and_copy
     config = _config("ngram", levels=2, policy=policy, draft_precision=precision)
     stats = assert_identical(model, random_prompt(150, period=37), config)
     assert stats.force1_proposed > 0 and stats.plan_steps.get(2, 0) > 0
-    assert (stats.draft_precision, stats.draft_forward) == ("none", {})
-    assert lean.lean_copy_bytes(model) == 0 and stats.draft_copy_seconds < 0.01
+    assert (stats.draft_precision, stats.tier_forwards) == ("none", {})
+    assert tiers.lean_copy_bytes(model) == 0 and stats.draft_copy_seconds < 0.01
 
 
 # --- exactness of the sampled law -----------------------------------------------------------------------------
@@ -351,24 +346,25 @@ def test_the_default_precision_runs_lean_int4_where_the_lean_forward_covers_the_
     assert config.draft_precision == "auto"
     first = assert_identical(model, random_prompt(120, period=37), config)
     lean_tiers = {"force1 self": "lean", "force2": "lean"}
-    assert (first.draft_precision, first.draft_forward) == ("lean-int4", lean_tiers) and first.draft_copy_seconds > 0
+    assert (first.draft_precision, first.tier_forwards) == ("lean-int4", lean_tiers) and first.draft_copy_seconds > 0
     assert first.force2_accepted > 0
-    copy = lean.tier_model(model, "lean-int4", 1)
+    copy = tiers.tier_model(model, "lean-int4", 1)
     made = []
     with pytest.MonkeyPatch.context() as patch:  # the second call looks the copy up: no LeanModel is made
-        patch.setattr(lean, "LeanModel", lambda *args: made.append(args))
+        real_init = LeanModel.__init__
+        patch.setattr(LeanModel, "__init__", lambda self, *a, **k: made.append(a) or real_init(self, *a, **k))
         again = assert_identical(model, random_prompt(90, period=31, seed=2), config)
-    assert again.draft_precision == "lean-int4" and not made and lean.tier_model(model, "lean-int4", 1) is copy
+    assert again.draft_precision == "lean-int4" and not made and tiers.tier_model(model, "lean-int4", 1) is copy
     half = make_model("llama-gqa", logit_scale=3.0, seed=5).to(torch.float16)
     out = half.generate(random_prompt(60), max_new_tokens=6, triforce_config=config, return_dict_in_generate=True)
     stats = out.triforce_stats
-    assert stats.draft_precision == "model" and set(stats.draft_forward) == set(lean_tiers)
+    assert stats.draft_precision == "model" and set(stats.tier_forwards) == set(lean_tiers)
     assert all(forward.startswith("eager (draft_precision='auto': ") and "copies a float32 or bfloat16 model" in
-               forward for forward in stats.draft_forward.values())
+               forward for forward in stats.tier_forwards.values())
     gemma = make_family("gemma2")
     stats = gemma.generate(random_prompt(60), max_new_tokens=6, triforce_config=config,
                            return_dict_in_generate=True).triforce_stats
-    assert stats.draft_precision == "model" and "Gemma2ForCausalLM is not one of" in stats.draft_forward["force2"]
+    assert stats.draft_precision == "model" and "Gemma2ForCausalLM is not one of" in stats.tier_forwards["force2"]
 
 
 def test_a_bf16_model_drafts_on_a_quantized_lean_copy():
@@ -384,7 +380,7 @@ def test_a_bf16_model_drafts_on_a_quantized_lean_copy():
     config = TriForceConfig(draft="self", policy="fixed", retrieval_budget=64, chunk_size=8, sink_tokens=4,
                             window=24, gamma1=2, gamma2=4)
     stats = assert_identical(bf16, random_prompt(120, period=37), config)
-    assert stats.draft_forward == {"force1 self": "lean", "force2": "lean"} and stats.draft_precision == "lean-int4"
+    assert stats.tier_forwards == {"force1 self": "lean", "force2": "lean"} and stats.draft_precision == "lean-int4"
     assert stats.force2_accepted > 0
     with pytest.raises(ValueError, match="'lean' copies a float32 model; parameter"):
-        lean.check_lean_eligible(bf16, "lean")
+        tiers.check_lean_eligible(bf16, "lean")

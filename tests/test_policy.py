@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
 from transformers import LogitsProcessorList, TopKLogitsWarper
 
 from hf_triforce import TriForceConfig
-from hf_triforce.decoding.loop import Decoder, weight_bytes
+from hf_triforce.decoding.loop import Decoder
 from hf_triforce.decoding.policy import (
     FILL_ROW_FRACTION,
+    ROW_COST_SLOPE,
+    ROW_COST_SLOPES,
+    SLOPE_SPAN,
     UNMEASURED_FRACTION,
     AcceptanceRate,
     AdaptivePolicy,
@@ -17,6 +22,7 @@ from hf_triforce.decoding.policy import (
     TierCosts,
     expected_tokens,
 )
+from hf_triforce.decoding.tiers import weight_bytes
 from hf_triforce.integration import recording_attention
 
 from .conftest import FAMILIES, make_model, random_prompt
@@ -176,16 +182,15 @@ def test_stats_count_and_name_per_tier_what_ran(monkeypatch):
     assert 0 < stats.force2_verified < stats.force1_proposed  # two-level drafts are Force 1's, not Force 2's to verify
     assert stats.force2_acceptance == stats.force2_accepted / stats.force2_verified
     assert stats.draft_precision == "lean-int4"
-    assert set(stats.draft_forward) == {"force1 model", "force1 self", "force2"}
-    assert stats.draft_forward["force1 model"].startswith("eager (GemmaForCausalLM is not one of")
-    assert stats.draft_forward["force1 self"] == stats.draft_forward["force2"] == "lean"
+    assert set(stats.tier_forwards) == {"force1 model", "force1 self", "force2"}
+    assert stats.tier_forwards["force1 model"].startswith("eager (GemmaForCausalLM is not one of")
+    assert stats.tier_forwards["force1 self"] == stats.tier_forwards["force2"] == "lean"
 
 
 def test_a_target_the_lean_forward_does_not_cover_does_not_self_draft_beside_a_draft_model():
     """An explicit lean precision on a target the lean forward does not cover leaves it its eager forward: no self
     drafter is added beside the draft model (it would be a second full-cost target forward per drafted token)."""
-    from hf_triforce.decoding.loop import lean_self_drafting
-    from hf_triforce.kernels.lean import lean_support
+    from hf_triforce.decoding.tiers import lean_self_drafting, lean_support
 
     uncovered = make_model("gemma")
     assert lean_support(uncovered) is not None
@@ -300,6 +305,50 @@ def test_tier_costs_scale_unmeasured_rows():
     assert costs.estimate("force3", 1, 9.0) == pytest.approx(0.1)
     assert costs.estimate("force3", 9, 9.0) == pytest.approx(0.1 * 2.0)
     assert costs.estimate("force2", 3, 0.2) == pytest.approx(0.2 * 1.25)
+
+
+def test_tier_costs_learn_a_tier_s_row_slope_once_its_timings_span_enough_rows():
+    """Rows nearly free (a GPU forward bound by its reads): once timed over `SLOPE_SPAN` rows, longer chains are
+    priced by the tier's own slope, not the prior; over fewer rows the prior still prices them."""
+    costs = TierCosts()
+    costs.observe("force3", 1, 0.100)
+    costs.observe("force3", 2, 0.101)
+    assert costs.estimate("force3", 11, 9.0) == pytest.approx(0.101 * (1 + 0.125 * 10) / (1 + 0.125))
+    costs.observe("force3", 1 + SLOPE_SPAN, 0.103)
+    assert costs.estimate("force3", 11, 9.0) == pytest.approx(0.103 + 0.001 * (11 - 1 - SLOPE_SPAN))
+    costs.observe("force3", 1, 0.2)  # slower than the longest: never a negative per-row price
+    costs.observe("force3", 1, 0.2)
+    costs.observe("force3", 1, 0.2)
+    assert costs.estimate("force3", 11, 9.0) == pytest.approx(0.103)
+
+
+def test_row_cost_prior_follows_the_device():
+    from hf_triforce.decoding.loop import row_cost_slope
+
+    assert row_cost_slope(torch.nn.Linear(1, 1)) == ROW_COST_SLOPES["cpu"]
+    assert row_cost_slope(types.SimpleNamespace(device=torch.device("cuda", 0))) == ROW_COST_SLOPES["cuda"]
+    assert row_cost_slope(types.SimpleNamespace(device=torch.device("meta"))) == ROW_COST_SLOPE
+
+
+def _gpu_like_lookup_policy(slope: float) -> AdaptivePolicy:
+    """Force 3's rows nearly free beyond the first two measured (a read-bound GPU forward), lookups that match."""
+    policy = AdaptivePolicy({"ngram": "lookup"}, (), 2, 6, explore_every=1000, max_lookup_gamma2=10,
+                            row_cost_slope=slope)
+    for rows in (1, 2):
+        policy.observe_forward("force3", rows, 0.027 + 0.0003 * (rows - 1))
+    policy.observe_forward("draft:ngram", 1, 0.0)
+    for _ in range(30):
+        policy.observe_lookup("ngram", True, 0.9)
+    return policy
+
+
+def test_gpu_prior_lets_lookup_chains_grow_where_cpu_prior_keeps_them_short():
+    """With only one- and two-row Force-3 timings, the device's prior prices longer chains: on a GPU's (rows nearly
+    free) the policy verifies long lookup chains; the CPU's (rows dear) keeps them shorter."""
+    gpu = _gpu_like_lookup_policy(ROW_COST_SLOPES["cuda"]).choose()
+    cpu = _gpu_like_lookup_policy(ROW_COST_SLOPES["cpu"]).choose()
+    assert gpu.levels == cpu.levels == 2 and gpu.drafter == "ngram"
+    assert gpu.gamma2 == 10 and cpu.gamma2 < gpu.gamma2, (gpu, cpu)
 
 
 def test_policy_prefers_plain_when_drafts_are_rejected_and_lookup_when_they_pass():

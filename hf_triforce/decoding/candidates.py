@@ -43,13 +43,12 @@ from ..drafters import DraftContext, build_drafter
 from ..drafters.model import ModelDrafter
 from ..drafters.registry import MODEL_DRAFTER
 from ..kernels.attention import QueryRecorder
-from ..kernels.lean import resolve_draft_precision, tier_model
 from ..stats import TriForceStats
 from ..verification.sampling import ChainVerifier, Sampler, TorchSampler
 from ..verification.scoring import row_processors
 from .levels import Force1Level, Force2Level, NoDrafter
-from .loop import tier_forward
 from .steps import run_inline
+from .tiers import resolve_draft_precision, tier_forward, tier_model
 
 
 class CacheView:
@@ -163,13 +162,13 @@ class TriForceCandidateGenerator(compat.CandidateGenerator):
             self.level = Force2Level(tier_model(model, config.draft_precision, 2, config.tier_compile), NoDrafter(),
                                      config, processors, self.force2_verifier, full_cache)
             self.level.use(self.drafter)
-        # per tier that runs a drafting forward, the forward it runs (as `Decoder.draft_forwards` reports it)
+        # per tier that runs a drafting forward, the forward it runs (as `Decoder.tier_forwards` reports it)
         models = {}
         if isinstance(self.drafter, ModelDrafter):
             models[f"force1 {config.draft if isinstance(config.draft, str) else MODEL_DRAFTER}"] = self.drafter.model
         if config.levels == 3:
             models["force2"] = self.level.model
-        self.stats.draft_forward = {
+        self.stats.tier_forwards = {
             tier: tier_forward(tier_model_, config.draft_precision) if not_lean is None
             else f"eager (draft_precision='auto': {not_lean})" for tier, tier_model_ in models.items()}
         self.queries: dict[int, torch.Tensor] | None = None  # per layer, the query of the last cached token

@@ -35,7 +35,6 @@ from ..config import TriForceConfig
 from ..drafters import DRAFTERS, DraftContext, build_drafter
 from ..drafters.model import ModelDrafter
 from ..drafters.registry import MODEL_DRAFTER, drafting_sequence, spec_of
-from ..kernels.lean import LEAN_PRECISIONS, LeanModel, lean_support, resolve_draft_precision, tier_model
 from ..kernels.linear_routes import linear_routes
 from ..kernels.row_mixing import RowsApart
 from ..stats import TriForceStats
@@ -46,9 +45,17 @@ from .force3 import Force3, RaggedForce3
 from .levels import Candidates, Force1Level, Force2Level, NoDrafter
 from .lockstep import Lockstep
 from .output import DecodeResult, Output, PaddedView
-from .policy import AdaptivePolicy, Plan
+from .policy import ROW_COST_SLOPE, ROW_COST_SLOPES, AdaptivePolicy, Plan
 from .report import LookupAcceptances, RowOutcome, StepRecord
 from .sizing import lookup_gamma2
+from .tiers import (
+    kv_bytes_per_token,
+    lean_self_drafting,
+    resolve_draft_precision,
+    tier_forward,
+    tier_model,
+    weight_bytes,
+)
 
 
 def adaptive_policy(config: TriForceConfig, draft_name: str, max_length: int, target=None) -> AdaptivePolicy | None:
@@ -57,7 +64,7 @@ def adaptive_policy(config: TriForceConfig, draft_name: str, max_length: int, ta
     too if ``levels=3`` and the request (``max_length`` tokens) is longer than the retrieval budget, with
     tree plans beside the chain plans where the config sets ``tree_nodes`` (drafters that propose trees) or
     ``force2_tree_nodes`` (three levels); ``"fixed"``: None (every step runs the configured plan).
-    ``config.draft_precision`` must be concrete (`lean.resolve_draft_precision`)."""
+    ``config.draft_precision`` must be concrete (`tiers.resolve_draft_precision`)."""
     if config.policy == "fixed":
         return None
     kinds = {draft_name: spec_of(config.draft).kind}
@@ -72,51 +79,13 @@ def adaptive_policy(config: TriForceConfig, draft_name: str, max_length: int, ta
     return AdaptivePolicy(kinds, three, config.gamma1, config.gamma2, config.explore_every,
                           tree_drafters=trees, tree_nodes=config.tree_nodes if trees else 0,
                           force2_tree_nodes=config.force2_tree_nodes, tree_branch=config.tree_branch,
-                          max_lookup_gamma2=lookup_gamma2(config))
+                          max_lookup_gamma2=lookup_gamma2(config), row_cost_slope=row_cost_slope(target))
 
 
-def lean_self_drafting(config: TriForceConfig, target) -> bool:
-    """Whether the auto policy may also draft with ``target``'s own lean copy beside the draft model ``config.draft``:
-    where that copy runs lean (Force 2 runs it anyway: no more weight memory; not the target's eager forward) and the
-    self drafter keeps its tokens at their absolute positions (``draft_positions="slots"``, asked for the draft
-    model, would re-rotate the target's keys, which the preflight checks for the configured drafter only). On the
-    Qwen2.5-Coder pair at 2k (sampled) TriForceConfig(draft=<the 0.5B>) without it runs 0.86x static-cache generate
-    while TriForceConfig()'s best plan there, self g2, runs 1.4x (docs/results.md, "Current results")."""
-    if isinstance(config.draft, str) or config.draft_positions == "slots":
-        return False
-    return config.draft_precision in LEAN_PRECISIONS and lean_support(target) is None
-
-
-def tier_forward(model, precision: str) -> str:
-    """The forward a tier running ``model`` (what `lean.tier_model` returned for ``precision``) computes with:
-    ``"lean"`` (a `LeanModel`), ``"eager"`` (the transformers forward of a model as given or of its int8 copy), or
-    ``"eager (<why>)"`` where a lean precision was asked for a model the lean forward does not cover."""
-    if isinstance(model, LeanModel):
-        return "lean"
-    why = lean_support(model) if precision in LEAN_PRECISIONS else None
-    return "eager" if why is None else f"eager ({why})"
-
-
-def kv_bytes_per_token(model) -> int:
-    """Bytes one position of ``model``'s KV cache holds (keys and values of every layer, in its dtype)."""
-    config = model.config.get_text_config()
-    heads = config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    dtype = next(model.parameters()).dtype
-    return 2 * compat.num_layers(config) * kv_heads * head_dim * torch.finfo(dtype).bits // 8
-
-
-def weight_bytes(model) -> int:
-    """Bytes of weights one forward of ``model`` reads: a lean copy's (`LeanModel.weight_bytes`), or every parameter
-    but an input embedding that is not also the output layer (a forward reads one row of it)."""
-    if isinstance(model, LeanModel):
-        return model.weight_bytes()
-    embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
-    tied = getattr(head, "weight", None) is embedding.weight  # an int8 copy's output layer holds int8 buffers
-    skip = set() if tied else {id(embedding.weight)}
-    tensors = {id(t): t for t in [*model.parameters(), *model.buffers()] if id(t) not in skip}
-    return sum(t.numel() * t.element_size() for t in tensors.values())
+def row_cost_slope(target) -> float:
+    """The per-row cost prior of ``target``'s device type (`policy.ROW_COST_SLOPES`; a CPU's for any other)."""
+    device = getattr(target, "device", None)
+    return ROW_COST_SLOPES.get(getattr(device, "type", "cpu"), ROW_COST_SLOPE)
 
 
 def aggregate(row_stats: list[TriForceStats], force3_seconds: float, prefill_seconds: float) -> TriForceStats:
@@ -317,7 +286,7 @@ class Decoder:
 
     def _tier_models(self) -> list:
         """The models Force 1 and Force 2 run for the config's drafting precision in the plans this call may choose
-        (`lean.tier_model`: the models themselves for ``"model"``): Force 2's where a plan has three levels, the self
+        (`tiers.tier_model`: the models themselves for ``"model"``): Force 2's where a plan has three levels, the self
         drafter's and a draft model's where they may draft. A lookup drafter verified by Force 3 alone runs none, so
         no copy is made."""
         three, drafters = self.drafting_tiers()
@@ -445,7 +414,7 @@ class Decoder:
             level.commit(out.sequence, accepted, proposed_of(candidates), row.queries, emitted[:committed])
         return accepted, committed
 
-    def draft_forwards(self) -> dict[str, str]:
+    def tier_forwards(self) -> dict[str, str]:
         """Per tier that ran a drafting forward in a step (``"force1 <drafter>"``, ``"force2"``), the forward it ran
         (`tier_forward`; where ``draft_precision="auto"`` fell back to the models as given, why). Lookup drafters
         run none."""
@@ -462,10 +431,10 @@ class Decoder:
     def _result(self, prompts: list[torch.Tensor], rows: list[Row]) -> DecodeResult:
         for row in rows:
             row.out.end()
-        forwards, (three, drafters) = self.draft_forwards(), self.drafting_tiers()
+        forwards, (three, drafters) = self.tier_forwards(), self.drafting_tiers()
         force2 = self.levels_by_plan.get((3, ""), [])
         for b, stats in enumerate(self.stats):
-            stats.draft_forward = dict(forwards)
+            stats.tier_forwards = dict(forwards)
             stats.draft_precision = self.config.draft_precision if three or drafters else "none"
             stats.force1_seconds = self.drafting_seconds(b)
             stats.new_tokens = rows[b].out.sequence.shape[1] - prompts[b].shape[1]

@@ -12,7 +12,8 @@ identical to plain ``generate``.
 The cost model, measured online in the same call:
 
 - seconds per forward of each tier by number of rows (`TierCosts`, exponential moving averages; an unmeasured
-  row count is scaled from the nearest measured one by `ROW_COST_SLOPE`), and the per-step overhead;
+  row count is priced from the nearest measured one at a per-row slope: the device's prior `ROW_COST_SLOPES`, then
+  the tier's own once its timings span `SLOPE_SPAN` rows), and the per-step overhead;
 - acceptance per level as a geometric rate ``a = accepted / (accepted + rejections)`` (`AcceptanceRate`), so
   a chain of ``g`` proposals yields ``(1 - a^(g+1)) / (1 - a)`` tokens per verification;
 - a candidate tree of depth ``g`` is priced the same way, from its own rate (measured on tree steps only:
@@ -48,9 +49,15 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from .report import StepRecord
 
-# Extra cost of each additional row of a forward, as a fraction of a one-row forward, until measured
-# (SmolLM2-135M fp32, 2 CPU threads: 9 rows cost about 2x one row, docs/results.md).
-ROW_COST_SLOPE = 0.125
+# Extra cost of each additional row of a forward, as a fraction of a one-row forward, until a tier's own rows are
+# measured over `SLOPE_SPAN` rows, by device type: a CPU forward is compute-bound (SmolLM2-135M fp32, 2 threads: 9
+# rows cost about 2x one row, docs/results.md); a GPU forward of a few rows is bound by its reads (an 8B shape at
+# 32k on an H200, graphed: 7 rows 1.08x one row, docs/gpu_check.md).
+ROW_COST_SLOPES = {"cpu": 0.125, "cuda": 0.015}
+ROW_COST_SLOPE = ROW_COST_SLOPES["cpu"]  # any other device
+# A tier's per-row cost is fitted from its own timings once they cover this many rows between the fewest and the
+# most measured: over fewer, one disturbed timing would set the price of every longer chain.
+SLOPE_SPAN = 3
 EMA = 0.3  # weight of the newest step in the moving averages of calibration and overhead
 # A tier's cost is the lower median of its last few timings: a timing disturbed by another job (always slower) moves
 # it only once most recent timings are slow, so one disturbed forward cannot decide the plans of the rest of a call
@@ -121,9 +128,12 @@ def expected_tokens(rate: float, gamma: int) -> float:
 
 
 class TierCosts:
-    """Seconds per forward of each tier by rows: the lower median of its last `RECENT_TIMINGS` timings."""
+    """Seconds per forward of each tier by rows: the lower median of its last `RECENT_TIMINGS` timings. A row count
+    not measured is priced from the nearest measured one, each extra row at ``slope`` of a one-row forward until the
+    tier's timings span `SLOPE_SPAN` rows, then at the slope those timings show (never negative)."""
 
-    def __init__(self) -> None:
+    def __init__(self, slope: float = ROW_COST_SLOPE) -> None:
+        self.slope = slope
         self.seconds: dict[str, dict[int, float]] = {}  # tier -> rows -> seconds (the estimate)
         self._recent: dict[tuple[str, int], deque[float]] = {}
 
@@ -136,11 +146,15 @@ class TierCosts:
         """Measured, else scaled from the nearest measured row count, else ``fallback`` (a one-row cost)."""
         measured = self.seconds.get(tier)
         if not measured:
-            return fallback * (1 + ROW_COST_SLOPE * (rows - 1))
+            return fallback * (1 + self.slope * (rows - 1))
         if rows in measured:
             return measured[rows]
         nearest = min(measured, key=lambda r: abs(r - rows))
-        return measured[nearest] * (1 + ROW_COST_SLOPE * (rows - 1)) / (1 + ROW_COST_SLOPE * (nearest - 1))
+        fewest, most = min(measured), max(measured)
+        if most - fewest >= SLOPE_SPAN:  # seconds per extra row, from the tier's own timings
+            per_row = max(measured[most] - measured[fewest], 0.0) / (most - fewest)
+            return measured[nearest] + per_row * (rows - nearest)
+        return measured[nearest] * (1 + self.slope * (rows - 1)) / (1 + self.slope * (nearest - 1))
 
 
 class AcceptanceRate:
@@ -183,7 +197,8 @@ class AdaptivePolicy:
     the drafters TriForce's three-level plan may use as Force 1 (empty: no three-level plan);
     ``max_gamma1/2``: bounds (``max_lookup_gamma2``: of a lookup drafter's two-level chains, default ``max_gamma2``).
     ``prior_fractions``: ``{tier: fraction}``, a one-row forward of a tier not yet
-    timed as a fraction of Force 3's. ``tree_drafters``: the drafters that may propose trees of ``tree_nodes`` nodes
+    timed as a fraction of Force 3's; ``row_cost_slope``: an extra row's cost until measured (`ROW_COST_SLOPES`).
+    ``tree_drafters``: the drafters that may propose trees of ``tree_nodes`` nodes
     (plans with ``force1_tree``: gammas below ``tree_nodes``); ``force2_tree_nodes > 0``: three-level plans may
     have Force 2 hand Force 3 a tree of that many nodes (``force2_tree``); ``tree_branch``: children per node.
     """
@@ -192,7 +207,7 @@ class AdaptivePolicy:
                  explore_every: int, setup_seconds: dict[str, float | None] | None = None,
                  tree_drafters: tuple[str, ...] = (), tree_nodes: int = 0, force2_tree_nodes: int = 0,
                  tree_branch: int = 2, prior_fractions: dict[str, float] | None = None,
-                 max_lookup_gamma2: int | None = None) -> None:
+                 max_lookup_gamma2: int | None = None, row_cost_slope: float = ROW_COST_SLOPE) -> None:
         unknown = [name for name in (*three_level, *tree_drafters) if name not in drafters]
         if unknown:
             raise ValueError(f"three_level / tree drafters {unknown} are not among the drafters {tuple(drafters)}")
@@ -213,7 +228,7 @@ class AdaptivePolicy:
         self.max_gamma1, self.max_gamma2 = max_gamma1, max_gamma2
         # a lookup drafter's two-level chains may be longer (they cost nothing to draft)
         self.max_lookup_gamma2 = max(max_gamma2, max_lookup_gamma2 or 0)
-        self.costs = TierCosts()
+        self.costs = TierCosts(row_cost_slope)
         # a one-row forward of a tier not timed yet ("draft:<name>", "force2"), as a fraction of Force 3's one-row
         # forward (`UNMEASURED_FRACTION` where not given; the decoder gives the bytes each reads, `tier_fractions`)
         self.prior_fractions: dict[str, float] = dict(prior_fractions or {})

@@ -8,7 +8,8 @@ from ..caches.buffer import BufferCache
 from ..caches.sink_window import SinkWindowCache, copy_refusal, make_layer_rerotations
 from ..compat import layer_devices, num_layers
 from ..decoding.steps import ForwardRequest, Steps, run_inline
-from ..kernels.lean import LeanModel, tier_model
+from ..decoding.tiers import tier_model
+from ..kernels.lean import LeanModel
 from ..verification.draft_tree import DraftTree, agreement
 from ..verification.sampling import Sampler, scores_to_probs
 from ..verification.scoring import process_rows

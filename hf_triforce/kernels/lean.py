@@ -9,11 +9,11 @@ little per-op overhead:
 * fused projections: one matrix for Q, K and V (and their biases: Qwen2), one for gate and up;
 * weights per `LEAN_PRECISIONS`: ``"lean"`` fp32 (``F.linear``), ``"lean-int8"`` weight-only int8 (per output
   channel, ``aten._weight_int8pack_mm``), ``"lean-int4"`` weight-only int4 (asymmetric, `INT4_GROUP_SIZE` inputs
-  per scale and zero point, ``aten._weight_int4pack_mm_for_cpu``) with an int8 output layer; Force 2 runs
-  `FORCE2_PRECISION` (the same precision: measured fastest). The quantized products take bf16 activations:
-  this torch's CPU kernels for them are vectorized for bf16 only (fp32 activations take a scalar path, 10-25x
-  slower than fp32 ``F.linear``; measured on SmolLM2 shapes, 1 thread); the residual stream, norms and rotary
-  stay fp32, attention and the cache run in the model's dtype (fp32; bf16 for a bf16 model's int8/int4 copy);
+  per scale and zero point, ``aten._weight_int4pack_mm_for_cpu``) with an int8 output layer; ``"native"`` the
+  model's own weights, read in place. The quantized products take bf16 activations: this torch's CPU kernels
+  for them are vectorized for bf16 only (fp32 activations take a scalar path, 10-25x slower than fp32
+  ``F.linear``; measured on SmolLM2 shapes, 1 thread); the residual stream, norms and rotary stay fp32,
+  attention and the cache run in the model's dtype (fp32; bf16 for a bf16 model's int8/int4 copy);
 * RMSNorm as one ``F.rms_norm``, the rotary's cos/sin computed once per forward by the model's own rotary
   module (scaled RoPE types included), attention by SDPA over the cache's buffers (GQA-native: a KV head's
   query heads are extra rows), written through the same cache objects the eager forward uses
@@ -25,18 +25,16 @@ candidate tree's forward; a batch's per-row mask), so a row's logits do not depe
 rows or of other batch rows (tests/test_lean.py checks bit-identity). They do depend on how many rows a call
 has (kernel blocking), which is fixed before the call's tokens are drawn.
 
-Models this forward does not cover (other families, sliding-window layers, adapters, biases on layers it
-does not expect, another activation) run their eager transformers forward instead: `lean_model` returns the
-model itself and `lean_support` says why (``TriForceStats.draft_forward``, per tier). Models it cannot copy raise a
-ValueError naming the setting (`check_lean_eligible`): weights not fp32 (or bf16, for the quantized precisions:
-`LEAN_DTYPES`), not on the CPU, or offloaded.
+This module computes only: which models the forward covers and can copy, and which precision each tier runs, are
+decided in `hf_triforce.decoding.tiers` (a model it does not cover, e.g. another family, sliding-window layers,
+adapters, another activation, drafts with its eager transformers forward; one it cannot copy raises a ValueError
+naming the setting).
 """
 
 from __future__ import annotations
 
 import copy
-import weakref
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -59,21 +57,6 @@ LEAN_PRECISIONS = {
     # forward at fixed shapes is captured as a CUDA graph (`fixed_shape`, TriForceConfig.tier_compile="graph")
     "native": dict.fromkeys(PARTS, "model"),
 }
-# what TriForceConfig(draft_precision="auto") runs where the lean forward covers a model on a CUDA device
-AUTO_GPU_PRECISION = "native"
-# what TriForceConfig(draft_precision="auto"), the default, runs where the lean forward covers the model: the fastest
-# drafter measured (SmolLM2 at 8k on Paul Graham's essays, 2 threads: Force 1 at 0.12 of a static decode step per
-# drafted token against 0.64 for the eager fp32 forward, Force-2 acceptance 0.77; the adaptive policy with it 1.77x
-# static-cache generate greedy, 1.63x sampled; docs/results.md, "Lean drafting tiers")
-AUTO_PRECISION = "lean-int4"
-# the model dtypes each lean precision copies: the quantized ones quantize fp32 or bf16 weights; "lean" multiplies by
-# the fp32 weights themselves (a bf16 model's would be an fp32 copy twice its size). A bf16 model's activations are
-# fp32 in the lean forward too; its caches keep the model's dtype (attention runs in it)
-LEAN_DTYPES = {"lean": (torch.float32,), "lean-int8": (torch.float32, torch.bfloat16),
-               "lean-int4": (torch.float32, torch.bfloat16),
-               "native": (torch.float32, torch.bfloat16, torch.float16)}
-CPU_ONLY_PRECISIONS = ("lean", "lean-int8", "lean-int4")  # their copies and kernels are the CPU's
-SUPPORTED_CLASSES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 # inputs per int4 scale/zero point: the smallest group the CPU kernel takes (32, 64, 128, 256; it must divide every
 # input width). On SmolLM2, 64 costs 0.23 of agreement (0.759 against 0.988 with an fp32 output layer) -- but the
 # bundled SmolLM2 is dequantized from a Q4_1 GGUF (blocks of 32), so 32 reproduces its grid almost exactly
@@ -85,12 +68,10 @@ INT4_INNER_K_TILES = 2  # the packing's inner tiles (CPU kernel: no measured dif
 # in fp32 for any real logit x, and it stays finite under temperature, penalties and the other processors
 OUTSIDE_LOGIT = -1.0e4
 
-# ATen's weight-only CPU kernels (None where this torch lacks them: `check_lean_eligible` says so)
+# ATen's weight-only CPU kernels (None where this torch lacks them: `decoding.tiers.check_lean_eligible` says so)
 INT8_MM = getattr(torch.ops.aten, "_weight_int8pack_mm", None)
 INT4_MM = getattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu", None)
 INT4_PACK = getattr(torch.ops.aten, "_convert_weight_to_int4pack_for_cpu", None)
-
-_COPIES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {precision: LeanModel}
 
 
 @dataclass
@@ -222,7 +203,7 @@ class LeanLayer:
 
 
 class LeanModel:
-    """The lean forward of one model at one precision (`lean_model` makes and caches it).
+    """The lean forward of one model at one precision (`decoding.tiers.lean_model` makes and caches it).
 
     Called like the transformers model by the tiers: ``model(input_ids=, cache=, position_ids=,
     attention_mask=None, use_cache=True, logits_to_keep=k)``; returns a `LeanOutput`. Every other attribute
@@ -457,181 +438,3 @@ class _TreeMask:
 
 def _bottom_right(n: int, width: int, device) -> torch.Tensor:
     return torch.ones(n, width, dtype=torch.bool, device=device).tril(width - n)
-
-
-def lean_support(model: nn.Module) -> str | None:
-    """None where the lean forward computes ``model``'s architecture, else why not (the model then drafts with
-    its eager forward)."""
-    name = type(model).__name__
-    if name not in SUPPORTED_CLASSES:
-        return f"{name} is not one of {SUPPORTED_CLASSES}"
-    config = model.config
-    if getattr(config, "hidden_act", None) != "silu":
-        return f"activation {getattr(config, 'hidden_act', None)!r} (the lean forward computes silu)"
-    if getattr(config, "pretraining_tp", 1) != 1:
-        return f"pretraining_tp={config.pretraining_tp}"
-    if any(window is not None for window in compat.layer_windows(config)):
-        return "sliding-window layers"
-    rotary = compat.rotary_embedding(model)
-    if rotary is None or compat.layer_rotary(model, 0) is not rotary:
-        return "no single decoder rotary embedding"
-    decoder = model.get_decoder()
-    for index, layer in enumerate(decoder.layers):
-        attention, mlp = layer.self_attn, layer.mlp
-        linears = (attention.q_proj, attention.k_proj, attention.v_proj, attention.o_proj, mlp.gate_proj,
-                   mlp.up_proj, mlp.down_proj, model.get_output_embeddings())
-        if any(type(linear) is not nn.Linear for linear in linears):
-            return f"decoder layer {index} has projections that are not plain nn.Linear (adapters, quantized layers)"
-        subclassed = sorted({type(linear.weight.data).__name__ for linear in linears
-                             if type(linear.weight.data) is not torch.Tensor})
-        if subclassed:  # torchao's quantized weights: plain nn.Linear modules holding tensor subclasses
-            return f"decoder layer {index} has weights of tensor subclasses {subclassed} (quantized weights)"
-        for norm in (layer.input_layernorm, layer.post_attention_layernorm):
-            if getattr(norm, "variance_epsilon", None) != decoder.norm.variance_epsilon:
-                return f"decoder layer {index} has norms the lean forward does not compute"
-    head = model.get_output_embeddings()
-    if head.weight.shape[1] != config.hidden_size:
-        return "an output layer that does not read the hidden state"
-    return None
-
-
-def lean_refusal(model: nn.Module, precision: str) -> Exception | None:
-    """The error `lean_model` would raise for ``model`` at ``precision`` (None: it copies the model, or runs it as
-    given where `lean_support` says the lean forward does not cover it)."""
-    if precision not in LEAN_PRECISIONS:
-        return ValueError(f"draft_precision must be one of {tuple(LEAN_PRECISIONS)} here, got {precision!r}")
-    if lean_support(model) is not None:
-        return None  # drafts with its eager forward (TriForceStats.draft_forward says why)
-    for name, module in model.named_modules():
-        if compat.execution_device(module) is not None:
-            return ValueError(f"TriForceConfig.draft_precision={precision!r} copies the weights of a model loaded in "
-                              f"one piece on the CPU; module {name or 'model'!r} runs under an accelerate hook "
-                              "(device_map=): use draft_precision='int8' or 'model'")
-    for name, parameter in model.named_parameters():
-        if parameter.device.type != "cpu" and precision in CPU_ONLY_PRECISIONS:
-            return ValueError(f"TriForceConfig.draft_precision={precision!r} runs on CPU only; parameter {name!r} "
-                              f"is on {parameter.device} (use draft_precision='model' there)")
-        if parameter.dtype not in LEAN_DTYPES[precision]:
-            allowed = " or ".join(str(dtype).removeprefix("torch.") for dtype in LEAN_DTYPES[precision])
-            return ValueError(f"TriForceConfig.draft_precision={precision!r} copies a {allowed} model; parameter "
-                              f"{name!r} is {parameter.dtype}")
-    config = model.config
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    widths = {"qkv": config.hidden_size, "o": config.num_attention_heads * head_dim, "gate_up": config.hidden_size,
-              "down": config.intermediate_size, "head": config.hidden_size}
-    bad = sorted({widths[part] for part, kind in LEAN_PRECISIONS[precision].items()
-                  if kind == "int4" and widths[part] % INT4_GROUP_SIZE})
-    if bad:
-        return ValueError(f"TriForceConfig.draft_precision={precision!r}: input widths {bad} are not multiples of the "
-                          f"int4 group size {INT4_GROUP_SIZE}; use draft_precision='lean-int8'")
-    kernels = {"int8": ("_weight_int8pack_mm", INT8_MM), "int4": ("_weight_int4pack_mm_for_cpu", INT4_MM)}
-    for kind in sorted(set(LEAN_PRECISIONS[precision].values()) & set(kernels)):
-        name, kernel = kernels[kind]
-        if kernel is None or (kind == "int4" and INT4_PACK is None):
-            return RuntimeError(f"TriForceConfig.draft_precision={precision!r} needs torch.ops.aten.{name}, which "
-                                f"torch {torch.__version__} does not provide")
-    return None
-
-
-def check_lean_eligible(model: nn.Module, precision: str) -> None:
-    """Raise the error `lean_model` would raise for ``model`` (checked before a long prefill)."""
-    refusal = lean_refusal(model, precision)
-    if refusal is not None:
-        raise refusal
-
-
-def resolve_draft_precision(config, target: nn.Module):
-    """``(config, why)``: ``config`` with ``draft_precision="auto"`` made concrete for ``target`` (and a draft model
-    ``config.draft``): `AUTO_PRECISION` where the lean forward covers and can copy every drafting model, else
-    ``"model"``, with ``why`` naming what kept it from the lean forward (None: it runs lean, or was not "auto")."""
-    if config.draft_precision != "auto":
-        return _resolve_tier_compile(config, target), None
-    models = drafting_models(config, target)
-    on_gpu = any(p.device.type == "cuda" for model in models for p in model.parameters())
-    precision = AUTO_GPU_PRECISION if on_gpu else AUTO_PRECISION
-    reasons = []
-    for model in models:
-        refusal = lean_refusal(model, precision)  # None where lean_support says the lean forward does not cover it
-        reason = lean_support(model) or (str(refusal) if refusal is not None else None)
-        if reason is not None:
-            reasons.append(reason)
-    if reasons and config.tier_compile not in ("off", "auto"):
-        raise ValueError(f"TriForceConfig(draft_precision='auto', tier_compile={config.tier_compile!r}): this model "
-                         f"drafts with its eager forward ({'; '.join(reasons)}), which tier_compile does not compile; "
-                         "use tier_compile='off'")
-    resolved = replace(config, draft_precision="model" if reasons else precision)
-    return _resolve_tier_compile(resolved, target), "; ".join(reasons) or None
-
-
-def _resolve_tier_compile(config, target: nn.Module):
-    """``tier_compile="auto"`` made concrete: CUDA graphs where the tiers run the native lean forward on a CUDA
-    device (launch-bound otherwise), else ``"off"``."""
-    on_gpu = next(target.parameters()).device.type == "cuda"
-    if config.tier_compile == "graph" and not on_gpu:
-        raise ValueError(f"TriForceConfig.tier_compile='graph' captures CUDA graphs; this model is on "
-                         f"{next(target.parameters()).device} (use 'fixed' or 'compile' there)")
-    if config.tier_compile != "auto":
-        return config
-    covered = all(lean_support(model) is None for model in drafting_models(config, target))
-    return replace(config, tier_compile=_auto_tier_compile(config.draft_precision, target) if covered else "off")
-
-
-def _auto_tier_compile(precision: str, model: nn.Module) -> str:
-    """What ``tier_compile="auto"`` runs for ``model``'s tiers at ``precision``."""
-    on_gpu = next(model.parameters()).device.type == "cuda"
-    return "graph" if precision == "native" and on_gpu else "off"
-
-
-def lean_model(model: nn.Module, precision: str):
-    """The cached `LeanModel` of ``model`` at ``precision`` (a key of `LEAN_PRECISIONS`), or ``model`` itself
-    where `lean_support` says the lean forward does not cover it."""
-    if lean_support(model) is not None:
-        return model
-    copies = _COPIES.setdefault(model, {})
-    if precision not in copies:
-        check_lean_eligible(model, precision)
-        copies[precision] = LeanModel(model, precision)
-    return copies[precision]
-
-
-def lean_copy_bytes(model: nn.Module) -> int:
-    """Bytes the cached lean copies of ``model`` hold (0: none)."""
-    return sum(copy.nbytes() for copy in _COPIES.get(model, {}).values())
-
-
-def forget_lean_copy(model: nn.Module) -> None:
-    """Drop the cached lean copies of ``model`` (after its weights changed)."""
-    _COPIES.pop(model, None)
-
-
-def drafting_models(config, target: nn.Module) -> list[nn.Module]:
-    """The models whose copies Force 1 and Force 2 may run under ``config``: the target where Force 2 may run
-    (``levels=3``) or the target may draft (a drafter that runs a model, ``"self"``; beside a draft model under
-    ``policy="auto"``, the self drafter: `loop.lean_self_drafting`), and the draft model ``config.draft`` if it is
-    one. A lookup drafter (``"ngram"``, ``"suffix"``) verified by Force 3 directly (``levels=2``) runs none."""
-    from ..drafters.registry import spec_of
-
-    draft_model = not isinstance(config.draft, str)
-    target_drafts = config.policy == "auto" if draft_model else spec_of(config.draft).kind == "model"
-    return ([target] if config.levels == 3 or target_drafts else []) + ([config.draft] if draft_model else [])
-
-
-# what Force 2 runs for each lean draft precision (Force 1 runs the precision itself). For "lean-int4", Force 2 on the
-# int4 copy lowers Force-3 acceptance (SmolLM2 at 8k, greedy: 0.879 against 0.947 with fp32) but costs 14 ms per
-# verification against 67 ms, and decodes fastest (7.8 s for 192 tokens; int8: 7.5 s; fp32: 11.5 s; sampled 9.0 /
-# 9.8 / 14.5 s; docs/results.md). Measured on a model dequantized from 4-bit (see INT4_GROUP_SIZE) only.
-FORCE2_PRECISION = {"lean": "lean", "lean-int8": "lean-int8", "lean-int4": "lean-int4", "native": "native"}
-
-
-def tier_model(model: nn.Module, precision: str, tier: int, tier_compile: str = "off"):
-    """The model Force ``tier`` (1 or 2) runs for ``TriForceConfig.draft_precision`` ``precision``: a lean copy
-    (`FORCE2_PRECISION` for Force 2; its `LeanModel.compiled` view unless ``tier_compile`` is ``"off"``), or
-    `quantized.drafting_model` for ``"model"`` / ``"int8"``."""
-    if precision in LEAN_PRECISIONS:
-        if tier_compile == "auto":  # a tier built outside a call's resolved config (`resolve_draft_precision`)
-            tier_compile = _auto_tier_compile(precision, model)
-        lean = lean_model(model, precision if tier == 1 else FORCE2_PRECISION[precision])
-        return lean if tier_compile == "off" or not isinstance(lean, LeanModel) else lean.compiled(tier_compile)
-    from .quantized import drafting_model
-
-    return drafting_model(model, precision)

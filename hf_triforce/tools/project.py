@@ -45,13 +45,14 @@ from typing import Any
 
 from ..config import DRAFT_PRECISIONS
 from ..decoding.policy import AdaptivePolicy, Plan, expected_tokens
-from ..kernels.lean import AUTO_PRECISION, FORCE2_PRECISION, INT4_GROUP_SIZE, LEAN_DTYPES, LEAN_PRECISIONS
+from ..decoding.tiers import AUTO_PRECISION, FORCE2_PRECISION, LEAN_DTYPES
+from ..kernels.lean import INT4_GROUP_SIZE, LEAN_PRECISIONS
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # Force 1 / Force 2 weights (`TriForceConfig.draft_precision`): "auto" resolves as the library does (`tier_precision`)
 _CONCRETE_PRECISIONS = tuple(p for p in DRAFT_PRECISIONS if p != "auto")
 # the model dtypes each drafting copy takes (the library refuses the rest): int8 quantizes fp32 models
-# (`kernels.quantized.check_int8_eligible`), the lean copies `kernels.lean.LEAN_DTYPES`
+# (`kernels.quantized.check_int8_eligible`), the lean copies `decoding.tiers.LEAN_DTYPES`
 PRECISION_DTYPES = {"model": tuple(DTYPE_BYTES), "int8": ("float32",),
                     **{p: tuple(str(d).removeprefix("torch.") for d in dtypes) for p, dtypes in LEAN_DTYPES.items()}}
 # the drafting copies whose products run weight-only quantized kernels (their bytes and FLOPs priced at a device's
@@ -468,7 +469,7 @@ def _triforce_config(config):
 
 def tier_precision(precision: str, dev: Device, models: list[ModelShape] | tuple = ()) -> str:
     """``TriForceConfig.draft_precision`` made concrete for Force 1 / Force 2 of ``models`` on ``dev``, as the
-    library resolves it (`kernels.lean.resolve_draft_precision`): ``"auto"`` is `AUTO_PRECISION` (lean-int4) where
+    library resolves it (`decoding.tiers.resolve_draft_precision`): ``"auto"`` is `AUTO_PRECISION` (lean-int4) where
     every model can be copied (a CPU device, a dtype of `PRECISION_DTYPES`, widths the int4 group divides), else
     ``"model"``; an explicit lean or int8 precision where the library would refuse it raises, naming it."""
     if precision not in DRAFT_PRECISIONS:
@@ -501,7 +502,7 @@ def tier_seconds(target: ModelShape, dev: Device, context: int, config=None, dra
     ``draft:<drafter>``, ``select``), for ``context`` cached tokens and a `TriForceConfig` (default
     ``TriForceConfig()``: its budget, chunk, sink + window, gammas up to ``gamma1`` / ``gamma2``,
     ``full_cache_device`` and ``draft_precision``: Force 1 and Force 2 read their weights at that precision,
-    `tier_precision`, Force 2 at `kernels.lean.FORCE2_PRECISION`'s); ``draft`` adds drafters ``draft`` (sink +
+    `tier_precision`, Force 2 at `decoding.tiers.FORCE2_PRECISION`'s); ``draft`` adds drafters ``draft`` (sink +
     window, at the drafting precision; its cache's one-time fill is not included, `fill_seconds`) and ``vanilla``
     (the draft as given on its full cache: HF assisted generation)."""
     if isinstance(context, bool) or not isinstance(context, int) or context < 1:
