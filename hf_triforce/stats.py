@@ -77,7 +77,7 @@ class TriForceStats:
 
     @property
     def draft_forward(self) -> dict:
-        """`tier_forwards` under the name earlier releases gave it (read-only; see CHANGELOG.md)."""
+        """`tier_forwards`, read-only under its alternative name (CHANGELOG.md, 2026-12-04)."""
         return self.tier_forwards
 
     @property
