@@ -48,7 +48,7 @@ from ..verification.sampling import ChainVerifier, Sampler, TorchSampler
 from ..verification.scoring import row_processors
 from .levels import Force1Level, Force2Level, NoDrafter
 from .steps import run_inline
-from .tiers import resolve_draft_precision, tier_forward, tier_model
+from .tiers import resolve_draft_precision, tier_forwards, tier_model
 
 
 class CacheView:
@@ -168,9 +168,7 @@ class TriForceCandidateGenerator(compat.CandidateGenerator):
             models[f"force1 {config.draft if isinstance(config.draft, str) else MODEL_DRAFTER}"] = self.drafter.model
         if config.levels == 3:
             models["force2"] = self.level.model
-        self.stats.tier_forwards = {
-            tier: tier_forward(tier_model_, config.draft_precision) if not_lean is None
-            else f"eager (draft_precision='auto': {not_lean})" for tier, tier_model_ in models.items()}
+        self.stats.tier_forwards = tier_forwards(models, config.draft_precision, not_lean)
         self.queries: dict[int, torch.Tensor] | None = None  # per layer, the query of the last cached token
         self.proposed, self.ran, self.length, self.handed_at = 0, False, 0, 0.0
 

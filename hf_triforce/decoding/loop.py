@@ -52,7 +52,7 @@ from .tiers import (
     kv_bytes_per_token,
     lean_self_drafting,
     resolve_draft_precision,
-    tier_forward,
+    tier_forwards,
     tier_model,
     weight_bytes,
 )
@@ -416,7 +416,7 @@ class Decoder:
 
     def tier_forwards(self) -> dict[str, str]:
         """Per tier that ran a drafting forward in a step (``"force1 <drafter>"``, ``"force2"``), the forward it ran
-        (`tier_forward`; where ``draft_precision="auto"`` fell back to the models as given, why). Lookup drafters
+        (`tiers.tier_forwards`). Lookup drafters
         run none."""
         models = {}
         for tier in sorted(self.tiers_run):
@@ -424,9 +424,7 @@ class Decoder:
                 models[tier] = self.levels_by_plan[(3, "")][0].model
             elif isinstance(drafter := self.drafter(0, tier.removeprefix("force1 ")), ModelDrafter):
                 models[tier] = drafter.model
-        if self.not_lean is not None:
-            return dict.fromkeys(models, f"eager (draft_precision='auto': {self.not_lean})")
-        return {tier: tier_forward(model, self.config.draft_precision) for tier, model in models.items()}
+        return tier_forwards(models, self.config.draft_precision, self.not_lean)
 
     def _result(self, prompts: list[torch.Tensor], rows: list[Row]) -> DecodeResult:
         for row in rows:

@@ -244,6 +244,15 @@ def tier_forward(model, precision: str) -> str:
     return "eager" if why is None else f"eager ({why})"
 
 
+def tier_forwards(models: dict, precision: str, not_lean: str | None) -> dict[str, str]:
+    """`TriForceStats.tier_forwards`: per tier (``"force1 <drafter>"``, ``"force2"``) of ``models`` (tier -> the model
+    it ran), its `tier_forward`; where ``draft_precision="auto"`` fell back to the models as given (``not_lean``, the
+    reason `resolve_draft_precision` gave), that reason for every tier."""
+    if not_lean is not None:
+        return dict.fromkeys(models, f"eager (draft_precision='auto': {not_lean})")
+    return {tier: tier_forward(model, precision) for tier, model in models.items()}
+
+
 def kv_bytes_per_token(model) -> int:
     """Bytes one position of ``model``'s KV cache holds (keys and values of every layer, in its dtype)."""
     config = model.config.get_text_config()
