@@ -1,26 +1,34 @@
 """How well does Force 2 (the target on a retrieval cache) agree with Force 3 (the full cache)? Teacher-forced.
 
 One prefill of a question prompt about a natural text (Paul Graham's essays, the chat template, SmolLM2,
-YaRN where the context needs it), then the model's own greedy answer (``--new-tokens``) is scored position
-by position: ``p`` from the full cache, ``q`` from each sparse cache selected the way Force 2 selects it —
-with the query of the last cached token, refreshed at every position (``refresh_every=1``) or only once at
-the end of the prompt. Reported per configuration: expected acceptance ``sum(min(p, q))`` at temperature 1 and
-at 0.6 (what a sampled verification accepts), and greedy agreement (``argmax q == argmax p``). A StreamingLLM
-cache (sink chunk + recent tokens, same budget) is the baseline the retrieval has to beat.
+YaRN where the context needs it), then the model's own greedy answer (``--new-tokens``, decoded on the prefilled
+full cache) is scored position by position: ``p`` from the full cache, ``q`` from each sparse cache selected the
+way Force 2 selects it — with the query of the last cached token, refreshed at every position (``refresh_every=1``)
+or only once at the end of the prompt. Reported per configuration: expected acceptance ``sum(min(p, q))`` at
+temperature 1 and at 0.6 (what a sampled verification accepts), and greedy agreement (``argmax q == argmax p``). A
+StreamingLLM cache (sink chunk + recent tokens, same budget) is the baseline the retrieval has to beat.
+
+One prefill serves every variant: budgets x chunk sizes x recent-token counts (``--recents``, default the
+library's: a quarter of the budget in whole chunks) x chunk scorings (``--scorings``: ``sum``, the library's: each
+chunk's mean key against the sum of its KV head's query heads; ``mass``: the attention mass each query head is
+estimated to put on the chunk, a softmax of its scaled scores over the chunks, summed over the group).
 
 Force 1 too (``--force1-window``): the target drafting on its sink+window cache (`ModelDrafter`, in-cache positions,
 at ``--force1-precision``), fed the same answer: its agreement with Force 3 (what two levels accept) and with each
 refreshed Force-2 configuration (what Force 2 accepts of Force 1's drafts). And how flat the target's own law is
-there (mean entropy, mean top probability): a flat ``p`` caps every tier's acceptance.
+there (mean entropy, mean top probability): a flat ``p`` caps every tier's acceptance. ``--json`` writes every row.
 
     python benchmarks/sparse_agreement.py --context 16000 --rope-factor 2 --budgets 512 1024 2048 4096
     python benchmarks/sparse_agreement.py --text wikipedia --context 32000 --rope-factor 4 --budgets 1024 4096 \
         --chunks 8
+    python benchmarks/sparse_agreement.py --text shakespeare --context 16000 --rope-factor 2 --budgets 4096 \
+        --chunks 8 16 32 --recents 1024 2048 3072 --scorings sum mass --selections every --json out.json
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import time
 
 import torch
@@ -38,6 +46,26 @@ from hf_triforce.tools.prompts import document_prompt
 
 FORCE1_VARIANTS = {"forward-slots": (False, "slots"), "copy-slots": (True, "slots"),
                    "forward-absolute": (False, "absolute"), "copy-absolute": (True, "absolute")}
+SELECTIONS = {"every": True, "once": False}  # re-selected at every position, or once at the end of the prompt
+
+
+class MassScoredCache(RetrievalCache):
+    """A retrieval cache whose chunks are ranked by the attention mass each query head is estimated to put on them
+    (softmax over the chunks of its scaled scores against their mean keys), summed over the KV head's query heads:
+    every head weighs the same, whatever the scale of its query."""
+
+    def _top_chunks(self, layer_idx: int, source, n_mid: int, k: int, queries: dict[int, torch.Tensor]):
+        query = queries[layer_idx].float()  # [b, heads, d]
+        summaries = self._chunk_summaries(layer_idx, source.keys, n_mid, query.device)  # [b, kv, n_mid, d]
+        batch, heads, dim = query.shape
+        kv_heads = source.keys.shape[1]
+        grouped = query.reshape(batch, kv_heads, heads // kv_heads, dim)
+        scores = torch.einsum("bhnd,bhgd->bhgn", summaries, grouped) * dim ** -0.5
+        mass = torch.softmax(scores, dim=-1).sum(2)
+        return mass.topk(k, dim=-1).indices.sort(dim=-1).values
+
+
+SCORINGS = {"sum": RetrievalCache, "mass": MassScoredCache}
 
 
 def agreement(p_logits: torch.Tensor, q_logits: torch.Tensor) -> dict[str, float]:
@@ -50,6 +78,44 @@ def agreement(p_logits: torch.Tensor, q_logits: torch.Tensor) -> dict[str, float
     return out
 
 
+def greedy_reference(model, ids: torch.Tensor, k: int, full: BufferCache):
+    """Prefill ``ids`` but its last token into ``full``, then decode ``k`` greedy tokens on it. Returns the tokens
+    fed at positions ``n-1 .. n+k-2`` ``[1, k]``, ``p`` ``[k, vocab]`` and, per position, the query of the last
+    cached token when it is predicted (what a Force-2 selection there is made with)."""
+    n = ids.shape[1]
+    at_prompt_end = QueryRecorder()
+    prefill(model, ids[:, :-1], full, chunk_size=2048, show_progress=True, recorder=at_prompt_end)
+    fed, rows, queries = [ids[:, -1:]], [], [at_prompt_end.at(-1)]
+    for i in range(k):
+        recorder = QueryRecorder()
+        rows.append(forward_logits(model, fed[-1], full, n - 1 + i, 1, recorder)[0])
+        queries.append(recorder.at(0))
+        fed.append(rows[-1].argmax().view(1, 1))
+    return torch.cat(fed[:k], dim=1), torch.stack(rows), queries[:k]
+
+
+def variants(args) -> list[dict]:
+    """The sparse caches to score: per budget and chunk size, a retrieval cache per recent-token count, scoring and
+    selection, and (with the first chunk size) the sink + recent baseline."""
+    out = []
+    for budget in args.budgets:
+        for chunk in args.chunks:
+            if budget % chunk:
+                continue
+            recents = args.recents or [(budget // 4) // chunk * chunk]
+            for recent in recents:
+                if recent % chunk or recent > budget - 2 * chunk:
+                    continue
+                for scoring in args.scorings:
+                    for selection in args.selections:
+                        out.append(dict(cache="retrieval", budget=budget, chunk=chunk, recent=recent,
+                                        scoring=scoring, selection=selection))
+            if chunk == args.chunks[0]:
+                out.append(dict(cache="streaming (sink + recent)", budget=budget, chunk=chunk, recent=budget - chunk,
+                                scoring="-", selection="every"))
+    return out
+
+
 @torch.no_grad()
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -58,6 +124,11 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=48)
     parser.add_argument("--budgets", type=int, nargs="+", default=[512, 1024, 2048, 4096])
     parser.add_argument("--chunks", type=int, nargs="+", default=[8, 16])
+    parser.add_argument("--recents", type=int, nargs="+", default=None,
+                        help="recent tokens of the retrieval cache (multiples of the chunk; default: a quarter of the "
+                             "budget in whole chunks, the library's)")
+    parser.add_argument("--scorings", nargs="+", default=["sum"], choices=list(SCORINGS))
+    parser.add_argument("--selections", nargs="+", default=list(SELECTIONS), choices=list(SELECTIONS))
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--text", choices=sorted(assets.TEXTS), default="essays")
     parser.add_argument("--force1-sink", type=int, default=16)
@@ -66,58 +137,51 @@ def main() -> None:
     parser.add_argument("--force1-variants", nargs="+", default=list(FORCE1_VARIANTS), choices=list(FORCE1_VARIANTS),
                         help="how Force 1's cache is filled (a forward over the sinks and window, or a copy of the "
                              "full cache's entries) and which positions it uses (in-cache slots or absolute)")
+    parser.add_argument("--json", default=None, help="write the run's settings and every row here")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     overrides = assets.yarn_rope(args.rope_factor) if args.rope_factor else {}
     model, tokenizer = assets.load_smollm2(**overrides)
     ids = document_prompt(tokenizer, assets.TEXTS[args.text](), args.context)
     n, k = ids.shape[1], args.new_tokens
-    answer = model.generate(ids, max_new_tokens=k, min_new_tokens=k, do_sample=False)[:, n:]
-    forced = torch.cat((ids[:, -1:], answer[:, :-1]), dim=1)  # token fed at positions n-1 .. n+k-2
     layers = model.config.num_hidden_layers
     full = BufferCache(layers, n + k)
     start = time.perf_counter()
+    results = []
     with recording_attention(model):
-        at_prompt_end, forced_rows = QueryRecorder(), QueryRecorder()
-        prefill(model, ids[:, :-1], full, chunk_size=2048, show_progress=True, recorder=at_prompt_end)
-        p = forward_logits(model, forced, full, n - 1, k, forced_rows)  # the full cache now holds n + k - 1
-        # the query of the last cached token when position i is predicted: token n-2+i
-        selection_queries = [at_prompt_end.at(-1)] + [forced_rows.at(i) for i in range(k - 1)]
+        forced, p, selection_queries = greedy_reference(model, ids, k, full)  # the full cache holds n + k - 1
         print(f"prefill + reference {time.perf_counter() - start:.0f} s; text {args.text}, context {n}, {k} "
               f"teacher-forced positions of the greedy answer; rope factor {args.rope_factor}", flush=True)
         law = torch.softmax(p.float(), -1)
         entropy = float(-(law * torch.log(law.clamp(min=1e-30))).sum(-1).mean())
-        print(f"the target's law there (T=1): mean entropy {entropy:.2f} nats, mean top probability "
-              f"{float(law.max(-1).values.mean()):.3f}", flush=True)
-        force2 = {}  # (budget, chunk) -> Force 2's logits, selection refreshed at every position
-        print("| cache | budget | chunk | selection | accept T=1 | accept T=0.6 | greedy |")
-        print("|---|---|---|---|---|---|---|")
-        for budget in args.budgets:
-            for chunk in args.chunks:
-                if budget % chunk:
-                    continue
-                variants = [("retrieval", (budget // 4) // chunk * chunk, True),
-                            ("retrieval", (budget // 4) // chunk * chunk, False)]
-                if chunk == args.chunks[0]:
-                    variants.append(("streaming (sink + recent)", budget - chunk, True))
-                for name, recent, refreshed in variants:
-                    cache = RetrievalCache(layers, budget, chunk, recent, k + 2)
-                    rows = []
-                    for i in range(k):
-                        upto = n - 1 + i  # tokens before the one fed at position n-1+i
-                        if refreshed or i == 0:
-                            cache.select(full, upto, selection_queries[i])
-                        else:
-                            cache.sync(full, upto)
-                        rows.append(forward_logits(model, forced[:, i : i + 1], cache, upto, 1)[0])
-                    if refreshed and name == "retrieval":
-                        force2[budget, chunk] = torch.stack(rows)
-                    scores = agreement(p, torch.stack(rows))
-                    print(f"| {name} | {budget} | {chunk} | {'every position' if refreshed else 'end of prompt'} | "
-                          f"{scores['accept T=1.0']:.3f} | {scores['accept T=0.6']:.3f} | {scores['greedy']:.2f} |",
-                          flush=True)
-        for variant in args.force1_variants if args.force1_window else ():
-            copy, positions = FORCE1_VARIANTS[variant]
+        top = float(law.max(-1).values.mean())
+        print(f"the target's law there (T=1): mean entropy {entropy:.2f} nats, mean top probability {top:.3f}",
+              flush=True)
+        force2 = {}  # variant label -> Force 2's logits, selection refreshed at every position
+        print("| cache | budget | chunk | recent | scoring | selection | accept T=1 | accept T=0.6 | greedy |")
+        print("|---|---|---|---|---|---|---|---|---|")
+        for variant in variants(args):
+            cls = RetrievalCache if variant["cache"] != "retrieval" else SCORINGS[variant["scoring"]]
+            cache = cls(layers, variant["budget"], variant["chunk"], variant["recent"], k + 2)
+            rows = []
+            for i in range(k):
+                upto = n - 1 + i  # tokens before the one fed at position n-1+i
+                if SELECTIONS[variant["selection"]] or i == 0:
+                    cache.select(full, upto, selection_queries[i])
+                else:
+                    cache.sync(full, upto)
+                rows.append(forward_logits(model, forced[:, i : i + 1], cache, upto, 1)[0])
+            label = (f"{variant['cache']}, budget {variant['budget']}, chunk {variant['chunk']}, recent "
+                     f"{variant['recent']}, {variant['scoring']}")
+            if variant["selection"] == "every":
+                force2[label] = torch.stack(rows)
+            scores = agreement(p, torch.stack(rows))
+            results.append(dict(variant, tier="Force 2 vs Force 3", **scores))
+            print(f"| {variant['cache']} | {variant['budget']} | {variant['chunk']} | {variant['recent']} | "
+                  f"{variant['scoring']} | {variant['selection']} | {scores['accept T=1.0']:.3f} | "
+                  f"{scores['accept T=0.6']:.3f} | {scores['greedy']:.3f} |", flush=True)
+        for name in args.force1_variants if args.force1_window else ():
+            copy, positions = FORCE1_VARIANTS[name]
             drafter = ModelDrafter(tier_model(model, args.force1_precision, 1), args.force1_sink, args.force1_window,
                                    LogitsProcessorList(), False, None, source=full if copy else None,
                                    positions=positions)
@@ -129,15 +193,22 @@ def main() -> None:
                 _, rows, _ = run_inline(drafter._draft_steps(sequence, 1))
                 force1.append(rows[0])
             force1 = torch.stack(force1)
-            window = f"sink {args.force1_sink} + window {args.force1_window}, {args.force1_precision}, {variant}"
+            window = f"sink {args.force1_sink} + window {args.force1_window}, {args.force1_precision}, {name}"
             scores = agreement(p, force1)
-            print(f"| Force 1 vs Force 3 | {window} | - | - | {scores['accept T=1.0']:.3f} | "
-                  f"{scores['accept T=0.6']:.3f} | {scores['greedy']:.2f} |")
-            for (budget, chunk), rows in force2.items():
+            results.append(dict(tier="Force 1 vs Force 3", force1=window, **scores))
+            print(f"| Force 1 vs Force 3 | {window} | - | - | - | - | {scores['accept T=1.0']:.3f} | "
+                  f"{scores['accept T=0.6']:.3f} | {scores['greedy']:.3f} |")
+            for label, rows in force2.items():
                 scores = agreement(rows, force1)
-                print(f"| Force 1 vs Force 2 ({budget}, chunk {chunk}) | {window} | - | every position | "
-                      f"{scores['accept T=1.0']:.3f} | {scores['accept T=0.6']:.3f} | {scores['greedy']:.2f} |",
-                      flush=True)
+                results.append(dict(tier="Force 1 vs Force 2", force1=window, force2=label, **scores))
+                print(f"| Force 1 vs Force 2 ({label}) | {window} | - | - | - | every | {scores['accept T=1.0']:.3f} | "
+                      f"{scores['accept T=0.6']:.3f} | {scores['greedy']:.3f} |", flush=True)
+    if args.json:
+        settings = {key: value for key, value in vars(args).items() if key != "json"}
+        with open(args.json, "w") as handle:
+            json.dump({"settings": settings, "context_tokens": n, "entropy": entropy, "top_probability": top,
+                       "answer": forced[0, 1:].tolist() + [int(p[-1].argmax())], "rows": results}, handle, indent=1)
+
 
 if __name__ == "__main__":
     main()

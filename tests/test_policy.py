@@ -28,6 +28,40 @@ from hf_triforce.integration import recording_attention
 from .conftest import FAMILIES, make_model, random_prompt
 from .test_exact_enumeration import CONFIG, decoded_law, distance, target_law
 
+# Assumed seconds of each tier's one-row forward (a long context on a CPU: Force 2 and the self drafter cheap next to
+# Force 3, lookups free), each extra row at `ROW_COST_SLOPE` of it, and of one row of a draft cache's fill
+ASSUMED_SECONDS = {"force3": 0.1, "force3-tree": 0.1, "force2": 0.03, "force2-tree": 0.03, "select": 0.005,
+                   "draft:self": 0.02, "draft:model": 0.02, "draft:ngram": 0.0, "draft:suffix": 0.0}
+ASSUMED_FILL_ROW_SECONDS = 0.002
+
+
+def assumed_timings(monkeypatch) -> None:
+    """The adaptive policy chooses from `ASSUMED_SECONDS` instead of wall-clock timings, so a test of what it chooses
+    in a live call holds on a loaded machine: every timing reaches the policy through `AdaptivePolicy.observe_forward`,
+    `AdaptivePolicy.observe_step` and `AdaptivePolicy.set_up`, which here see the assumed seconds of each forward, each
+    step's own predicted seconds (no overhead, calibration 1) and the assumed fill price. An unknown tier is an
+    error, not a free forward."""
+    observe_forward, observe_step, set_up = AdaptivePolicy.observe_forward, AdaptivePolicy.observe_step, \
+        AdaptivePolicy.set_up
+
+    def seconds(tier: str, rows: int) -> float:
+        return ASSUMED_SECONDS[tier] * (1 + ROW_COST_SLOPE * (rows - 1))
+
+    def assumed_forward(self, tier, rows, measured):
+        observe_forward(self, tier, rows, seconds(tier, rows))
+
+    def assumed_step(self, plan, tokens, measured, forward_seconds):
+        predicted = self.predicted_seconds if plan == self.current and self.predicted_seconds > 0 else \
+            seconds("force3", 1)  # the first step: nothing predicted yet
+        observe_step(self, plan, tokens, predicted, predicted)
+
+    def assumed_set_up(self, fill_rows, seconds_per_row, prior_fractions):
+        set_up(self, fill_rows, None if seconds_per_row is None else ASSUMED_FILL_ROW_SECONDS, prior_fractions)
+
+    monkeypatch.setattr(AdaptivePolicy, "observe_forward", assumed_forward)
+    monkeypatch.setattr(AdaptivePolicy, "observe_step", assumed_step)
+    monkeypatch.setattr(AdaptivePolicy, "set_up", assumed_set_up)
+
 
 def auto(draft="self", **kw):
     base = dict(draft=draft, retrieval_budget=48, chunk_size=8, sink_tokens=4, window=24, gamma1=2, gamma2=6,
@@ -38,7 +72,8 @@ def auto(draft="self", **kw):
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 @pytest.mark.parametrize("draft", ["self", "ngram", "suffix"])
-def test_auto_policy_is_greedy_identical(family, draft):
+def test_auto_policy_is_greedy_identical(monkeypatch, family, draft):
+    assumed_timings(monkeypatch)  # which plans run: from assumed costs, whatever the machine's load
     model = make_model(family)
     prompt = random_prompt(160, period=37)
     expected = model.generate(prompt, max_new_tokens=50, do_sample=False)
@@ -199,9 +234,11 @@ def test_a_target_the_lean_forward_does_not_cover_does_not_self_draft_beside_a_d
     assert lean_self_drafting(auto(draft, draft_precision="lean-int4"), make_model("llama-gqa"))
 
 
-def test_lookup_chains_may_be_longer_than_gamma2():
+def test_lookup_chains_may_be_longer_than_gamma2(monkeypatch):
     """Under the auto policy a lookup drafter's two-level chains go up to `LOOKUP_GAMMA2` (model drafters' stay within
-    gamma2); on a repeating prompt it runs such chains, greedy-identically, and Force 3 keeps room for their rows."""
+    gamma2); on a repeating prompt it runs such chains, greedy-identically, and Force 3 keeps room for their rows. The
+    policy chooses from assumed costs (`assumed_timings`): on a loaded machine measured ones may keep it on plain
+    steps."""
     from hf_triforce.decoding.loop import adaptive_policy
     from hf_triforce.decoding.sizing import LOOKUP_GAMMA2, force3_rows
 
@@ -210,6 +247,7 @@ def test_lookup_chains_may_be_longer_than_gamma2():
     plans = adaptive_policy(config, "self", 10_000).candidates()
     assert max(p.gamma2 for p in plans if p.levels == 2 and p.drafter == "ngram") == LOOKUP_GAMMA2
     assert max(p.gamma2 for p in plans if p.levels == 2 and p.drafter == "self") == 4
+    assumed_timings(monkeypatch)
     model = make_model("llama-gqa")
     prompt = random_prompt(200, period=23)
     expected = model.generate(prompt, max_new_tokens=60, do_sample=False)
