@@ -17,7 +17,8 @@ little per-op overhead:
 * RMSNorm as one ``F.rms_norm``, the rotary's cos/sin computed once per forward by the model's own rotary
   module (scaled RoPE types included), attention by SDPA over the cache's buffers (GQA-native: a KV head's
   query heads are extra rows), written through the same cache objects the eager forward uses
-  (``cache.layers[i].update``: `SinkWindowCache`, `RetrievalCache`, the batch's `RaggedBufferCache`).
+  (``cache.layers[i].update``: `SinkWindowCache`, `RetrievalCache`, the batch's `RaggedBufferCache`); at fixed
+  shapes over a long buffer, split-KV attention (`split_kv`: the buffer in spans merged by log-sum-exp) where it pays.
 
 Row independence (exactness): every product is weight-only (activations are never quantized with a scale
 shared across rows), the norms act per row, and attention is causal (bottom-right; the tree mask inside a

@@ -45,6 +45,10 @@ MAX_PARTS = 128
 CPU_MIN_CAPACITY = 8192
 
 
+# CUDA's memory-efficient attention, which returns each row's log-sum-exp (compute_log_sumexp=True) and takes a bias
+EFFICIENT_WITH_LSE = getattr(torch.ops.aten, "_scaled_dot_product_efficient_attention", None)
+
+
 def sdpa_with_lse():
     """ATen's CPU flash attention returning ``(out, logsumexp)``; None where this torch lacks it."""
     return getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
@@ -160,8 +164,7 @@ def _attend_with_lse(query: torch.Tensor, keys: torch.Tensor, values: torch.Tens
                      scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """One call returning ``(out [b, kv, rows, dv], lse [b, kv, rows] fp32)``; ``bias`` ``[b, kv, rows, keys]``."""
     if query.device.type == "cuda":
-        out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(query, keys, values, bias, True,
-                                                                          scale=scale)[:2]
+        out, lse = EFFICIENT_WITH_LSE(query, keys, values, bias, True, scale=scale)[:2]
         return out, lse[..., : query.shape[2]]  # padded to a multiple of 32 rows
     out, lse = sdpa_with_lse()(query, keys, values, attn_mask=bias, scale=scale)
     return out, lse.float()
