@@ -14,9 +14,10 @@ keeps what finished:
      their entries gathered into the budget);
    - ``draft:self``: the target on its sink + window cache (Force 1 = the target);
      ``draft:draft`` / ``draft:vanilla``: the draft on its sink + window cache / on the full context.
-   Attention over a long cache splits the cache across thread blocks (FlashDecoding: torch's flash kernel on
-   ``splits`` pieces of the cache, merged by log-sum-exp) where that is faster than one flash call: each
-   (rows, length) takes the fastest route of a one-layer timing. The r new rows attend to the whole buffer
+   Attention over a long cache takes the fastest route of a one-layer timing per (rows, length): one unmasked SDPA
+   call (flash), one masked call (the library's unsplit route) or the library's split-KV attention
+   (`hf_triforce.kernels.split_kv`: the cache in spans laid along the batch dimension, merged by log-sum-exp) with
+   its own choice of spans (``split``) or 4-64 spans (``split<p>``). The r new rows attend to the whole buffer
    without the causal mask among themselves (r*r of r*length scores: the cost is the masked forward's); the
    library's exactness is checked in stage 3, not here.
 2. **projection** — the measured tier costs fed to the adaptive policy's own cost model
@@ -54,6 +55,7 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 import hf_triforce
 from hf_triforce import TriForceConfig
+from hf_triforce.kernels import split_kv
 from hf_triforce.tools.bench import prefill_prefix, static_copy
 from hf_triforce.tools.project import planning_policy, rank_plans
 
@@ -124,30 +126,24 @@ def _fold(q: torch.Tensor, kv_heads: int) -> torch.Tensor:
     return q.reshape(1, kv_heads, heads // kv_heads * rows, dim)
 
 
-def _flash_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """out [b, h, rows, d], log-sum-exp [b, h, rows] (fp32) of one flash call."""
-    if q.device.type == "cuda":
-        out = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v)
-    else:
-        out = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v)
-    return out[0], out[1]
-
-
-def split_attention(splits: int) -> Callable:
-    """FlashDecoding: the cache in ``splits`` equal pieces (each a batch entry of one flash call) and the remainder
-    (one more call), merged by their log-sum-exp."""
+def split_attention(parts: int | None = None) -> Callable:
+    """The library's split-KV attention (`hf_triforce.kernels.split_kv.split_kv_attention`, what
+    `LeanModel.fixed_shape_layers` runs over a long buffer): the buffer in ``parts`` spans (None: the library's own
+    choice, `split_kv.split_parts`) and the entries past them, each a batch entry of one call of torch's fused
+    kernel with a bias, merged by log-sum-exp. The rows see the whole buffer, as `sdpa_attention`'s do (the bias
+    costs the same whatever it masks); the bias is made once per shape, as the library makes it once per forward."""
+    masks: dict[tuple, split_kv.SplitKVMask] = {}
 
     def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         # q: [1, kv_heads, rows, d]; k, v: [1, kv_heads, length, d]
+        _, kv_heads, rows, _ = q.shape
         length = k.shape[2]
-        even = length // splits * splits
-        pieces = [t[:, :, :even].unflatten(2, (splits, even // splits)).squeeze(0).transpose(0, 1) for t in (k, v)]
-        out, lse = _flash_with_lse(q.expand(splits, -1, -1, -1).contiguous(), *pieces)  # [splits, kvh, rows(, d)]
-        if even < length:
-            rest_out, rest_lse = _flash_with_lse(q, k[:, :, even:], v[:, :, even:])
-            out, lse = torch.cat((out, rest_out)), torch.cat((lse, rest_lse))
-        weights = torch.softmax(lse, dim=0).unsqueeze(-1)
-        return (weights * out.float()).sum(0, keepdim=True).to(q.dtype)
+        pieces = parts or split_kv.split_parts(kv_heads, rows, length, q.device, head_dim=v.shape[-1])
+        key = (rows, length, pieces, q.dtype, q.device)
+        if key not in masks:
+            masks[key] = split_kv.split_kv_mask(torch.ones(rows, length, dtype=torch.bool, device=q.device), pieces,
+                                                q.dtype)
+        return split_kv.split_kv_attention(q, k, v, masks[key], k.shape[-1] ** -0.5, pieces)
 
     return attend
 
@@ -156,11 +152,24 @@ def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.T
     return F.scaled_dot_product_attention(q, k, v)
 
 
-def attention_routes(length: int) -> dict[str, Callable]:
-    routes = {"sdpa": sdpa_attention}
-    for splits in (4, 8, 16, 32, 64):
-        if length // splits >= 256:
-            routes[f"split{splits}"] = split_attention(splits)
+def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """One SDPA call under a boolean mask (here all true): what `LeanModel.fixed_shape_layers` runs where the library
+    does not split (on CUDA the mask takes the memory-efficient kernel, not flash)."""
+    visible = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=visible)
+
+
+def attention_routes(length: int, kv_heads: int = 8, rows: int = 1, device: torch.device | str = "cpu",
+                     head_dim: int = 128) -> dict[str, Callable]:
+    """``sdpa`` (unmasked: the static baseline's route), ``masked`` (the library's unsplit route), ``split``
+    (the library's split with `split_kv.split_parts`'s choice, where it splits) and ``split<p>`` (4-64 spans of at
+    least 256 entries: how the choice compares)."""
+    routes = {"sdpa": sdpa_attention, "masked": masked_attention}
+    if split_kv.split_parts(kv_heads, rows, length, device, head_dim=head_dim) > 1:
+        routes["split"] = split_attention()
+    for parts in (4, 8, 16, 32, 64):
+        if (length - 1) // parts >= 256:
+            routes[f"split{parts}"] = split_attention(parts)
     return routes
 
 
@@ -296,6 +305,11 @@ class Stage:
         (self.out / "gpu_table.md").write_text(render(self.data))
 
 
+def _routes(keys, values, rows: int, device) -> dict[str, Callable]:
+    """`attention_routes` for ``rows`` query rows per KV head over these buffers."""
+    return attention_routes(keys[0].shape[2], keys[0].shape[1], rows, device, values[0].shape[-1])
+
+
 def route_choice(model, keys, values, rows: int, device, replays: int, graphed: bool) -> tuple[str, list[dict]]:
     """The fastest attention route for ``rows`` over these buffers, timed on one layer's shapes."""
     config = model.config
@@ -303,7 +317,7 @@ def route_choice(model, keys, values, rows: int, device, replays: int, graphed: 
                     keys[0].shape[-1], device=device, dtype=keys[0].dtype)
     results, best = [], None
     reference = sdpa_attention(q, keys[0], values[0]).float()
-    for name, attend in attention_routes(keys[0].shape[2]).items():
+    for name, attend in _routes(keys, values, q.shape[2], device).items():
         def call(attend=attend):
             return attend(q, keys[0], values[0])
         try:
@@ -353,7 +367,8 @@ def measure_tiers(plan: Plan, device: torch.device, stage: Stage, deadline: floa
         keys, values = views(storage, length)
         route, routes = route_choice(models[who], keys, values, rows, device, plan.replays, graphed)
         stage.data["routes"].extend(routes)
-        forward = TierForward(models[who], keys, values, rows, attention_routes(length)[route])
+        group = models[who].config.num_attention_heads // models[who].config.num_key_value_heads
+        forward = TierForward(models[who], keys, values, rows, _routes(keys, values, group * rows, device)[route])
         eager = time_eager(forward, device, max(2, plan.replays // 4))
         graph_s, error = time_graphed(forward, device, plan.replays, pool) if graphed else (None, None)
         timing = Timing(tier, context, rows, length, route, graph_s and graph_s * 1e3, eager * 1e3, error)

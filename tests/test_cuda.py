@@ -318,6 +318,47 @@ def test_triforce_on_cuda_takes_the_varlen_route():
     assert torch.equal(out, expected)
 
 
+# ---------------------------------------------------------------- split-KV attention over whole buffers (split_kv)
+
+@cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("rows, capacity, head_dim", [(28, 9001, 128), (1, 8192, 64), (21, 20000, 64)])
+def test_split_kv_attention_on_cuda_matches_fp32(dtype, rows, capacity, head_dim):
+    """The memory-efficient kernel's spans (its bias's alignment, its padded log-sum-exp) merge to one masked call's
+    result: rows seeing every span, only the first, only the remainder; replayed from a CUDA graph too."""
+    from hf_triforce.kernels.split_kv import split_kv_attention, split_kv_mask, split_parts
+
+    torch.manual_seed(0)
+    kv_heads = 8 if head_dim == 128 else 3
+    query = torch.randn(1, kv_heads, rows, head_dim, device="cuda", dtype=dtype)
+    keys, values = (torch.randn(1, kv_heads, capacity, head_dim, device="cuda", dtype=dtype) for _ in range(2))
+    write = torch.arange(capacity - rows - 3, capacity - 3, device="cuda")
+    visible = torch.arange(capacity, device="cuda")[None] <= write[:, None]
+    visible[0, 100:] = False  # the first span only
+    if rows > 1:
+        visible[1] = False
+        visible[1, -2:] = True  # the remainder only
+    parts = split_parts(kv_heads, rows, capacity, "cuda", head_dim=head_dim)
+    assert parts > 1
+    expected = torch.nn.functional.scaled_dot_product_attention(query.float(), keys.float(), values.float(),
+                                                                attn_mask=visible, scale=head_dim**-0.5)
+    mask = split_kv_mask(visible, parts, dtype)
+    got = split_kv_attention(query, keys, values, mask, head_dim**-0.5, parts)
+    torch.testing.assert_close(got.float(), expected, **LOW[dtype])
+    graph = torch.cuda.CUDAGraph()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        split_kv_attention(query, keys, values, mask, head_dim**-0.5, parts)
+    torch.cuda.current_stream().wait_stream(side)
+    with torch.cuda.graph(graph):
+        captured = split_kv_attention(query, keys, values, mask, head_dim**-0.5, parts)
+    graph.replay()
+    torch.testing.assert_close(captured, got, rtol=0, atol=0)
+
+
 # the offloaded full cache on a GPU (pinned host buffers, side-stream prefetch), collected here too so that the
 # prepared GPU check (which runs this file) exercises it
 from .test_offloaded_cache import test_cuda_offloaded_cache_streams_from_pinned_memory  # noqa: E402, F401
+

@@ -41,15 +41,20 @@ def test_dry_run_every_stage(gpu_check, tmp_path):
     assert "Tier forwards" in (tmp_path / "gpu_table.md").read_text()
 
 
-def test_split_attention_matches_sdpa(gpu_check):
+def test_attention_routes_match_sdpa(gpu_check):
+    """Every route the check times computes what one unmasked SDPA call computes: the library's split (4 and 7 spans,
+    and its own choice) and its masked call."""
     import torch
 
     torch.manual_seed(0)
     q = torch.randn(1, 2, 6, 32)
     k, v = torch.randn(2, 1, 2, 1000, 32)
     reference = gpu_check.sdpa_attention(q, k, v)
-    for splits in (4, 7):  # 1000 = 4 x 250; 7 pieces leave a remainder of 6 entries
-        torch.testing.assert_close(gpu_check.split_attention(splits)(q, k, v), reference, atol=1e-5, rtol=1e-5)
+    routes = [gpu_check.split_attention(4), gpu_check.split_attention(7), gpu_check.split_attention(),
+              gpu_check.masked_attention]
+    for route in routes:
+        torch.testing.assert_close(route(q, k, v), reference, atol=1e-5, rtol=1e-5)
+    assert {"sdpa", "masked", "split4", "split32"} <= set(gpu_check.attention_routes(8193 + 6, 2, 6))
 
 
 def test_projection_from_a_measured_run(gpu_check, tmp_path):

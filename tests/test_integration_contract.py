@@ -32,10 +32,10 @@ def test_only_compat_touches_transformers_internals():
     `compat` wraps; `compat` is the one place for the rest."""
     wrapped = ("hf_quantizer", "rotary_emb", "eager_attention_forward")
     # torch's own private ops (not transformers'), each checked by its kernel tests (test_cpu_kernels, test_lean,
-    # test_fixed_shape, test_cuda); ``torch._dynamo.mark_static_address``: CUDA graphs read cache buffers in place,
-    # and torch 2.13 has no public name for it
-    torch_ops = {"_scaled_dot_product_flash_attention_for_cpu", "_int_mm", "_weight_int8pack_mm",
-                 "_weight_int4pack_mm_for_cpu", "_convert_weight_to_int4pack_for_cpu", "_dynamo"}
+    # test_fixed_shape, test_split_kv, test_cuda); ``torch._dynamo.mark_static_address``: CUDA graphs read cache
+    # buffers in place, and torch 2.13 has no public name for it
+    torch_ops = {"_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_efficient_attention", "_int_mm",
+                 "_weight_int8pack_mm", "_weight_int4pack_mm_for_cpu", "_convert_weight_to_int4pack_for_cpu", "_dynamo"}
     offenders = []
     for path in PACKAGE.rglob("*.py"):
         if path.name == "compat.py":

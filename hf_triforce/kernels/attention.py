@@ -30,7 +30,7 @@ import functools
 import torch
 
 from .. import compat
-from . import native_attention
+from . import native_attention, split_kv
 from .tree_attention import active_tree, tree_attention
 
 PREFIX = "triforce_"
@@ -92,15 +92,10 @@ def gqa_sdpa(module, query, key, value, attention_mask, scaling=None, dropout=0.
     return out.reshape(batch, heads, q_len, value.shape[-1]).transpose(1, 2).contiguous(), None
 
 
-# CPU verification: below this many cached entries one SDPA call is as fast or faster (SmolLM2, 2 threads,
-# 9 query rows, benchmarks/verify_cost.py: equal at 8k, 19% / 12% cheaper at 16k / 32k, 15% dearer at 4k).
-SPLIT_KV_MIN_CACHED = 8192
+# CPU verification: below this many cached entries one SDPA call is as fast or faster (`split_kv.CPU_MIN_CAPACITY`)
+SPLIT_KV_MIN_CACHED = split_kv.CPU_MIN_CAPACITY
 SPLIT_KV_MAX_QUERY = 64
-
-
-def _sdpa_with_lse():
-    """ATen's CPU flash-attention returning ``(out, logsumexp)``; None where this torch lacks it."""
-    return getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+_sdpa_with_lse = split_kv.sdpa_with_lse
 
 
 def split_kv_sdpa(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -129,9 +124,7 @@ def split_kv_sdpa(module, query, key, value, attention_mask, scaling=None, dropo
     bias = torch.zeros(q_len, tail, dtype=query.dtype, device=query.device).masked_fill_(~visible, float("-inf"))
     tail_out, tail_lse = attend(rows[None], key[:, :, head:], value[:, :, head:],
                                 attn_mask=bias.repeat(groups, 1), scale=scaling)[:2]
-    out, lse = torch.cat((out, tail_out)), torch.cat((lse, tail_lse))
-    weights = torch.exp(lse - lse.amax(0)).unsqueeze(-1)
-    merged = ((out * weights).sum(0) / weights.sum(0)).to(query.dtype)  # the weights are fp32
+    merged = split_kv.merge_by_lse(torch.cat((out, tail_out)), torch.cat((lse, tail_lse)))
     return merged.reshape(batch, heads, q_len, value.shape[-1]).transpose(1, 2).contiguous(), None
 
 
@@ -293,12 +286,11 @@ def _wants_one_row(base: str, query, attention_mask, kwargs) -> bool:
 
 def _split_pays(query, key) -> bool:
     """Where splitting the cache across threads pays (`split_kv_sdpa`): several query rows, and KV heads that do not
-    divide among the threads (ATen's kernel runs one work item per KV head and block of 32 query rows). Measured on a
-    Zen 4, 2 threads, a split call against one call: SmolLM2 (3 KV heads, fp32) 7 rows 0.82x at 32k, 0.95-0.97x at
-    8-16k; one row 1.2-1.4x dearer at 8-16k (the merge outweighs the balance); Qwen2.5-Coder-1.5B (2 KV heads,
-    bf16) 1.02-1.35x dearer at every length and row count from 1 to 7 (both threads busy already)."""
-    threads = torch.get_num_threads()
-    return query.shape[2] > 1 and threads > 1 and key.shape[1] % threads != 0
+    divide among the threads (`split_kv.cpu_split_pays`). Measured on a Zen 4, 2 threads, a split call against one
+    call: SmolLM2 (3 KV heads, fp32) 7 rows 0.82x at 32k, 0.95-0.97x at 8-16k; one row 1.2-1.4x dearer at 8-16k
+    than the one-row call without a mask (the merge outweighs the balance); Qwen2.5-Coder-1.5B (2 KV heads, bf16)
+    1.02-1.35x dearer at every length and row count from 1 to 7 (both threads busy already)."""
+    return query.shape[2] > 1 and split_kv.cpu_split_pays(key.shape[1], torch.get_num_threads())
 
 
 def _wants_split_kv(query, key, value, dropout, module) -> bool:

@@ -17,7 +17,8 @@ little per-op overhead:
 * RMSNorm as one ``F.rms_norm``, the rotary's cos/sin computed once per forward by the model's own rotary
   module (scaled RoPE types included), attention by SDPA over the cache's buffers (GQA-native: a KV head's
   query heads are extra rows), written through the same cache objects the eager forward uses
-  (``cache.layers[i].update``: `SinkWindowCache`, `RetrievalCache`, the batch's `RaggedBufferCache`).
+  (``cache.layers[i].update``: `SinkWindowCache`, `RetrievalCache`, the batch's `RaggedBufferCache`); at fixed
+  shapes over a long buffer, split-KV attention (`split_kv`: the buffer in spans merged by log-sum-exp) where it pays.
 
 Row independence (exactness): every product is weight-only (activations are never quantized with a scale
 shared across rows), the norms act per row, and attention is causal (bottom-right; the tree mask inside a
@@ -42,6 +43,7 @@ from torch.nn import functional as F
 
 from .. import compat
 from .attention import _ACTIVE_RECORDER, RECORDER_KWARG
+from .split_kv import split_kv_attention, split_kv_mask, split_parts
 from .tree_attention import active_tree
 
 PARTS = ("qkv", "o", "gate_up", "down", "head")  # the projections of a lean copy (qkv, gate_up: fused)
@@ -354,18 +356,27 @@ class LeanModel:
         ``[1, n]``; layer ``i``'s new entries are written into ``keys[i]`` / ``values[i]`` (``[1, kv_heads,
         capacity, dim]``) at the cache indices ``write_index`` ``[n]`` (increasing, consecutive), and query row
         ``r`` attends to the entries at indices ``<= write_index[r]`` -- exactly the entries the cache's own
-        ``update`` would have shown it (the rest get probability exactly 0)."""
+        ``update`` would have shown it (the rest get probability exactly 0). A long buffer and few rows take
+        `split_kv.split_kv_attention` where `split_kv.split_parts` says it pays (the buffer cut into spans merged by
+        log-sum-exp: equal up to rounding), one masked SDPA call elsewhere."""
         kv_heads, groups, dim = self.kv_heads, self.heads // self.kv_heads, self.head_dim
         n = input_ids.shape[1]
         capacity = keys[0].shape[2]
         visible = torch.arange(capacity, device=write_index.device)[None, :] <= write_index[:, None]  # [n, capacity]
-        visible = visible[None, None].expand(1, groups, n, capacity).reshape(1, 1, groups * n, capacity)
+        visible = visible.repeat(groups, 1)  # [groups * n, capacity]: a group's query heads are rows of its KV head
+        # a long buffer and few rows: the buffer cut into spans (split-KV), the mask's bias made once for every layer
+        parts = split_parts(kv_heads, groups * n, capacity, write_index.device, head_dim=dim)
+        split = split_kv_mask(visible, parts, keys[0].dtype) if parts > 1 else None
 
         def attend(index: int, query: torch.Tensor, new_keys: torch.Tensor, new_values: torch.Tensor):
             keys[index].index_copy_(2, write_index, new_keys.to(keys[index].dtype))
             values[index].index_copy_(2, write_index, new_values.to(values[index].dtype))
-            out = F.scaled_dot_product_attention(query.reshape(1, kv_heads, groups * n, dim).to(keys[index].dtype),
-                                                 keys[index], values[index], attn_mask=visible, scale=self.scaling)
+            rows = query.reshape(1, kv_heads, groups * n, dim).to(keys[index].dtype)
+            if split is not None:
+                out = split_kv_attention(rows, keys[index], values[index], split, self.scaling, parts)
+            else:
+                out = F.scaled_dot_product_attention(rows, keys[index], values[index], attn_mask=visible,
+                                                     scale=self.scaling)
             return out.reshape(1, groups * kv_heads, n, dim).transpose(1, 2).reshape(n, groups * kv_heads * dim).float()
 
         return self._layers(input_ids, position_ids, attend)

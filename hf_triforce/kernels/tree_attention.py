@@ -33,6 +33,7 @@ import torch
 
 from ..verification.draft_tree import DraftTree
 from . import native_attention
+from .split_kv import merge_by_lse, sdpa_with_lse
 
 _ACTIVE_TREE: contextvars.ContextVar[torch.Tensor | None] = contextvars.ContextVar("triforce_tree", default=None)
 # what the layers of one tree forward derive from its block once and share (FlexAttention's BlockMask)
@@ -73,10 +74,6 @@ def tree_derived() -> dict | None:
     return _TREE_DERIVED.get()
 
 
-def _sdpa_with_lse():
-    return getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
-
-
 def flash_prefix_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                            scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """The prefix part through flash-attn's varlen kernel (CUDA, fp16/bf16): ``query`` ``[heads, m, d]`` over
@@ -108,7 +105,7 @@ def prefix_attention(rows: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
     take the matmul."""
     from .attention import same_head_dims  # attention.py imports this module
 
-    attend = _sdpa_with_lse() if rows.device.type == "cpu" and same_head_dims(keys, values) else None
+    attend = sdpa_with_lse() if rows.device.type == "cpu" and same_head_dims(keys, values) else None
     if attend is None:
         scores = torch.matmul(rows.float(), keys.float().transpose(-1, -2)) * scale
         lse = torch.logsumexp(scores, -1)
@@ -173,9 +170,7 @@ def tree_sdpa(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
             out, lse = native_attention.flex_prefix_attention(*prefix)
         if out is None:
             out, lse = prefix_attention(rows, key[0, :, :cached], value[0, :, :cached], scale)
-        out, lse = torch.cat((out.float(), block_out[None])), torch.cat((lse, block_lse[None]))
-        weights = torch.exp(lse - lse.amax(0)).unsqueeze(-1)
-        merged = (out * weights).sum(0) / weights.sum(0)
+        merged = merge_by_lse(torch.cat((out.float(), block_out[None])), torch.cat((lse, block_lse[None])))
     else:
         merged = block_out
     return merged.to(query.dtype).reshape(1, heads, m, value.shape[-1]).transpose(1, 2).contiguous(), None
