@@ -13,6 +13,7 @@ from .kernels.row_mixing import ROW_INDEPENDENT_MAX_ROWS
 
 DRAFT_PRECISIONS = ("auto", "model", "int8", *LEAN_PRECISIONS)
 TIER_COMPILE = ("auto", "off", *TIER_COMPILE_MODES)
+FORCE3_COMPILE = TIER_COMPILE
 FULL_CACHE_DEVICES = (None, "cpu")
 POLICIES = ("auto", "fixed")
 DRAFT_POSITIONS = ("auto", "absolute", "slots")
@@ -123,6 +124,17 @@ class TriForceConfig:
     explore_every: integer >= 1, default 16: under ``policy="auto"``, steps between tries of the best plan other
         than the current one, a kind of plan not yet run in the call first (the interval doubles, up to 16x, while
         such tries do not pay).
+    force3_compile: how Force 3's verification forward runs (batch size 1, chains; `hf_triforce.decoding.tiers.
+        force3_forward`). ``"auto"`` (default): where the tiers run as CUDA graphs or compiled on a CUDA device
+        (``tier_compile`` resolved to ``"graph"`` or ``"compile"``), in that mode on the target's native lean
+        forward (its own weights read in place, activations in its dtype, rounded as its forward rounds them) over
+        the full cache's whole buffer; else, and on the CPU, transformers' forward of the model as given.
+        ``"off"``: transformers' forward. ``"fixed"``, ``"compile"``, ``"graph"`` (CUDA): that forward in that
+        mode (`hf_triforce.kernels.fixed_shape`), whatever ``tier_compile`` is; a model or call it cannot serve
+        (a family or sliding windows the lean forward does not cover, ``device_map=``, ``full_cache_device="cpu"``,
+        a batch, ``"graph"`` off CUDA) raises a ValueError naming why. A candidate tree's verification stays on
+        transformers' forward. ``TriForceStats.tier_forwards["force3"]`` says what ran (``"graph (native)"``,
+        ``"eager"``), ``tier_compile["force3"]`` what it compiled.
 
     Experimental
     ------------
@@ -149,7 +161,7 @@ class TriForceConfig:
         "tier_compile", "full_cache_device", "loop", "show_progress")
     TUNING_FIELDS: ClassVar[tuple[str, ...]] = (
         "chunk_size", "retrieval_recent", "refresh_every", "refresh_below", "sink_tokens", "draft_positions",
-        "ngram_max", "ngram_min", "prefill_chunk_size", "explore_every")
+        "ngram_max", "ngram_min", "prefill_chunk_size", "explore_every", "force3_compile")
     EXPERIMENTAL_FIELDS: ClassVar[tuple[str, ...]] = ("tree_nodes", "tree_branch", "force2_tree_nodes")
 
     # user settings
@@ -176,6 +188,7 @@ class TriForceConfig:
     ngram_min: int = 1
     prefill_chunk_size: int = 2048
     explore_every: int = 16
+    force3_compile: str = "auto"
     # experimental
     tree_nodes: int = 0
     tree_branch: int = 2
@@ -287,6 +300,13 @@ class TriForceConfig:
             raise ValueError(f"TriForceConfig.policy must be one of {POLICIES}, got {self.policy!r}")
         if self.loop not in LOOPS:
             raise ValueError(f"TriForceConfig.loop must be one of {LOOPS}, got {self.loop!r}")
+        if self.force3_compile not in FORCE3_COMPILE:
+            raise ValueError(f"TriForceConfig.force3_compile must be one of {FORCE3_COMPILE}, got "
+                             f"{self.force3_compile!r}")
+        if self.loop == "assisted" and self.force3_compile not in ("auto", "off"):
+            raise ValueError(f"TriForceConfig(loop='assisted', force3_compile={self.force3_compile!r}): transformers' "
+                             "assisted loop runs the target's own forward for Force 3; use force3_compile='auto' or "
+                             "'off', or loop='triforce'")
         if self.loop == "assisted" and self.trees:
             raise ValueError("TriForceConfig(loop='assisted'): transformers' assisted loop verifies chains only: set "
                              f"tree_nodes=0 and force2_tree_nodes=0 (got {self.tree_nodes} and "
