@@ -145,7 +145,7 @@ def resolve_draft_precision(config: TriForceConfig, target: nn.Module) -> tuple[
     if config.draft_precision != "auto":
         return _resolve_tier_compile(config, target), None
     models = drafting_models(config, target)
-    on_gpu = any(p.device.type == "cuda" for model in models for p in model.parameters())
+    on_gpu = any(on_cuda(model) for model in models)
     precision = AUTO_GPU_PRECISION if on_gpu else AUTO_PRECISION
     reasons = []
     for model in models:
@@ -164,8 +164,7 @@ def resolve_draft_precision(config: TriForceConfig, target: nn.Module) -> tuple[
 def _resolve_tier_compile(config: TriForceConfig, target: nn.Module) -> TriForceConfig:
     """``tier_compile="auto"`` made concrete: CUDA graphs where the tiers run the native lean forward on a CUDA
     device (launch-bound otherwise), else ``"off"``."""
-    on_gpu = next(target.parameters()).device.type == "cuda"
-    if config.tier_compile == "graph" and not on_gpu:
+    if config.tier_compile == "graph" and not on_cuda(target):
         raise ValueError(f"TriForceConfig.tier_compile='graph' captures CUDA graphs; this model is on "
                          f"{next(target.parameters()).device} (use 'fixed' or 'compile' there)")
     if config.tier_compile != "auto":
@@ -176,8 +175,12 @@ def _resolve_tier_compile(config: TriForceConfig, target: nn.Module) -> TriForce
 
 def _auto_tier_compile(precision: str, model: nn.Module) -> str:
     """What ``tier_compile="auto"`` runs for ``model``'s tiers at ``precision``."""
-    on_gpu = next(model.parameters()).device.type == "cuda"
-    return "graph" if precision == "native" and on_gpu else "off"
+    return "graph" if precision == "native" and on_cuda(model) else "off"
+
+
+def on_cuda(model: nn.Module) -> bool:
+    """Whether ``model`` has weights on a CUDA device."""
+    return any(p.device.type == "cuda" for p in model.parameters())
 
 
 def lean_model(model: nn.Module, precision: str):
@@ -293,8 +296,7 @@ def force3_forward(model: nn.Module, config: TriForceConfig, batch: int = 1) -> 
     requested = config.force3_compile
     if requested == "off":
         return None, "eager"
-    on_gpu = next(model.parameters()).device.type == "cuda"
-    graphed = on_gpu and config.tier_compile in ("graph", "compile")
+    graphed = on_cuda(model) and config.tier_compile in ("graph", "compile")
     mode = requested if requested != "auto" else config.tier_compile if graphed else None
     if mode is None:
         return None, "eager"
@@ -330,7 +332,6 @@ def force3_refusal(model: nn.Module, config: TriForceConfig, batch: int, mode: s
         return f"its parameters are on several devices ({sorted(map(str, devices))})"
     if config.full_cache_device == "cpu":
         return "full_cache_device='cpu' streams the full cache from host memory layer by layer"
-    (device,) = devices
-    if mode == "graph" and device.type != "cuda":
-        return f"'graph' captures CUDA graphs and this model is on {device} (use 'fixed' or 'compile' there)"
+    if mode == "graph" and not on_cuda(model):
+        return f"'graph' captures CUDA graphs and this model is on {devices.pop()} (use 'fixed' or 'compile' there)"
     return None

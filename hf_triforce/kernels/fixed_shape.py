@@ -20,7 +20,7 @@ still a length). Such a forward can be compiled once and replayed at every step,
 
 Force 3's verification runs the same way (`LeanModel.fixed_shape_verify`, entry ``"fixed_shape_verify"``): over
 the full cache, whose capacity is fixed per call but not across calls, so that dimension is compiled dynamic
-(``dynamic_capacity``) and a CUDA graph is captured per row count for each call's cache; its outputs, the logits
+(``dynamic``) and a CUDA graph is captured per row count for each call's cache; its outputs, the logits
 and the stacked queries, are copied out of the graph's memory.
 
 Exactness is unchanged: Force 1 and Force 2 hand up the law they drew from, whatever forward computed it
@@ -71,17 +71,17 @@ ENTRIES = ("fixed_shape_layers", "fixed_shape_verify")  # the `LeanModel` method
 class FixedShapeForward:
     """Runs a `LeanModel`'s forward on a cache of plain `BufferLayer`s through its method ``entry`` (`ENTRIES`:
     `LeanModel.fixed_shape_layers`, the tiers' hidden state; `LeanModel.fixed_shape_verify`, Force 3's logits and
-    queries), eagerly or compiled (`TIER_COMPILE_MODES`); ``dynamic_capacity``: the cache capacity is compiled as a
-    dynamic dimension (a cache whose capacity changes between calls). Counters (read by `TriForceStats.tier_compile`):
-    ``calls`` (forwards it ran), ``compiles`` (graphs compiled), ``compile_seconds`` (wall of the calls that
-    compiled)."""
+    queries), eagerly or compiled (`TIER_COMPILE_MODES`); ``dynamic``: the cache capacity (a cache whose capacity
+    changes between calls) and a row count above one are compiled as dynamic dimensions from the first call.
+    Counters (read by `TriForceStats.tier_compile`): ``calls`` (forwards it ran), ``compiles`` (graphs compiled),
+    ``compile_seconds`` (wall of the calls that compiled)."""
 
-    def __init__(self, mode: str, entry: str = "fixed_shape_layers", dynamic_capacity: bool = False) -> None:
+    def __init__(self, mode: str, entry: str = "fixed_shape_layers", dynamic: bool = False) -> None:
         if mode not in TIER_COMPILE_MODES:
             raise ValueError(f"TriForceConfig.tier_compile must be one of {TIER_COMPILE_MODES}, got {mode!r}")
         if entry not in ENTRIES:
             raise ValueError(f"FixedShapeForward entry must be one of {ENTRIES}, got {entry!r}")
-        self.mode, self.entry, self.dynamic_capacity = mode, entry, dynamic_capacity
+        self.mode, self.entry, self.dynamic = mode, entry, dynamic
         self.calls = 0
         self.compiles = 0
         self.compile_seconds = 0.0
@@ -157,9 +157,12 @@ class FixedShapeForward:
         function = self._compiled(lean)
         if self._cuda_graphs:
             self._mark_static(keys + values)
-        if self.dynamic_capacity and self.mode == "compile":  # one graph for every call's capacity
+        if self.dynamic and self.mode == "compile":  # one graph for every call's capacity and every row count > 1
             for buffer in keys + values:
                 torch._dynamo.mark_dynamic(buffer, 2)
+            if input_ids.shape[1] > 1:
+                for tensor, dim in ((input_ids, 1), (position_ids, 1), (write_index, 0)):
+                    torch._dynamo.maybe_mark_dynamic(tensor, dim)
         compiles, began = self.compiles, time.perf_counter()
         out = function(input_ids, position_ids, write_index, keys, values)
         if self.compiles != compiles:

@@ -438,7 +438,7 @@ class LeanModel:
         """This ``"native"`` copy as Force 3's verification forward (`verify`): activations in the model's dtype,
         rounded where the model's own forward rounds them (`_norm`), the forward at fixed shapes over the full
         cache's buffers run by `fixed_shape.FixedShapeForward` ``(mode)``, whose cache capacity (a call's
-        ``max_length`` and room for its rows) is a dynamic dimension: made once per mode and kept, what it compiled
+        ``max_length`` and room for its rows) is a dynamic dimension (and a row count above one): made once per mode and kept, what it compiled
         serves every later call and length."""
         if self.precision != "native" or self.vocabulary is not None:
             raise ValueError(f"Force 3 verifies with the model's own weights and vocabulary (precision 'native', "
@@ -448,7 +448,7 @@ class LeanModel:
             from .fixed_shape import FixedShapeForward
 
             self._compiled_views[key] = self._view(activation_dtype=self.cache_dtype, fixed_shape=FixedShapeForward(
-                mode, entry="fixed_shape_verify", dynamic_capacity=True))
+                mode, entry="fixed_shape_verify", dynamic=True))
         return self._compiled_views[key]
 
     @torch.no_grad()
