@@ -70,15 +70,15 @@ class TriForceConfig:
     window: integer, default 1024 (`DEFAULT_WINDOW`): recent tokens in Force 1's cache, beside ``sink_tokens``;
         must exceed ``gamma1 + gamma2 + 1``. A draft model that fills its cache by a forward fills
         ``sink_tokens + window`` rows.
-    draft_precision: how Force 1 and Force 2 run (Force 3 always runs the target as given). ``"auto"`` (default):
-        ``"lean-int4"`` where the lean forward covers the target (and a draft model): fp32 or bf16 Llama, Mistral
-        and Qwen2 models on the CPU; ``"native"`` for those models on a CUDA device; else ``"model"``
-        (``TriForceStats.draft_precision`` says which ran, ``tier_forwards`` per tier what forward ran and why not
-        lean). ``"model"``: the models as given. ``"int8"``: a cached int8 copy of each fp32 model's linear layers
-        (CPU only). ``"lean"``, ``"lean-int8"``, ``"lean-int4"``: a lean forward over a cached copy of the weights in
-        fp32, weight-only int8, or weight-only int4 with an int8 output layer (CPU). ``"native"``: the lean forward
-        on the model's own weights, read in place (`hf_triforce.kernels.lean`). Families the lean forward does not
-        cover draft with their eager forward, and ``TriForceStats.tier_forwards`` says so.
+    draft_precision: how Force 1 and Force 2 run (Force 3 computes the target itself: ``force3_compile``).
+        ``"auto"`` (default): ``"lean-int4"`` where the lean forward covers the target (and a draft model): fp32 or
+        bf16 Llama, Mistral and Qwen2 models on the CPU; ``"native"`` for those models on a CUDA device; else
+        ``"model"`` (``TriForceStats.draft_precision`` says which ran, ``tier_forwards`` per tier what forward ran
+        and why not lean). ``"model"``: the models as given. ``"int8"``: a cached int8 copy of each fp32 model's
+        linear layers (CPU only). ``"lean"``, ``"lean-int8"``, ``"lean-int4"``: a lean forward over a cached copy of
+        the weights in fp32, weight-only int8, or weight-only int4 with an int8 output layer (CPU). ``"native"``:
+        the lean forward on the model's own weights, read in place (`hf_triforce.kernels.lean`). Families the lean
+        forward does not cover draft with their eager forward, and ``TriForceStats.tier_forwards`` says so.
     tier_compile: how the lean tier forwards run (a lean or ``"auto"`` ``draft_precision`` only;
         `hf_triforce.kernels.fixed_shape`). ``"auto"`` (default): ``"graph"`` where the tiers run the native lean
         forward on a CUDA device, else ``"off"``. ``"off"``: through the caches' own ``update``. ``"fixed"``: on

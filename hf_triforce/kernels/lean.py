@@ -438,8 +438,8 @@ class LeanModel:
         """This ``"native"`` copy as Force 3's verification forward (`verify`): activations in the model's dtype,
         rounded where the model's own forward rounds them (`_norm`), the forward at fixed shapes over the full
         cache's buffers run by `fixed_shape.FixedShapeForward` ``(mode)``, whose cache capacity (a call's
-        ``max_length`` and room for its rows) is a dynamic dimension (and a row count above one): made once per mode and kept, what it compiled
-        serves every later call and length."""
+        ``max_length`` and room for its rows) is a dynamic dimension (and a row count above one): made once per mode
+        and kept, what it compiled serves every later call and length."""
         if self.precision != "native" or self.vocabulary is not None:
             raise ValueError(f"Force 3 verifies with the model's own weights and vocabulary (precision 'native', "
                              f"no restriction); this copy has precision {self.precision!r}")
