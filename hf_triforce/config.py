@@ -86,7 +86,8 @@ class TriForceConfig:
         with ``torch.compile`` and reused by every later step and call; on the CPU it pays only over long or many
         generations (docs/results.md, "Tier forwards compiled"). ``"graph"`` (CUDA): the fixed-shape forward
         captured as a CUDA graph per row count and cache. Batches and candidate trees run the lean forward;
-        ``TriForceStats.tier_compile`` reports what was compiled and its seconds.
+        ``TriForceStats.tier_compile`` reports what was compiled and its seconds. On a CUDA device Force 3's
+        verification follows ``"graph"`` and ``"compile"`` by default (``force3_compile``).
     full_cache_device: where Force 3's full cache lives. ``None`` (default): each layer's entries on that layer's
         execution device, next to the model. ``"cpu"``: host memory (pinned for a GPU), streamed to the compute device
         layer by layer during verification with the next layer prefetched (TriForce's offloading mode; the
