@@ -239,7 +239,7 @@ class Decoder:
         tier_models = self._tier_models()  # a lean or int8 copy is made on a model's first call, then kept
         copy_seconds = time.perf_counter() - began
         fixed_shapes = list({id(f): f for f in (getattr(m, "fixed_shape", None) for m in tier_models) if f}.values())
-        verifier = getattr(self.force3, "verifier", None)
+        verifier = self.force3.verifier
         fixed_shapes += [verifier.fixed_shape] if verifier is not None else []
         before = [(f.calls, f.compiles, f.compile_seconds) for f in fixed_shapes]
         # the models' CPU linear layers multiply few rows by the route timed fastest on this CPU (`linear_routes`)
