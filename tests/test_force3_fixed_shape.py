@@ -91,11 +91,12 @@ def test_verify_rounds_as_the_model_s_forward_in_bf16(family):
 def test_greedy_identity_and_the_same_drafts(family, plan):
     model = make_model(family, logit_scale=3.0)
     prompt = random_prompt(150, period=37)
-    eager = assert_identical(model, prompt, _config(**plan))
     fixed = assert_identical(model, prompt, _config(force3_compile="fixed", **plan))
-    assert fixed.tier_forwards["force3"] == "fixed (native)" and eager.tier_forwards["force3"] == "eager"
+    assert fixed.tier_forwards["force3"] == "fixed (native)"
     assert fixed.tier_compile["force3"]["forwards"] == fixed.force3_steps > 5
-    if plan.get("policy") != "auto":  # the adaptive policy's plans follow timings
+    if plan.get("policy") != "auto":  # the adaptive policy's plans follow timings: its drafts are not comparable
+        eager = assert_identical(model, prompt, _config(**plan))
+        assert eager.tier_forwards["force3"] == "eager"
         assert {c: getattr(fixed, c) for c in COUNTS} == {c: getattr(eager, c) for c in COUNTS}
 
 
@@ -132,14 +133,14 @@ def small():
     return model, random_prompt(40, vocab_size=VOCAB, seed=4, period=13)
 
 
-@pytest.mark.parametrize("levels", [2, 3])
-def test_enumerated_law_equals_the_target_law(small, levels):
+def test_enumerated_law_equals_the_target_law(small):
+    """Three levels: Force 3 verifies Force 2's chains (what two levels verify too, Force 1's)."""
     model, prompt = small
-    config = TriForceConfig(draft="self", **{**ENUMERATED, "levels": levels})
+    config = TriForceConfig(draft="self", **ENUMERATED)
     law, paths, stats = decoded_law(model, prompt, config, PROCESSORS, 4)
     assert abs(sum(law.values()) - 1.0) < 1e-6 and paths > 10
     assert distance(law, target_law(model, prompt, PROCESSORS, 4)) < 1e-5
-    exercised(stats, levels)
+    exercised(stats, 3)
     assert all(s.tier_forwards["force3"] == "fixed (native)" and s.tier_compile["force3"]["forwards"] for s in stats)
 
 
@@ -166,7 +167,7 @@ def test_auto_is_transformers_forward_on_the_cpu():
     tiers run."""
     model = make_model("llama-gqa", logit_scale=3.0)
     stats = model.generate(random_prompt(100, period=37), max_new_tokens=8, return_dict_in_generate=True,
-                           triforce_config=_config()).triforce_stats
+                           triforce_config=_config(draft="ngram", levels=2, policy="auto")).triforce_stats
     assert stats.tier_forwards["force3"] == "eager" and "force3" not in stats.tier_compile
     for tier_compile in ("fixed", "compile"):
         assert force3_forward(model, TriForceConfig(tier_compile=tier_compile)) == (None, "eager")
@@ -218,6 +219,6 @@ def test_trees_stay_on_transformers_forward():
     """A candidate tree's Force-3 forward carries the tree's mask: it runs eagerly, chains at fixed shapes."""
     model = make_model("llama-gqa", logit_scale=3.0)
     config = _config(draft="ngram", levels=2, tree_nodes=4, tree_branch=2, force3_compile="fixed")
-    stats = assert_identical(model, random_prompt(150, period=37), config)
+    stats = assert_identical(model, random_prompt(150, period=37), config, max_new_tokens=24)
     assert stats.tier_forwards["force3"] == "fixed (native); candidate trees: eager (a tree's own mask)"
     assert stats.tree_nodes > 0
