@@ -2,7 +2,7 @@
 
 * the forward computes the target's own logits and queries: bit for bit in bf16 where no attention has run yet
   (layer 0's queries and entries: the model's rounding, not the drafting copies' fp32 activations), within summation
-  order after it;
+  order after it; the queries Force 2's selection reads after a verification are those of the rows verified;
 * greedy output token-identical to plain ``generate`` (fp32) under two- and three-level fixed plans and the adaptive
   policy, Llama and Qwen2, with the same draft counts as transformers' forward (Force 2's selection reads the same
   queries);
@@ -24,9 +24,11 @@ from hf_triforce import TriForceConfig
 from hf_triforce.caches.buffer import BufferCache
 from hf_triforce.decoding import force3, tiers
 from hf_triforce.decoding.forward import forward_logits
+from hf_triforce.decoding.levels import Candidates
 from hf_triforce.decoding.tiers import force3_forward, lean_model, resolve_draft_precision
 from hf_triforce.integration import recording_attention
 from hf_triforce.kernels.attention import QueryRecorder
+from hf_triforce.stats import TriForceStats
 
 from .conftest import make_model, random_prompt
 from .families import make_family
@@ -83,6 +85,25 @@ def test_verify_rounds_as_the_model_s_forward_in_bf16(family):
     assert torch.equal(cache.layers[0].keys[:, :, :55], eager_cache.layers[0].keys[:, :, :55])
     assert torch.equal(cache.layers[0].values[:, :, :55], eager_cache.layers[0].values[:, :, :55])
     torch.testing.assert_close(logits, eager.float(), rtol=0, atol=2e-2)
+
+
+def test_force2_gets_the_queries_of_the_rows_force3_verified():
+    """`Force3.queries(b, row)` (Force 2's selection input after a verification) names the same rows whichever forward
+    verified: the committed sequence's last token (row 0) and each candidate after it."""
+    model = make_model("llama-gqa", logit_scale=3.0)
+    prompt = random_prompt(60, period=13)
+    rows = {}
+    for mode in ("off", "fixed"):
+        verifier = force3.Force3(model, _config(force3_compile=mode), 60)
+        with recording_attention(model):
+            verifier.prefill([prompt[:, :50]], None, [TriForceStats()])
+            verifier.score({0: prompt[:, :51]}, {0: Candidates(prompt[0, 51:55].tolist(), None)},
+                           [LogitsProcessorList()])
+        assert (verifier.stacked is None) == (mode == "off")
+        rows[mode] = [verifier.queries(0, row) for row in range(5)]
+    for eager, fixed in zip(rows["off"], rows["fixed"]):
+        for layer in range(2):
+            torch.testing.assert_close(fixed[layer], eager[layer], rtol=0, atol=1e-6)
 
 
 @pytest.mark.parametrize("family", ["llama-gqa", "qwen2"])
