@@ -13,6 +13,7 @@ from .kernels.row_mixing import ROW_INDEPENDENT_MAX_ROWS
 
 DRAFT_PRECISIONS = ("auto", "model", "int8", *LEAN_PRECISIONS)
 TIER_COMPILE = ("auto", "off", *TIER_COMPILE_MODES)
+FORCE3_COMPILE = TIER_COMPILE
 FULL_CACHE_DEVICES = (None, "cpu")
 POLICIES = ("auto", "fixed")
 DRAFT_POSITIONS = ("auto", "absolute", "slots")
@@ -69,15 +70,15 @@ class TriForceConfig:
     window: integer, default 1024 (`DEFAULT_WINDOW`): recent tokens in Force 1's cache, beside ``sink_tokens``;
         must exceed ``gamma1 + gamma2 + 1``. A draft model that fills its cache by a forward fills
         ``sink_tokens + window`` rows.
-    draft_precision: how Force 1 and Force 2 run (Force 3 always runs the target as given). ``"auto"`` (default):
-        ``"lean-int4"`` where the lean forward covers the target (and a draft model): fp32 or bf16 Llama, Mistral
-        and Qwen2 models on the CPU; ``"native"`` for those models on a CUDA device; else ``"model"``
-        (``TriForceStats.draft_precision`` says which ran, ``tier_forwards`` per tier what forward ran and why not
-        lean). ``"model"``: the models as given. ``"int8"``: a cached int8 copy of each fp32 model's linear layers
-        (CPU only). ``"lean"``, ``"lean-int8"``, ``"lean-int4"``: a lean forward over a cached copy of the weights in
-        fp32, weight-only int8, or weight-only int4 with an int8 output layer (CPU). ``"native"``: the lean forward
-        on the model's own weights, read in place (`hf_triforce.kernels.lean`). Families the lean forward does not
-        cover draft with their eager forward, and ``TriForceStats.tier_forwards`` says so.
+    draft_precision: how Force 1 and Force 2 run (Force 3 computes the target itself: ``force3_compile``).
+        ``"auto"`` (default): ``"lean-int4"`` where the lean forward covers the target (and a draft model): fp32 or
+        bf16 Llama, Mistral and Qwen2 models on the CPU; ``"native"`` for those models on a CUDA device; else
+        ``"model"`` (``TriForceStats.draft_precision`` says which ran, ``tier_forwards`` per tier what forward ran
+        and why not lean). ``"model"``: the models as given. ``"int8"``: a cached int8 copy of each fp32 model's
+        linear layers (CPU only). ``"lean"``, ``"lean-int8"``, ``"lean-int4"``: a lean forward over a cached copy of
+        the weights in fp32, weight-only int8, or weight-only int4 with an int8 output layer (CPU). ``"native"``:
+        the lean forward on the model's own weights, read in place (`hf_triforce.kernels.lean`). Families the lean
+        forward does not cover draft with their eager forward, and ``TriForceStats.tier_forwards`` says so.
     tier_compile: how the lean tier forwards run (a lean or ``"auto"`` ``draft_precision`` only;
         `hf_triforce.kernels.fixed_shape`). ``"auto"`` (default): ``"graph"`` where the tiers run the native lean
         forward on a CUDA device, else ``"off"``. ``"off"``: through the caches' own ``update``. ``"fixed"``: on
@@ -85,7 +86,8 @@ class TriForceConfig:
         with ``torch.compile`` and reused by every later step and call; on the CPU it pays only over long or many
         generations (docs/results.md, "Tier forwards compiled"). ``"graph"`` (CUDA): the fixed-shape forward
         captured as a CUDA graph per row count and cache. Batches and candidate trees run the lean forward;
-        ``TriForceStats.tier_compile`` reports what was compiled and its seconds.
+        ``TriForceStats.tier_compile`` reports what was compiled and its seconds. On a CUDA device Force 3's
+        verification follows ``"graph"`` and ``"compile"`` by default (``force3_compile``).
     full_cache_device: where Force 3's full cache lives. ``None`` (default): each layer's entries on that layer's
         execution device, next to the model. ``"cpu"``: host memory (pinned for a GPU), streamed to the compute device
         layer by layer during verification with the next layer prefetched (TriForce's offloading mode; the
@@ -123,6 +125,17 @@ class TriForceConfig:
     explore_every: integer >= 1, default 16: under ``policy="auto"``, steps between tries of the best plan other
         than the current one, a kind of plan not yet run in the call first (the interval doubles, up to 16x, while
         such tries do not pay).
+    force3_compile: how Force 3's verification forward runs (batch size 1, chains; `hf_triforce.decoding.tiers.
+        force3_forward`). ``"auto"`` (default): where the tiers run as CUDA graphs or compiled on a CUDA device
+        (``tier_compile`` resolved to ``"graph"`` or ``"compile"``), in that mode on the target's native lean
+        forward (its own weights read in place, activations in its dtype, rounded as its forward rounds them) over
+        the full cache's whole buffer; else, and on the CPU, transformers' forward of the model as given.
+        ``"off"``: transformers' forward. ``"fixed"``, ``"compile"``, ``"graph"`` (CUDA): that forward in that
+        mode (`hf_triforce.kernels.fixed_shape`), whatever ``tier_compile`` is; a model or call it cannot serve
+        (a family or sliding windows the lean forward does not cover, ``device_map=``, ``full_cache_device="cpu"``,
+        a batch, ``"graph"`` off CUDA) raises a ValueError naming why. A candidate tree's verification stays on
+        transformers' forward. ``TriForceStats.tier_forwards["force3"]`` says what ran (``"graph (native)"``,
+        ``"eager"``), ``tier_compile["force3"]`` what it compiled.
 
     Experimental
     ------------
@@ -149,7 +162,7 @@ class TriForceConfig:
         "tier_compile", "full_cache_device", "loop", "show_progress")
     TUNING_FIELDS: ClassVar[tuple[str, ...]] = (
         "chunk_size", "retrieval_recent", "refresh_every", "refresh_below", "sink_tokens", "draft_positions",
-        "ngram_max", "ngram_min", "prefill_chunk_size", "explore_every")
+        "ngram_max", "ngram_min", "prefill_chunk_size", "explore_every", "force3_compile")
     EXPERIMENTAL_FIELDS: ClassVar[tuple[str, ...]] = ("tree_nodes", "tree_branch", "force2_tree_nodes")
 
     # user settings
@@ -176,6 +189,7 @@ class TriForceConfig:
     ngram_min: int = 1
     prefill_chunk_size: int = 2048
     explore_every: int = 16
+    force3_compile: str = "auto"
     # experimental
     tree_nodes: int = 0
     tree_branch: int = 2
@@ -287,6 +301,13 @@ class TriForceConfig:
             raise ValueError(f"TriForceConfig.policy must be one of {POLICIES}, got {self.policy!r}")
         if self.loop not in LOOPS:
             raise ValueError(f"TriForceConfig.loop must be one of {LOOPS}, got {self.loop!r}")
+        if self.force3_compile not in FORCE3_COMPILE:
+            raise ValueError(f"TriForceConfig.force3_compile must be one of {FORCE3_COMPILE}, got "
+                             f"{self.force3_compile!r}")
+        if self.loop == "assisted" and self.force3_compile not in ("auto", "off"):
+            raise ValueError(f"TriForceConfig(loop='assisted', force3_compile={self.force3_compile!r}): transformers' "
+                             "assisted loop runs the target's own forward for Force 3; use force3_compile='auto' or "
+                             "'off', or loop='triforce'")
         if self.loop == "assisted" and self.trees:
             raise ValueError("TriForceConfig(loop='assisted'): transformers' assisted loop verifies chains only: set "
                              f"tree_nodes=0 and force2_tree_nodes=0 (got {self.tree_nodes} and "

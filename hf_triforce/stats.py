@@ -33,10 +33,14 @@ class TriForceStats:
     # per tier that ran a drafting forward ("force1 <drafter>": "self", "model" for a draft model; "force2"), the
     # forward it ran: "lean" (`kernels.lean` at draft_precision), "eager" (the transformers forward of the model as
     # given, or of its int8 copy), or "eager (<why>)" where a lean precision was asked for a model the lean forward
-    # does not cover, or where draft_precision="auto" fell back to "model"
+    # does not cover, or where draft_precision="auto" fell back to "model"; and "force3", what Force 3's verification
+    # ran (TriForceConfig.force3_compile): "eager" (transformers' forward of the model as given), "eager (<why>)" where
+    # "auto" would have run it at fixed shapes but could not, or "<mode> (native)" ("graph (native)": the target's own
+    # weights in a CUDA graph per row count), with "; candidate trees: eager" where trees may run
     tier_forwards: dict = field(default_factory=dict)
     # TriForceConfig.tier_compile other than "off": {"mode", "forwards" (fixed-shape forwards run), "compiles" (graphs
-    # compiled in this call: 0 once a model's first call has compiled), "compile_seconds"} (`kernels.fixed_shape`)
+    # compiled in this call: 0 once a model's first call has compiled), "compile_seconds"} (`kernels.fixed_shape`);
+    # where Force 3 ran at fixed shapes, "force3": the same four for its verification forward
     tier_compile: dict = field(default_factory=dict)
     # per model drafter that ran ("self", "model"), its sink+window cache: its positions and how it was filled
     # (`ModelDrafter.fill`: copied from the full cache, or a forward and why)

@@ -43,7 +43,7 @@ def test_triforce_on_cuda_takes_the_flash_route(monkeypatch):
     model = make_model("llama-gqa", logit_scale=8.0).to("cuda", torch.float16)
     prompt = random_prompt(300, period=37).to("cuda")
     config = TriForceConfig(draft="self", retrieval_budget=64, chunk_size=8, sink_tokens=4, window=24, gamma1=2,
-                            gamma2=4, policy="fixed")
+                            gamma2=4, policy="fixed", force3_compile="off")  # transformers' forward verifies
     expected = model.generate(prompt, max_new_tokens=24, do_sample=False)
     out = model.generate(prompt, max_new_tokens=24, do_sample=False, triforce_config=config)
     assert calls, "the flash-attn route was not taken"
@@ -61,14 +61,16 @@ def test_triforce_on_cuda_fp32_is_exact():
     assert torch.equal(model.generate(prompt, max_new_tokens=32, do_sample=False, triforce_config=config), expected)
 
 
-def _cuda_exact(family, draft, prompt_len=600, new_tokens=40, levels=3):
-    """Greedy TriForce on CUDA (fp32) equals plain generate; the prompt exceeds the budget, so retrieval selects."""
+def _cuda_exact(family, draft, prompt_len=600, new_tokens=40, levels=3, force3_compile="auto"):
+    """Greedy TriForce on CUDA (fp32) equals plain generate; the prompt exceeds the budget, so retrieval selects.
+    Force 3 verifies as ``force3_compile`` says: by default, CUDA graphs of the native forward where the lean forward
+    covers the family (Llama, Qwen2), transformers' forward elsewhere."""
     model = make_model(family).to("cuda")
     prompt = random_prompt(prompt_len, period=53).to("cuda")
     if draft == "model":
         draft = make_model(family, num_hidden_layers=1, seed=5).to("cuda")
     config = TriForceConfig(draft=draft, retrieval_budget=64, chunk_size=8, sink_tokens=4, window=24, gamma1=2,
-                            gamma2=6, levels=levels, policy="fixed")
+                            gamma2=6, levels=levels, policy="fixed", force3_compile=force3_compile)
     expected = model.generate(prompt, max_new_tokens=new_tokens, do_sample=False)
     out = model.generate(prompt, max_new_tokens=new_tokens, do_sample=False, triforce_config=config,
                          return_dict_in_generate=True)
@@ -83,6 +85,25 @@ def _cuda_exact(family, draft, prompt_len=600, new_tokens=40, levels=3):
 @pytest.mark.parametrize("draft", ["self", "ngram", "model"])
 def test_cuda_fp32_greedy_identity(family, draft):
     _cuda_exact(family, draft)
+
+
+@cuda
+@pytest.mark.parametrize("family", ["llama-gqa", "qwen2"])
+def test_cuda_force3_verifies_in_cuda_graphs(family):
+    """The default on CUDA: Force 3's chains verified by CUDA graphs of the target's native forward (one capture per
+    row count and call), greedy identical in fp32, across prompt lengths; its queries feed Force 2's selection."""
+    model = make_model(family, logit_scale=3.0).to("cuda")
+    config = TriForceConfig(draft="self", retrieval_budget=64, chunk_size=8, sink_tokens=4, window=24, gamma1=2,
+                            gamma2=6, policy="fixed")
+    for prompt_len in (600, 437):
+        prompt = random_prompt(prompt_len, period=53).to("cuda")
+        expected = model.generate(prompt, max_new_tokens=40, do_sample=False)
+        out = model.generate(prompt, max_new_tokens=40, do_sample=False, triforce_config=config,
+                             return_dict_in_generate=True)
+        assert torch.equal(out.sequences, expected)
+        stats = out.triforce_stats
+        assert stats.tier_forwards["force3"] == "graph (native)" and stats.tier_compile["force3"]["mode"] == "graph"
+        assert stats.tier_compile["force3"]["forwards"] == stats.force3_steps > 3 and stats.force2_accepted > 0
 
 
 @cuda
@@ -276,7 +297,7 @@ def test_cuda_fp32_greedy_identity_with_the_route_forced(family, route):
     real = native_attention.flex_verify
     with pytest.MonkeyPatch.context() as patch, native_attention.force_route(route):
         patch.setattr(native_attention, "flex_verify", lambda *a, **k: calls.append(1) or real(*a, **k))
-        _cuda_exact(family, "self")
+        _cuda_exact(family, "self", force3_compile="off")  # transformers' forward verifies through the route
     assert bool(calls) == (route == "flex")
 
 
@@ -309,7 +330,7 @@ def test_triforce_on_cuda_takes_the_varlen_route():
     model = make_model("llama-gqa", logit_scale=8.0).to("cuda", torch.float16)
     prompt = random_prompt(300, period=37).to("cuda")
     config = TriForceConfig(draft="self", retrieval_budget=64, chunk_size=8, sink_tokens=4, window=24, gamma1=2,
-                            gamma2=4, policy="fixed")
+                            gamma2=4, policy="fixed", force3_compile="off")  # transformers' forward verifies
     expected = model.generate(prompt, max_new_tokens=24, do_sample=False)
     with pytest.MonkeyPatch.context() as patch, native_attention.force_route("varlen"):
         patch.setattr(native_attention, "varlen_verify", lambda *a, **k: calls.append(1) or real(*a, **k))

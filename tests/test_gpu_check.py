@@ -38,6 +38,10 @@ def test_dry_run_every_stage(gpu_check, tmp_path):
     assert all(row["triforce_identical"] and row["static_identical"] for row in library.values())
     assert set(library["fixed, 3 levels"]["tier_ms"]) == {"force1", "force2", "force3"}
     assert set(library["fixed, 2 levels"]["tier_ms"]) == {"force1", "force3"}
+    # off CUDA the fixed plans verify on Force 3's fixed-shape forward (CUDA: its graphs), one plan also eagerly
+    assert library["fixed, 3 levels"]["force3_forward"] == library["fixed, 2 levels"]["force3_forward"] == \
+        "fixed (native)"
+    assert library["fixed, 3 levels, force3 eager"]["force3_forward"] == library["auto"]["force3_forward"] == "eager"
     assert "Tier forwards" in (tmp_path / "gpu_table.md").read_text()
 
 

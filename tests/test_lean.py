@@ -64,8 +64,8 @@ def test_fp32_lean_drafts_what_the_eager_forward_drafts(family, lean_calls):
         eager = assert_identical(model, prompt, _config(**extra))
         fast = assert_identical(model, prompt, _config(draft_precision="lean", **extra))
         tiers = ["force1 self"] + ["force2"] * (extra.get("levels", 3) == 3)
-        assert fast.tier_forwards == dict.fromkeys(tiers, "lean")
-        assert eager.tier_forwards == dict.fromkeys(tiers, "eager")
+        assert fast.tier_forwards == {**dict.fromkeys(tiers, "lean"), "force3": "eager"}
+        assert eager.tier_forwards == {**dict.fromkeys(tiers, "eager"), "force3": "eager"}
         assert {c: getattr(fast, c) for c in counts} == {c: getattr(eager, c) for c in counts}, extra
     assert "lean" in lean_calls
 
@@ -95,7 +95,8 @@ def test_greedy_identity_with_quantized_lean_tiers(family, precision, draft, lev
         draft = make_model(family, num_hidden_layers=1, seed=5)
     stats = assert_identical(model, random_prompt(150, period=37), _config(draft, levels=levels,
                                                                             draft_precision=precision))
-    assert stats.tier_forwards == dict.fromkeys(tiers, "lean") and stats.draft_precision == precision
+    assert stats.tier_forwards == {**dict.fromkeys(tiers, "lean"), "force3": "eager"}
+    assert stats.draft_precision == precision
     assert stats.draft_forward == stats.tier_forwards  # the alias reads the same field
     assert stats.force3_steps > 0 and lean_calls == [precision] * len(lean_calls)
     assert len(lean_calls) > 10
@@ -126,8 +127,9 @@ def test_greedy_trees_with_lean_tiers(precision, levels, lean_calls):
 def test_other_families_draft_with_their_eager_forward_and_say_so(lean_calls):
     model = make_model("gemma")
     stats = assert_identical(model, random_prompt(120, period=37), _config(draft_precision="lean-int4"))
-    assert set(stats.tier_forwards) == {"force1 self", "force2"} and not lean_calls
-    assert all(forward.startswith("eager (GemmaForCausalLM is not one of") for forward in stats.tier_forwards.values())
+    assert set(stats.tier_forwards) == {"force1 self", "force2", "force3"} and not lean_calls
+    drafting = [stats.tier_forwards[tier] for tier in ("force1 self", "force2")]
+    assert all(forward.startswith("eager (GemmaForCausalLM is not one of") for forward in drafting)
 
 
 def test_a_draft_model_the_lean_forward_does_not_cover_drafts_eager_beside_a_lean_force2(lean_calls):
@@ -135,7 +137,7 @@ def test_a_draft_model_the_lean_forward_does_not_cover_drafts_eager_beside_a_lea
     Force 2."""
     target, draft = make_model("llama-gqa", logit_scale=3.0), make_model("gemma", seed=4, num_hidden_layers=1)
     stats = assert_identical(target, random_prompt(120, period=37), _config(draft, draft_precision="lean-int4"))
-    assert stats.draft_precision == "lean-int4" and set(stats.tier_forwards) == {"force1 model", "force2"}
+    assert stats.draft_precision == "lean-int4" and set(stats.tier_forwards) == {"force1 model", "force2", "force3"}
     assert stats.tier_forwards["force1 model"].startswith("eager (GemmaForCausalLM is not one of")
     assert stats.tier_forwards["force2"] == "lean" and lean_calls == ["lean-int4"] * len(lean_calls) and lean_calls
 
@@ -149,7 +151,7 @@ def test_lookup_drafts_verified_by_force3_alone_run_no_drafting_forward_and_copy
     config = _config("ngram", levels=2, policy=policy, draft_precision=precision)
     stats = assert_identical(model, random_prompt(150, period=37), config)
     assert stats.force1_proposed > 0 and stats.plan_steps.get(2, 0) > 0
-    assert (stats.draft_precision, stats.tier_forwards) == ("none", {})
+    assert (stats.draft_precision, stats.tier_forwards) == ("none", {"force3": "eager"})
     assert tiers.lean_copy_bytes(model) == 0 and stats.draft_copy_seconds < 0.01
 
 
@@ -346,7 +348,7 @@ def test_the_default_precision_runs_lean_int4_where_the_lean_forward_covers_the_
                             window=24, gamma1=2, gamma2=4)
     assert config.draft_precision == "auto"
     first = assert_identical(model, random_prompt(120, period=37), config)
-    lean_tiers = {"force1 self": "lean", "force2": "lean"}
+    lean_tiers = {"force1 self": "lean", "force2": "lean", "force3": "eager"}
     assert (first.draft_precision, first.tier_forwards) == ("lean-int4", lean_tiers) and first.draft_copy_seconds > 0
     assert first.force2_accepted > 0
     copy = tiers.tier_model(model, "lean-int4", 1)
@@ -360,6 +362,7 @@ def test_the_default_precision_runs_lean_int4_where_the_lean_forward_covers_the_
     out = half.generate(random_prompt(60), max_new_tokens=6, triforce_config=config, return_dict_in_generate=True)
     stats = out.triforce_stats
     assert stats.draft_precision == "model" and set(stats.tier_forwards) == set(lean_tiers)
+    assert stats.tier_forwards.pop("force3") == "eager"
     assert all(forward.startswith("eager (draft_precision='auto': ") and "copies a float32 or bfloat16 model" in
                forward for forward in stats.tier_forwards.values())
     gemma = make_family("gemma2")
@@ -381,7 +384,8 @@ def test_a_bf16_model_drafts_on_a_quantized_lean_copy():
     config = TriForceConfig(draft="self", policy="fixed", retrieval_budget=64, chunk_size=8, sink_tokens=4,
                             window=24, gamma1=2, gamma2=4)
     stats = assert_identical(bf16, random_prompt(120, period=37), config)
-    assert stats.tier_forwards == {"force1 self": "lean", "force2": "lean"} and stats.draft_precision == "lean-int4"
+    assert stats.tier_forwards == {"force1 self": "lean", "force2": "lean", "force3": "eager"}
+    assert stats.draft_precision == "lean-int4"
     assert stats.force2_accepted > 0
     with pytest.raises(ValueError, match="'lean' copies a float32 model; parameter"):
         tiers.check_lean_eligible(bf16, "lean")

@@ -217,7 +217,7 @@ def test_stats_count_and_name_per_tier_what_ran(monkeypatch):
     assert 0 < stats.force2_verified < stats.force1_proposed  # two-level drafts are Force 1's, not Force 2's to verify
     assert stats.force2_acceptance == stats.force2_accepted / stats.force2_verified
     assert stats.draft_precision == "lean-int4"
-    assert set(stats.tier_forwards) == {"force1 model", "force1 self", "force2"}
+    assert set(stats.tier_forwards) == {"force1 model", "force1 self", "force2", "force3"}
     assert stats.tier_forwards["force1 model"].startswith("eager (GemmaForCausalLM is not one of")
     assert stats.tier_forwards["force1 self"] == stats.tier_forwards["force2"] == "lean"
 

@@ -162,13 +162,14 @@ class TriForceCandidateGenerator(compat.CandidateGenerator):
             self.level = Force2Level(tier_model(model, config.draft_precision, 2, config.tier_compile), NoDrafter(),
                                      config, processors, self.force2_verifier, full_cache)
             self.level.use(self.drafter)
-        # per tier that runs a drafting forward, the forward it runs (as `Decoder.tier_forwards` reports it)
+        # per tier that runs a drafting forward, the forward it runs (as `Decoder.tier_forwards` reports it); Force 3
+        # is transformers' assisted loop's forward of the model
         models = {}
         if isinstance(self.drafter, ModelDrafter):
             models[f"force1 {config.draft if isinstance(config.draft, str) else MODEL_DRAFTER}"] = self.drafter.model
         if config.levels == 3:
             models["force2"] = self.level.model
-        self.stats.tier_forwards = tier_forwards(models, config.draft_precision, not_lean)
+        self.stats.tier_forwards = tier_forwards(models, config.draft_precision, not_lean, "eager")
         self.queries: dict[int, torch.Tensor] | None = None  # per layer, the query of the last cached token
         self.proposed, self.ran, self.length, self.handed_at = 0, False, 0, 0.0
 

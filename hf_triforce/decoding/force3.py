@@ -4,7 +4,9 @@ Two layouts of the full cache, one interface (`Decoder` drives either):
 
 - `Force3` (batch size 1): a preallocated `BufferCache` (`OffloadedBufferCache` with ``full_cache_device="cpu"``),
   sliding-window layers keeping their window plus rollback room; candidate trees are scored in one tree forward
-  and the accepted path's entries compacted into place.
+  and the accepted path's entries compacted into place. Chains are scored by transformers' forward or, where
+  `tiers.force3_forward` says so (``TriForceConfig.force3_compile``; CUDA graphs by default where the tiers are
+  graphed), by the target's native lean forward at fixed shapes over the whole buffer (`LeanModel.verify`).
 - `RaggedForce3` (batch size > 1): a `RaggedBufferCache`, one length per row. Row ``b`` is fed [its last token,
   its candidates, dummies up to the widest row] after its own entries, at its own positions, under a per-row mask
   (`ragged_causal_mask`): its queries attend exactly over its own sequence, so its p is its batch-1 p up to
@@ -30,9 +32,10 @@ from ..config import TriForceConfig
 from ..drafters.registry import append_tokens
 from ..kernels.attention import QueryRecorder
 from ..verification.scoring import process_rows
-from .forward import prefill, ragged_forward, score_continuation, settle
+from .forward import prefill, ragged_forward, score_continuation, score_fixed_shape, settle
 from .levels import Candidates
 from .sizing import force3_rows
+from .tiers import force3_forward
 from .tree_forward import score_tree
 
 # a model drafter's cache fill is priced from the prefill's first chunk only if that chunk had at least this many
@@ -52,6 +55,10 @@ class Force3:
         self.cache.expect_devices(layer_devices(model))
         self.recorder = QueryRecorder()
         self.uncached = 1  # tokens of the sequence fed before the candidates in the last `score`
+        # the chains' verification forward (`tiers.force3_forward`): None, transformers' forward; else the target's
+        # native lean forward at fixed shapes, whose queries come out stacked ([layers, 1, heads, n, dim])
+        self.verifier, self.forward = force3_forward(model, config)
+        self.stacked: torch.Tensor | None = None  # the last `score`'s queries where the verifier ran it
 
     def row(self, b: int) -> BufferCache:
         return self.cache
@@ -79,9 +86,14 @@ class Force3:
         ((b, sequence),) = sequences.items()
         cache, found = self.cache, candidates[b]
         self.uncached = sequence.shape[1] - cache.length
+        self.stacked = None
         if found.tree is not None:
             logits, scores = score_tree(self.model, cache, cache.length, sequence, found.tree, processors[b],
                                         self.recorder)
+        elif self.verifier is not None:
+            extended = append_tokens(sequence, found.tokens)
+            logits, scores, self.stacked = score_fixed_shape(self.verifier, cache, extended, sequence.shape[1],
+                                                             processors[b])
         else:
             extended = append_tokens(sequence, found.tokens)
             logits, scores = score_continuation(self.model, cache, cache.length, extended, sequence.shape[1],
@@ -97,6 +109,8 @@ class Force3:
 
     def queries(self, b: int, row: int) -> dict[int, torch.Tensor]:
         """Per layer, the query at row ``row`` of the last `score` (``0``: the committed sequence's last token)."""
+        if self.stacked is not None:
+            return {layer: self.stacked[layer, :, :, self.uncached - 1 + row] for layer in range(len(self.stacked))}
         return self.recorder.at(self.uncached - 1 + row)
 
     def nbytes(self) -> int:
@@ -116,6 +130,7 @@ class RaggedForce3:
         self.cache.expect_devices(layer_devices(model))
         self.additive_mask = compat.current_attention_implementation(model).removeprefix("triforce_") == "eager"
         self.recorder = QueryRecorder()
+        self.verifier, self.forward = force3_forward(model, config, len(max_lengths))  # None: per-row masks
 
     def row(self, b: int) -> BufferCache:
         return self.cache.row(b)

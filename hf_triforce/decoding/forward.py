@@ -77,6 +77,19 @@ def score_continuation(model, cache, cached: int, extended: torch.Tensor, prefix
     return logits, process_rows(processors, extended, logits, prefix)
 
 
+def score_fixed_shape(verifier, cache, extended: torch.Tensor, prefix: int,
+                      processors: LogitsProcessorList) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`score_continuation` by Force 3's fixed-shape forward (``verifier``: a `LeanModel.verifying` view, which
+    computes the target's logits from its own weights): raw logits, processed scores, and the queries of every fed
+    row ``[layers, 1, heads, n, dim]`` (outputs of the forward, read without a host transfer)."""
+    cached = cache.length
+    tokens = extended[:, cached:]
+    positions = torch.arange(cached, extended.shape[1], device=tokens.device).unsqueeze(0)
+    logits, queries = verifier.verify(tokens, positions, cache)
+    logits = logits[-(extended.shape[1] - prefix + 1) :]  # the rows predicting the tokens after extended[:, :prefix]
+    return logits, process_rows(processors, extended, logits, prefix), queries
+
+
 def prefill(model, tokens: torch.Tensor, cache, chunk_size: int, show_progress: bool = False,
             recorder: QueryRecorder | None = None, chunk_seconds: list | None = None) -> torch.Tensor:
     """Chunked prefill of ``tokens`` after what ``cache`` holds; returns the last row's logits ``[1, vocab]``.

@@ -109,6 +109,22 @@ def aggregate(row_stats: list[TriForceStats], force3_seconds: float, prefill_sec
     return total
 
 
+def fixed_shape_counts(fixed_shapes: list, before: list[tuple], tier_mode: str, verifier) -> dict:
+    """`TriForceStats.tier_compile`: what the drafting tiers' fixed-shape forwards ran and compiled since ``before``
+    (their counters then), and under ``"force3"`` what Force 3's (``verifier``'s, the last of ``fixed_shapes``) did."""
+    def counts(pairs, mode: str) -> dict:
+        return {"mode": mode, "forwards": sum(f.calls - b[0] for f, b in pairs),
+                "compiles": sum(f.compiles - b[1] for f, b in pairs),
+                "compile_seconds": sum(f.compile_seconds - b[2] for f, b in pairs)}
+
+    pairs = list(zip(fixed_shapes, before))
+    own = pairs.pop() if verifier is not None else None
+    compiled = counts(pairs, tier_mode) if pairs else {}
+    if own is not None:
+        compiled["force3"] = counts([own], own[0].mode)
+    return compiled
+
+
 def proposed_of(candidates: Candidates) -> int:
     """Tokens a step proposed: a chain's length, a tree's depth (so that acceptance compares with chains')."""
     return len(candidates.tokens) if candidates.tree is None else max(candidates.tree.depths(), default=0)
@@ -223,6 +239,8 @@ class Decoder:
         tier_models = self._tier_models()  # a lean or int8 copy is made on a model's first call, then kept
         copy_seconds = time.perf_counter() - began
         fixed_shapes = list({id(f): f for f in (getattr(m, "fixed_shape", None) for m in tier_models) if f}.values())
+        verifier = self.force3.verifier
+        fixed_shapes += [verifier.fixed_shape] if verifier is not None else []
         before = [(f.calls, f.compiles, f.compile_seconds) for f in fixed_shapes]
         # the models' CPU linear layers multiply few rows by the route timed fastest on this CPU (`linear_routes`)
         routes = [linear_routes(model) for model in (self.model, self.config.draft) if not isinstance(model, str)]
@@ -236,11 +254,7 @@ class Decoder:
             while active := [row for row in rows if not row.done]:
                 self._step(active)
             result = self._result(prompts, rows)
-        compiled = {} if not fixed_shapes else {
-            "mode": self.config.tier_compile,
-            "forwards": sum(f.calls - b[0] for f, b in zip(fixed_shapes, before)),
-            "compiles": sum(f.compiles - b[1] for f, b in zip(fixed_shapes, before)),
-            "compile_seconds": sum(f.compile_seconds - b[2] for f, b in zip(fixed_shapes, before))}
+        compiled = fixed_shape_counts(fixed_shapes, before, self.config.tier_compile, verifier)
         for stats in {id(s): s for s in [*result.row_stats, result.stats]}.values():
             stats.linear_routes = routes[0].used()
             stats.linear_calibration_seconds = sum(r.calibration_seconds - c for r, c in zip(routes, calibrated))
@@ -415,16 +429,15 @@ class Decoder:
         return accepted, committed
 
     def tier_forwards(self) -> dict[str, str]:
-        """Per tier that ran a drafting forward in a step (``"force1 <drafter>"``, ``"force2"``), the forward it ran
-        (`tiers.tier_forwards`). Lookup drafters
-        run none."""
+        """Per tier that ran a drafting forward in a step (``"force1 <drafter>"``, ``"force2"``), the forward it ran,
+        and Force 3's (`tiers.tier_forwards`). Lookup drafters run none."""
         models = {}
         for tier in sorted(self.tiers_run):
             if tier == "force2":
                 models[tier] = self.levels_by_plan[(3, "")][0].model
             elif isinstance(drafter := self.drafter(0, tier.removeprefix("force1 ")), ModelDrafter):
                 models[tier] = drafter.model
-        return tier_forwards(models, self.config.draft_precision, self.not_lean)
+        return tier_forwards(models, self.config.draft_precision, self.not_lean, self.force3.forward)
 
     def _result(self, prompts: list[torch.Tensor], rows: list[Row]) -> DecodeResult:
         for row in rows:

@@ -10,6 +10,8 @@ One call decides its tiers along one path, all in this module:
 3. A plan's first use builds each tier's model by `tier_model` (Force 2 for the levels, Force 1 for `drafters.model`):
    a cached `LeanModel` (`lean_model`) or its compiled view, or `kernels.quantized.drafting_model`.
 4. `tier_forward` names the forward each tier ran; `weight_bytes` and `kv_bytes_per_token` price the tiers.
+5. Force 3's verification forward (`force3_forward`, asked by `force3.Force3` and `force3.RaggedForce3` before the
+   prefill): transformers' forward, or the target's native lean forward at fixed shapes (``force3_compile``).
 
 `hf_triforce.kernels.lean` only computes: it builds and runs the `LeanModel` of the precision it is handed.
 """
@@ -143,7 +145,7 @@ def resolve_draft_precision(config: TriForceConfig, target: nn.Module) -> tuple[
     if config.draft_precision != "auto":
         return _resolve_tier_compile(config, target), None
     models = drafting_models(config, target)
-    on_gpu = any(p.device.type == "cuda" for model in models for p in model.parameters())
+    on_gpu = any(on_cuda(model) for model in models)
     precision = AUTO_GPU_PRECISION if on_gpu else AUTO_PRECISION
     reasons = []
     for model in models:
@@ -162,8 +164,7 @@ def resolve_draft_precision(config: TriForceConfig, target: nn.Module) -> tuple[
 def _resolve_tier_compile(config: TriForceConfig, target: nn.Module) -> TriForceConfig:
     """``tier_compile="auto"`` made concrete: CUDA graphs where the tiers run the native lean forward on a CUDA
     device (launch-bound otherwise), else ``"off"``."""
-    on_gpu = next(target.parameters()).device.type == "cuda"
-    if config.tier_compile == "graph" and not on_gpu:
+    if config.tier_compile == "graph" and not on_cuda(target):
         raise ValueError(f"TriForceConfig.tier_compile='graph' captures CUDA graphs; this model is on "
                          f"{next(target.parameters()).device} (use 'fixed' or 'compile' there)")
     if config.tier_compile != "auto":
@@ -174,8 +175,12 @@ def _resolve_tier_compile(config: TriForceConfig, target: nn.Module) -> TriForce
 
 def _auto_tier_compile(precision: str, model: nn.Module) -> str:
     """What ``tier_compile="auto"`` runs for ``model``'s tiers at ``precision``."""
-    on_gpu = next(model.parameters()).device.type == "cuda"
-    return "graph" if precision == "native" and on_gpu else "off"
+    return "graph" if precision == "native" and on_cuda(model) else "off"
+
+
+def on_cuda(model: nn.Module) -> bool:
+    """Whether ``model`` has weights on a CUDA device."""
+    return any(p.device.type == "cuda" for p in model.parameters())
 
 
 def lean_model(model: nn.Module, precision: str):
@@ -244,13 +249,16 @@ def tier_forward(model, precision: str) -> str:
     return "eager" if why is None else f"eager ({why})"
 
 
-def tier_forwards(models: dict, precision: str, not_lean: str | None) -> dict[str, str]:
+def tier_forwards(models: dict, precision: str, not_lean: str | None, force3: str) -> dict[str, str]:
     """`TriForceStats.tier_forwards`: per tier (``"force1 <drafter>"``, ``"force2"``) of ``models`` (tier -> the model
     it ran), its `tier_forward`; where ``draft_precision="auto"`` fell back to the models as given (``not_lean``, the
-    reason `resolve_draft_precision` gave), that reason for every tier."""
+    reason `resolve_draft_precision` gave), that reason for every drafting tier; and ``"force3"``: ``force3``, what
+    Force 3's verification ran (`force3_forward`'s description)."""
     if not_lean is not None:
-        return dict.fromkeys(models, f"eager (draft_precision='auto': {not_lean})")
-    return {tier: tier_forward(model, precision) for tier, model in models.items()}
+        drafting = dict.fromkeys(models, f"eager (draft_precision='auto': {not_lean})")
+    else:
+        drafting = {tier: tier_forward(model, precision) for tier, model in models.items()}
+    return {**drafting, "force3": force3}
 
 
 def kv_bytes_per_token(model) -> int:
@@ -273,3 +281,57 @@ def weight_bytes(model) -> int:
     skip = set() if tied else {id(embedding.weight)}
     tensors = {id(t): t for t in [*model.parameters(), *model.buffers()] if id(t) not in skip}
     return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def force3_forward(model: nn.Module, config: TriForceConfig, batch: int = 1) -> tuple[LeanModel | None, str]:
+    """Force 3's verification forward for ``config.force3_compile`` (``config`` resolved: `resolve_draft_precision`)
+    and its `TriForceStats.tier_forwards` entry: ``(view, description)``, ``view`` the target's `LeanModel.verifying`
+    view that verifies its chains at fixed shapes, or None (transformers' forward of the model as given).
+
+    ``"auto"``: the tiers' mode where they run as CUDA graphs or compiled on a CUDA device (``tier_compile``
+    ``"graph"`` / ``"compile"``) and `force3_refusal` finds nothing against it; on the CPU transformers' forward
+    (there its verification takes `kernels.attention.split_kv_sdpa` over long caches: faster than masked attention
+    over the whole buffer). ``"fixed"``, ``"compile"``, ``"graph"``: that mode, or a ValueError saying why not.
+    A candidate tree's forward stays eager (its mask is the tree's), and the description says so."""
+    requested = config.force3_compile
+    if requested == "off":
+        return None, "eager"
+    graphed = on_cuda(model) and config.tier_compile in ("graph", "compile")
+    mode = requested if requested != "auto" else config.tier_compile if graphed else None
+    if mode is None:
+        return None, "eager"
+    why = force3_refusal(model, config, batch, mode)
+    if why is not None:
+        if requested == "auto":
+            return None, f"eager ({why})"
+        raise ValueError(f"TriForceConfig.force3_compile={requested!r} runs Force 3 on the target's native lean "
+                         f"forward at fixed shapes, which this call cannot: {why} (use force3_compile='auto' or 'off')")
+    trees = "; candidate trees: eager (a tree's own mask)" if config.trees else ""
+    return lean_model(model, "native").verifying(mode), f"{mode} (native){trees}"
+
+
+def force3_refusal(model: nn.Module, config: TriForceConfig, batch: int, mode: str) -> str | None:
+    """Why Force 3 cannot verify with ``model``'s native lean forward at fixed shapes in ``mode`` (None: it can):
+    a batch (per-row masks), a family or layout the lean forward does not cover (`lean_support`: sliding windows
+    included), a model it cannot read in place (accelerate hooks, other dtypes, several devices), a full cache
+    streamed from host memory, CUDA graphs off CUDA."""
+    if batch > 1:
+        return f"a batch of {batch} verifies under per-row masks (batch size 1 only)"
+    why = lean_support(model)
+    if why is not None:
+        return why
+    hooked = next((name or "model" for name, module in model.named_modules()
+                   if compat.execution_device(module) is not None), None)
+    if hooked is not None:
+        return f"module {hooked!r} runs under an accelerate hook (device_map=)"
+    odd = next(((name, p.dtype) for name, p in model.named_parameters() if p.dtype not in LEAN_DTYPES["native"]), None)
+    if odd is not None:
+        return f"parameter {odd[0]!r} is {odd[1]}"
+    devices = {p.device for p in model.parameters()}
+    if len(devices) > 1:
+        return f"its parameters are on several devices ({sorted(map(str, devices))})"
+    if config.full_cache_device == "cpu":
+        return "full_cache_device='cpu' streams the full cache from host memory layer by layer"
+    if mode == "graph" and not on_cuda(model):
+        return f"'graph' captures CUDA graphs and this model is on {devices.pop()} (use 'fixed' or 'compile' there)"
+    return None

@@ -18,6 +18,11 @@ still a length). Such a forward can be compiled once and replayed at every step,
   the weights and the cache buffers are read in place. What breaks a capture (a host read, a data-dependent
   shape) breaks ``"compile"``'s ``fullgraph=True`` on the CPU first, where the tests run it.
 
+Force 3's verification runs the same way (`LeanModel.fixed_shape_verify`, entry ``"fixed_shape_verify"``): over
+the full cache, whose capacity is fixed per call but not across calls, so that dimension is compiled dynamic
+(``dynamic``) and a CUDA graph is captured per row count for each call's cache; its outputs, the logits
+and the stacked queries, are copied out of the graph's memory.
+
 Exactness is unchanged: Force 1 and Force 2 hand up the law they drew from, whatever forward computed it
 (docs/exactness.md); every row still sees only its own and earlier entries, and a row's result does not depend on
 later rows (masked entries get probability exactly 0).
@@ -60,15 +65,23 @@ def _own_code(method):
     return types.MethodType(own, method.__self__)
 
 
-class FixedShapeForward:
-    """Runs a `LeanModel`'s forward on a cache of plain `BufferLayer`s through `LeanModel.fixed_shape_layers`,
-    eagerly or compiled (`TIER_COMPILE_MODES`). Counters (read by `TriForceStats.tier_compile`): ``calls``
-    (forwards it ran), ``compiles`` (graphs compiled), ``compile_seconds`` (wall of the calls that compiled)."""
+ENTRIES = ("fixed_shape_layers", "fixed_shape_verify")  # the `LeanModel` methods a FixedShapeForward runs
 
-    def __init__(self, mode: str) -> None:
+
+class FixedShapeForward:
+    """Runs a `LeanModel`'s forward on a cache of plain `BufferLayer`s through its method ``entry`` (`ENTRIES`:
+    `LeanModel.fixed_shape_layers`, the tiers' hidden state; `LeanModel.fixed_shape_verify`, Force 3's logits and
+    queries), eagerly or compiled (`TIER_COMPILE_MODES`); ``dynamic``: the cache capacity (a cache whose capacity
+    changes between calls) and a row count above one are compiled as dynamic dimensions from the first call.
+    Counters (read by `TriForceStats.tier_compile`): ``calls`` (forwards it ran), ``compiles`` (graphs compiled),
+    ``compile_seconds`` (wall of the calls that compiled)."""
+
+    def __init__(self, mode: str, entry: str = "fixed_shape_layers", dynamic: bool = False) -> None:
         if mode not in TIER_COMPILE_MODES:
             raise ValueError(f"TriForceConfig.tier_compile must be one of {TIER_COMPILE_MODES}, got {mode!r}")
-        self.mode = mode
+        if entry not in ENTRIES:
+            raise ValueError(f"FixedShapeForward entry must be one of {ENTRIES}, got {entry!r}")
+        self.mode, self.entry, self.dynamic = mode, entry, dynamic
         self.calls = 0
         self.compiles = 0
         self.compile_seconds = 0.0
@@ -86,7 +99,7 @@ class FixedShapeForward:
             return False
         return len({layer.length for layer in layers}) == 1
 
-    def _replay(self, lean, input_ids, position_ids, write_index, keys, values) -> torch.Tensor:
+    def _replay(self, lean, input_ids, position_ids, write_index, keys, values):
         """The ``"graph"`` forward: captured on its first call per row count and cache buffer, replayed after."""
         if input_ids.device.type != "cuda":
             raise RuntimeError(f"TriForceConfig.tier_compile='graph' captures CUDA graphs; this model is on "
@@ -96,7 +109,8 @@ class FixedShapeForward:
         if captured is None or captured.buffers != _pointers(keys, values):
             self._graphs.pop(key, None)  # its pool is freed before the next capture allocates one
             began = time.perf_counter()
-            self._graphs[key] = captured = _Captured(lean, input_ids, position_ids, write_index, keys, values)
+            self._graphs[key] = captured = _Captured(getattr(lean, self.entry), input_ids, position_ids, write_index,
+                                                     keys, values)
             self.compiles += 1
             self.compile_seconds += time.perf_counter() - began
         return captured(input_ids, position_ids, write_index)
@@ -105,9 +119,9 @@ class FixedShapeForward:
         if self._function is None:
             cuda_graphs = next(iter(lean.layers)).qkv.weight.is_cuda
             if self.mode == "fixed":
-                self._function = lean.fixed_shape_layers
+                self._function = getattr(lean, self.entry)
             else:
-                self._function = torch.compile(_own_code(lean.fixed_shape_layers), fullgraph=True,
+                self._function = torch.compile(_own_code(getattr(lean, self.entry)), fullgraph=True,
                                                backend=_counting_inductor(self, cuda_graphs))
             self._cuda_graphs = self.mode == "compile" and cuda_graphs
         return self._function
@@ -119,9 +133,10 @@ class FixedShapeForward:
                 torch._dynamo.mark_static_address(tensor)
                 self._static.add(tensor.data_ptr())
 
-    def __call__(self, lean, input_ids: torch.Tensor, position_ids: torch.Tensor, cache) -> torch.Tensor:
-        """``input_ids`` ``[1, n]`` at ``position_ids`` after the cache's entries -> hidden ``[n, hidden]``; the
-        cache's layers grow by ``n`` entries as their own ``update`` would have grown them."""
+    def __call__(self, lean, input_ids: torch.Tensor, position_ids: torch.Tensor, cache):
+        """``input_ids`` ``[1, n]`` at ``position_ids`` after the cache's entries -> what ``entry`` returns (hidden
+        ``[n, hidden]``; Force 3's logits and queries); the cache's layers grow by ``n`` entries as their own
+        ``update`` would have grown them."""
         layers = cache.layers
         n, start, capacity = input_ids.shape[1], layers[0].length, layers[0].capacity
         if start + n > capacity:
@@ -129,49 +144,61 @@ class FixedShapeForward:
         keys, values = [layer.keys for layer in layers], [layer.values for layer in layers]
         write_index = torch.arange(start, start + n, device=input_ids.device)
         if self.mode == "graph":
-            hidden = self._replay(lean, input_ids, position_ids, write_index, keys, values)
+            out = self._replay(lean, input_ids, position_ids, write_index, keys, values)
         else:
-            hidden = self._run_compiled(lean, input_ids, position_ids, write_index, keys, values)
+            out = self._run_compiled(lean, input_ids, position_ids, write_index, keys, values)
         for layer in layers:
             layer.length += n
         self.calls += 1
-        return hidden
+        return out
 
-    def _run_compiled(self, lean, input_ids, position_ids, write_index, keys, values) -> torch.Tensor:
+    def _run_compiled(self, lean, input_ids, position_ids, write_index, keys, values):
         """The ``"fixed"`` / ``"compile"`` forward (its first call per shape compiles)."""
         function = self._compiled(lean)
         if self._cuda_graphs:
             self._mark_static(keys + values)
+        if self.dynamic and self.mode == "compile":  # one graph for every call's capacity and every row count > 1
+            for buffer in keys + values:
+                torch._dynamo.mark_dynamic(buffer, 2)
+            if input_ids.shape[1] > 1:
+                for tensor, dim in ((input_ids, 1), (position_ids, 1), (write_index, 0)):
+                    torch._dynamo.maybe_mark_dynamic(tensor, dim)
         compiles, began = self.compiles, time.perf_counter()
-        hidden = function(input_ids, position_ids, write_index, keys, values)
+        out = function(input_ids, position_ids, write_index, keys, values)
         if self.compiles != compiles:
             self.compile_seconds += time.perf_counter() - began
-        return hidden.clone() if self._cuda_graphs else hidden  # a graph's output is overwritten by its next replay
+        return _cloned(out) if self._cuda_graphs else out  # a graph's outputs are overwritten by its next replay
 
 
 def _pointers(keys, values) -> tuple[int, ...]:
     return tuple(t.data_ptr() for t in (*keys, *values))
 
 
-class _Captured:
-    """One fixed-shape forward captured as a CUDA graph: its static inputs and its output."""
+def _cloned(out):
+    """A copy of a forward's output (a tensor or a tuple of tensors)."""
+    return tuple(t.clone() for t in out) if isinstance(out, tuple) else out.clone()
 
-    def __init__(self, lean, input_ids, position_ids, write_index, keys, values) -> None:
+
+class _Captured:
+    """One fixed-shape forward (``function``: a `LeanModel`'s entry) captured as a CUDA graph: its static inputs
+    and its outputs."""
+
+    def __init__(self, function, input_ids, position_ids, write_index, keys, values) -> None:
         self.input_ids, self.position_ids, self.write_index = input_ids.clone(), position_ids.clone(), write_index
         self.buffers = _pointers(keys, values)
         device = input_ids.device
         side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):  # warm-up (cuBLAS workspaces): it writes the entries the replay writes again
-            lean.fixed_shape_layers(self.input_ids, self.position_ids, self.write_index, keys, values)
+            function(self.input_ids, self.position_ids, self.write_index, keys, values)
         torch.cuda.current_stream(device).wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):
-            self.hidden = lean.fixed_shape_layers(self.input_ids, self.position_ids, self.write_index, keys, values)
+            self.out = function(self.input_ids, self.position_ids, self.write_index, keys, values)
 
-    def __call__(self, input_ids, position_ids, write_index) -> torch.Tensor:
+    def __call__(self, input_ids, position_ids, write_index):
         self.input_ids.copy_(input_ids)
         self.position_ids.copy_(position_ids)
         self.write_index.copy_(write_index)
         self.graph.replay()
-        return self.hidden.clone()  # the next replay overwrites it
+        return _cloned(self.out)  # the next replay overwrites it

@@ -1,10 +1,12 @@
-"""A lean drafting forward for Llama-family decoders (Llama/SmolLM2, Mistral, Qwen2) on CPU.
+"""A lean forward for Llama-family decoders (Llama/SmolLM2, Mistral, Qwen2): the drafting tiers' and Force 3's.
 
 Force 1 and Force 2 may run any model, provided each hands up the exact law it drew from and that law is a
 deterministic function of the sequence so far (not of later drafts in the same forward, nor of other rows'
-values); Force 3 runs the target as given, so the output stays exactly the target's (docs/exactness.md). A
-`LeanModel` is such a model: the target's (or a draft model's) weights copied once, run by a forward with
-little per-op overhead:
+values); Force 3 computes the target itself, so the output stays exactly the target's (docs/exactness.md): by
+transformers' forward, or by this forward's `LeanModel.verifying` view (the model's own weights read in place,
+activations in the model's dtype rounded where its forward rounds them, the verification at fixed shapes that a
+CUDA graph captures; the same values up to summation order). A drafting `LeanModel` is such a model: the
+target's (or a draft model's) weights copied once, run by a forward with little per-op overhead:
 
 * fused projections: one matrix for Q, K and V (and their biases: Qwen2), one for gate and up;
 * weights per `LEAN_PRECISIONS`: ``"lean"`` fp32 (``F.linear``), ``"lean-int8"`` weight-only int8 (per output
@@ -226,6 +228,9 @@ class LeanModel:
         self._compiled_views: dict[str, LeanModel] = {}
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
         self.cache_dtype = next(model.parameters()).dtype  # the entries it writes: the model's own dtype
+        # the residual stream, norms and rotary: fp32 in a drafting copy; the model's dtype in Force 3's view
+        # (`verifying`), which rounds as the model's own forward does
+        self.activation_dtype = torch.float32
         config = model.config
         decoder = model.get_decoder()
         self.embed = decoder.embed_tokens
@@ -302,32 +307,48 @@ class LeanModel:
         batch, n = input_ids.shape
         mask = self._mask(attention_mask, batch, n)
         fixed = self.fixed_shape
-        if fixed is not None and (mask is None or isinstance(mask, int)) and batch == 1 and fixed.covers(cache):
+        if fixed is not None and fixed.entry == "fixed_shape_layers" and (mask is None or isinstance(mask, int)) \
+                and batch == 1 and fixed.covers(cache):
             hidden = fixed(self, input_ids, position_ids, cache)
         else:
             hidden = self._layers(input_ids, position_ids, self._cache_attention(cache.layers, mask))
         return self._logits(hidden, batch, n, logits_to_keep)
 
-    def _layers(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attend) -> torch.Tensor:
+    def _layers(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attend,
+                queries: list | None = None) -> torch.Tensor:
         """The decoder: ``input_ids`` ``[batch, n]`` at ``position_ids`` -> the last hidden state ``[batch * n,
-        hidden]`` (fp32). ``attend(index, query, keys, values)`` (``[batch, heads | kv_heads, n, dim]``, rotated)
-        stores the new entries of layer ``index`` and returns its attention output ``[batch * n, heads * dim]``."""
+        hidden]`` (in `activation_dtype`). ``attend(index, query, keys, values)`` (``[batch, heads | kv_heads, n,
+        dim]``, rotated) stores the new entries of layer ``index`` and returns its attention output ``[batch * n,
+        heads * dim]``. ``queries``: each layer's rotated query ``[batch, heads, n, dim]`` is appended to it (the
+        verifier's queries, Force 2's selection input)."""
         batch, n = input_ids.shape
-        heads, kv_heads, dim = self.heads, self.kv_heads, self.head_dim
-        hidden = self.embed(input_ids).float().reshape(batch * n, -1)
-        cos, sin = self.rotary(hidden, position_ids)  # [batch, n, dim]
-        cos, sin = cos.float()[:, None], sin.float()[:, None]
+        heads, kv_heads, dim, act = self.heads, self.kv_heads, self.head_dim, self.activation_dtype
+        hidden = self.embed(input_ids).to(act).reshape(batch * n, -1)
+        cos, sin = self.rotary(hidden, position_ids)  # [batch, n, dim], in the activations' dtype
+        cos, sin = cos.to(act)[:, None], sin.to(act)[:, None]
         for index, layer in enumerate(self.layers):
-            normed = F.rms_norm(hidden, hidden.shape[-1:], layer.input_norm, self.eps)
-            qkv = layer.qkv(normed).float().view(batch, n, heads + 2 * kv_heads, dim).transpose(1, 2)
+            normed = self._norm(hidden, layer.input_norm)
+            qkv = layer.qkv(normed).to(act).view(batch, n, heads + 2 * kv_heads, dim).transpose(1, 2)
             qk = qkv[:, : heads + kv_heads]
             qk = qk * cos + _rotate_half(qk) * sin
+            if queries is not None:
+                queries.append(qk[:, :heads])
             out = attend(index, qk[:, :heads], qk[:, heads:], qkv[:, heads + kv_heads :])
             hidden = hidden + layer.o(out)
-            normed = F.rms_norm(hidden, hidden.shape[-1:], layer.post_norm, self.eps)
+            normed = self._norm(hidden, layer.post_norm)
             gate, up = layer.gate_up(normed).split(self.intermediate, dim=-1)
             hidden = hidden + layer.down(F.silu(gate) * up)
         return hidden
+
+    def _norm(self, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """RMSNorm of ``hidden`` ``[rows, width]`` by ``weight`` (fp32): in fp32 one ``F.rms_norm``; in a narrower
+        `activation_dtype` as transformers' Llama-family norm computes it (normalized in fp32, rounded to the
+        activations' dtype, then scaled by the weight in that dtype: the fp32 product of two bf16/fp16 values is
+        exact, so one rounding gives the narrow product)."""
+        if hidden.dtype == torch.float32:
+            return F.rms_norm(hidden, hidden.shape[-1:], weight, self.eps)
+        normed = F.rms_norm(hidden.float(), hidden.shape[-1:], None, self.eps).to(hidden.dtype)
+        return (normed.float() * weight).to(hidden.dtype)
 
     def _cache_attention(self, layers, mask):
         """`_layers`' ``attend`` through the cache objects (``layers[i].update``) under ``mask`` (`_mask`)."""
@@ -350,7 +371,8 @@ class LeanModel:
         return attend
 
     def fixed_shape_layers(self, input_ids: torch.Tensor, position_ids: torch.Tensor, write_index: torch.Tensor,
-                           keys: list[torch.Tensor], values: list[torch.Tensor]) -> torch.Tensor:
+                           keys: list[torch.Tensor], values: list[torch.Tensor],
+                           queries: list | None = None) -> torch.Tensor:
         """`_layers` on whole cache buffers, so that every shape is fixed by ``n`` and the buffers' capacity
         (what `fixed_shape.FixedShapeForward` compiles or captures): ``input_ids`` ``[1, n]`` at ``position_ids``
         ``[1, n]``; layer ``i``'s new entries are written into ``keys[i]`` / ``values[i]`` (``[1, kv_heads,
@@ -358,7 +380,7 @@ class LeanModel:
         ``r`` attends to the entries at indices ``<= write_index[r]`` -- exactly the entries the cache's own
         ``update`` would have shown it (the rest get probability exactly 0). A long buffer and few rows take
         `split_kv.split_kv_attention` where `split_kv.split_parts` says it pays (the buffer cut into spans merged by
-        log-sum-exp: equal up to rounding), one masked SDPA call elsewhere."""
+        log-sum-exp: equal up to rounding), one masked SDPA call elsewhere. ``queries``: as `_layers`'."""
         kv_heads, groups, dim = self.kv_heads, self.heads // self.kv_heads, self.head_dim
         n = input_ids.shape[1]
         capacity = keys[0].shape[2]
@@ -379,13 +401,22 @@ class LeanModel:
                                                      scale=self.scaling)
             return out.reshape(1, groups * kv_heads, n, dim).transpose(1, 2).reshape(n, groups * kv_heads * dim).float()
 
-        return self._layers(input_ids, position_ids, attend)
+        return self._layers(input_ids, position_ids, attend, queries)
+
+    def fixed_shape_verify(self, input_ids: torch.Tensor, position_ids: torch.Tensor, write_index: torch.Tensor,
+                           keys: list[torch.Tensor], values: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Force 3's verification on whole cache buffers (`fixed_shape_layers`' arguments): the logits ``[n,
+        vocab]`` (fp32) of every row and each layer's rotated query, stacked ``[layers, 1, heads, n, dim]`` --
+        outputs of the one region a compiler or a CUDA graph captures, so that no query is read on the host."""
+        queries: list[torch.Tensor] = []
+        hidden = self.fixed_shape_layers(input_ids, position_ids, write_index, keys, values, queries)
+        return self._logits(hidden, 1, input_ids.shape[1], 0).logits[0], torch.stack(queries)
 
     def _logits(self, hidden: torch.Tensor, batch: int, n: int, logits_to_keep: int) -> LeanOutput:
         keep = n if not logits_to_keep else min(logits_to_keep, n)
         last = hidden.view(batch, n, -1)[:, n - keep :]
-        last = F.rms_norm(last, last.shape[-1:], self.final_norm, self.eps)
-        logits = self.head(last.reshape(batch * keep, -1)).float()
+        last = self._norm(last.reshape(batch * keep, -1), self.final_norm)
+        logits = self.head(last).float()
         if self.vocabulary is not None:  # the subset's logits in place, `OUTSIDE_LOGIT` elsewhere
             subset = logits
             logits = subset.new_full((subset.shape[0], self.vocab_size), OUTSIDE_LOGIT)
@@ -413,6 +444,34 @@ class LeanModel:
 
             self._compiled_views[mode] = self._view(fixed_shape=FixedShapeForward(mode))
         return self._compiled_views[mode]
+
+    def verifying(self, mode: str) -> LeanModel:
+        """This ``"native"`` copy as Force 3's verification forward (`verify`): activations in the model's dtype,
+        rounded where the model's own forward rounds them (`_norm`), the forward at fixed shapes over the full
+        cache's buffers run by `fixed_shape.FixedShapeForward` ``(mode)``, whose cache capacity (a call's
+        ``max_length`` and room for its rows) is a dynamic dimension (and a row count above one): made once per mode
+        and kept, what it compiled serves every later call and length."""
+        if self.precision != "native" or self.vocabulary is not None:
+            raise ValueError(f"Force 3 verifies with the model's own weights and vocabulary (precision 'native', "
+                             f"no restriction); this copy has precision {self.precision!r}")
+        key = f"verify {mode}"
+        if key not in self._compiled_views:
+            from .fixed_shape import FixedShapeForward
+
+            self._compiled_views[key] = self._view(activation_dtype=self.cache_dtype, fixed_shape=FixedShapeForward(
+                mode, entry="fixed_shape_verify", dynamic=True))
+        return self._compiled_views[key]
+
+    @torch.no_grad()
+    def verify(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cache) -> tuple[torch.Tensor, torch.Tensor]:
+        """Force 3's forward (a `verifying` view): ``input_ids`` ``[1, n]`` at ``position_ids`` ``[1, n]`` after the
+        entries of ``cache`` (plain `BufferLayer`s: `FixedShapeForward.covers`) -> ``(logits [n, vocab],
+        queries [layers, 1, heads, n, dim])`` (`fixed_shape_verify`); the cache's layers grow by ``n`` entries."""
+        if self.fixed_shape is None or self.fixed_shape.entry != "fixed_shape_verify":
+            raise RuntimeError("LeanModel.verify runs on a view made by LeanModel.verifying")
+        if not self.fixed_shape.covers(cache):
+            raise RuntimeError("LeanModel.verify needs a cache of plain, allocated BufferLayers of one length")
+        return self.fixed_shape(self, input_ids, position_ids, cache)
 
     def _view(self, **changes) -> LeanModel:
         """A copy sharing this one's layers, norms, rotary and embedding, with the attributes ``changes`` and no

@@ -1,8 +1,8 @@
 """Int8 copies of a model's linear layers, for the drafting tiers (CPU only).
 
 Force 1 and Force 2 only have to report the distribution they drew from (`sampling.verify_chain` does
-the rest), so they may run a cheaper copy of a model; Force 3 always runs the target as given, so the
-output stays exactly the target's.
+the rest), so they may run a cheaper copy of a model; Force 3 computes the target itself (its own weights), so
+the output stays exactly the target's.
 
 The copy shares the config, every non-linear parameter and every buffer with the original (no second
 embedding table, the same attention implementation); each `nn.Linear` is replaced by an `Int8Linear`
