@@ -107,9 +107,9 @@ def observed_call(model, prompt, monkeypatch, immediate: bool):
         told.append((steps[0], tier, rows, seconds))
         observe_forward(policy, tier, rows, seconds)
 
-    def step_seconds(policy, plan, tokens, seconds, forward_seconds):
+    def step_seconds(policy, plan, tokens, seconds, forward_seconds, choice=None):
         told.append((steps[0], "step", plan.name, forward_seconds))
-        observe_step(policy, plan, tokens, seconds, forward_seconds)
+        observe_step(policy, plan, tokens, seconds, forward_seconds, choice)
 
     step = loop.Decoder._step
 
@@ -173,3 +173,25 @@ def test_a_timing_read_inside_its_step_is_caught(model, monkeypatch):
     monkeypatch.setattr(levels.Force2Level, "score_steps", eager)
     _, _, _, steps, _ = observed_call(model, random_prompt(300, period=97), monkeypatch, immediate=False)
     assert steps[1] > 0
+
+
+def test_a_step_observed_a_step_late_is_judged_against_its_own_choice():
+    """On a device clock a step is observed after the next one was chosen: its calibration, exploration and record
+    use what was decided for it (`policy.Choice`), as when it is observed at once."""
+
+    def policy_with_force3_timed():
+        policy = AdaptivePolicy({"ngram": "lookup"}, (), 2, 4, explore_every=100)
+        policy.observe_forward("force3", 1, 0.1)
+        return policy
+
+    at_once = policy_with_force3_timed()
+    at_once.observe_step(at_once.choose(100), 1, 0.12, 0.1)
+    late, unaware = policy_with_force3_timed(), policy_with_force3_timed()
+    for policy in (late, unaware):
+        plan, choice = policy.choose(100), policy.choice()
+        policy.observe_forward("force3", 1, 0.02)  # the next step's timings change the next prediction
+        policy.choose(99)
+        policy.observe_step(plan, 1, 0.12, 0.1, choice if policy is late else None)
+    assert choice.predicted_seconds > 0
+    assert late.calibration == at_once.calibration and late.summary() == at_once.summary()
+    assert unaware.calibration != at_once.calibration  # the check can fail: the next step's prediction is not its

@@ -369,7 +369,8 @@ class Decoder:
             lower = sum(outcome.report.lower_seconds for outcome in outcomes if outcome.report is not None)
             repeated = self.lockstep.repeated_seconds_since(lockstep_mark)
             unread.record = StepRecord(plan, width, bool(trees), unread.force3_seconds, outcomes,
-                                       time.perf_counter() - began, unread.force3_seconds + lower - repeated)
+                                       time.perf_counter() - began, unread.force3_seconds + lower - repeated,
+                                       policy.choice())
         self._timed(unread)
 
     def _timed(self, step: UnreadStep) -> None:

@@ -24,7 +24,7 @@ from ..verification.scoring import Deferred
 from .clock import Seconds
 
 if TYPE_CHECKING:
-    from .policy import Plan
+    from .policy import Choice, Plan
 
 
 @dataclass
@@ -111,8 +111,8 @@ class LookupAcceptances:
 @dataclass
 class StepRecord:
     """One Force-3 step of ``plan``: its forward (``force3_rows`` rows, a tree's where ``force3_tree``), each
-    active row's outcome, the step's wall seconds and the part spent in forwards (each shared forward once). Its
-    tier seconds are on the call's clock: the policy is handed it `read`."""
+    active row's outcome, the step's wall seconds and the part spent in forwards (each shared forward once), and the
+    policy's decision for it. Its tier seconds are on the call's clock: the policy is handed it `read`."""
 
     plan: Plan
     force3_rows: int
@@ -121,6 +121,7 @@ class StepRecord:
     rows: list[RowOutcome]
     seconds: float
     forward_seconds: float | Seconds
+    choice: Choice | None = None  # what the policy decided for the step (None: its last decision)
 
     def read(self) -> StepRecord:
         """This record with its seconds and its rows' reports `LevelReport.read`. Returns itself."""
