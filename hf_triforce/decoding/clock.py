@@ -12,7 +12,7 @@ A `Clock` marks the start of a timed region (``start``) and gives its seconds at
 `Seconds` add, subtract and scale like floats (a tier's total, a forward's share per row), so the bookkeeping is the
 same on either clock; ``float(seconds)`` reads them. A clock is ``immediate`` where its seconds are known at once;
 `loop.Decoder` hands a step's timings to the policy when the step ends on an immediate clock, at the end of the next
-step otherwise (`clock.immediate`).
+step otherwise (`loop.Decoder._timed`).
 """
 
 from __future__ import annotations
