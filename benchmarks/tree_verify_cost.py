@@ -19,7 +19,7 @@ import time
 import torch
 
 from hf_triforce.caches import BufferCache
-from hf_triforce.decoding.forward import forward_logits, settle
+from hf_triforce.decoding.forward import forward_logits
 from hf_triforce.decoding.tree_forward import tree_logits
 from hf_triforce.integration import recording_attention
 from hf_triforce.tools import assets
@@ -57,7 +57,8 @@ def timed(model, cache: BufferCache, length: int, tree: DraftTree | None, rows: 
                 logits = forward_logits(model, sequence[:, length:], cache, length, rows)
             else:
                 logits = tree_logits(model, cache, length, sequence[:, : length + 1], tree)
-        settle(logits)  # CUDA: wait for the forward, not its launch
+        if logits.is_cuda:  # wait for the forward, not its launch
+            torch.cuda.synchronize(logits.device)
         times.append(time.perf_counter() - start)
         cache.rollback(length)
     return statistics.median(times[1:])

@@ -383,3 +383,26 @@ def test_split_kv_attention_on_cuda_matches_fp32(dtype, rows, capacity, head_dim
 # prepared GPU check (which runs this file) exercises it
 from .test_offloaded_cache import test_cuda_offloaded_cache_streams_from_pinned_memory  # noqa: E402, F401
 
+
+@cuda
+def test_the_event_clock_times_without_a_synchronisation():
+    """`clock.EventClock`: recording the events synchronises nothing (sync debug mode "error" raises on a
+    synchronising call); after a readback the end event is passed, so reading the seconds waits for nothing."""
+    from hf_triforce.decoding.clock import EventClock, device_clock
+
+    model = make_model("llama-gqa").to("cuda")
+    clock = device_clock(model)
+    assert isinstance(clock, EventClock) and not clock.immediate
+    x = torch.randn(512, 512, device="cuda")
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        began = clock.start()
+        y = x @ x
+        seconds = clock.stop(began)
+        total = seconds + 2 * seconds - 0.5
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    y.sum().item()  # the step's readback: the stream has passed the end event
+    ((_, interval),) = seconds.terms
+    assert interval.end.query()
+    assert float(seconds) > 0 and float(total) == pytest.approx(3 * float(seconds) - 0.5)

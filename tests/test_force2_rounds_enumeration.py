@@ -98,20 +98,15 @@ def first_draft_laws(decoder) -> None:
 
     chain.verify = verify_chain
     tree = decoder.force2_tree_verifier
+    verify_with = tree.verify
 
     def verify_tree(draft, target_scores):
-        q = scores_to_probs(target_scores)
         roots = draft.children(-1)
         first = draft.laws[roots[0]] if roots else None
         wrong = DraftTree(draft.tokens, draft.parents, [law if law is None else first for law in draft.laws])
-        path, node = [], -1
-        while True:
-            children = draft.children(node)
-            child, token = tree.choose_child(wrong, children, q[0] if children else q[node + 1])
-            if child is None:
-                return path, token
-            path.append(child)
-            node = child
+        # a node with children verifies them against the root's row; a leaf's bonus token comes from its own row
+        rows = [0 if draft.children(node) else node + 1 for node in range(-1, len(draft))]
+        return verify_with(wrong, target_scores[rows])
 
     tree.verify = verify_tree
 

@@ -8,9 +8,10 @@ sync, and it copies only the chunks that changed) is switched to its sync-free f
 
 Greedy and sampled calls have the same bound. Sampling, every draw stays on the device until its verification's
 readback (`Sampler.device_categorical` for each drafted token and the token after the accepted ones,
-`Sampler.leading_successes` for the acceptance coins), which reads the proposals, the accepted count and that
-token in one transfer; the adaptive policy's scoring of the free lookups against Force 3 (`report.LookupAcceptances`)
-and the tiers' NaN checks are read with it (`scoring.Deferred`, `scoring.deferred_nan_checks`).
+`Sampler.leading_successes` for the acceptance coins; a candidate tree's walk, level by level), which reads the
+proposals, the accepted count (a tree: the accepted path) and that token in one transfer; the adaptive policy's
+scoring of the free lookups against Force 3 (`report.LookupAcceptances`) and the tiers' NaN checks are read with it
+(`scoring.Deferred`, `scoring.deferred_nan_checks`).
 """
 
 from __future__ import annotations
@@ -74,6 +75,8 @@ CONFIGS = {
     # Force 3 on the native forward at fixed shapes (CUDA graphs by default on a GPU): its queries come out of the
     # forward, stacked, and Force 2's selection reads them on the device
     "Force 3 at fixed shapes": dict(draft="self", levels=3, force3_compile="fixed"),
+    # Force 3 verifies the n-gram lookup's candidate trees (`TreeVerifier`: sampling, its walk on the device)
+    "lookup trees": dict(draft="ngram", levels=2, tree_nodes=6, tree_branch=2),
 }
 BASE = dict(retrieval_budget=96, chunk_size=8, window=32, sink_tokens=4, gamma1=2, gamma2=6, policy="fixed",
             draft_precision="model")
@@ -126,6 +129,8 @@ def test_one_host_read_per_verification(model, monkeypatch, name, mode):
         assert len(lookups) >= stats.force3_steps // 2  # the lookup proposed (and was scored) on most steps
     else:
         assert stats.plan_steps == {CONFIGS[name]["levels"]: stats.force3_steps} and not lookups
+    if CONFIGS[name].get("tree_nodes"):
+        assert stats.tree_nodes > stats.force1_proposed  # trees with siblings were verified
     (first_reads, first_verifications), (last_reads, last_verifications) = marks[0], marks[-1]
     steps, counted = len(marks) - 1, last_reads - first_reads
     bound = last_verifications - first_verifications + STEP_READS * steps

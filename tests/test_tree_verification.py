@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from hf_triforce.verification.draft_tree import DraftTree, draw_siblings, without
-from hf_triforce.verification.sampling import acceptance_probability, point_mass, residual_distribution
+from hf_triforce.verification.sampling import residual_distribution
 from hf_triforce.verification.tree import TreeVerifier
 
 from .enumeration_util import enumerate_outcomes
@@ -145,15 +145,9 @@ def test_one_tree_step_emits_the_target_law(shape, kind):
 class ResidualFromTheOriginalTarget(TreeVerifier):
     """Wrong: each rejected sibling's residual is taken from the node's p, not from the running residual."""
 
-    def choose_child(self, tree, children, p):
-        residual = p
-        for child in children:
-            token = tree.tokens[child]
-            q = tree.laws[child] if tree.laws[child] is not None else point_mass(token, p)
-            if self.sampler.bernoulli(acceptance_probability(residual[token], q[token])):
-                return child, token
-            residual = self.resample(p, q)
-        return None, self.sampler.categorical(residual)
+    def acceptance(self, tree, probs, *tables):
+        self.resample = lambda residual, q: residual_distribution(probs, q)
+        return super().acceptance(tree, probs, *tables)
 
 
 MUTATIONS = {

@@ -46,6 +46,7 @@ from ..kernels.attention import QueryRecorder
 from ..stats import TriForceStats
 from ..verification.sampling import ChainVerifier, Sampler, TorchSampler
 from ..verification.scoring import row_processors
+from .clock import device_clock
 from .levels import Force1Level, Force2Level, NoDrafter
 from .steps import run_inline
 from .tiers import resolve_draft_precision, tier_forwards, tier_model
@@ -151,8 +152,9 @@ class TriForceCandidateGenerator(compat.CandidateGenerator):
         self.recorder = QueryRecorder()
         # the exact rule of the Force-2 level (a field, so that a test can substitute a wrong one)
         self.force2_verifier = ChainVerifier(self.do_sample, self.sampler)
+        clock = device_clock(model)  # times the tiers' forwards (read with the stats, after the verification)
         self.drafter = build_drafter(DraftContext(model, config, processors, self.do_sample, self.sampler,
-                                                  full_cache))
+                                                  full_cache, clock))
         if isinstance(self.drafter, ModelDrafter):
             name = config.draft if isinstance(config.draft, str) else MODEL_DRAFTER
             self.stats.draft_caches[name] = f"{self.drafter.cache.positions} positions, filled by {self.drafter.fill}"
@@ -160,7 +162,7 @@ class TriForceCandidateGenerator(compat.CandidateGenerator):
             self.level = Force1Level(self.drafter, config)
         else:
             self.level = Force2Level(tier_model(model, config.draft_precision, 2, config.tier_compile), NoDrafter(),
-                                     config, processors, self.force2_verifier, full_cache)
+                                     config, processors, self.force2_verifier, full_cache, clock)
             self.level.use(self.drafter)
         # per tier that runs a drafting forward, the forward it runs (as `Decoder.tier_forwards` reports it); Force 3
         # is transformers' assisted loop's forward of the model
@@ -285,7 +287,7 @@ class TriForceCandidateGenerator(compat.CandidateGenerator):
         """The call's `TriForceStats`, with the caches' sizes."""
         stats = self.stats
         stats.new_tokens = new_tokens
-        stats.force1_seconds = self.drafter.seconds
+        stats.force1_seconds = float(self.drafter.seconds)
         if isinstance(self.level, Force2Level) and self.level.started:
             stats.force2_sees_whole_cache = self.level.cache.sees_whole_cache
         stats.draft_cache_bytes = self.drafter.nbytes()

@@ -19,8 +19,6 @@ scores per row, row ``0`` predicting the token after the committed sequence), ke
 
 from __future__ import annotations
 
-import time
-
 import torch
 
 from .. import compat
@@ -32,7 +30,8 @@ from ..config import TriForceConfig
 from ..drafters.registry import append_tokens
 from ..kernels.attention import QueryRecorder
 from ..verification.scoring import process_rows
-from .forward import prefill, ragged_forward, score_continuation, score_fixed_shape, settle
+from .clock import Clock
+from .forward import prefill, ragged_forward, score_continuation, score_fixed_shape
 from .levels import Candidates
 from .sizing import force3_rows
 from .tiers import force3_forward
@@ -46,8 +45,8 @@ SETUP_PRICE_MIN_ROWS = 64
 class Force3:
     """Force 3 of a call of batch size 1 (sliding windows, offloading, trees, ``cache=`` prefixes)."""
 
-    def __init__(self, model, config: TriForceConfig, max_length: int) -> None:
-        self.model, self.config = model, config
+    def __init__(self, model, config: TriForceConfig, max_length: int, clock: Clock) -> None:
+        self.model, self.config, self.clock = model, config, clock
         cache_class = OffloadedBufferCache if config.full_cache_device == "cpu" else BufferCache
         # sliding-window layers keep their window plus room for the deepest rollback (a rejected chain, a stop)
         self.cache = cache_class(compat.num_layers(model.config), max_length + force3_rows(config) + 2,
@@ -65,19 +64,20 @@ class Force3:
 
     def prefill(self, rows: list[torch.Tensor], prefix, stats: list) -> tuple[list, list, float | None]:
         """Prefill the prompt after what ``prefix`` (``cache=``) holds. Returns the last row's logits and queries
-        (one each), and the prefill's seconds per token where its first chunk says (None: unknown)."""
-        config, (input_ids,) = self.config, rows
+        (one each), and the prefill's seconds per token where its first chunk says (None: unknown). On a CUDA device
+        reading the prefill's seconds waits for it (outside any decoding step)."""
+        config, (input_ids,), clock = self.config, rows, self.clock
         cached = 0
         if prefix is not None:
-            start = time.perf_counter()
+            start = clock.start()
             cached = copy_prefix(prefix, self.cache)
-            stats[0].prefix_copy_seconds = time.perf_counter() - start
-        start, chunks = time.perf_counter(), []
+            stats[0].prefix_copy_seconds = float(clock.stop(start))
+        start, chunks = clock.start(), []
         logits = prefill(self.model, input_ids[:, cached:], self.cache, config.prefill_chunk_size,
-                         config.show_progress, self.recorder, chunks)
-        stats[0].prefill_seconds = time.perf_counter() - start
+                         config.show_progress, self.recorder, chunks, clock)
+        stats[0].prefill_seconds = float(clock.stop(start))
         measured = bool(chunks) and cached == 0 and chunks[0][0] >= SETUP_PRICE_MIN_ROWS
-        return [logits], [self.recorder.at(-1)], chunks[0][1] / chunks[0][0] if measured else None
+        return [logits], [self.recorder.at(-1)], float(chunks[0][1]) / chunks[0][0] if measured else None
 
     def score(self, sequences: dict[int, torch.Tensor], candidates: dict[int, Candidates],
               processors: list) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
@@ -98,7 +98,7 @@ class Force3:
             extended = append_tokens(sequence, found.tokens)
             logits, scores = score_continuation(self.model, cache, cache.length, extended, sequence.shape[1],
                                                 processors[b], self.recorder)
-        return {b: (logits, settle(scores))}
+        return {b: (logits, scores)}
 
     def keep_tree_path(self, b: int, length: int, path: list[int]) -> None:
         """A tree's accepted ``path`` (node indices): its entries moved to follow the first ``length`` tokens."""
@@ -123,8 +123,10 @@ class Force3:
 class RaggedForce3:
     """Force 3 of a batch: every row verified in one forward, each accepting its own number of tokens."""
 
-    def __init__(self, model, config: TriForceConfig, max_lengths: list[int], paddings: list[torch.Tensor]) -> None:
+    def __init__(self, model, config: TriForceConfig, max_lengths: list[int], paddings: list[torch.Tensor],
+                 clock: Clock) -> None:
         self.model, self.config, self.paddings, self.batch = model, config, paddings, len(max_lengths)
+        self.clock = clock
         self.cache = RaggedBufferCache(compat.num_layers(model.config), len(max_lengths),
                                        max(max_lengths) + force3_rows(config) + 2)
         self.cache.expect_devices(layer_devices(model))
@@ -154,13 +156,13 @@ class RaggedForce3:
                 self.cache.copy_row(done[key], b)
                 logits[b], queries[b] = logits[done[key]], queries[done[key]]
                 continue
-            recorder, began, row, pad = QueryRecorder(), time.perf_counter(), self.cache.row(b), padding.shape[1]
+            recorder, began, row, pad = QueryRecorder(), self.clock.start(), self.cache.row(b), padding.shape[1]
             if cached > pad:  # this row's entries in the prefix: columns [pad, cached)
                 for layer, source in zip(row.layers, prefix.layers):
                     layer.write(source.keys[b : b + 1, :, pad:cached], source.values[b : b + 1, :, pad:cached])
             logits[b] = prefill(self.model, ids[:, max(cached - pad, 0):], row, self.config.prefill_chunk_size,
                                 self.config.show_progress, recorder)
-            stats[b].prefill_seconds = time.perf_counter() - began  # copies: 0
+            stats[b].prefill_seconds = float(self.clock.stop(began))  # copies: 0
             queries[b] = recorder.at(-1)
             done[key] = b
         return logits, queries, None

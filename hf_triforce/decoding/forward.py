@@ -6,8 +6,6 @@ sequence) and, when the caller wants the queries (Force-2 selection), a `QueryRe
 
 from __future__ import annotations
 
-import time
-
 import torch
 from tqdm.auto import tqdm
 from transformers import LogitsProcessorList
@@ -16,14 +14,7 @@ from .. import compat
 from ..caches.ragged import RaggedBufferCache, ragged_causal_mask
 from ..kernels.attention import RECORDER_KWARG, QueryRecorder, recording
 from ..verification.scoring import process_rows
-
-
-def settle(tensor: torch.Tensor) -> torch.Tensor:
-    """Wait for the device to finish computing ``tensor`` (CUDA runs asynchronously), so that wall-clock
-    timings of a tier (the adaptive policy's cost model) measure the work, not its launch."""
-    if tensor.is_cuda:
-        torch.cuda.synchronize(tensor.device)
-    return tensor
+from .clock import Clock
 
 
 def forward_logits(model, tokens: torch.Tensor, cache, start: int, keep: int,
@@ -63,7 +54,7 @@ def ragged_forward(model, cache: RaggedBufferCache, rows: dict[int, torch.Tensor
     with cache.writing(counts), recording(recorder):
         out = model(input_ids=tokens, cache=cache, position_ids=positions, attention_mask=mask, use_cache=True,
                     logits_to_keep=n, **extra)
-    return settle(out.logits[:, -n:])
+    return out.logits[:, -n:]
 
 
 def score_continuation(model, cache, cached: int, extended: torch.Tensor, prefix: int,
@@ -91,22 +82,25 @@ def score_fixed_shape(verifier, cache, extended: torch.Tensor, prefix: int,
 
 
 def prefill(model, tokens: torch.Tensor, cache, chunk_size: int, show_progress: bool = False,
-            recorder: QueryRecorder | None = None, chunk_seconds: list | None = None) -> torch.Tensor:
+            recorder: QueryRecorder | None = None, chunk_seconds: list | None = None,
+            clock: Clock | None = None) -> torch.Tensor:
     """Chunked prefill of ``tokens`` after what ``cache`` holds; returns the last row's logits ``[1, vocab]``.
 
     Memory stays bounded by ``chunk_size`` activations; the last chunk's queries go to ``recorder`` (they
     seed the first retrieval selection). Interruptible between chunks (KeyboardInterrupt propagates).
-    ``chunk_seconds``, if given, receives ``(tokens, seconds)`` per chunk.
+    ``chunk_seconds``, if given, receives ``(tokens, seconds)`` per chunk, timed on ``clock`` (`clock.Seconds` on a
+    CUDA device's, read by the caller: reading them waits for the chunk, outside any decoding step).
     """
+    if chunk_seconds is not None and clock is None:
+        raise ValueError("prefill: chunk_seconds needs the clock that times the chunks")
     start = int(cache.get_seq_length())
     bounds = list(range(0, tokens.shape[1], chunk_size))
     logits = None
     bar = tqdm(bounds, desc="prefill", unit="chunk", disable=not show_progress or len(bounds) < 2)
     for begin in bar:
         piece = tokens[:, begin : begin + chunk_size]
-        began = time.perf_counter()
+        began = clock.start() if chunk_seconds is not None else None
         logits = forward_logits(model, piece, cache, start + begin, 1, recorder if begin == bounds[-1] else None)
         if chunk_seconds is not None:
-            settle(logits)
-            chunk_seconds.append((piece.shape[1], time.perf_counter() - began))
+            chunk_seconds.append((piece.shape[1], clock.stop(began)))
     return logits

@@ -18,7 +18,6 @@ Force 3's own verification against p is exact.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -37,7 +36,7 @@ from ..verification.draft_tree import DraftTree, agreement
 from ..verification.sampling import ChainVerifier, scores_to_probs
 from ..verification.scoring import process_rows
 from ..verification.tree import TreeVerifier
-from .forward import settle
+from .clock import Clock
 from .report import LevelReport
 from .sizing import recent_tokens, round_rows
 from .steps import ForwardRequest, Steps, run_inline
@@ -88,8 +87,10 @@ class Force2Level(Reporting):
     """
 
     def __init__(self, model, drafter: Drafter, config: TriForceConfig, processors: LogitsProcessorList,
-                 verifier: ChainVerifier, full: BufferCache, tree_verifier: TreeVerifier | None = None) -> None:
+                 verifier: ChainVerifier, full: BufferCache, clock: Clock,
+                 tree_verifier: TreeVerifier | None = None) -> None:
         self.model, self.drafter, self.config = model, drafter, config
+        self.clock = clock  # the call's (`clock.device_clock`): times its forwards and selections
         self.tree_verifier = tree_verifier  # verifies Force 1's trees (TriForceConfig.tree_nodes)
         self.processors, self.verifier, self.full = processors, verifier, full
         self.report = LevelReport()
@@ -130,9 +131,9 @@ class Force2Level(Reporting):
         """Re-select the retrieval cache's chunks. The ``first`` selection (every chunk summarised and copied) is
         set-up, like a draft cache's fill, not a re-selection's cost: it is not timed for the policy, whose cost
         model prices it apart (`policy.RETRIEVAL`)."""
-        start = time.perf_counter()
+        start = self.clock.start()
         self.cache.select(self.full, self.full.length, queries)
-        seconds = time.perf_counter() - start
+        seconds = self.clock.stop(start)
         self.report.selection_seconds += seconds
         self.report.selections += 1
         if not first:
@@ -146,7 +147,8 @@ class Force2Level(Reporting):
     def score_steps(self, sequence: torch.Tensor, proposals: list[int] | torch.Tensor) -> Steps[torch.Tensor]:
         """`scores` as a generator of its forward (`hf_triforce.decoding.steps`)."""
         extended = append_tokens(sequence, proposals) if len(proposals) else sequence
-        request = ForwardRequest(self.model, self.cache, extended[:, self.seen :], self.seen, len(proposals) + 1)
+        request = ForwardRequest(self.model, self.cache, extended[:, self.seen :], self.seen, len(proposals) + 1,
+                                 self.clock)
         logits = yield request
         self.report.force2_seconds += request.seconds
         self.report.timings.append(("force2", extended.shape[1] - self.seen, request.seconds))
@@ -169,10 +171,9 @@ class Force2Level(Reporting):
             self.report.tree_nodes += len(tree)
             return proposals, proposal_probs, accepted, next_token, q_scores[: accepted + 1], len(proposals)
         first = self.cache.length + sequence.shape[1] - self.seen  # cache coordinates of the first node
-        start = time.perf_counter()
+        start = self.clock.start()
         _, q_scores = score_tree(self.model, self.cache, self.seen, sequence, tree, self.processors)
-        settle(q_scores)
-        seconds = time.perf_counter() - start
+        seconds = self.clock.stop(start)
         self.report.force2_seconds += seconds
         self.report.timings.append(("force2-tree", sequence.shape[1] - self.seen + len(tree), seconds))
         path, next_token = self.tree_verifier.verify(tree, q_scores)

@@ -16,7 +16,6 @@ to summation order. Force 1 and Force 2 need no more: a row's q and r are the la
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -24,6 +23,7 @@ import torch
 
 from ..caches.buffer import BufferCache, BufferLayer
 from ..caches.ragged import RaggedBufferCache, RowLayer
+from .clock import Seconds
 from .forward import ragged_forward
 from .steps import ForwardRequest, Steps
 
@@ -37,8 +37,9 @@ class Lockstep:
         self.tiers: dict[int, str] = {}  # id(shared cache) -> its tier's name
         self.forwards = 0  # batched forwards run
         self.requests = 0  # requests they served
-        self.seconds: dict[str, float] = {}  # per tier, wall seconds of its batched forwards
-        self.row_seconds = 0.0  # the same walls counted once per row served (what the rows' own stats add up to)
+        # per tier, seconds of its batched forwards (`clock.Seconds` on a CUDA device: read after the step's readbacks)
+        self.seconds: dict[str, float | Seconds] = {}
+        self.row_seconds: float | Seconds = 0.0  # the same seconds counted once per row served (the rows' stats add up)
 
     def share(self, caches: Sequence[BufferCache], tier: str) -> RaggedBufferCache:
         """Lay row ``b``'s ``caches[b]`` (empty, same layout) into row ``b`` of one new shared cache; ``tier``
@@ -60,14 +61,14 @@ class Lockstep:
         self.tiers[id(shared)] = tier
         return shared
 
-    def clock(self) -> tuple[float, float]:
+    def mark(self) -> tuple[float | Seconds, float | Seconds]:
         """``(row_seconds, seconds of every batched forward)`` now, for `repeated_seconds_since`."""
         return self.row_seconds, sum(self.seconds.values())
 
-    def repeated_seconds_since(self, clock: tuple[float, float]) -> float:
-        """Seconds that the rows' own stats counted more than once since ``clock``: a batched forward's wall is
+    def repeated_seconds_since(self, mark: tuple[float | Seconds, float | Seconds]) -> float | Seconds:
+        """Seconds that the rows' own stats counted more than once since ``mark``: a batched forward's seconds are
         in every row it served, once per row."""
-        return (self.row_seconds - clock[0]) - (sum(self.seconds.values()) - clock[1])
+        return (self.row_seconds - mark[0]) - (sum(self.seconds.values()) - mark[1])
 
     def drive(self, steps: dict[int, Steps[Any]]) -> dict[int, Any]:
         """Run every row's generator to its end; returns each row's result."""
@@ -99,16 +100,18 @@ class Lockstep:
 
     def forward(self, requests: dict[int, ForwardRequest]) -> dict[int, torch.Tensor]:
         """One forward of the requests of rows sharing a cache; returns each row's ``[keep, vocab]`` logits. Each
-        request's ``seconds`` is the forward's (what the row waited for)."""
+        request's ``seconds`` is the forward's (what the row waited for), on the first request's clock (a call's
+        requests share one)."""
         shared = self.rows[id(next(iter(requests.values())).cache)][0]
         models = {id(request.model) for request in requests.values()}
         if len(models) != 1:
             raise RuntimeError("Lockstep.forward: requests on one shared cache must use one model")
-        began = time.perf_counter()
+        clock = next(iter(requests.values())).clock
+        began = clock.start()
         logits = ragged_forward(next(iter(requests.values())).model, shared,
                                 {b: request.tokens for b, request in requests.items()},
                                 {b: request.start for b, request in requests.items()})
-        seconds = time.perf_counter() - began
+        seconds = clock.stop(began)
         tier = self.tiers[id(shared)]
         self.seconds[tier] = self.seconds.get(tier, 0.0) + seconds
         self.forwards += 1

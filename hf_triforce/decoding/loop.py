@@ -41,12 +41,13 @@ from ..stats import TriForceStats
 from ..verification.sampling import ChainVerifier, Sampler, TorchSampler, scores_to_probs
 from ..verification.scoring import deferred_nan_checks, process_rows, row_processors
 from ..verification.tree import TreeVerifier
+from .clock import Clock, Seconds, device_clock
 from .force3 import Force3, RaggedForce3
 from .levels import Candidates, Force1Level, Force2Level, NoDrafter
 from .lockstep import Lockstep
 from .output import DecodeResult, Output, PaddedView
 from .policy import ROW_COST_SLOPE, ROW_COST_SLOPES, AdaptivePolicy, Plan
-from .report import LookupAcceptances, RowOutcome, StepRecord
+from .report import LookupAcceptances, RowOutcome, StepRecord, UnreadStep
 from .sizing import lookup_gamma2
 from .tiers import (
     kv_bytes_per_token,
@@ -152,7 +153,8 @@ class Decoder:
 
     def __init__(self, model, config: TriForceConfig, processors: LogitsProcessorList | None,
                  stopping_criteria: StoppingCriteriaList | None, max_lengths: list[int], do_sample: bool,
-                 paddings: list[torch.Tensor] | None = None, sampler: Sampler | None = None) -> None:
+                 paddings: list[torch.Tensor] | None = None, sampler: Sampler | None = None,
+                 clock: Clock | None = None) -> None:
         config, not_lean = resolve_draft_precision(config, model)  # "auto": lean-int4 where the lean forward covers
         self.model, self.config, self.do_sample, self.max_lengths = model, config, do_sample, max_lengths
         batch = len(max_lengths)
@@ -163,6 +165,9 @@ class Decoder:
                            for b, view in enumerate(self.views)]
         self.criteria = stopping_criteria
         self.sampler = sampler if sampler is not None else TorchSampler()
+        # times the tiers' forwards for the policy and the stats; a device's seconds are read after the fact
+        self.clock = clock if clock is not None else device_clock(model)
+        self.unread: UnreadStep | None = None  # the last step's timings, where the clock reads them a step late
         self.not_lean = not_lean
         self.stats = [TriForceStats() for _ in range(batch)]
         # one verification rule per level (the same exact rule; separate objects so a test can alter one level)
@@ -173,8 +178,8 @@ class Decoder:
         if config.trees and any(window is not None for window in compat.layer_windows(model.config)):
             raise ValueError("TriForceConfig.tree_nodes / force2_tree_nodes > 0: candidate trees are not supported "
                              "on models with sliding-window layers; use 0 (chains)")
-        self.force3 = Force3(model, config, max_lengths[0]) if batch == 1 else \
-            RaggedForce3(model, config, max_lengths, paddings)
+        self.force3 = Force3(model, config, max_lengths[0], self.clock) if batch == 1 else \
+            RaggedForce3(model, config, max_lengths, paddings, self.clock)
         self.draft_name = config.draft if isinstance(config.draft, str) else MODEL_DRAFTER
         self.policy = adaptive_policy(config, self.draft_name, max(max_lengths), model)
         self.fixed_plan = Plan(config.levels, self.draft_name, config.gamma1, config.gamma2,
@@ -183,7 +188,8 @@ class Decoder:
         self.drafters: dict[str, list] = {}  # name -> per row
         self.levels_by_plan: dict[tuple[int, str], list] = {}  # (2, drafter) or (3, "") -> per row
         self.tiers_run: set[str] = set()  # "force2" and the drafters of the plans that ran a step
-        self.force3_seconds = self.prefill_seconds = 0.0  # the call's
+        self.force3_seconds: float | Seconds = 0.0  # the call's
+        self.prefill_seconds = 0.0
 
     @property
     def batch(self) -> int:
@@ -195,7 +201,7 @@ class Decoder:
         if name not in self.drafters:
             config = self.config if name == self.draft_name else replace(self.config, draft=name)
             rows = [build_drafter(DraftContext(self.model, config, processors, self.do_sample, self.sampler,
-                                               self.force3.row(r)))
+                                               self.force3.row(r), self.clock))
                     for r, processors in enumerate(self.processors)]
             for stats, drafter in zip(self.stats, rows):
                 if isinstance(drafter, ModelDrafter):
@@ -206,8 +212,8 @@ class Decoder:
         return self.drafters[name][b]
 
     def drafting_seconds(self, b: int) -> float:
-        """Seconds row ``b``'s drafters spent (in a batch, the walls of the shared forwards it took part in)."""
-        return sum(drafters[b].seconds for drafters in self.drafters.values())
+        """Seconds row ``b``'s drafters spent (in a batch, the shared forwards it took part in)."""
+        return float(sum(drafters[b].seconds for drafters in self.drafters.values()))
 
     def level(self, b: int, plan: Plan):
         """Row ``b``'s level for ``plan``: None (plain), `Force1Level` or `Force2Level` (its retrieval cache synced
@@ -221,7 +227,7 @@ class Decoder:
             else:  # Force 2's model (a lean copy is made here if not yet: only where a three-level step runs)
                 target = tier_model(self.model, self.config.draft_precision, 2, self.config.tier_compile)
                 rows = [Force2Level(target, NoDrafter(), self.config, self.processors[r], self.force2_verifier,
-                                    self.force3.row(r), self.force2_tree_verifier)
+                                    self.force3.row(r), self.clock, self.force2_tree_verifier)
                         for r in range(self.batch)]
             if plan.levels == 3 and self.batch > 1:
                 self.lockstep.share([level.cache for level in rows], "force2")
@@ -340,11 +346,12 @@ class Decoder:
         plan = policy.choose(remaining) if policy is not None else self.fixed_plan
         self.tiers_run |= {"force2"} if plan.levels == 3 else set()
         self.tiers_run |= {f"force1 {plan.drafter}"} if plan.levels > 1 and plan.drafter else set()
-        levels = {row.index: self._started_level(row, plan) for row in active}
+        unread = UnreadStep()
+        levels = {row.index: self._started_level(row, plan, unread) for row in active}
         if policy is not None:
             policy.started(plan)
         lookups = {row.index: self._lookup_proposals(row) for row in active}  # scored against Force 3 below
-        began, lockstep_clock = time.perf_counter(), self.lockstep.clock()
+        began, lockstep_mark = time.perf_counter(), self.lockstep.mark()
         # 2. candidates, the rows in lockstep
         room = {row.index: self.max_lengths[row.index] - row.out.sequence.shape[1] - 1 for row in active}
         candidates: dict[int, Candidates] = self.lockstep.drive({
@@ -354,10 +361,10 @@ class Decoder:
         for row in active:
             candidates.setdefault(row.index, Candidates([], None))
         # 3. one Force-3 forward scores every row's candidates
-        force3_began = time.perf_counter()
+        force3_began = self.clock.start()
         scored = self.force3.score({row.index: row.out.sequence for row in active}, candidates, self.processors)
-        force3_seconds = time.perf_counter() - force3_began
-        self.force3_seconds += force3_seconds
+        unread.force3_seconds = self.clock.stop(force3_began)
+        self.force3_seconds += unread.force3_seconds
         # the free lookups scored against each row's first row of p, read with the verifications' readbacks
         looked_up = {row.index: LookupAcceptances(lookups[row.index], scored[row.index][1][0], self.do_sample)
                      for row in active}
@@ -366,30 +373,54 @@ class Decoder:
         for row in active:
             level, found = levels[row.index], candidates[row.index]
             accepted, committed = self._verify_row(row, plan, level, found, *scored[row.index])
-            self.stats[row.index].force3_seconds += force3_seconds
             report = level.take_report() if level is not None else None
-            if report is not None:
-                report.add_to(self.stats[row.index])
+            unread.rows.append((row.index, report))
             outcomes.append(RowOutcome(report, proposed_of(found), accepted, committed, looked_up[row.index].read()))
-        # 5. the policy told what the step cost (each forward's wall once) and how each row's levels did
+        # 5. the policy told what the step cost (each forward's seconds once) and how each row's levels did
         if policy is not None:
             trees = [found.tree for found in candidates.values() if found.tree is not None]  # batch size 1
             width = len(trees[0]) + 1 if trees else 1 + max(len(found.tokens) for found in candidates.values())
             lower = sum(outcome.report.lower_seconds for outcome in outcomes if outcome.report is not None)
-            repeated = self.lockstep.repeated_seconds_since(lockstep_clock)
-            policy.observe(StepRecord(plan, width, bool(trees), force3_seconds, outcomes,
-                                      time.perf_counter() - began, force3_seconds + lower - repeated))
+            repeated = self.lockstep.repeated_seconds_since(lockstep_mark)
+            unread.record = StepRecord(plan, width, bool(trees), unread.force3_seconds, outcomes,
+                                       time.perf_counter() - began, unread.force3_seconds + lower - repeated,
+                                       policy.choice())
+        self._timed(unread)
 
-    def _started_level(self, row: Row, plan: Plan):
+    def _timed(self, step: UnreadStep) -> None:
+        """A finished step's timings, counted (`_count`) now on an immediate clock; on a device's, at the end of the
+        next step (or of the call), after that step's readbacks have waited for the device: the work this step
+        launched after its own last readback (a level's commit: a re-selection) has then finished, so reading its
+        events waits for nothing and the policy learns each step's costs one step late."""
+        if self.clock.immediate:
+            self._count(step)
+            return
+        step, self.unread = self.unread, step
+        if step is not None:
+            self._count(step)
+
+    def _count(self, step: UnreadStep) -> None:
+        """Read a step's timings: each row's statistics counted, the policy told (its catch-ups' forwards, then the
+        step's record)."""
+        force3_seconds = float(step.force3_seconds)
+        for b, report in step.catch_ups:
+            report.add_to(self.stats[b])
+            for timing in report.timings if self.policy is not None else ():  # a catch-up selection
+                self.policy.observe_forward(*timing)
+        for b, report in step.rows:
+            self.stats[b].force3_seconds += force3_seconds
+            if report is not None:
+                report.add_to(self.stats[b])
+        if step.record is not None:
+            self.policy.observe(step.record.read())
+
+    def _started_level(self, row: Row, plan: Plan, unread: UnreadStep):
         """``row``'s level for ``plan`` (None: plain), caught up with the row (a draft cache's fill, a selection:
-        counted in the row's statistics, not in the step's cost)."""
+        counted in the row's statistics with the step's timings, ``unread``, not in the step's cost)."""
         level = self.level(row.index, plan)
         if level is not None:
             level.start(row.out.sequence, row.queries)
-            report = level.take_report()
-            report.add_to(self.stats[row.index])
-            for timing in report.timings if self.policy is not None else ():  # a catch-up selection
-                self.policy.observe_forward(*timing)
+            unread.catch_ups.append((row.index, level.take_report()))
         return level
 
     def _lookup_proposals(self, row: Row) -> dict[str, list[int]]:
@@ -440,6 +471,9 @@ class Decoder:
         return tier_forwards(models, self.config.draft_precision, self.not_lean, self.force3.forward)
 
     def _result(self, prompts: list[torch.Tensor], rows: list[Row]) -> DecodeResult:
+        if self.unread is not None:  # the last step's timings (its verification's readback has waited for them)
+            self._count(self.unread)
+            self.unread = None
         for row in rows:
             row.out.end()
         forwards, (three, drafters) = self.tier_forwards(), self.drafting_tiers()
@@ -453,12 +487,12 @@ class Decoder:
             stats.retrieval_cache_bytes = sum(levels[b].nbytes() for levels in self.levels_by_plan.values())
             stats.draft_cache_bytes = sum(drafters[b].nbytes() for drafters in self.drafters.values())
             stats.retrieval_summary_bytes = sum(levels[b].summary_bytes() for levels in self.levels_by_plan.values())
-        total = aggregate(self.stats, self.force3_seconds, self.prefill_seconds)
+        total = aggregate(self.stats, float(self.force3_seconds), self.prefill_seconds)
         # the call's seconds count each shared forward once (a row's stats count every forward it took part in)
         shared = self.lockstep.seconds
-        total.force2_seconds = shared.get("force2", total.force2_seconds)
-        total.force1_seconds = sum(shared.get(f"draft:{name}", sum(drafter.seconds for drafter in drafters))
-                                   for name, drafters in self.drafters.items())  # lookups: rows one by one
+        total.force2_seconds = float(shared.get("force2", total.force2_seconds))
+        total.force1_seconds = float(sum(shared.get(f"draft:{name}", sum(drafter.seconds for drafter in drafters))
+                                         for name, drafters in self.drafters.items()))  # lookups: rows one by one
         total.lockstep_forwards, total.lockstep_requests = self.lockstep.forwards, self.lockstep.requests
         total.full_cache_bytes = self.force3.nbytes()
         total.device_resident_bytes = (self.force3.resident_bytes() + total.retrieval_cache_bytes

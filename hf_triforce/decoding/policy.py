@@ -95,6 +95,20 @@ TREE_PRIOR_BONUS = 0.1
 
 
 @dataclass(frozen=True)
+class Choice:
+    """What `AdaptivePolicy.choose` decided for one step (`AdaptivePolicy.choice`): the plan, its predicted tokens/s
+    and seconds per step (0: no prediction), and whether it explores, displacing a plan predicted at
+    ``best_other`` tokens/s. A step is judged against its own choice when it is observed after the next was made
+    (a device clock's timings, read a step late)."""
+
+    plan: Plan | None
+    prediction: float
+    predicted_seconds: float
+    exploring: bool
+    best_other: float
+
+
+@dataclass(frozen=True)
 class Plan:
     levels: int  # 1: plain decoding, 2: drafter -> Force 3, 3: Force 1 -> Force 2 -> Force 3
     drafter: str = ""  # three levels: "" (with gamma1 0) is Force 2 drafting alone, no Force 1
@@ -352,9 +366,14 @@ class AdaptivePolicy:
         self.prior_fractions.update(prior_fractions)
 
     def started(self, plan: Plan) -> None:
-        """``plan`` is about to run: its set-ups (`setups`) are paid."""
+        """``plan`` is about to run: its set-ups (`setups`) are paid, and its kind counts as tried."""
         for name in self.setups(plan):
             self.setup_seconds.pop(name)
+        self.tried.add(plan.kind)
+
+    def choice(self) -> Choice:
+        """The last `choose`'s decision."""
+        return Choice(self.current, self.prediction, self.predicted_seconds, self.exploring, self.best_other)
 
     def _predict(self, plan: Plan) -> tuple[float, float]:
         overhead = self.overhead.get(plan.levels, 0.0)
@@ -502,17 +521,20 @@ class AdaptivePolicy:
             # a model drafter: seconds per drafted token; a lookup (two levels: one call per row): per step
             self.observe_forward(f"draft:{plan.drafter}", 1, force1_seconds if lookup else force1_seconds / drafted)
         tokens = sum(row.committed for row in step.rows) / max(len(step.rows), 1)
-        self.observe_step(plan, tokens, step.seconds, step.forward_seconds)
+        self.observe_step(plan, tokens, step.seconds, step.forward_seconds, step.choice)
 
     def observe_forward(self, tier: str, rows: int, seconds: float) -> None:
         self.costs.observe(tier, rows, seconds)
 
-    def observe_step(self, plan: Plan, tokens: int, seconds: float, forward_seconds: float) -> None:
-        """One finished step: its tokens, wall seconds and the part spent in timed forwards."""
-        predicted = self.prediction
-        if self.predicted_seconds > 0 and seconds > 0 and plan == self.current:
+    def observe_step(self, plan: Plan, tokens: int, seconds: float, forward_seconds: float,
+                     choice: Choice | None = None) -> None:
+        """One finished step: its tokens, wall seconds and the part spent in timed forwards; ``choice``: what was
+        decided for it (default: the last `choose`'s)."""
+        choice = choice if choice is not None else self.choice()
+        predicted = choice.prediction
+        if choice.predicted_seconds > 0 and seconds > 0 and plan == choice.plan:
             low, high = CALIBRATION_BOUNDS
-            ratio = min(max(seconds / self.predicted_seconds, low), high)
+            ratio = min(max(seconds / choice.predicted_seconds, low), high)
             old = self.calibration.get(plan.kind, 1.0)
             self.calibration[plan.kind] = (1 - EMA) * old + EMA * old * ratio
         old = self.overhead.get(plan.levels)
@@ -525,8 +547,8 @@ class AdaptivePolicy:
         record.seconds += seconds
         record.predicted += predicted
         self.log.append((plan.name, predicted, tokens / seconds if seconds else 0.0))
-        if self.exploring:
-            won = tokens / seconds >= self.best_other if seconds else False
+        if choice.exploring:
+            won = tokens / seconds >= choice.best_other if seconds else False
             self.interval = self.base_interval if won else min(2 * self.interval, 16 * self.base_interval)
 
     def observe_direct(self, drafter: str, accepted: int, proposed: int, tree: bool = False) -> None:

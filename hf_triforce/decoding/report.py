@@ -21,9 +21,10 @@ from ..drafters.registry import device_tokens
 from ..stats import TriForceStats
 from ..verification.sampling import scores_to_probs
 from ..verification.scoring import Deferred
+from .clock import Seconds
 
 if TYPE_CHECKING:
-    from .policy import Plan
+    from .policy import Choice, Plan
 
 
 @dataclass
@@ -36,20 +37,31 @@ class LevelReport:
     force2_rejections: int = 0
     tree_nodes: int = 0
     tree_side_accepts: int = 0
-    force1_seconds: float = 0.0  # its drafter's (in a batch: the walls of the shared forwards the row took part in)
-    force2_seconds: float = 0.0
+    # seconds on the call's clock: floats once `read` (`clock.Seconds` of a CUDA device's until then)
+    force1_seconds: float | Seconds = 0.0  # its drafter's (in a batch: the shared forwards the row took part in)
+    force2_seconds: float | Seconds = 0.0
     selections: int = 0
-    selection_seconds: float = 0.0
+    selection_seconds: float | Seconds = 0.0
     # (tier, rows, seconds) of each forward timed for the policy's cost model ("force2", "force2-tree", "select")
-    timings: list[tuple[str, int, float]] = field(default_factory=list)
+    timings: list[tuple[str, int, float | Seconds]] = field(default_factory=list)
 
     @property
-    def lower_seconds(self) -> float:
+    def lower_seconds(self) -> float | Seconds:
         """Seconds below Force 3: Force 1's, Force 2's forwards, selections."""
         return self.force1_seconds + self.force2_seconds + self.selection_seconds
 
+    def read(self) -> LevelReport:
+        """This report with its seconds read, as floats (on a CUDA device: after a readback that followed them, so
+        that reading waits for nothing). Returns itself."""
+        self.force1_seconds, self.force2_seconds = float(self.force1_seconds), float(self.force2_seconds)
+        self.selection_seconds = float(self.selection_seconds)
+        self.timings = [(tier, rows, float(seconds)) for tier, rows, seconds in self.timings]
+        return self
+
     def add_to(self, stats: TriForceStats) -> None:
-        """Count this report in a row's statistics (Force 1's seconds are counted from its drafters: `Decoder`)."""
+        """Count this report in a row's statistics, its seconds `read` (Force 1's seconds are counted from its
+        drafters: `Decoder`)."""
+        self.read()
         stats.force1_proposed += self.drafted
         stats.force2_proposed += self.handed
         stats.force2_steps += self.force2_steps
@@ -99,12 +111,34 @@ class LookupAcceptances:
 @dataclass
 class StepRecord:
     """One Force-3 step of ``plan``: its forward (``force3_rows`` rows, a tree's where ``force3_tree``), each
-    active row's outcome, the step's wall seconds and the part spent in forwards (each shared forward once)."""
+    active row's outcome, the step's wall seconds and the part spent in forwards (each shared forward once), and the
+    policy's decision for it. Its tier seconds are on the call's clock: the policy is handed it `read`."""
 
     plan: Plan
     force3_rows: int
     force3_tree: bool
-    force3_seconds: float
+    force3_seconds: float | Seconds
     rows: list[RowOutcome]
     seconds: float
-    forward_seconds: float
+    forward_seconds: float | Seconds
+    choice: Choice | None = None  # what the policy decided for the step (None: its last decision)
+
+    def read(self) -> StepRecord:
+        """This record with its seconds and its rows' reports `LevelReport.read`. Returns itself."""
+        self.force3_seconds, self.forward_seconds = float(self.force3_seconds), float(self.forward_seconds)
+        for row in self.rows:
+            if row.report is not None:
+                row.report.read()
+        return self
+
+
+@dataclass
+class UnreadStep:
+    """A step's timings until they are read (`loop.Decoder`): per row its level's catch-up report (a draft cache's fill,
+    a selection before the step), Force 3's seconds, per active row its level's report (None: a plain step), and the
+    policy's record (None: no policy)."""
+
+    catch_ups: list[tuple[int, LevelReport]] = field(default_factory=list)
+    force3_seconds: float | Seconds = 0.0
+    rows: list[tuple[int, LevelReport | None]] = field(default_factory=list)
+    record: StepRecord | None = None

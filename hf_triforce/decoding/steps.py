@@ -9,14 +9,14 @@ forward (each row's logits are its own, up to summation order).
 
 from __future__ import annotations
 
-import time
 from collections.abc import Generator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import torch
 
-from .forward import forward_logits, settle
+from .clock import Clock, HostClock, Seconds
+from .forward import forward_logits
 
 T = TypeVar("T")
 Steps = Generator["ForwardRequest", torch.Tensor, T]
@@ -25,21 +25,23 @@ Steps = Generator["ForwardRequest", torch.Tensor, T]
 @dataclass
 class ForwardRequest:
     """``tokens`` ``[1, n]`` fed after what ``cache`` holds, at positions ``start, start + 1, ...``; the logits
-    of the last ``keep`` rows are wanted (``[keep, vocab]``). ``seconds``: set by whoever ran it (its share of
-    the forward's wall time)."""
+    of the last ``keep`` rows are wanted (``[keep, vocab]``). ``clock``: the call's (`clock.device_clock`), which
+    times the forward; ``seconds``: set by whoever ran it, the forward's seconds on that clock (`clock.Seconds`
+    read later on a device's)."""
 
     model: Any
     cache: Any
     tokens: torch.Tensor
     start: int
     keep: int
-    seconds: float = 0.0
+    clock: Clock = field(default_factory=HostClock)
+    seconds: float | Seconds = 0.0
 
     def run(self) -> torch.Tensor:
         """This request alone, as a batch-1 forward."""
-        began = time.perf_counter()
-        logits = settle(forward_logits(self.model, self.tokens, self.cache, self.start, self.keep))
-        self.seconds = time.perf_counter() - began
+        began = self.clock.start()
+        logits = forward_logits(self.model, self.tokens, self.cache, self.start, self.keep)
+        self.seconds = self.clock.stop(began)
         return logits
 
 

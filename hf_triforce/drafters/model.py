@@ -7,6 +7,7 @@ import torch
 from ..caches.buffer import BufferCache
 from ..caches.sink_window import SinkWindowCache, copy_refusal, make_layer_rerotations
 from ..compat import layer_devices, num_layers
+from ..decoding.clock import Clock, HostClock, Seconds
 from ..decoding.steps import ForwardRequest, Steps, run_inline
 from ..decoding.tiers import tier_model
 from ..kernels.lean import LeanModel
@@ -33,7 +34,7 @@ class ModelDrafter:
 
     def __init__(self, model, sink_tokens: int, window: int, processors, do_sample: bool, sampler: Sampler,
                  sampled_siblings: bool = False, source: BufferCache | None = None, positions: str = "slots",
-                 fill_model=None):
+                 fill_model=None, clock: Clock | None = None):
         """``sampled_siblings``: when sampling, a tree's alternatives are the draft's top-ranked tokens (False,
         the default: they accepted more, docs/results.md) or drawn without replacement (True); see
         `propose_tree`. ``source``: the target's full cache, when ``model`` drafts for itself (the target or a
@@ -41,7 +42,8 @@ class ModelDrafter:
         forward over them, where it can (`copy_refusal`; `fill` says how). ``positions``: the cache's
         (`SinkWindowCache`): ``"slots"`` (in-cache) or ``"absolute"`` (the tokens' own). ``fill_model``: the
         model whose forward fills the cache where it is not copied (default ``model``): a draft model's own weights
-        when ``model`` is its lean copy, whose int4 CPU kernels are built for a few rows (the note above the class)."""
+        when ``model`` is its lean copy, whose int4 CPU kernels are built for a few rows (the note above the class).
+        ``clock``: the call's, timing its forwards (`decoding.clock`; default the host's)."""
         self.model = model
         self.fill_model = model if fill_model is None else fill_model
         layers = num_layers(model.config)
@@ -58,7 +60,8 @@ class ModelDrafter:
         self.sampled_siblings = sampled_siblings
         self.seen = 0  # tokens of the sequence whose entries the cache holds (or has evicted)
         self.drafted: tuple[int, list[int]] | None = None  # (position, chain) of the last tree's cached chain
-        self.seconds = 0.0
+        self.clock = clock if clock is not None else HostClock()
+        self.seconds: float | Seconds = 0.0  # its forwards' (`clock.Seconds` on a CUDA device: read after the fact)
         self.forwards = 0
 
     def _forward_steps(self, tokens: torch.Tensor, model=None) -> Steps[torch.Tensor]:
@@ -66,7 +69,7 @@ class ModelDrafter:
         default the drafting model)."""
         self.cache.make_room(tokens.shape[1])
         start = self.seen if self.cache.positions == "absolute" else self.cache.length
-        request = ForwardRequest(self.model if model is None else model, self.cache, tokens, start, 1)
+        request = ForwardRequest(self.model if model is None else model, self.cache, tokens, start, 1, self.clock)
         logits = yield request
         self.seconds += request.seconds
         self.forwards += 1
@@ -190,7 +193,7 @@ def _build(context: DraftContext, model) -> ModelDrafter:
     fill = model if isinstance(drafting, LeanModel) else None
     return ModelDrafter(drafting, config.sink_tokens, config.window, context.processors, context.do_sample,
                         context.sampler, source=source, positions=draft_positions(config, context.target, model),
-                        fill_model=fill)
+                        fill_model=fill, clock=context.clock)
 
 
 register_drafter("self", lambda context: _build(context, context.target), "model",

@@ -15,13 +15,14 @@ decoder has one (`drafting_sequence`).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
 import torch
 from transformers import LogitsProcessorList
 
+from ..decoding.clock import Clock, HostClock
 from ..decoding.steps import Steps
 from ..verification.sampling import Sampler
 
@@ -89,7 +90,7 @@ def device_tokens(tokens: list[int], device: torch.device) -> torch.Tensor:
 class DraftContext:
     """What a drafter may use: the target, the config, the call's processors, sampling mode and sampler, and the
     target's full cache (its row of it, in a batch; None where there is none): a drafter running the target's own
-    weights may copy entries from it."""
+    weights may copy entries from it; and the call's clock, which times a drafter's forwards (`decoding.clock`)."""
 
     target: Any
     config: Any  # TriForceConfig
@@ -97,6 +98,7 @@ class DraftContext:
     do_sample: bool
     sampler: Sampler
     full_cache: Any = None  # BufferCache
+    clock: Clock = field(default_factory=HostClock)
 
 
 @dataclass(frozen=True)
