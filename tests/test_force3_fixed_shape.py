@@ -23,6 +23,7 @@ from transformers import LogitsProcessorList, TopKLogitsWarper
 from hf_triforce import TriForceConfig
 from hf_triforce.caches.buffer import BufferCache
 from hf_triforce.decoding import force3, tiers
+from hf_triforce.decoding.clock import HostClock
 from hf_triforce.decoding.forward import forward_logits
 from hf_triforce.decoding.levels import Candidates
 from hf_triforce.decoding.tiers import force3_forward, lean_model, resolve_draft_precision
@@ -94,7 +95,7 @@ def test_force2_gets_the_queries_of_the_rows_force3_verified():
     prompt = random_prompt(60, period=13)
     rows = {}
     for mode in ("off", "fixed"):
-        verifier = force3.Force3(model, _config(force3_compile=mode), 60)
+        verifier = force3.Force3(model, _config(force3_compile=mode), 60, HostClock())
         with recording_attention(model):
             verifier.prefill([prompt[:, :50]], None, [TriForceStats()])
             verifier.score({0: prompt[:, :51]}, {0: Candidates(prompt[0, 51:55].tolist(), None)},

@@ -50,10 +50,11 @@ def assumed_timings(monkeypatch) -> None:
     def assumed_forward(self, tier, rows, measured):
         observe_forward(self, tier, rows, seconds(tier, rows))
 
-    def assumed_step(self, plan, tokens, measured, forward_seconds):
-        predicted = self.predicted_seconds if plan == self.current and self.predicted_seconds > 0 else \
+    def assumed_step(self, plan, tokens, measured, forward_seconds, choice=None):
+        choice = choice if choice is not None else self.choice()
+        predicted = choice.predicted_seconds if plan == choice.plan and choice.predicted_seconds > 0 else \
             seconds("force3", 1)  # the first step: nothing predicted yet
-        observe_step(self, plan, tokens, predicted, predicted)
+        observe_step(self, plan, tokens, predicted, predicted, choice)
 
     def assumed_set_up(self, fill_rows, seconds_per_row, prior_fractions):
         set_up(self, fill_rows, None if seconds_per_row is None else ASSUMED_FILL_ROW_SECONDS, prior_fractions)
