@@ -399,7 +399,10 @@ class LeanModel:
             else:
                 out = F.scaled_dot_product_attention(rows, keys[index], values[index], attn_mask=visible,
                                                      scale=self.scaling)
-            return out.reshape(1, groups * kv_heads, n, dim).transpose(1, 2).reshape(n, groups * kv_heads * dim).float()
+            # in the activations' dtype: Force 3's view (`verifying`) keeps the model's, where an fp32 copy would only
+            # be cast back by the output projection
+            return out.reshape(1, groups * kv_heads, n, dim).transpose(1, 2).reshape(n, groups * kv_heads * dim).to(
+                self.activation_dtype)
 
         return self._layers(input_ids, position_ids, attend, queries)
 
