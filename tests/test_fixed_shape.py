@@ -118,7 +118,8 @@ NEW = 5  # the first token, then a round of Force 1 drafting 2 tokens (gamma2 = 
 # top-k 2 on the first FREE new tokens (the first token and the round's two drafts), one token after: 72 paths per
 # law instead of 828 with top-k 2 on all 5 (the extended tier runs those)
 FREE = 3
-FREE_POSITIONS = [FREE, pytest.param(NEW, marks=pytest.mark.extended, id="top-k 2 on every token")]
+FREE_POSITIONS = [pytest.param(FREE, id="top-k 2 on the first 3"),
+                  pytest.param(NEW, marks=pytest.mark.extended, id="top-k 2 on every token")]
 ENUMERATION = dict(policy="fixed", retrieval_budget=16, chunk_size=4, retrieval_recent=4, sink_tokens=2, window=8,
                    gamma1=2, gamma2=3)
 

@@ -59,7 +59,8 @@ CASES = {
     "ngram trees at both levels": ("ngram", 3, 4, {"tree_nodes": 4, "tree_branch": 3, "force2_tree_nodes": 3}),
 }
 FORCE2_TREES = ("self, Force 2 hands a tree", "ngram trees at both levels")
-FIRST_RANDOM = [1, pytest.param(0, marks=pytest.mark.extended, id="first token drawn")]  # the first random position
+FIRST_RANDOM = [pytest.param(1, id="first token top-1"),  # the first random position
+                pytest.param(0, marks=pytest.mark.extended, id="first token drawn")]
 
 
 def run_case(model_and_prompt, case, mutate=None, first_random=1):
