@@ -13,6 +13,7 @@ from collections import defaultdict
 from collections.abc import Callable, Hashable
 
 import torch
+from transformers import LogitsProcessor, TopKLogitsWarper
 
 
 class ReplaySampler:
@@ -67,3 +68,16 @@ def enumerate_outcomes(run: Callable[[ReplaySampler], Hashable], max_paths: int 
             return dict(law), paths
         script = script[:step] + [script[step] + 1]
     raise RuntimeError(f"more than {max_paths} paths: shrink the vocabulary, top-k or the number of new tokens")
+
+
+class FreeThenGreedy(LogitsProcessor):
+    """Top-k ``k`` on new tokens ``first`` to ``free - 1`` after a prompt of ``start`` tokens, top-k 1 on the others
+    (0: the first new token): the random positions an enumeration visits, the others one token each (the
+    enumeration's paths grow exponentially with the random positions)."""
+
+    def __init__(self, start: int, free: int, k: int = 2, first: int = 0) -> None:
+        self.start, self.free, self.k, self.first = start, free, k, first
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        k = self.k if self.first <= input_ids.shape[1] - self.start < self.free else 1
+        return TopKLogitsWarper(k)(input_ids, scores)

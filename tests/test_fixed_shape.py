@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import LogitsProcessorList, TopKLogitsWarper
+from transformers import LogitsProcessorList
 
 from hf_triforce import TriForceConfig
 from hf_triforce.caches.buffer import BufferCache
@@ -22,6 +22,7 @@ from hf_triforce.decoding.tiers import lean_model
 from hf_triforce.kernels.fixed_shape import FixedShapeForward
 
 from .conftest import make_model, random_prompt
+from .enumeration_util import FreeThenGreedy
 from .families import make_family
 from .test_exact_enumeration import decoded_law, distance, exercised, target_law
 from .test_greedy_identity import assert_identical
@@ -114,15 +115,21 @@ def test_batches_run_under_tier_compile(tier_compile, levels):
 
 VOCAB = 4
 NEW = 5  # the first token, then a round of Force 1 drafting 2 tokens (gamma2 = 3 tokens handed up)
+# top-k 2 on the first FREE new tokens (the first token and the round's two drafts), one token after: 72 paths per
+# law instead of 828 with top-k 2 on all 5 (the extended tier runs those)
+FREE = 3
+FREE_POSITIONS = [pytest.param(FREE, id="top-k 2 on the first 3"),
+                  pytest.param(NEW, marks=pytest.mark.extended, id="top-k 2 on every token")]
 ENUMERATION = dict(policy="fixed", retrieval_budget=16, chunk_size=4, retrieval_recent=4, sink_tokens=2, window=8,
                    gamma1=2, gamma2=3)
 
 
+@pytest.mark.parametrize("free", FREE_POSITIONS)
 @pytest.mark.parametrize("tier_compile", ["fixed", "compile"])
-def test_enumerated_law_equals_the_target_law(tier_compile):
+def test_enumerated_law_equals_the_target_law(tier_compile, free):
     model = make_model("llama-gqa", vocab_size=VOCAB, seed=3, initializer_range=0.3, num_hidden_layers=1)
     prompt = random_prompt(40, vocab_size=VOCAB, seed=4, period=13)
-    processors = LogitsProcessorList([TopKLogitsWarper(2)])
+    processors = LogitsProcessorList([FreeThenGreedy(prompt.shape[1], free)])
     config = TriForceConfig(draft="self", draft_precision="lean-int4", tier_compile=tier_compile, **ENUMERATION)
     law, paths, stats = decoded_law(model, prompt, config, processors, NEW)
     exact = target_law(model, prompt, processors, NEW)

@@ -26,11 +26,9 @@ from __future__ import annotations
 import pytest
 import torch
 from transformers import (
-    LogitsProcessor,
     LogitsProcessorList,
     PrefixConstrainedLogitsProcessor,
     StoppingCriteriaList,
-    TopKLogitsWarper,
 )
 from transformers.generation.stopping_criteria import EosTokenCriteria
 
@@ -42,7 +40,7 @@ from hf_triforce.verification.draft_tree import DraftTree
 from hf_triforce.verification.sampling import scores_to_probs
 
 from .conftest import make_model, random_prompt
-from .enumeration_util import enumerate_outcomes
+from .enumeration_util import FreeThenGreedy, enumerate_outcomes
 from .test_batch import left_padded
 from .test_exact_enumeration import CONFIG, TOLERANCE, VOCAB, decoded_law, distance, exercised, target_law
 from .test_tree_enumeration import SAMPLED_SIBLINGS, sampled_siblings_drafter
@@ -56,18 +54,6 @@ WRONG_RULE_TV = 0.05  # single rows: the planted rule moves the law this far at 
 # the batch: its joint law moves less under the int8 tiers' per-row scales (0.049); caught all the same when the
 # moved law is >= 1000x the right rule's tolerance (TOLERANCE) away
 WRONG_RULE_BATCH_TV = 1000 * TOLERANCE
-
-
-class FreeThenGreedy(LogitsProcessor):
-    """Top-k ``k`` on new tokens ``first`` to ``free - 1`` after a prompt of ``start`` tokens, top-k 1 on the others
-    (0: the first new token)."""
-
-    def __init__(self, start: int, free: int = FREE, k: int = 2, first: int = 0) -> None:
-        self.start, self.free, self.k, self.first = start, free, k, first
-
-    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
-        k = self.k if self.first <= input_ids.shape[1] - self.start < self.free else 1
-        return TopKLogitsWarper(k)(input_ids, scores)
 
 
 @pytest.fixture(scope="module")
@@ -164,7 +150,7 @@ def case_laws(setup, case: str, **window):
     and the recorded rounds and stats of the right rule's paths (``window``: `FreeThenGreedy`'s parameters)."""
     model, prompt = setup
     draft, extra = CASES[case]
-    processors = LogitsProcessorList([FreeThenGreedy(prompt.shape[1], **window)])
+    processors = LogitsProcessorList([FreeThenGreedy(prompt.shape[1], **{"free": FREE, **window})])
     rounds, trees = [], []
     with pytest.MonkeyPatch.context() as patch:
         patch.setitem(DRAFTERS, SAMPLED_SIBLINGS, DrafterSpec(SAMPLED_SIBLINGS, sampled_siblings_drafter, "model", "",
@@ -237,14 +223,14 @@ def batch_processors(width: int, keyed_by: str) -> LogitsProcessorList:
         return allowed(row, sent.shape[0] - width)
 
     return LogitsProcessorList([PrefixConstrainedLogitsProcessor(allowed_tokens, num_beams=1),
-                                FreeThenGreedy(width)])
+                                FreeThenGreedy(width, FREE)])
 
 
 def row_target_law(model, prompt, row: int, new: int) -> dict:
     """Row ``row``'s target law alone: its processors with the row fixed, cut at its first EOS."""
     processors = LogitsProcessorList([
         PrefixConstrainedLogitsProcessor(lambda _, sent: allowed(row, sent.shape[0] - prompt.shape[1]), 1),
-        FreeThenGreedy(prompt.shape[1]),
+        FreeThenGreedy(prompt.shape[1], FREE),
     ])
     law: dict = {}
     for tokens, probability in target_law(model, prompt, processors, new).items():

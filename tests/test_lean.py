@@ -26,9 +26,11 @@ from hf_triforce.kernels import lean
 from hf_triforce.kernels.lean import LEAN_PRECISIONS, LeanModel, Projection
 
 from .conftest import make_model, random_prompt
+from .enumeration_util import FreeThenGreedy
 from .families import make_family
 from .test_batch import PROMPTS, left_padded
 from .test_exact_enumeration import decoded_law, distance, exercised, target_law
+from .test_fixed_shape import ENUMERATION, FREE_POSITIONS, NEW, VOCAB
 from .test_greedy_identity import assert_identical
 
 LEAN_FAMILIES = ["llama-gqa", "qwen2", "mistral"]  # Llama (GQA), Qwen2 (QKV biases), Mistral (MQA, no window)
@@ -157,10 +159,6 @@ def test_lookup_drafts_verified_by_force3_alone_run_no_drafting_forward_and_copy
 
 # --- exactness of the sampled law -----------------------------------------------------------------------------
 
-VOCAB = 4
-NEW = 5  # the first token, then a round of Force 1 drafting 2 tokens (gamma2 = 3 tokens handed up)
-ENUMERATION = dict(policy="fixed", retrieval_budget=16, chunk_size=4, retrieval_recent=4, sink_tokens=2, window=8,
-                   gamma1=2, gamma2=3)
 
 
 @pytest.fixture(scope="module")
@@ -169,11 +167,12 @@ def tiny():
     return model, random_prompt(40, vocab_size=VOCAB, seed=4, period=13)
 
 
+@pytest.mark.parametrize("free", FREE_POSITIONS)
 @pytest.mark.parametrize("precision", ["lean-int4"])
-def test_enumerated_law_equals_the_target_law(tiny, precision, lean_calls):
+def test_enumerated_law_equals_the_target_law(tiny, precision, free, lean_calls):
     """Force 1 drafts 2 tokens per round on the lean copy, Force 2 verifies them on it in one 3-row forward."""
     model, prompt = tiny
-    processors = LogitsProcessorList([TopKLogitsWarper(2)])
+    processors = LogitsProcessorList([FreeThenGreedy(prompt.shape[1], free)])
     config = TriForceConfig(draft="self", draft_precision=precision, **ENUMERATION)
     law, paths, stats = decoded_law(model, prompt, config, processors, NEW)
     exact = target_law(model, prompt, processors, NEW)

@@ -6,12 +6,16 @@ through a `ReplaySampler`, with Force 1 proposing trees (several siblings per no
 not updated after a rejected sibling, at Force 3 (two levels) and at Force 2 (three levels), must be caught.
 The model drafter's siblings are drawn without replacement (`tree.draw_siblings`) where `branching` puts them;
 giving them the un-renormalised draft law instead of the law they were drawn with must be caught too.
+
+Cost: the first new token (drawn from the prefill's logits, before any tree) is one token (top-k 1), the others
+``top_k`` tokens: the trees' steps keep every random choice, at about a third of the paths of a drawn first
+token (the extended tier, ``pytest -m extended``, draws it too).
 """
 
 from __future__ import annotations
 
 import pytest
-from transformers import LogitsProcessorList, TopKLogitsWarper
+from transformers import LogitsProcessorList
 
 from hf_triforce import TriForceConfig
 from hf_triforce.decoding import levels
@@ -22,6 +26,7 @@ from hf_triforce.drafters.registry import DRAFTERS, DrafterSpec
 from hf_triforce.kernels.quantized import drafting_model
 from hf_triforce.verification.draft_tree import draw_siblings
 
+from .enumeration_util import FreeThenGreedy
 from .test_exact_enumeration import (
     CONFIG,
     TOLERANCE,
@@ -54,12 +59,14 @@ CASES = {
     "ngram trees at both levels": ("ngram", 3, 4, {"tree_nodes": 4, "tree_branch": 3, "force2_tree_nodes": 3}),
 }
 FORCE2_TREES = ("self, Force 2 hands a tree", "ngram trees at both levels")
+FIRST_RANDOM = [pytest.param(1, id="first token top-1"),  # the first random position
+                pytest.param(0, marks=pytest.mark.extended, id="first token drawn")]
 
 
-def run_case(model_and_prompt, case, mutate=None):
+def run_case(model_and_prompt, case, mutate=None, first_random=1):
     model, prompt = model_and_prompt
     draft, top_k, new, extra = CASES[case]
-    processors = LogitsProcessorList([TopKLogitsWarper(top_k)])
+    processors = LogitsProcessorList([FreeThenGreedy(prompt.shape[1], new, top_k, first_random)])
     with pytest.MonkeyPatch.context() as patch:
         patch.setitem(DRAFTERS, SAMPLED_SIBLINGS, DrafterSpec(SAMPLED_SIBLINGS, sampled_siblings_drafter, "model", "",
                                                                  trees=True))
@@ -87,12 +94,13 @@ def recording_siblings(monkeypatch) -> tuple[list[int], set[tuple[int, ...]]]:
     return draws, shapes
 
 
+@pytest.mark.parametrize("first_random", FIRST_RANDOM)
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_enumerated_law_with_trees_equals_the_target_law(setup, monkeypatch, case):  # noqa: F811
+def test_enumerated_law_with_trees_equals_the_target_law(setup, monkeypatch, case, first_random):  # noqa: F811
     """Every case's law; the sampled-siblings case also exercises what it claims: siblings drawn at random (with
     more than one token left), and where they go varies with the drafted chain (at both positions on some paths)."""
     draws, shapes = recording_siblings(monkeypatch)
-    law, paths, stats, exact = run_case(setup, case)
+    law, paths, stats, exact = run_case(setup, case, first_random=first_random)
     assert abs(sum(law.values()) - 1.0) < 1e-6 and paths > 10
     assert set(law) <= {k for k, p in exact.items() if p > 0}, "a sequence of probability zero was emitted"
     assert distance(law, exact) < TOLERANCE

@@ -3,9 +3,10 @@
 A target ``p`` and a draft ``q`` are random functions of the context (vocabulary 4, some zero-probability
 tokens). One step drafts a tree from ``q`` (siblings i.i.d., without replacement, deterministic top-k, or a
 point mass followed by draws without replacement), verifies it against ``p``, and completes the emitted
-tokens to a fixed length with draws from ``p``; every random choice — drafting, coins, residual and bonus
-draws, completion — goes through a `ReplaySampler`, so the law of the output is known exactly and must equal
-``p``'s sequence law within 1e-6. The mutation tests substitute wrong rules and assert they are caught.
+tokens to a fixed length with draws from ``p``; every random choice of the step — drafting, coins, residual
+and bonus draws — goes through a `ReplaySampler` and the completion's law is ``p``'s own (summed in closed
+form), so the law of the output is known exactly and must equal ``p``'s sequence law within 1e-6. The
+mutation tests substitute wrong rules and assert they are caught.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import functools
 import itertools
 import random
+from collections import defaultdict
 
 import pytest
 import torch
@@ -101,7 +103,23 @@ def depth_of(shape) -> int:
     return 1 + max((depth_of(child) for child in shape), default=0)
 
 
+def continuation_law(emitted: tuple[int, ...], new: int) -> dict[tuple[int, ...], float]:
+    """``emitted`` completed to ``new`` tokens with ``p``'s draws: every completion and its probability under ``p``."""
+    law = {}
+    for completion in itertools.product(range(VOCAB), repeat=new - len(emitted)):
+        probability, context = 1.0, (0,) + emitted
+        for token in completion:
+            probability *= float(target(context)[token])
+            context += (token,)
+        law[emitted + completion] = probability
+    return law
+
+
 def one_step_law(shape, kind, verifier_class=TreeVerifier, resample=residual_distribution):
+    """``(distance to p's law, total probability, paths)`` of one step's emission completed to a fixed length.
+
+    The step's random choices are enumerated; the completion's draws from ``p`` are summed in closed form (the
+    law of ``emitted + completion`` is the law of ``emitted`` times ``p``'s law of the completion)."""
     new = depth_of(shape)  # the longest emission: every level accepted, then the bonus token
 
     def run(sampler):
@@ -110,19 +128,14 @@ def one_step_law(shape, kind, verifier_class=TreeVerifier, resample=residual_dis
         scores = torch.log(torch.stack([target(context + tuple(tree.path_tokens(node)))
                                         for node in range(-1, len(tree))]))
         path, token = verifier_class(True, sampler, resample).verify(tree, scores)
-        emitted = [tree.tokens[node] for node in path] + [token]
-        while len(emitted) < new:
-            emitted.append(sampler.categorical(target(context + tuple(emitted))))
-        return tuple(emitted[:new])
+        return tuple(tree.tokens[node] for node in path) + (token,)
 
-    law, paths = enumerate_outcomes(run, max_paths=200000)
-    exact = {}
-    for continuation in itertools.product(range(VOCAB), repeat=new):
-        probability, context = 1.0, (0,)
-        for token in continuation:
-            probability *= float(target(context)[token])
-            context += (token,)
-        exact[continuation] = probability
+    emissions, paths = enumerate_outcomes(run)
+    law = defaultdict(float)
+    for emitted, probability in emissions.items():
+        for sequence, completion in continuation_law(emitted, new).items():
+            law[sequence] += probability * completion
+    exact = continuation_law((), new)
     distance = max(abs(law.get(key, 0.0) - exact[key]) for key in exact)
     return distance, sum(law.values()), paths
 
