@@ -13,10 +13,11 @@ library's: a quarter of the budget in whole chunks) x chunk scorings (``--scorin
 chunk's mean key against the sum of its KV head's query heads; ``mass``: the attention mass each query head is
 estimated to put on the chunk, a softmax of its scaled scores over the chunks, summed over the group).
 
-Force 1 too (``--force1-window``): the target drafting on its sink+window cache (`ModelDrafter`, in-cache positions,
-at ``--force1-precision``), fed the same answer: its agreement with Force 3 (what two levels accept) and with each
-refreshed Force-2 configuration (what Force 2 accepts of Force 1's drafts). And how flat the target's own law is
-there (mean entropy, mean top probability): a flat ``p`` caps every tier's acceptance. ``--json`` writes every row.
+Force 1 too (``--force1-window``, one or more windows): the target drafting on its sink+window cache
+(`ModelDrafter`, filled and placed as ``--force1-variants`` says, at ``--force1-precision``), fed the same answer: its
+agreement with Force 3 (what two levels accept) and with each refreshed Force-2 configuration (what Force 2 accepts
+of Force 1's drafts). And how flat the target's own law is there (mean entropy, mean top probability): a flat ``p``
+caps every tier's acceptance. ``--json`` writes every row.
 
     python benchmarks/sparse_agreement.py --context 16000 --rope-factor 2 --budgets 512 1024 2048 4096
     python benchmarks/sparse_agreement.py --text wikipedia --context 32000 --rope-factor 4 --budgets 1024 4096 \
@@ -132,7 +133,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--text", choices=sorted(assets.TEXTS), default="essays")
     parser.add_argument("--force1-sink", type=int, default=16)
-    parser.add_argument("--force1-window", type=int, default=256, help="0: no Force-1 rows")
+    parser.add_argument("--force1-window", type=int, nargs="+", default=[256],
+                        help="Force 1's recent window(s), each scored from the same prefill; 0: no Force-1 rows")
     parser.add_argument("--force1-precision", default="model", help="a TriForceConfig.draft_precision but 'auto'")
     parser.add_argument("--force1-variants", nargs="+", default=list(FORCE1_VARIANTS), choices=list(FORCE1_VARIANTS),
                         help="how Force 1's cache is filled (a forward over the sinks and window, or a copy of the "
@@ -180,9 +182,10 @@ def main() -> None:
             print(f"| {variant['cache']} | {variant['budget']} | {variant['chunk']} | {variant['recent']} | "
                   f"{variant['scoring']} | {variant['selection']} | {scores['accept T=1.0']:.3f} | "
                   f"{scores['accept T=0.6']:.3f} | {scores['greedy']:.3f} |", flush=True)
-        for name in args.force1_variants if args.force1_window else ():
+        force1_runs = [(window, name) for window in args.force1_window if window for name in args.force1_variants]
+        for force1_window, name in force1_runs:
             copy, positions = FORCE1_VARIANTS[name]
-            drafter = ModelDrafter(tier_model(model, args.force1_precision, 1), args.force1_sink, args.force1_window,
+            drafter = ModelDrafter(tier_model(model, args.force1_precision, 1), args.force1_sink, force1_window,
                                    LogitsProcessorList(), False, None, source=full if copy else None,
                                    positions=positions)
             sequence = ids[:, :-1]
@@ -193,7 +196,7 @@ def main() -> None:
                 _, rows, _ = run_inline(drafter._draft_steps(sequence, 1))
                 force1.append(rows[0])
             force1 = torch.stack(force1)
-            window = f"sink {args.force1_sink} + window {args.force1_window}, {args.force1_precision}, {name}"
+            window = f"sink {args.force1_sink} + window {force1_window}, {args.force1_precision}, {name}"
             scores = agreement(p, force1)
             results.append(dict(tier="Force 1 vs Force 3", force1=window, **scores))
             print(f"| Force 1 vs Force 3 | {window} | - | - | - | - | {scores['accept T=1.0']:.3f} | "
