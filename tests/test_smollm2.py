@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import inspect
 
 import pytest
 import torch
@@ -39,9 +40,10 @@ def prefill_chunks(monkeypatch) -> list[int]:
     """Records the tokens of each chunk of Force 3's prefill."""
     chunks, real = [], force3.prefill
 
-    def recorded(*args):
-        logits = real(*args)
-        chunks.extend(tokens for tokens, _ in args[6])
+    def recorded(*args, **kwargs):
+        logits = real(*args, **kwargs)
+        timed = inspect.signature(real).bind(*args, **kwargs).arguments["chunk_seconds"]  # (tokens, seconds) each
+        chunks.extend(tokens for tokens, _ in timed)
         return logits
 
     monkeypatch.setattr(force3, "prefill", recorded)
