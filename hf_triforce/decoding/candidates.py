@@ -42,6 +42,7 @@ from ..config import TriForceConfig
 from ..drafters import DraftContext, build_drafter
 from ..drafters.model import ModelDrafter
 from ..drafters.registry import MODEL_DRAFTER
+from ..kernels import cpu_attention
 from ..kernels.attention import QueryRecorder
 from ..stats import TriForceStats
 from ..verification.sampling import ChainVerifier, Sampler, TorchSampler
@@ -172,6 +173,7 @@ class TriForceCandidateGenerator(compat.CandidateGenerator):
         if config.levels == 3:
             models["force2"] = self.level.model
         self.stats.tier_forwards = tier_forwards(models, config.draft_precision, not_lean, "eager")
+        self.stats.attention_kernel = cpu_attention.describe(model)
         self.queries: dict[int, torch.Tensor] | None = None  # per layer, the query of the last cached token
         self.proposed, self.ran, self.length, self.handed_at = 0, False, 0, 0.0
 

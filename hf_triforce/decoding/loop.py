@@ -35,6 +35,7 @@ from ..config import TriForceConfig
 from ..drafters import DRAFTERS, DraftContext, build_drafter
 from ..drafters.model import ModelDrafter
 from ..drafters.registry import MODEL_DRAFTER, drafting_sequence, spec_of
+from ..kernels import cpu_attention
 from ..kernels.linear_routes import linear_routes
 from ..kernels.row_mixing import RowsApart
 from ..stats import TriForceStats
@@ -97,6 +98,8 @@ def aggregate(row_stats: list[TriForceStats], force3_seconds: float, prefill_sec
         values = [getattr(s, f.name) for s in row_stats]
         if isinstance(values[0], bool):
             setattr(total, f.name, any(values))
+        elif isinstance(values[0], str):  # a description, the same in every row
+            setattr(total, f.name, values[0])
         elif isinstance(values[0], (int, float)):
             setattr(total, f.name, sum(values))
         elif isinstance(values[0], dict):
@@ -480,6 +483,7 @@ class Decoder:
         force2 = self.levels_by_plan.get((3, ""), [])
         for b, stats in enumerate(self.stats):
             stats.tier_forwards = dict(forwards)
+            stats.attention_kernel = cpu_attention.describe(self.model)
             stats.draft_precision = self.config.draft_precision if three or drafters else "none"
             stats.force1_seconds = self.drafting_seconds(b)
             stats.new_tokens = rows[b].out.sequence.shape[1] - prompts[b].shape[1]

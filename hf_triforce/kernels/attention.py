@@ -9,14 +9,16 @@ chunked prefill) stay GQA-native: on CUDA they take a mask-free fused kernel whe
 else `native_attention.flex_verify`); on CPU a few query rows over a long cache take `split_kv_sdpa` (the
 cache split across threads, partial results merged by log-sum-exp); other masked SDPA calls on GQA models
 take `gqa_sdpa`, which does not expand K/V. One-row calls (decoding steps of every tier) take
-`one_row_sdpa`: no mask, GQA-native. Everything else is ``<base>``.
+`one_row_sdpa`: no mask, GQA-native. In fp32 on the CPU, decoding steps and verifications of a few rows
+(`cpu_attention.MAX_ROW_DIMS`) over at least `cpu_attention.MIN_CACHED` cached entries take the library's
+compiled kernel (`cpu_attention.attend`) where it built. Everything else is ``<base>``.
 
 Invariant relied upon (TriForce's caches guarantee it): batch size 1, no padding, and every new token is
 appended after all cached entries, so the mask of a multi-token call of a full-attention layer is "all cached
 entries, then causal among the new tokens" — bottom-right-aligned causal attention. Batches
 (`hf_triforce.decoding.force3.RaggedForce3`) break it — rows of different lengths under a per-row 4-D mask — so
-every path that skips the mask (`one_row_sdpa`, `split_kv_sdpa`, the fused routes) requires batch size 1, and a batch
-takes `gqa_sdpa` or ``<base>``. Sliding-window layers
+every path that skips the mask (`one_row_sdpa`, `split_kv_sdpa`, `cpu_attention.attend`, the fused routes) requires
+batch size 1, and a batch takes `gqa_sdpa` or ``<base>``. Sliding-window layers
 (`compat.module_window`) take only the paths that apply the mask transformers built for them (each row cut at
 its own window): `gqa_sdpa` or ``<base>``, and `one_row_sdpa` only when that mask is None (nothing cut).
 """
@@ -30,7 +32,7 @@ import functools
 import torch
 
 from .. import compat
-from . import native_attention, split_kv
+from . import cpu_attention, native_attention, split_kv
 from .tree_attention import active_tree, tree_attention
 
 PREFIX = "triforce_"
@@ -307,6 +309,23 @@ def _wants_split_kv(query, key, value, dropout, module) -> bool:
     )
 
 
+def _wants_cpu_kernel(query, key, value, attention_mask, kwargs, module) -> bool:
+    """A call `cpu_attention.attend` takes: a decoding step or a few-row verification of a full-attention layer over a
+    long fp32 cache on the CPU (batch 1, bottom-right causal: the mask, boolean or None, is not read), nothing but
+    plain scaled attention."""
+    return (
+        query.device.type == "cpu"
+        and (attention_mask is None or attention_mask.dtype == torch.bool)
+        and kwargs.get("softcap") is None
+        and kwargs.get("position_bias") is None
+        and kwargs.get("sliding_window") is None
+        and kwargs.get("s_aux") is None
+        and not kwargs.get("output_attentions", False)
+        and not (kwargs.get("dropout") and module.training)
+        and cpu_attention.supports(query, key, value)
+    )
+
+
 def _make_wrapper(base: str):
     def triforce_attention(module, query, key, value, attention_mask, **kwargs):
         recorder = kwargs.pop(RECORDER_KWARG, None) or _ACTIVE_RECORDER.get()
@@ -327,6 +346,8 @@ def _make_wrapper(base: str):
             fused = fused_verify(module, query, key, value, attention_mask, **kwargs)
             if fused is not None:
                 return fused
+        if base == "sdpa" and not windowed and _wants_cpu_kernel(query, key, value, attention_mask, kwargs, module):
+            return cpu_attention.attend(query, key, value, kwargs.get("scaling")), None
         if _wants_one_row(base, query, attention_mask, kwargs) and (attention_mask is None or not windowed):
             return one_row_sdpa(module, query, key, value, attention_mask, **kwargs)
         if _wants_gqa_sdpa(base, query, key, attention_mask, kwargs):

@@ -1,0 +1,210 @@
+"""A CPU kernel for attention of a few query rows over a long KV cache: decoding steps and verifications in fp32.
+
+ATen's CPU attention runs a decoding step or a few-row verification over a long cache as many small matrix products per
+block of keys: SmolLM2's shapes at 32k entries, 2 threads, one row 3.3-3.8 ms a layer, four rows 5.2-5.9 ms, where
+reading the layer's 50 MB of keys and values once takes about 1.7 ms (docs/results.md, "Attention over a long cache
+on the CPU"). `csrc/decode_attention.c` reads each KV head's keys and values once for all its query rows (the group's
+query heads times the new tokens), in spans run on torch's thread count and merged by their softmax maxima and sums.
+
+It is compiled on first use with the system's C compiler for the CPU it runs on (``-march=native``), kept under
+``$HF_TRIFORCE_CACHE/kernels`` (default ``~/.cache/hf_triforce/kernels``) by source, compiler and CPU flags, and
+loaded with ctypes into torch's OpenMP runtime (the library names ``libgomp.so.1``, already loaded by torch). Before
+first use it is checked against a float64 reference; a build, load or check that fails leaves `status` saying why,
+and the attention functions take ATen's paths (`TriForceStats.attention_kernel` reports which ran).
+``HF_TRIFORCE_CPU_ATTENTION=off`` turns it off.
+
+Numerics: every score and output in fp32; the softmax's order of summation differs from ATen's, so outputs differ
+from SDPA's by rounding (a few 1e-8 at 32k entries against the float64 result, as ATen's own do).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("csrc") / "decode_attention.c"
+SOURCES = (SOURCE, SOURCE.with_name("decode_attention_span.h"))  # what the build depends on
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC")
+LIBRARIES = ("-lmvec", "-lm")
+HEAD_DIMS = (64, 128)
+# Query rows per KV head (group size x new tokens) times the head dim it takes: each row's scores and values are
+# products of its own, where ATen blocks many rows into one matrix product. On an AVX-512 EPYC, 2 threads, against
+# ATen's best (one-row SDPA, or split-KV SDPA), 1k-32k cached entries: SmolLM2 (3 KV heads, head dim 64) 2.1-3.1x one
+# row, 1.5-1.8x 4 new tokens (12 rows), 1.25-1.6x 7 (21 rows); Qwen2.5-Coder-1.5B (2 KV heads, head dim 128) 1.06-1.6x
+# one row (6 rows), 0.83-0.97x 4 new tokens (24 rows): docs/results.md
+MAX_ROW_DIMS = 2048
+# Cached entries from which the kernel runs a call (the shapes above: cheaper than ATen's from 512 entries)
+MIN_CACHED = 1024
+ENV = "HF_TRIFORCE_CPU_ATTENTION"
+
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get("HF_TRIFORCE_CACHE", Path.home() / ".cache" / "hf_triforce")) / "kernels"
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _vector_flags() -> tuple[str, ...]:
+    """512-bit vectors where the CPU has AVX-512 (gcc's default for ``-march=native`` is often 256)."""
+    return ("-mprefer-vector-width=512",) if " avx512f" in _cpu_flags() else ()
+
+
+def _build() -> Path:
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        raise RuntimeError("no C compiler (cc or gcc) on PATH")
+    flags = (*FLAGS, *_vector_flags())
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
+    parts = (*(path.read_text() for path in SOURCES), compiler, version, *flags, _cpu_flags())
+    key = hashlib.sha256("\0".join(parts).encode())
+    target = _cache_dir() / f"decode_attention-{key.hexdigest()[:16]}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        built = Path(tmp) / target.name
+        run = subprocess.run([compiler, *flags, str(SOURCE), "-o", str(built), *LIBRARIES], capture_output=True,
+                             text=True)
+        if run.returncode:
+            raise RuntimeError(f"{compiler} failed: {run.stderr.strip()[-400:]}")
+        os.replace(built, target)
+    return target
+
+
+class _Kernel:
+    def __init__(self, path: Path) -> None:
+        self.library = ctypes.CDLL(str(path))
+        pointer, long, integer = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
+        self.attend = self.library.triforce_attend
+        self.attend.argtypes = [integer, pointer, pointer, pointer, long, long, long, long, integer, integer,
+                                integer, long, ctypes.c_float, integer, integer, pointer, pointer]
+        self.attend.restype = integer
+        self.workspace = self.library.triforce_attend_workspace
+        self.workspace.argtypes = [integer, integer, integer, integer, integer]
+        self.workspace.restype = long
+
+
+@functools.cache
+def _load() -> tuple[_Kernel | None, str]:
+    """The built kernel and "on", or None and why not (once per process)."""
+    if os.environ.get(ENV, "").lower() in ("0", "off", "false", "no"):
+        return None, f"off ({ENV}={os.environ[ENV]})"
+    if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
+        return None, f"not built for {platform.system()} {platform.machine()} (x86-64 Linux only)"
+    try:
+        kernel = _Kernel(_build())
+        error = _self_check(kernel)
+    except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+        return None, f"unavailable ({type(exc).__name__}: {exc})"
+    if error is not None:
+        return None, f"unavailable (self-check against float64: {error})"
+    return kernel, "on"
+
+
+def status() -> str:
+    """``"on"``, or why the kernel does not run in this process."""
+    return _load()[1]
+
+
+def available() -> bool:
+    return _load()[0] is not None
+
+
+def describe(model) -> str:
+    """`TriForceStats.attention_kernel` for ``model``'s calls: "cpu kernel" where `attend` serves its fp32 CPU
+    attention, "sdpa (cpu kernel <why not>)" where it would but cannot, "" for other devices and dtypes."""
+    parameter = next(model.parameters(), None)
+    if parameter is None or parameter.device.type != "cpu" or parameter.dtype != torch.float32:
+        return ""
+    return "cpu kernel" if available() else f"sdpa (cpu kernel {status()})"
+
+
+def supports(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
+    """Whether `attend` takes this call: CPU fp32, batch 1, equal head dims of 64 or 128, contiguous head rows,
+    at most `MAX_ROW_DIMS` query rows per KV head times the head dim, at least `MIN_CACHED` cached entries."""
+    batch, heads, new, dim = query.shape
+    kv_heads, kv_len = key.shape[1], key.shape[2]
+    return (
+        query.device.type == "cpu"
+        and query.dtype == key.dtype == value.dtype == torch.float32
+        and batch == 1
+        and dim in HEAD_DIMS
+        and key.shape[-1] == value.shape[-1] == dim
+        and key.stride(-1) == 1
+        and value.stride(-1) == 1
+        and heads % kv_heads == 0
+        and heads // kv_heads * new * dim <= MAX_ROW_DIMS
+        and kv_len - new >= MIN_CACHED
+        and available()
+    )
+
+
+def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float | None) -> torch.Tensor:
+    """Attention of ``query`` ``[1, heads, new, dim]`` over ``key``/``value`` ``[1, kv_heads, kv_len, dim]`` whose
+    last ``new`` entries are the new tokens (bottom-right causal); returns ``[1, new, heads, dim]`` (transformers'
+    layout). The caller checks `supports`."""
+    return _attend_with(_load()[0], query, key, value, scaling)
+
+
+def _attend_with(kernel: _Kernel, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                 scaling: float | None = None) -> torch.Tensor:
+    _, heads, new, dim = query.shape
+    kv_heads, kv_len = key.shape[1], key.shape[2]
+    rows = heads // kv_heads * new
+    threads = torch.get_num_threads()
+    parts = max(threads, 1)
+    q = query.reshape(kv_heads, rows, dim).contiguous()
+    out = torch.empty(kv_heads, rows, dim)
+    workspace = torch.empty(kernel.workspace(dim, kv_heads, rows, parts, threads))
+    scale = dim ** -0.5 if scaling is None else float(scaling)
+    code = kernel.attend(dim, q.data_ptr(), key.data_ptr(), value.data_ptr(), key.stride(1), key.stride(2),
+                         value.stride(1), value.stride(2), kv_heads, rows, new, kv_len, scale, parts, threads,
+                         workspace.data_ptr(), out.data_ptr())
+    if code:
+        raise ValueError(f"cpu_attention.attend: head dim {dim} is not one of {HEAD_DIMS}")
+    return out.view(1, heads, new, dim).transpose(1, 2).contiguous()
+
+
+def reference(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float | None) -> torch.Tensor:
+    """The same attention in float64 by the definition: ``[1, new, heads, dim]``."""
+    _, heads, new, dim = query.shape
+    kv_heads, kv_len = key.shape[1], key.shape[2]
+    scale = dim ** -0.5 if scaling is None else scaling
+    keys = key.double().repeat_interleave(heads // kv_heads, 1)
+    values = value.double().repeat_interleave(heads // kv_heads, 1)
+    scores = query.double() @ keys.transpose(-1, -2) * scale
+    visible = torch.ones(new, kv_len, dtype=torch.bool).tril(kv_len - new)
+    weights = scores.masked_fill(~visible, float("-inf")).softmax(-1)
+    return (weights @ values).transpose(1, 2)
+
+
+def _self_check(kernel: _Kernel) -> str | None:
+    """Run the kernel on random shapes it takes (a span shorter than a block, several spans, both head dims, strided
+    cache views) against `reference`; the first mismatch, or None."""
+    generator = torch.Generator().manual_seed(0)
+    for dim, kv_heads, groups, new, kv_len in ((64, 3, 3, 1, 1100), (64, 3, 3, 5, 1537), (128, 2, 6, 3, 1200)):
+        buffer = torch.randn(2, 1, kv_heads, kv_len + 40, dim, generator=generator)
+        key, value = buffer[0, :, :, :kv_len], buffer[1, :, :, :kv_len]
+        query = torch.randn(1, kv_heads * groups, new, dim, generator=generator)
+        got = _attend_with(kernel, query, key, value)
+        error = (got.double() - reference(query, key, value, None)).abs().max().item()
+        if not error < 1e-5:
+            return f"head dim {dim}, {new} new of {kv_len}: max error {error:.2e}"
+    return None

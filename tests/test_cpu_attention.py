@@ -1,0 +1,115 @@
+"""The CPU attention kernel (`hf_triforce.kernels.cpu_attention`, `csrc/decode_attention.c`).
+
+* `attend` equals attention computed in float64 by its definition within fp32 rounding: both head dims, GQA groups
+  of 1 to 6, one new token and several, caches that end inside a block and on a block's edge, strided views of
+  longer buffers, a custom scale; and no worse than ATen's own SDPA in fp32 against the same reference;
+* its causal rule is exercised: where the new tokens' keys carry large scores, a rule that shows each new token one
+  key more (or less) moves the result by far more than the tolerance;
+* the attention wrapper routes fp32 CPU calls over a long cache to it (a model with head dim 64 and a 1100-token
+  prompt), and TriForce's greedy output stays identical to plain ``generate``; `TriForceStats.attention_kernel`
+  says so;
+* the kernel is off under ``HF_TRIFORCE_CPU_ATTENTION=off``, and a failing build leaves it off with the
+  compiler's error in `status` (ATen's paths then run), never a silent stop.
+"""
+
+from __future__ import annotations
+
+import platform
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hf_triforce import TriForceConfig
+from hf_triforce.kernels import cpu_attention
+
+from .conftest import make_model, random_prompt
+from .test_greedy_identity import assert_identical
+
+# The kernel builds wherever there is a C compiler on x86-64 Linux; elsewhere it is off by design (status says why)
+BUILDS = platform.system() == "Linux" and platform.machine() == "x86_64" and shutil.which("cc") is not None
+needs_kernel = pytest.mark.skipif(not BUILDS, reason="the CPU kernel is built on x86-64 Linux with a C compiler only")
+TOLERANCE = 1e-6
+
+
+def _case(dim: int, kv_heads: int, groups: int, new: int, kv_len: int, seed: int = 0, spare: int = 37):
+    generator = torch.Generator().manual_seed(seed)
+    buffers = torch.randn(2, 1, kv_heads, kv_len + spare, dim, generator=generator)
+    query = torch.randn(1, kv_heads * groups, new, dim, generator=generator)
+    return query, buffers[0, :, :, :kv_len], buffers[1, :, :, :kv_len]  # views of longer buffers, like a cache's
+
+
+@needs_kernel
+def test_builds_here():
+    assert cpu_attention.status() == "on"
+
+
+@needs_kernel
+@pytest.mark.parametrize("dim, kv_heads, groups, new, kv_len", [
+    (64, 3, 3, 1, 1024),  # SmolLM2's layout, one decoding step, spans on block edges
+    (64, 3, 3, 7, 2085),  # a verification of 7 tokens, the cache ending inside a block
+    (64, 1, 1, 3, 1100),  # one head
+    (128, 2, 6, 1, 1537),  # Qwen2.5's layout
+    (128, 4, 2, 5, 1300),
+])
+def test_matches_float64_reference(dim, kv_heads, groups, new, kv_len):
+    query, key, value = _case(dim, kv_heads, groups, new, kv_len)
+    for scaling in (None, 0.07):
+        got = cpu_attention.attend(query, key, value, scaling)
+        expected = cpu_attention.reference(query, key, value, scaling)
+        error = (got.double() - expected).abs().max().item()
+        assert got.shape == (1, new, kv_heads * groups, dim) and got.dtype == torch.float32
+        assert error < TOLERANCE
+        visible = torch.ones(new, kv_len, dtype=torch.bool).tril(kv_len - new)
+        aten = F.scaled_dot_product_attention(query, key, value, attn_mask=visible, scale=scaling,
+                                              enable_gqa=True).transpose(1, 2)
+        assert error <= 4 * (aten.double() - expected).abs().max().item() + 1e-8
+
+
+@needs_kernel
+def test_causal_rule_is_exercised():
+    """The new tokens' keys score high: a row shown one key too many or too few differs by far more than the
+    tolerance, and the kernel matches the right rule."""
+    dim, kv_heads, groups, new, kv_len = 64, 3, 3, 6, 1500
+    query, key, value = _case(dim, kv_heads, groups, new, kv_len, seed=3)
+    key = key.clone()
+    key[:, :, -new:] = query.reshape(1, kv_heads, groups, new, dim).mean(2) * 4  # the new keys dominate the scores
+    got = cpu_attention.attend(query, key, value, None).double()
+    assert (got - cpu_attention.reference(query, key, value, None)).abs().max().item() < TOLERANCE
+    for shift in (1, -1):  # row i sees keys [0, kv_len - new + 1 + i + shift)
+        visible = torch.ones(new, kv_len, dtype=torch.bool).tril(kv_len - new + shift)
+        scores = torch.einsum("bhnd,bhkd->bhnk", query.double(), key.double().repeat_interleave(groups, 1))
+        weights = (scores * dim ** -0.5).masked_fill(~visible, float("-inf")).softmax(-1)
+        wrong = (weights @ value.double().repeat_interleave(groups, 1)).transpose(1, 2)
+        assert (got - wrong).abs().max().item() > 100 * TOLERANCE
+
+
+@needs_kernel
+def test_routed_and_greedy_identical(monkeypatch):
+    """A model with head dim 64 and a prompt past `MIN_CACHED`: Force 3's steps and verifications take the kernel,
+    and greedy output is plain ``generate``'s."""
+    model = make_model("llama-gqa", hidden_size=128, num_attention_heads=2, num_key_value_heads=1,
+                       max_position_embeddings=4096)
+    prompt = random_prompt(cpu_attention.MIN_CACHED + 80, period=61)
+    calls = []
+    attend = cpu_attention.attend
+    monkeypatch.setattr(cpu_attention, "attend", lambda *args: calls.append(args[0].shape[2]) or attend(*args))
+    stats = assert_identical(model, prompt, TriForceConfig(draft="ngram", levels=2, policy="fixed", gamma2=4),
+                             max_new_tokens=24)
+    assert stats.attention_kernel == "cpu kernel"
+    assert calls and max(calls) > 1 and 1 in calls  # verifications and the one-row first step
+
+
+def test_off_switch(monkeypatch):
+    monkeypatch.setenv(cpu_attention.ENV, "off")
+    kernel, why = cpu_attention._load.__wrapped__()
+    assert kernel is None and why == f"off ({cpu_attention.ENV}=off)"
+
+
+@needs_kernel
+def test_failed_build_says_why(monkeypatch, tmp_path):
+    monkeypatch.setenv("HF_TRIFORCE_CACHE", str(tmp_path))
+    monkeypatch.setenv("CC", shutil.which("false") or "/bin/false")
+    kernel, why = cpu_attention._load.__wrapped__()
+    assert kernel is None and why.startswith("unavailable (") and "false" in why
