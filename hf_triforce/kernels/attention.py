@@ -9,8 +9,8 @@ chunked prefill) stay GQA-native: on CUDA they take a mask-free fused kernel whe
 else `native_attention.flex_verify`); on CPU a few query rows over a long cache take `split_kv_sdpa` (the
 cache split across threads, partial results merged by log-sum-exp); other masked SDPA calls on GQA models
 take `gqa_sdpa`, which does not expand K/V. One-row calls (decoding steps of every tier) take
-`one_row_sdpa`: no mask, GQA-native. In fp32 on the CPU, decoding steps and verifications of a few rows
-(`cpu_attention.MAX_ROW_DIMS`) over at least `cpu_attention.MIN_CACHED` cached entries take the library's
+`one_row_sdpa`: no mask, GQA-native. In fp32 on the CPU, decoding steps and verifications of up to
+`cpu_attention.MAX_NEW_TOKENS` tokens over at least `cpu_attention.MIN_CACHED` cached entries take the library's
 compiled kernel (`cpu_attention.attend`) where it built. Everything else is ``<base>``.
 
 Invariant relied upon (TriForce's caches guarantee it): batch size 1, no padding, and every new token is

@@ -4,7 +4,8 @@ ATen's CPU attention runs a decoding step or a few-row verification over a long 
 block of keys: SmolLM2's shapes at 32k entries, 2 threads, one row 3.3-3.8 ms a layer, four rows 5.2-5.9 ms, where
 reading the layer's 50 MB of keys and values once takes about 1.7 ms (docs/results.md, "Attention over a long cache
 on the CPU"). `csrc/decode_attention.c` reads each KV head's keys and values once for all its query rows (the group's
-query heads times the new tokens), in spans run on torch's thread count and merged by their softmax maxima and sums.
+query heads times the new tokens, two rows per pass over a block), in spans run on torch's thread count and merged
+by their softmax maxima and sums.
 
 It is compiled on first use with the system's C compiler for the CPU it runs on (``-march=native``), kept under
 ``$HF_TRIFORCE_CACHE/kernels`` (default ``~/.cache/hf_triforce/kernels``) by source, compiler and CPU flags, and
@@ -14,7 +15,7 @@ and the attention functions take ATen's paths (`TriForceStats.attention_kernel` 
 ``HF_TRIFORCE_CPU_ATTENTION=off`` turns it off.
 
 Numerics: every score and output in fp32; the softmax's order of summation differs from ATen's, so outputs differ
-from SDPA's by rounding (a few 1e-8 at 32k entries against the float64 result, as ATen's own do).
+from SDPA's by rounding (3-6e-8 against the float64 result at 1k-32k entries, ATen's own 0.5-6e-8).
 """
 
 from __future__ import annotations
@@ -36,13 +37,13 @@ SOURCES = (SOURCE, SOURCE.with_name("decode_attention_span.h"))  # what the buil
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC")
 LIBRARIES = ("-lmvec", "-lm")
 HEAD_DIMS = (64, 128)
-# Query rows per KV head (group size x new tokens) times the head dim it takes: each row's scores and values are
-# products of its own, where ATen blocks many rows into one matrix product. On an AVX-512 EPYC, 2 threads, against
-# ATen's best (one-row SDPA, or split-KV SDPA), 1k-32k cached entries: SmolLM2 (3 KV heads, head dim 64) 2.1-3.1x one
-# row, 1.5-1.8x 4 new tokens (12 rows), 1.25-1.6x 7 (21 rows); Qwen2.5-Coder-1.5B (2 KV heads, head dim 128) 1.06-1.6x
-# one row (6 rows), 0.83-0.97x 4 new tokens (24 rows): docs/results.md
-MAX_ROW_DIMS = 2048
-# Cached entries from which the kernel runs a call (the shapes above: cheaper than ATen's from 512 entries)
+# New tokens per call it takes: a decoding step, and verifications up to the longest chain the policy runs (a lookup's
+# 10 tokens + 1). Against ATen's route (one-row SDPA; else the cheaper of one masked call and split-KV), an AVX-512
+# EPYC, 2 threads, 1k-32k cached entries, 1-11 new tokens: SmolLM2 (3 KV heads of 64) 1.31-2.26x cheaper, Qwen2.5-
+# Coder-1.5B (2 KV heads of 128) 1.05-2.06x (docs/results.md, "Attention over a long cache on the CPU"). Longer
+# calls (a prefill's chunks) keep ATen's route, which blocks many rows into one matrix product.
+MAX_NEW_TOKENS = 11
+# Cached entries from which the kernel runs a call (it is cheaper from 1024 on, the shortest measured)
 MIN_CACHED = 1024
 ENV = "HF_TRIFORCE_CPU_ATTENTION"
 
@@ -138,7 +139,7 @@ def describe(model) -> str:
 
 def supports(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
     """Whether `attend` takes this call: CPU fp32, batch 1, equal head dims of 64 or 128, contiguous head rows,
-    at most `MAX_ROW_DIMS` query rows per KV head times the head dim, at least `MIN_CACHED` cached entries."""
+    at most `MAX_NEW_TOKENS` new tokens, at least `MIN_CACHED` cached entries."""
     batch, heads, new, dim = query.shape
     kv_heads, kv_len = key.shape[1], key.shape[2]
     return (
@@ -150,7 +151,7 @@ def supports(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> boo
         and key.stride(-1) == 1
         and value.stride(-1) == 1
         and heads % kv_heads == 0
-        and heads // kv_heads * new * dim <= MAX_ROW_DIMS
+        and new <= MAX_NEW_TOKENS
         and kv_len - new >= MIN_CACHED
         and available()
     )

@@ -40,13 +40,17 @@ static inline void store(float *p, vec x) { memcpy(p, &x, sizeof x); }
 
 #define HEAD_DIM 64
 #define SPAN_ATTENTION span_attention_64
+#define REDUCE reduce_64
 #include "decode_attention_span.h"
 #undef SPAN_ATTENTION
+#undef REDUCE
 #undef HEAD_DIM
 #define HEAD_DIM 128
 #define SPAN_ATTENTION span_attention_128
+#define REDUCE reduce_128
 #include "decode_attention_span.h"
 #undef SPAN_ATTENTION
+#undef REDUCE
 #undef HEAD_DIM
 
 /* Workspace floats `triforce_attend` needs. */
