@@ -159,6 +159,23 @@ def test_the_first_selection_is_set_up_not_a_step_cost(monkeypatch):
     assert selections >= 3 and observed.count("select") == selections - 1, (selections, observed.count("select"))
 
 
+def test_force2_timings_count_the_rows_their_forward_ran(monkeypatch):
+    """The cost model learns each Force-2 forward at its own row count: one row when Force 2 drafts alone, Force 1's
+    drafts + 1 when it verifies them (read after the forward, the cache's length would count no rows at all)."""
+    observed = []
+    observe = AdaptivePolicy.observe_forward
+    monkeypatch.setattr(AdaptivePolicy, "observe_forward",
+                        lambda self, tier, rows, seconds: (observed.append((tier, rows)),
+                                                           observe(self, tier, rows, seconds)))
+    run_cycle(monkeypatch, [Plan(3, "", 0, 4)], 1, auto("self", window=24))
+    alone = [rows for tier, rows in observed if tier == "force2"]
+    observed.clear()
+    run_cycle(monkeypatch, [Plan(3, "self", 2, 5)], 1, auto("self", window=24))
+    with_force1 = [rows for tier, rows in observed if tier == "force2"]
+    assert alone and set(alone) == {1}, alone
+    assert with_force1 and min(with_force1) >= 1 and 3 in with_force1, with_force1
+
+
 @pytest.mark.parametrize("precision, positions, with_self", [("lean-int4", "auto", True), ("model", "auto", False),
                                                              ("lean-int4", "slots", False)])
 def test_a_draft_model_config_also_drafts_with_the_target_s_lean_copy(monkeypatch, precision, positions, with_self):

@@ -147,11 +147,12 @@ class Force2Level(Reporting):
     def score_steps(self, sequence: torch.Tensor, proposals: list[int] | torch.Tensor) -> Steps[torch.Tensor]:
         """`scores` as a generator of its forward (`hf_triforce.decoding.steps`)."""
         extended = append_tokens(sequence, proposals) if len(proposals) else sequence
+        rows = extended.shape[1] - self.seen  # the forward's rows (`seen` counts them in once it has run)
         request = ForwardRequest(self.model, self.cache, extended[:, self.seen :], self.seen, len(proposals) + 1,
                                  self.clock)
         logits = yield request
         self.report.force2_seconds += request.seconds
-        self.report.timings.append(("force2", extended.shape[1] - self.seen, request.seconds))
+        self.report.timings.append(("force2", rows, request.seconds))
         return process_rows(self.processors, extended, logits, sequence.shape[1])
 
     def verify_tree(self, sequence: torch.Tensor, depth: int, host: np.ndarray | None = None):
@@ -171,11 +172,12 @@ class Force2Level(Reporting):
             self.report.tree_nodes += len(tree)
             return proposals, proposal_probs, accepted, next_token, q_scores[: accepted + 1], len(proposals)
         first = self.cache.length + sequence.shape[1] - self.seen  # cache coordinates of the first node
+        rows = sequence.shape[1] - self.seen + len(tree)  # the tree forward's rows (`seen` counts them in after it)
         start = self.clock.start()
         _, q_scores = score_tree(self.model, self.cache, self.seen, sequence, tree, self.processors)
         seconds = self.clock.stop(start)
         self.report.force2_seconds += seconds
-        self.report.timings.append(("force2-tree", sequence.shape[1] - self.seen + len(tree), seconds))
+        self.report.timings.append(("force2-tree", rows, seconds))
         path, next_token = self.tree_verifier.verify(tree, q_scores)
         self.cache.keep_rows(first, path)
         self.report.tree_nodes += len(tree)
