@@ -14,6 +14,7 @@ from hf_triforce.decoding.policy import (
     FILL_ROW_FRACTION,
     ROW_COST_SLOPE,
     ROW_COST_SLOPES,
+    SETTLED_TIMINGS,
     SLOPE_SPAN,
     UNMEASURED_FRACTION,
     AcceptanceRate,
@@ -552,11 +553,12 @@ def test_three_level_rounds_are_priced_as_the_loop_drafts_them(gamma1, gamma2, r
     drafter, kind = ("ngram", "lookup") if coverage < 1 else ("self", "model")
     policy = AdaptivePolicy({drafter: kind}, (drafter,), gamma1, gamma2, explore_every=1000)
     force2 = {rows: 0.05 * (1 + 0.2 * (rows - 1)) for rows in range(1, gamma1 + 2)}
-    for rows, seconds in force2.items():
-        policy.observe_forward("force2", rows, seconds)
-    policy.observe_forward("force3", 1, 0.3)
-    policy.observe_forward("force3", gamma2 + 1, 0.4)
-    policy.observe_forward(f"draft:{drafter}", 1, 0.0 if kind == "lookup" else 0.02)
+    for _ in range(SETTLED_TIMINGS):  # each row count's cost settled by its own timings
+        for rows, seconds in force2.items():
+            policy.observe_forward("force2", rows, seconds)
+        policy.observe_forward("force3", 1, 0.3)
+        policy.observe_forward("force3", gamma2 + 1, 0.4)
+        policy.observe_forward(f"draft:{drafter}", 1, 0.0 if kind == "lookup" else 0.02)
     plan = Plan(3, drafter, gamma1, gamma2)
     policy.assume_rates(force3=0.5, force1={drafter: rate} if kind == "model" else {},
                         direct={drafter: rate}, coverage={drafter: coverage} if kind == "lookup" else {})
@@ -738,6 +740,22 @@ def test_one_disturbed_timing_does_not_set_a_tier_s_cost():
     for _ in range(3):
         costs.observe("force3", 1, 0.5)
     assert costs.estimate("force3", 1, 9.0) == pytest.approx(0.5)
+
+
+def test_one_slow_first_timing_does_not_price_out_a_row_count():
+    """A row count's first timing, slower than the tier's other row counts imply (disturbed), prices it at what they
+    imply until its own timings settle it; then its own cost stands, slow or not."""
+    costs = TierCosts()
+    for _ in range(SETTLED_TIMINGS):
+        costs.observe("force3", 1, 0.11)
+        costs.observe("force3", 4, 0.16)
+    costs.observe("force3", 5, 0.216)
+    assert costs.estimate("force3", 5, 9.0) == pytest.approx(0.16 + (0.16 - 0.11) / 3)
+    costs.observe("force3", 6, 0.17)  # a first timing cheaper than the others imply is believed at once
+    assert costs.estimate("force3", 6, 9.0) == pytest.approx(0.17)
+    for _ in range(SETTLED_TIMINGS - 1):
+        costs.observe("force3", 5, 0.216)
+    assert costs.estimate("force3", 5, 9.0) == pytest.approx(0.216)
 
 
 def _three_level_policy(setups: tuple[str, ...] = ("retrieval",)) -> AdaptivePolicy:

@@ -62,6 +62,11 @@ EMA = 0.3  # weight of the newest step in the moving averages of calibration and
 # A tier's cost is the lower median of its last few timings: a timing disturbed by another job (always slower) moves
 # it only once most recent timings are slow, so one disturbed forward cannot decide the plans of the rest of a call
 RECENT_TIMINGS = 5
+# A row count's own timings set its cost once there are this many of them; before, a timing slower than what the tier's
+# other row counts imply is not believed (the cheaper of the two is used): one disturbed first timing of a row count
+# would otherwise price it out for the rest of the call, never to be run and re-timed (SmolLM2 at 32k on 2 CPU threads:
+# a first 5-row Force-3 forward at 216 ms beside 4 rows at 160 kept every chain at 3 drafts)
+SETTLED_TIMINGS = 3
 # The retrieval cache's first selection (every chunk summarised, the budget's entries copied) is the set-up of
 # three-level plans; unmeasured, it is priced at this fraction of a one-row Force-3 forward (SmolLM2 fp32 at 16k,
 # 2 CPU threads: 0.8; rounded up: a set-up repaid only in a long call is not started in a short one)
@@ -144,7 +149,8 @@ def expected_tokens(rate: float, gamma: int) -> float:
 class TierCosts:
     """Seconds per forward of each tier by rows: the lower median of its last `RECENT_TIMINGS` timings. A row count
     not measured is priced from the nearest measured one, each extra row at ``slope`` of a one-row forward until the
-    tier's timings span `SLOPE_SPAN` rows, then at the slope those timings show (never negative)."""
+    tier's timings span `SLOPE_SPAN` rows, then at the slope those timings show (never negative); a row count timed
+    fewer than `SETTLED_TIMINGS` times at the cheaper of its own cost and that price."""
 
     def __init__(self, slope: float = ROW_COST_SLOPE) -> None:
         self.slope = slope
@@ -161,8 +167,16 @@ class TierCosts:
         measured = self.seconds.get(tier)
         if not measured:
             return fallback * (1 + self.slope * (rows - 1))
-        if rows in measured:
-            return measured[rows]
+        if rows not in measured:
+            return self._scaled(measured, rows)
+        own = measured[rows]
+        others = {r: s for r, s in measured.items() if r != rows}
+        if len(self._recent[(tier, rows)]) >= SETTLED_TIMINGS or not others:
+            return own
+        return min(own, self._scaled(others, rows))
+
+    def _scaled(self, measured: dict[int, float], rows: int) -> float:
+        """``rows`` priced from the row counts ``measured`` (none of them ``rows``)."""
         nearest = min(measured, key=lambda r: abs(r - rows))
         fewest, most = min(measured), max(measured)
         if most - fewest >= SLOPE_SPAN:  # seconds per extra row, from the tier's own timings
