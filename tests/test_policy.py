@@ -553,12 +553,8 @@ def test_three_level_rounds_are_priced_as_the_loop_drafts_them(gamma1, gamma2, r
     drafter, kind = ("ngram", "lookup") if coverage < 1 else ("self", "model")
     policy = AdaptivePolicy({drafter: kind}, (drafter,), gamma1, gamma2, explore_every=1000)
     force2 = {rows: 0.05 * (1 + 0.2 * (rows - 1)) for rows in range(1, gamma1 + 2)}
-    for _ in range(SETTLED_TIMINGS):  # each row count's cost settled by its own timings
-        for rows, seconds in force2.items():
-            policy.observe_forward("force2", rows, seconds)
-        policy.observe_forward("force3", 1, 0.3)
-        policy.observe_forward("force3", gamma2 + 1, 0.4)
-        policy.observe_forward(f"draft:{drafter}", 1, 0.0 if kind == "lookup" else 0.02)
+    policy.assume_costs({"force2": force2, "force3": {1: 0.3, gamma2 + 1: 0.4},
+                         f"draft:{drafter}": {1: 0.0 if kind == "lookup" else 0.02}})
     plan = Plan(3, drafter, gamma1, gamma2)
     policy.assume_rates(force3=0.5, force1={drafter: rate} if kind == "model" else {},
                         direct={drafter: rate}, coverage={drafter: coverage} if kind == "lookup" else {})

@@ -195,9 +195,7 @@ def test_plans_are_priced_by_the_policy_itself():
     tiers, plans = project_plans(target, dev, context, acceptance, config, draft)
     policy = AdaptivePolicy({"self": "model", "draft": "model", "vanilla": "model"}, ("self", "draft"),
                             config.gamma1, config.gamma2, explore_every=16)
-    for tier, by_rows in tiers.items():
-        for rows, seconds in by_rows.items():
-            policy.observe_forward(tier, rows, seconds)
+    policy.assume_costs(tiers)
     policy.assume_rates(force3=0.9, direct={"self": 0.6, "draft": 0.65, "vanilla": 0.65},
                         force1={"self": 0.7, "draft": 0.65})
     best = {}

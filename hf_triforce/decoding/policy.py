@@ -162,6 +162,11 @@ class TierCosts:
         recent.append(seconds)
         self.seconds.setdefault(tier, {})[rows] = median_low(recent)
 
+    def assume(self, tier: str, rows: int, seconds: float) -> None:
+        """``seconds`` as the settled cost of ``rows`` rows of ``tier`` (a cost model's, not a timing)."""
+        for _ in range(SETTLED_TIMINGS):
+            self.observe(tier, rows, seconds)
+
     def estimate(self, tier: str, rows: int, fallback: float) -> float:
         """Measured, else scaled from the nearest measured row count, else ``fallback`` (a one-row cost)."""
         measured = self.seconds.get(tier)
@@ -592,6 +597,13 @@ class AdaptivePolicy:
         self.lookup_coverage[drafter].observe(1.0 if proposed else 0.0, 0.0 if proposed else 1.0)
         if proposed:
             self.direct[drafter].observe(acceptance, 1.0 - acceptance)
+
+    def assume_costs(self, tiers: dict[str, dict[int, float]]) -> None:
+        """Fix tier costs instead of measuring them (an offline projection, `hf_triforce.tools.project`): ``tiers[tier]
+        [rows]`` seconds of a forward of ``rows`` rows, each settled (`TierCosts.assume`)."""
+        for tier, by_rows in tiers.items():
+            for rows, seconds in by_rows.items():
+                self.costs.assume(tier, rows, seconds)
 
     def assume_rates(self, force3: float | None = None, direct: dict[str, float] | None = None,
                      force1: dict[str, float] | None = None, coverage: dict[str, float] | None = None) -> None:
