@@ -1,8 +1,8 @@
 """A CPU kernel for attention of a few query rows over a long KV cache: decoding steps and verifications in fp32.
 
 ATen's CPU attention runs a decoding step or a few-row verification over a long cache as many small matrix products per
-block of keys: SmolLM2's shapes at 32k entries, 2 threads, one row 3.3-3.8 ms a layer, four rows 5.2-5.9 ms, where
-reading the layer's 50 MB of keys and values once takes about 1.7 ms (docs/results.md, "Attention over a long cache
+block of keys: SmolLM2's shapes at 32k entries, 2 threads, one new token 4.3 ms a layer, four 6.2 ms, where reading
+the layer's 50 MB of keys and values once takes about 1.7 ms (docs/results.md, "Attention over a long cache
 on the CPU"). `csrc/decode_attention.c` reads each KV head's keys and values once for all its query rows (the group's
 query heads times the new tokens, two rows per pass over a block), in spans run on torch's thread count and merged
 by their softmax maxima and sums.

@@ -5,13 +5,15 @@
  * partial results are then merged by their maxima and sums. Keys and values are read once per KV head whatever the
  * number of rows, so a decoding step is bound by the cache's bytes and a verification of a few rows costs little more.
  *
- * Scores (decode_attention_span.h): the partial products of 16 keys with a row (one vector per key) are summed lane-wise into one vector of 16
- * dot products by a transposing reduction, so no horizontal sum is taken per key.
+ * Scores (decode_attention_span.h): the partial products of 8 keys with each of two rows (16 keys with a lone row),
+ * one vector per key and row, are summed lane-wise into one vector of 16 dot products by a transposing reduction, so
+ * no horizontal sum is taken per key; the values are accumulated two rows per pass, each value loaded once for both.
  *
  * Masking: the last `new_rows` keys are the new tokens themselves; query row r is new token i = r % new_rows and sees
  * keys [0, kv_len - new_rows + 1 + i) (bottom-right causal, the layout TriForce's caches keep).
  */
 #include <math.h>
+#include <omp.h>
 #include <string.h>
 
 /* glibc's vector exp (libmvec) for the softmax's exponentials */
@@ -74,7 +76,6 @@ int triforce_attend(int head_dim, const float *q, const float *k, const float *v
         int h = t / parts, p = t % parts;
         long lo = p * span, hi = lo + span < kv_len ? lo + span : kv_len;
         float *w = workspace + (long)t * rows * (D + 2);
-        extern int omp_get_thread_num(void);
         float *scores = scratch + (long)omp_get_thread_num() * rows * BLOCK;
         if (lo >= hi) {
             for (int r = 0; r < rows; r++) { w[r] = -INFINITY; w[rows + r] = 0.f; }
