@@ -7,6 +7,15 @@ import sys
 from pathlib import Path
 
 
+def _attention_note(model) -> str:
+    """The table header's note of the library's attention for ``model`` (`cpu_attention.describe`; plain and
+    static-cache ``generate`` always run transformers' own)."""
+    from ..kernels import cpu_attention
+
+    described = cpu_attention.describe(model)
+    return f", TriForce attention: {described}" if described else ""
+
+
 def _positive(value: str) -> int:
     number = int(value)
     if number < 1:
@@ -162,6 +171,7 @@ def _bench(args) -> int:
 
     import torch
 
+    from ..kernels import cpu_attention
     from . import assets
     from .bench import compare, prefill_prefix, table, to_json, write_results
     from .methods import DEFAULT_EXCLUDED, METHODS, describe_gammas, knobs_from_args
@@ -225,13 +235,14 @@ def _bench(args) -> int:
             rendered = (f"### context {context} tokens, {text}, prompt '{args.prompt}', {described} "
                         f"(prefill {prefill_seconds:.1f} s{engine_prefill}, {args.new_tokens} new tokens, "
                         f"median of {args.repeats}, {args.dtype}, "
-                        f"{describe_gammas(gammas)}, torch threads {torch.get_num_threads()})\n\n"
+                        f"{describe_gammas(gammas)}, torch threads {torch.get_num_threads()}"
+                        f"{_attention_note(model)})\n\n"
                         + table(runs, sampled=sampling is not None))
             print(rendered, flush=True)
             results.append({**to_json(context, runs, prefill_seconds, sampling, gammas, args.budget, text,
                                       args.prompt),
                             "model": args.model or "smollm2-135m", "draft_model": args.draft_model,
-                            "dtype": args.dtype})
+                            "dtype": args.dtype, "attention_kernel": cpu_attention.describe(model)})
             tables.append(rendered)
             write_results(results, tables, args.out)
         for engine in engines.values():
