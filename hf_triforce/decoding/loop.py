@@ -480,10 +480,11 @@ class Decoder:
         for row in rows:
             row.out.end()
         forwards, (three, drafters) = self.tier_forwards(), self.drafting_tiers()
+        attention = cpu_attention.describe(self.model)
         force2 = self.levels_by_plan.get((3, ""), [])
         for b, stats in enumerate(self.stats):
             stats.tier_forwards = dict(forwards)
-            stats.attention_kernel = cpu_attention.describe(self.model)
+            stats.attention_kernel = attention
             stats.draft_precision = self.config.draft_precision if three or drafters else "none"
             stats.force1_seconds = self.drafting_seconds(b)
             stats.new_tokens = rows[b].out.sequence.shape[1] - prompts[b].shape[1]

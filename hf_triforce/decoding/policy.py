@@ -175,10 +175,9 @@ class TierCosts:
         if rows not in measured:
             return self._scaled(measured, rows)
         own = measured[rows]
-        others = {r: s for r, s in measured.items() if r != rows}
-        if len(self._recent[(tier, rows)]) >= SETTLED_TIMINGS or not others:
+        if len(self._recent[(tier, rows)]) >= SETTLED_TIMINGS or len(measured) == 1:
             return own
-        return min(own, self._scaled(others, rows))
+        return min(own, self._scaled({r: s for r, s in measured.items() if r != rows}, rows))
 
     def _scaled(self, measured: dict[int, float], rows: int) -> float:
         """``rows`` priced from the row counts ``measured`` (none of them ``rows``)."""

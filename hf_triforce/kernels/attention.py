@@ -195,20 +195,24 @@ def mask_adds_bias(attention_mask) -> bool:
     return bool(((attention_mask != 0) & (attention_mask > lowest)).any())
 
 
-def _wants_fused(query, attention_mask, kwargs) -> bool:
-    """A call a mask-free fused route may take: batch 1, several new rows, nothing but plain scaled attention. The
-    mask must be one transformers' SDPA masks build (boolean, or None): a float mask under SDPA was changed by the
-    model after it was built (ALiBi Falcon adds its position bias to it, transformers 5.25), and a mask-free route
-    would drop what it added."""
+def _plain_masked(attention_mask, kwargs) -> bool:
+    """Nothing but scaled attention under a mask transformers' SDPA masks build (boolean, or None): what every
+    path that does not read the mask takes."""
     return (
-        query.shape[0] == 1
-        and query.shape[2] > 1
-        and (attention_mask is None or attention_mask.dtype == torch.bool)
+        (attention_mask is None or attention_mask.dtype == torch.bool)
         and kwargs.get("softcap") is None
         and kwargs.get("position_bias") is None
         and kwargs.get("sliding_window") is None
         and not kwargs.get("output_attentions", False)
     )
+
+
+def _wants_fused(query, attention_mask, kwargs) -> bool:
+    """A call a mask-free fused route may take: batch 1, several new rows, nothing but plain scaled attention. The
+    mask must be one transformers' SDPA masks build (boolean, or None): a float mask under SDPA was changed by the
+    model after it was built (ALiBi Falcon adds its position bias to it, transformers 5.25), and a mask-free route
+    would drop what it added."""
+    return query.shape[0] == 1 and query.shape[2] > 1 and _plain_masked(attention_mask, kwargs)
 
 
 def fused_route(query, key, value, dropout: bool = False) -> str | None:
@@ -278,11 +282,7 @@ def _wants_one_row(base: str, query, attention_mask, kwargs) -> bool:
         and query.device.type in ("cpu", "cuda")
         and query.shape[0] == 1
         and query.shape[2] == 1
-        and (attention_mask is None or attention_mask.dtype == torch.bool)
-        and kwargs.get("position_bias") is None
-        and kwargs.get("softcap") is None
-        and kwargs.get("sliding_window") is None
-        and not kwargs.get("output_attentions", False)
+        and _plain_masked(attention_mask, kwargs)
     )
 
 
@@ -315,12 +315,8 @@ def _wants_cpu_kernel(query, key, value, attention_mask, kwargs, module) -> bool
     plain scaled attention."""
     return (
         query.device.type == "cpu"
-        and (attention_mask is None or attention_mask.dtype == torch.bool)
-        and kwargs.get("softcap") is None
-        and kwargs.get("position_bias") is None
-        and kwargs.get("sliding_window") is None
+        and _plain_masked(attention_mask, kwargs)
         and kwargs.get("s_aux") is None
-        and not kwargs.get("output_attentions", False)
         and not (kwargs.get("dropout") and module.training)
         and cpu_attention.supports(query, key, value)
     )

@@ -49,7 +49,9 @@ ENV = "HF_TRIFORCE_CPU_ATTENTION"
 
 
 def _cache_dir() -> Path:
-    return Path(os.environ.get("HF_TRIFORCE_CACHE", Path.home() / ".cache" / "hf_triforce")) / "kernels"
+    from ..tools.assets import cache_root  # the library's one cache folder ($HF_TRIFORCE_CACHE)
+
+    return cache_root() / "kernels"
 
 
 def _cpu_flags() -> str:

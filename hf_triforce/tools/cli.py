@@ -7,15 +7,6 @@ import sys
 from pathlib import Path
 
 
-def _attention_note(model) -> str:
-    """The table header's note of the library's attention for ``model`` (`cpu_attention.describe`; plain and
-    static-cache ``generate`` always run transformers' own)."""
-    from ..kernels import cpu_attention
-
-    described = cpu_attention.describe(model)
-    return f", TriForce attention: {described}" if described else ""
-
-
 def _positive(value: str) -> int:
     number = int(value)
     if number < 1:
@@ -230,19 +221,21 @@ def _bench(args) -> int:
             runs, prefill_seconds = compare(model, ids, methods, args.new_tokens, args.repeats, args.budget,
                                             draft_model, sampling, gammas, knobs_from_args(args), prefilled,
                                             engines)
+            attention = cpu_attention.describe(model)  # TriForce's; plain and static run transformers' own
+            attention_note = f", TriForce attention: {attention}" if attention else ""
             engine_prefill = "".join(f", {m} crashed" if e.crashed else f", {m} prefill {e.prefill_seconds:.1f} s"
                                      for m, e in engines.items())
             rendered = (f"### context {context} tokens, {text}, prompt '{args.prompt}', {described} "
                         f"(prefill {prefill_seconds:.1f} s{engine_prefill}, {args.new_tokens} new tokens, "
                         f"median of {args.repeats}, {args.dtype}, "
                         f"{describe_gammas(gammas)}, torch threads {torch.get_num_threads()}"
-                        f"{_attention_note(model)})\n\n"
+                        f"{attention_note})\n\n"
                         + table(runs, sampled=sampling is not None))
             print(rendered, flush=True)
             results.append({**to_json(context, runs, prefill_seconds, sampling, gammas, args.budget, text,
                                       args.prompt),
                             "model": args.model or "smollm2-135m", "draft_model": args.draft_model,
-                            "dtype": args.dtype, "attention_kernel": cpu_attention.describe(model)})
+                            "dtype": args.dtype, "attention_kernel": attention})
             tables.append(rendered)
             write_results(results, tables, args.out)
         for engine in engines.values():
