@@ -3,8 +3,9 @@
 One prefill of a question prompt about a natural text (Paul Graham's essays, the chat template, SmolLM2,
 YaRN where the context needs it), then the model's own greedy answer (``--new-tokens``, decoded on the prefilled
 full cache) is scored position by position: ``p`` from the full cache, ``q`` from each sparse cache selected the
-way Force 2 selects it — with the query of the last cached token, refreshed at every position (``refresh_every=1``)
-or only once at the end of the prompt. Reported per configuration: expected acceptance ``sum(min(p, q))`` at
+way Force 2 selects it — with the query of the last cached token, refreshed at every position, every 4 or 12
+positions (``--selections every4 every12``: ``refresh_every`` Force-3 steps of a few tokens each) or only once at
+the end of the prompt. Reported per configuration: expected acceptance ``sum(min(p, q))`` at
 temperature 1 and at 0.6 (what a sampled verification accepts), and greedy agreement (``argmax q == argmax p``). A
 StreamingLLM cache (sink chunk + recent tokens, same budget) is the baseline the retrieval has to beat.
 
@@ -47,7 +48,9 @@ from hf_triforce.tools.prompts import document_prompt
 
 FORCE1_VARIANTS = {"forward-slots": (False, "slots"), "copy-slots": (True, "slots"),
                    "forward-absolute": (False, "absolute"), "copy-absolute": (True, "absolute")}
-SELECTIONS = {"every": True, "once": False}  # re-selected at every position, or once at the end of the prompt
+# positions between re-selections: at every position, every 4 or 12 (`refresh_every` Force-3 steps of ~3 tokens
+# each), or once at the end of the prompt (0)
+SELECTIONS = {"every": 1, "every4": 4, "every12": 12, "once": 0}
 
 
 class MassScoredCache(RetrievalCache):
@@ -168,7 +171,8 @@ def main() -> None:
             rows = []
             for i in range(k):
                 upto = n - 1 + i  # tokens before the one fed at position n-1+i
-                if SELECTIONS[variant["selection"]] or i == 0:
+                interval = SELECTIONS[variant["selection"]]
+                if i == 0 or (interval and i % interval == 0):
                     cache.select(full, upto, selection_queries[i])
                 else:
                     cache.sync(full, upto)

@@ -108,7 +108,9 @@ class TriForceConfig:
     retrieval_recent: ``None`` (default: a quarter of ``retrieval_budget``, rounded down to whole chunks) or a
         multiple of ``chunk_size`` from 0 to ``retrieval_budget - chunk_size``: the most recent tokens Force 2's
         cache always keeps.
-    refresh_every: integer >= 1, default 1: re-select the retrieval chunks every this many Force-3 steps.
+    refresh_every: integer >= 1, default 4: re-select the retrieval chunks every this many Force-3 steps (between
+        re-selections the recent tokens' exact entries are copied in after every step; docs/results.md, "Force 2:
+        re-select every 4 Force-3 steps").
     refresh_below: ``None`` (default: never) or a fraction in (0, 1]: also re-select after a Force-3 step that
         accepts less than this fraction of its tokens.
     sink_tokens: integer >= 0, default 16: the first tokens of the sequence Force 1's cache always keeps (attention
@@ -181,7 +183,7 @@ class TriForceConfig:
     # tuning
     chunk_size: int = 8
     retrieval_recent: int | None = None
-    refresh_every: int = 1
+    refresh_every: int = 4
     refresh_below: float | None = None
     sink_tokens: int = 16
     draft_positions: str = "auto"

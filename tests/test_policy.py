@@ -797,3 +797,17 @@ def test_exploration_is_bounded_by_what_the_rest_of_the_call_can_lose():
 
     assert not explored(4)
     assert explored(1000)
+
+
+def test_a_three_level_step_pays_its_share_of_a_reselection():
+    """With the retrieval cache re-selected every ``refresh_every`` Force-3 steps, a three-level step is priced one
+    such share of a re-selection's measured seconds, and a plan drafting from Force 2 alone gains what it saves."""
+    def predicted(refresh_every: int) -> float:
+        policy = AdaptivePolicy({"ngram": "lookup"}, ("ngram",), 2, 6, explore_every=16, setup_seconds={},
+                                refresh_every=refresh_every)
+        policy.observe_forward("force3", 1, 0.1)
+        policy.observe_forward("force2", 1, 0.02)
+        policy.observe_forward("select", 1, 0.04)
+        return policy.predict(Plan(3, "", 0, 3))[1]
+
+    assert predicted(1) - predicted(4) == pytest.approx(0.04 * (1 - 1 / 4))

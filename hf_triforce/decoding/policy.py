@@ -230,6 +230,8 @@ class AdaptivePolicy:
     ``max_gamma1/2``: bounds (``max_lookup_gamma2``: of a lookup drafter's two-level chains, default ``max_gamma2``).
     ``prior_fractions``: ``{tier: fraction}``, a one-row forward of a tier not yet
     timed as a fraction of Force 3's; ``row_cost_slope``: an extra row's cost until measured (`ROW_COST_SLOPES`).
+    ``refresh_every``: Force-3 steps per re-selection of the retrieval cache (`TriForceConfig.refresh_every`): a
+    three-level step pays that share of one.
     ``tree_drafters``: the drafters that may propose trees of ``tree_nodes`` nodes
     (plans with ``force1_tree``: gammas below ``tree_nodes``); ``force2_tree_nodes > 0``: three-level plans may
     have Force 2 hand Force 3 a tree of that many nodes (``force2_tree``); ``tree_branch``: children per node.
@@ -239,7 +241,8 @@ class AdaptivePolicy:
                  explore_every: int, setup_seconds: dict[str, float | None] | None = None,
                  tree_drafters: tuple[str, ...] = (), tree_nodes: int = 0, force2_tree_nodes: int = 0,
                  tree_branch: int = 2, prior_fractions: dict[str, float] | None = None,
-                 max_lookup_gamma2: int | None = None, row_cost_slope: float = ROW_COST_SLOPE) -> None:
+                 max_lookup_gamma2: int | None = None, row_cost_slope: float = ROW_COST_SLOPE,
+                 refresh_every: int = 1) -> None:
         unknown = [name for name in (*three_level, *tree_drafters) if name not in drafters]
         if unknown:
             raise ValueError(f"three_level / tree drafters {unknown} are not among the drafters {tuple(drafters)}")
@@ -258,6 +261,7 @@ class AdaptivePolicy:
         self.setup_rows: dict[str, float] = {}
         self.remaining_tokens = 1 << 30
         self.max_gamma1, self.max_gamma2 = max_gamma1, max_gamma2
+        self.refresh_every = refresh_every
         # a lookup drafter's two-level chains may be longer (they cost nothing to draft)
         self.max_lookup_gamma2 = max(max_gamma2, max_lookup_gamma2 or 0)
         self.costs = TierCosts(row_cost_slope)
@@ -412,7 +416,7 @@ class AdaptivePolicy:
         # Force-2 rounds until Force 2 has gamma2 tokens: Force 1's chain (a lookup proposes one only with
         # probability `coverage`) verified in one Force-2 forward
         fallback = self._prior("force2")
-        select = self.costs.estimate("select", 1, 0.0)
+        select = self.costs.estimate("select", 1, 0.0) / self.refresh_every
         tokens, verify3 = self._verify3(plan)
         if not plan.drafter:  # Force 2 alone: one one-row forward per token
             return tokens, plan.gamma2 * self.costs.estimate("force2", 1, fallback) + verify3 + select + overhead
