@@ -228,3 +228,31 @@ def test_reselections_renew_only_the_recent_tokens_that_entered_and_hold_a_fresh
                 assert torch.equal(_entry_set(a), _entry_set(b))
             kept = (mine.keys[:, :, region] == old).all(-1)  # [2, 3, recent]: slots left as they were
             assert (kept.sum(-1) == max(recent - grown, 0)).all()  # more growth than the region rewrites it all
+
+
+def test_a_reselection_after_new_chunks_keeps_the_top_chunks_of_all_chunks():
+    """Chunks completed between selections get their summaries (written in place, the buffer grown where full): each
+    re-selection keeps the sink chunk, the top-scored chunks of every complete chunk (an independent reference) and
+    the recent tokens."""
+    torch.manual_seed(1)
+    chunk, budget, recent = 4, 64, 8
+    keys, values = torch.randn(1, 2, 600, 4), torch.randn(1, 2, 600, 4)
+    full = BufferCache(1, 600)
+    cache = RetrievalCache(1, budget=budget, chunk_size=chunk, recent=recent, tail_capacity=8)
+    written = 0
+    for upto in (200, 204, 260, 330, 480, 600):
+        full.layers[0].write(keys[:, :, written:upto], values[:, :, written:upto])
+        written = upto
+        query = torch.randn(1, 4, 4)
+        cache.select(full, upto, {0: query})
+        n_mid = (upto - recent - chunk) // chunk
+        k = (budget - chunk - recent) // chunk
+        summaries = keys[:, :, chunk : chunk * (1 + n_mid)].reshape(1, 2, n_mid, chunk, 4).mean(3)
+        chosen = torch.einsum("bhnd,bhd->bhn", summaries, query.reshape(1, 2, 2, 4).sum(2)).topk(k, -1).indices
+        for got, source in zip(cache.layers[0].valid(), (keys, values)):
+            for head in range(2):
+                kept = torch.cat((torch.arange(chunk), (chunk * (1 + chosen[0, head, :, None]) + torch.arange(chunk))
+                                  .flatten(), torch.arange(upto - recent, upto)))
+                want = source[:, head : head + 1, kept]
+                assert torch.equal(_entry_set(got[:, head : head + 1]), _entry_set(want)), upto
+    assert cache.summary_bytes() == 2 * (600 // chunk - 1 - recent // chunk) * 4 * 4
