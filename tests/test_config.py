@@ -157,3 +157,14 @@ def test_default_recent_window_is_a_quarter_in_whole_chunks():
     assert recent_tokens(TriForceConfig(retrieval_budget=40, chunk_size=8)) == 8
     assert recent_tokens(TriForceConfig(retrieval_budget=4080, chunk_size=48)) == 1008  # 1020 down to 21 chunks
     assert recent_tokens(TriForceConfig(retrieval_budget=512, retrieval_recent=16)) == 16
+
+
+def test_refresh_every_defaults_by_the_retrieval_budget():
+    """``refresh_every=None`` re-selects every 4 Force-3 steps from a 4096-entry budget, every step below; a given
+    value is kept."""
+    assert TriForceConfig().refresh_interval == 4
+    assert TriForceConfig(retrieval_budget=2048).refresh_interval == 1
+    assert TriForceConfig(retrieval_budget=512, refresh_every=3).refresh_interval == 3
+    assert TriForceConfig(retrieval_budget=8192, refresh_every=1).refresh_interval == 1
+    with pytest.raises(ValueError, match="refresh_every"):
+        TriForceConfig(refresh_every=0)

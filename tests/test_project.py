@@ -194,7 +194,7 @@ def test_plans_are_priced_by_the_policy_itself():
     acceptance = Acceptance(force3=0.9, force2=0.7, streaming=0.6, draft=0.65)
     tiers, plans = project_plans(target, dev, context, acceptance, config, draft)
     policy = AdaptivePolicy({"self": "model", "draft": "model", "vanilla": "model"}, ("self", "draft"),
-                            config.gamma1, config.gamma2, explore_every=16)
+                            config.gamma1, config.gamma2, explore_every=16, refresh_every=config.refresh_interval)
     policy.assume_costs(tiers)
     policy.assume_rates(force3=0.9, direct={"self": 0.6, "draft": 0.65, "vanilla": 0.65},
                         force1={"self": 0.7, "draft": 0.65})
@@ -207,7 +207,7 @@ def test_plans_are_priced_by_the_policy_itself():
     # triforce self g2/6 by hand: rounds of Force 1 (up to 2 drafts) verified by Force 2 until 6 tokens, then Force 3
     g1, g2 = 2, 6
     seconds = (literal_force2_seconds(g1, g2, 0.7, 1.0, tiers["draft:self"][1], tiers["force2"])
-               + tiers["force3"][g2 + 1] + tiers["select"][1])
+               + tiers["force3"][g2 + 1] + tiers["select"][1] / config.refresh_interval)  # a re-selection's share
     assert policy.predict(Plan(3, "self", g1, g2)) == pytest.approx((expected_tokens(0.9, g2), seconds), rel=1e-12)
     plain = next(p for p in plans if p.plan == "plain")
     assert plain.tokens_per_second == pytest.approx(1 / tiers["force3"][1]) and plain.speedup == 1.0

@@ -95,7 +95,7 @@ class Force2Level(Reporting):
         self.processors, self.verifier, self.full = processors, verifier, full
         self.report = LevelReport()
         self.started = False
-        tail = config.refresh_every * (config.gamma2 + 1) + round_rows(config)
+        tail = config.refresh_interval * (config.gamma2 + 1) + round_rows(config)
         self.cache = RetrievalCache(
             compat.num_layers(model.config), config.retrieval_budget, config.chunk_size, recent_tokens(config), tail,
             compat.layer_windows(model.config),
@@ -270,7 +270,7 @@ class Force2Level(Reporting):
         self.steps_since_selection += 1
         low = self.config.refresh_below is not None and proposed and accepted / proposed < self.config.refresh_below
         no_room = self.cache.tail_room(self.full.length) < round_rows(self.config)
-        if self.steps_since_selection >= self.config.refresh_every or low or no_room:
+        if self.steps_since_selection >= self.config.refresh_interval or low or no_room:
             self.select(queries)
 
     def nbytes(self) -> int:

@@ -82,7 +82,7 @@ def adaptive_policy(config: TriForceConfig, draft_name: str, max_length: int, ta
                           tree_drafters=trees, tree_nodes=config.tree_nodes if trees else 0,
                           force2_tree_nodes=config.force2_tree_nodes, tree_branch=config.tree_branch,
                           max_lookup_gamma2=lookup_gamma2(config), row_cost_slope=row_cost_slope(target),
-                          refresh_every=config.refresh_every)
+                          refresh_every=config.refresh_interval)
 
 
 def row_cost_slope(target) -> float:

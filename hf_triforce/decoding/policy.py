@@ -230,7 +230,7 @@ class AdaptivePolicy:
     ``max_gamma1/2``: bounds (``max_lookup_gamma2``: of a lookup drafter's two-level chains, default ``max_gamma2``).
     ``prior_fractions``: ``{tier: fraction}``, a one-row forward of a tier not yet
     timed as a fraction of Force 3's; ``row_cost_slope``: an extra row's cost until measured (`ROW_COST_SLOPES`).
-    ``refresh_every``: Force-3 steps per re-selection of the retrieval cache (`TriForceConfig.refresh_every`): a
+    ``refresh_every``: Force-3 steps per re-selection of the retrieval cache (`TriForceConfig.refresh_interval`): a
     three-level step pays that share of one.
     ``tree_drafters``: the drafters that may propose trees of ``tree_nodes`` nodes
     (plans with ``force1_tree``: gammas below ``tree_nodes``); ``force2_tree_nodes > 0``: three-level plans may

@@ -536,7 +536,7 @@ def planning_policy(tiers: dict[str, dict[int, float]], context: int, force3: fl
     drafters = {name.split(":", 1)[1]: "model" for name in tiers if name.startswith("draft:")}
     three = tuple(name for name in force1 if name in drafters) if context > config.retrieval_budget else ()
     policy = AdaptivePolicy(drafters, three, config.gamma1, config.gamma2, explore_every=config.explore_every,
-                            refresh_every=config.refresh_every)
+                            refresh_every=config.refresh_interval)
     policy.assume_costs(tiers)
     policy.assume_rates(force3=force3, direct={k: v for k, v in direct.items() if k in drafters},
                         force1={k: v for k, v in force1.items() if k in three})
