@@ -256,3 +256,20 @@ def test_a_reselection_after_new_chunks_keeps_the_top_chunks_of_all_chunks():
                 want = source[:, head : head + 1, kept]
                 assert torch.equal(_entry_set(got[:, head : head + 1]), _entry_set(want)), upto
     assert cache.summary_bytes() == 2 * (600 // chunk - 1 - recent // chunk) * 4 * 4
+
+
+@pytest.mark.parametrize("budget, refresh_every, interval", [(64, 3, 3), (64, None, 1), (4096, None, 4)])
+def test_force2_reselects_every_refresh_interval_steps(budget, refresh_every, interval):
+    """Force 2 re-selects after every ``refresh_interval``-th Force-3 step it commits (the first selection before the
+    first step; a finished call commits no last step): ``refresh_every``, or by default 4 from a 4096-entry budget."""
+    model = make_model("llama-gqa", max_position_embeddings=8192)
+    prompt = random_prompt(budget + 200, seed=5)
+    config = TriForceConfig(policy="fixed", levels=3, draft="self", gamma1=2, gamma2=3, retrieval_budget=budget,
+                            chunk_size=8, sink_tokens=4, window=32, refresh_every=refresh_every,
+                            draft_precision="model")
+    assert config.refresh_interval == interval
+    out = model.generate(prompt, max_new_tokens=40, do_sample=False, triforce_config=config,
+                         return_dict_in_generate=True)
+    stats = out.triforce_stats
+    assert stats.force3_steps > 2 * interval
+    assert stats.retrieval_selections == 1 + (stats.force3_steps - 1) // interval
