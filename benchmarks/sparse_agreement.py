@@ -168,10 +168,9 @@ def main() -> None:
         for variant in variants(args):
             cls = RetrievalCache if variant["cache"] != "retrieval" else SCORINGS[variant["scoring"]]
             cache = cls(layers, variant["budget"], variant["chunk"], variant["recent"], k + 2)
-            rows = []
+            rows, interval = [], SELECTIONS[variant["selection"]]
             for i in range(k):
                 upto = n - 1 + i  # tokens before the one fed at position n-1+i
-                interval = SELECTIONS[variant["selection"]]
                 if i == 0 or (interval and i % interval == 0):
                     cache.select(full, upto, selection_queries[i])
                 else:
