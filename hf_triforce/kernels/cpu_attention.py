@@ -7,10 +7,8 @@ on the CPU"). `csrc/decode_attention.c` reads each KV head's keys and values onc
 query heads times the new tokens, two rows per pass over a block), in spans run on torch's thread count and merged
 by their softmax maxima and sums.
 
-It is compiled on first use with the system's C compiler for the CPU it runs on (``-march=native``), kept under
-``$HF_TRIFORCE_CACHE/kernels`` (default ``~/.cache/hf_triforce/kernels``) by source, compiler and CPU flags, and
-loaded with ctypes into torch's OpenMP runtime (the library names ``libgomp.so.1``, already loaded by torch). Before
-first use it is checked against a float64 reference; a build, load or check that fails leaves `status` saying why,
+It is compiled on first use for the CPU it runs on and kept (`native_build`). Before first use it is checked against
+a float64 reference; a build, load or check that fails leaves `status` saying why,
 and the attention functions take ATen's paths (`TriForceStats.attention_kernel` reports which ran).
 ``HF_TRIFORCE_CPU_ATTENTION=off`` turns it off.
 
@@ -22,20 +20,13 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import os
-import platform
-import shutil
 import subprocess
-import tempfile
-from pathlib import Path
 
 import torch
 
-SOURCE = Path(__file__).with_name("csrc") / "decode_attention.c"
-SOURCES = (SOURCE, SOURCE.with_name("decode_attention_span.h"))  # what the build depends on
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC")
-LIBRARIES = ("-lmvec", "-lm")
+from .native_build import CSRC, load, switched_off, unsupported_platform
+
+SOURCES = (CSRC / "decode_attention.c", CSRC / "decode_attention_span.h")  # compiled, included
 HEAD_DIMS = (64, 128)
 # New tokens per call it takes: a decoding step, and verifications up to the longest chain the policy runs (a lookup's
 # 10 tokens + 1). Against ATen's route (one-row SDPA; else the cheaper of one masked call and split-KV), an AVX-512
@@ -48,52 +39,9 @@ MIN_CACHED = 1024
 ENV = "HF_TRIFORCE_CPU_ATTENTION"
 
 
-def _cache_dir() -> Path:
-    from ..tools.assets import cache_root  # the library's one cache folder ($HF_TRIFORCE_CACHE)
-
-    return cache_root() / "kernels"
-
-
-def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line
-    except OSError:
-        pass
-    return platform.processor()
-
-
-def _vector_flags() -> tuple[str, ...]:
-    """512-bit vectors where the CPU has AVX-512 (gcc's default for ``-march=native`` is often 256)."""
-    return ("-mprefer-vector-width=512",) if " avx512f" in _cpu_flags() else ()
-
-
-def _build() -> Path:
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        raise RuntimeError("no C compiler (cc or gcc) on PATH")
-    flags = (*FLAGS, *_vector_flags())
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
-    parts = (*(path.read_text() for path in SOURCES), compiler, version, *flags, _cpu_flags())
-    key = hashlib.sha256("\0".join(parts).encode())
-    target = _cache_dir() / f"decode_attention-{key.hexdigest()[:16]}.so"
-    if target.exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        built = Path(tmp) / target.name
-        run = subprocess.run([compiler, *flags, str(SOURCE), "-o", str(built), *LIBRARIES], capture_output=True,
-                             text=True)
-        if run.returncode:
-            raise RuntimeError(f"{compiler} failed: {run.stderr.strip()[-400:]}")
-        os.replace(built, target)
-    return target
-
-
 class _Kernel:
-    def __init__(self, path: Path) -> None:
-        self.library = ctypes.CDLL(str(path))
+    def __init__(self, library: ctypes.CDLL) -> None:
+        self.library = library
         pointer, long, integer = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
         self.attend = self.library.triforce_attend
         self.attend.argtypes = [integer, pointer, pointer, pointer, long, long, long, long, integer, integer,
@@ -107,12 +55,11 @@ class _Kernel:
 @functools.cache
 def _load() -> tuple[_Kernel | None, str]:
     """The built kernel and "on", or None and why not (once per process)."""
-    if os.environ.get(ENV, "").lower() in ("0", "off", "false", "no"):
-        return None, f"off ({ENV}={os.environ[ENV]})"
-    if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
-        return None, f"not built for {platform.system()} {platform.machine()} (x86-64 Linux only)"
+    why = switched_off(ENV) or unsupported_platform()
+    if why is not None:
+        return None, why
     try:
-        kernel = _Kernel(_build())
+        kernel = _Kernel(load("decode_attention", SOURCES))
         error = _self_check(kernel)
     except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
         return None, f"unavailable ({type(exc).__name__}: {exc})"

@@ -1,26 +1,27 @@
 """How the model's CPU `nn.Linear` layers multiply the few rows of a decoding forward, chosen by timing on this CPU.
 
-Two routes compute the same dot products in another summation order (fp32 rounding, like any change of GEMM kernel):
+Three routes compute the same dot products in other summation orders (fp32 rounding, like any change of GEMM kernel):
 
 - ``"linear"``: ``F.linear(x, W)``, i.e. ``x @ W.T`` (what the model does);
 - ``"left"``: weight on the left, ``(W @ x.T).T``; one row goes in as two identical columns and the first is kept
-  (MKL's one-column product takes a slower kernel than its two-column one on some CPUs).
+  (MKL's one-column product takes a slower kernel than its two-column one on some CPUs);
+- ``"stream"``: the library's kernel (`few_rows_linear`: each weight row read once for all the rows), fp32 only,
+  where it is built.
 
-Which is faster depends on the CPU and the row count. SmolLM2-135M fp32's whole forward without a cache, 2 threads, an
-AVX2 AMD EPYC (MKL 2024.2): ``F.linear`` 92-110 ms for one row, 152-160 for two, 181-199 for four, 164-187 for seven;
-weight-left 146 (one row as two columns), 84-110, 95-110 and 160-178 ms. On an AVX-512 Xeon ``F.linear`` is as fast or
-faster for the decoder's projections, while its 49152x576 output layer is 2-3x cheaper weight-left at 2-16 rows. So
-`LinearRoutes` times both routes for each layer group (``"head"``: the output layer; ``"decoder"``: every other eligible
+Which is faster depends on the CPU, the shapes and the row count. Qwen2.5-Coder-1.5B's decoder shapes, fp32, 2 threads,
+an AVX-512 EPYC, ms for 1 / 2 / 4 / 8 rows: ``"linear"`` 44 / 87 / 84 / 78, ``"left"`` 27 / 27 / 52 / 74,
+``"stream"`` 25 / 23 / 30 / 37 (docs/results.md, "Linear layers of a few rows on the CPU"); SmolLM2-135M's whole
+forward on an AVX2 EPYC: ``F.linear`` 92-110 ms for one row, 152-160 for two, weight-left 84-110 for two. So
+`LinearRoutes` times the routes for each layer group (``"head"``: the output layer; ``"decoder"``: every other eligible
 layer) at 1, 2, 4 and 8 rows (`CALIBRATED_ROWS`; a call of ``n`` rows takes the route of the largest of them not above
 ``n``), on a working set of the group's own weights larger than a last-level cache, before the call decodes (so that no
 timed forward of the adaptive policy includes it), and keeps them for the model's later calls; calls of more than
-`MAX_ROUTED_ROWS` rows, the prefill's chunks, keep ``F.linear``. Timing every count from 1 to 11 took 2.2-4.7 s on the
-EPYC and chose the same routes as these four (one row ``F.linear``, two or more weight-left, both groups); the four take
-~0.8 s once per model and process (`TriForceStats.linear_calibration_seconds`).
+`MAX_ROUTED_ROWS` rows, the prefill's chunks, keep ``F.linear``. The timings take ~1 s once per model and process
+(`TriForceStats.linear_calibration_seconds`).
 
-Exactness: each row's outputs are its own dot products under either route (the columns of ``W @ x.T`` never mix), so
-a row does not depend on the values of the call's other rows; the route depends on the row count and on timings,
-both fixed before the call's tokens are drawn (docs/exactness.md).
+Exactness: each row's outputs are its own dot products under every route (the columns of ``W @ x.T`` never mix; the
+kernel's rows never mix), so a row does not depend on the values of the call's other rows; the route depends on the
+row count and on timings, both fixed before the call's tokens are drawn (docs/exactness.md).
 """
 
 from __future__ import annotations
@@ -34,7 +35,9 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-ROUTES = ("linear", "left")
+from . import few_rows_linear
+
+ROUTES = ("linear", "left", "stream")
 MAX_ROUTED_ROWS = 16  # more rows (a prefill chunk): F.linear, a compute-bound product either way
 CALIBRATED_ROWS = (1, 2, 4, 8)  # the row counts timed; n rows take the route of the largest of these <= n
 # the weights one timing streams: more than a last-level cache (32 MB per AMD CCX), else the timing measures
@@ -57,8 +60,17 @@ def multiply(route: str, rows: torch.Tensor, weight: torch.Tensor) -> torch.Tens
     """``rows`` ``[n, in]`` times ``weight.T`` (``weight`` ``[out, in]``) by ``route`` -> ``[n, out]``."""
     if route == "linear":
         return F.linear(rows, weight)
-    columns = rows if rows.shape[0] > 1 else rows.expand(2, -1)
+    if route == "stream":
+        return few_rows_linear.multiply(rows, weight)
+    # a contiguous copy: MKL takes a slow path for a stride-0 column (4x dearer than two real ones on the EPYC)
+    columns = rows if rows.shape[0] > 1 else rows.expand(2, -1).contiguous()
     return (weight @ columns.T).T[: rows.shape[0]]
+
+
+def routes_for(layers: list[nn.Linear]) -> tuple[str, ...]:
+    """The routes ``layers`` can take: ``"stream"`` only where the kernel takes every one of their weights."""
+    stream = bool(layers) and all(few_rows_linear.supports(layer.weight) for layer in layers)
+    return tuple(route for route in ROUTES if route != "stream" or stream)
 
 
 class LinearRoutes:
@@ -99,8 +111,9 @@ class LinearRoutes:
 
     @torch.no_grad()
     def calibrate(self, group: str, rows: int) -> str:
-        """Times each route over the first layers of ``group`` holding `CALIBRATION_BYTES` of weights (all of them if
-        fewer), `CALIBRATION_ROUNDS` rounds alternating the routes; returns the faster (ties: ``"linear"``)."""
+        """Times each route the group can take (`routes_for`) over its first layers holding `CALIBRATION_BYTES` of
+        weights (all of them if fewer), `CALIBRATION_ROUNDS` rounds alternating the routes; returns the fastest (ties:
+        ``"linear"``)."""
         working, held = [], 0
         for layer in self.groups[group]:
             working.append(layer.weight)
@@ -111,14 +124,15 @@ class LinearRoutes:
         generator = torch.Generator().manual_seed(0)
         inputs = {weight.shape[1]: torch.randn(rows, weight.shape[1], dtype=weight.dtype, generator=generator)
                   for weight in working}
-        best = dict.fromkeys(ROUTES, float("inf"))
+        routes = routes_for(self.groups[group])
+        best = dict.fromkeys(routes, float("inf"))
         for _ in range(CALIBRATION_ROUNDS):
-            for route in ROUTES:
+            for route in routes:
                 began = time.perf_counter()
                 for weight in working:
                     multiply(route, inputs[weight.shape[1]], weight)
                 best[route] = min(best[route], time.perf_counter() - began)
-        return min(ROUTES, key=lambda route: (best[route], route != "linear"))
+        return min(routes, key=lambda route: (best[route], route != "linear"))
 
     def used(self) -> dict[str, dict[int, str]]:
         """``{group: {rows: route}}`` of every `CALIBRATED_ROWS` count timed so far."""

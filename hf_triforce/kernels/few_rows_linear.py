@@ -1,0 +1,105 @@
+"""A CPU kernel for a few rows times a weight matrix in fp32: the linear layers of decoding and verification forwards.
+
+A decoding step or a verification of a few tokens multiplies 1-16 rows by every weight matrix of the model, and is
+bound by reading the weights. ATen's products (MKL's sgemm) read them at a fraction of the memory's speed for a few
+rows: Qwen2.5-Coder-1.5B's decoder-layer shapes (4 layers, 750 MB of fp32 weights, 2 threads, an AVX-512 EPYC,
+2026-12-05), ms for 1 / 2 / 4 / 8 rows: ``x @ W.T`` 44 / 87 / 84 / 78, ``W @ x.T`` 27 (one row as two) / 27 / 52 /
+74, this kernel 25 / 23 / 30 / 37 (docs/results.md, "Linear layers of a few rows on the CPU").
+`csrc/few_rows_linear.c` reads each block of weight rows once and multiplies it into every input row (up to 8 a pass;
+the rows stay in the cache), the output columns split among torch's threads.
+
+It is built on first use for the CPU it runs on and kept (`native_build`), and checked against a float64 reference
+before first use; a build, load or check that fails leaves `status` saying why, and `linear_routes` then times ATen's
+routes only (`TriForceStats.linear_routes` reports the route each row count took). ``HF_TRIFORCE_CPU_LINEAR=off``
+turns it off.
+
+Numerics: each output is its own dot product of one row with one weight row (rows never mix), in fp32, summed in 16
+lanes then across them: another order of summation than MKL's, so outputs differ from ``F.linear``'s by rounding.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import subprocess
+
+import torch
+
+from .native_build import CSRC, load, switched_off, unsupported_platform
+
+SOURCES = (CSRC / "few_rows_linear.c",)
+ENV = "HF_TRIFORCE_CPU_LINEAR"
+
+
+class _Kernel:
+    def __init__(self, library: ctypes.CDLL) -> None:
+        self.multiply = library.triforce_few_rows_linear
+        pointer, long, integer = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
+        self.multiply.argtypes = [integer, pointer, pointer, pointer, long, long, integer]
+        self.multiply.restype = integer
+
+
+@functools.cache
+def _load() -> tuple[_Kernel | None, str]:
+    """The built kernel and "on", or None and why not (once per process)."""
+    why = switched_off(ENV) or unsupported_platform()
+    if why is not None:
+        return None, why
+    try:
+        kernel = _Kernel(load("few_rows_linear", SOURCES))
+        error = _self_check(kernel)
+    except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+        return None, f"unavailable ({type(exc).__name__}: {exc})"
+    if error is not None:
+        return None, f"unavailable (self-check against float64: {error})"
+    return kernel, "on"
+
+
+def status() -> str:
+    """``"on"``, or why the kernel does not run in this process."""
+    return _load()[1]
+
+
+def available() -> bool:
+    return _load()[0] is not None
+
+
+def supports(weight: torch.Tensor) -> bool:
+    """Whether `multiply` takes products with ``weight`` ``[out, in]``: a contiguous fp32 CPU matrix (built kernel)."""
+    return (weight.device.type == "cpu" and weight.dtype == torch.float32 and weight.dim() == 2
+            and weight.is_contiguous() and available())
+
+
+def multiply(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``rows`` ``[n, in]`` (n >= 1) times ``weight.T`` (``weight`` ``[out, in]``) -> ``[n, out]``, fp32. The caller
+    checks `supports`."""
+    return _multiply_with(_load()[0], rows, weight)
+
+
+def _multiply_with(kernel: _Kernel, rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    rows = rows.contiguous()
+    out = torch.empty(rows.shape[0], weight.shape[0])
+    code = kernel.multiply(rows.shape[0], rows.data_ptr(), weight.data_ptr(), out.data_ptr(), weight.shape[0],
+                           weight.shape[1], torch.get_num_threads())
+    if code:
+        raise ValueError(f"few_rows_linear.multiply: rows must be at least 1, got {rows.shape[0]}")
+    return out
+
+
+def error_bound(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Per output, a bound on an fp32 dot product's rounding error: ``in_features x 2^-23`` times the sum of the
+    absolute products (summation of ``in`` terms in any order)."""
+    return weight.shape[1] * 2.0 ** -23 * (rows.double().abs() @ weight.double().abs().T)
+
+
+def _self_check(kernel: _Kernel) -> str | None:
+    """Run the kernel on shapes it takes (1-11 rows: one pass and two, inputs not a multiple of 16, outputs not a
+    multiple of its blocks) against float64; the first output outside `error_bound`, or None."""
+    generator = torch.Generator().manual_seed(0)
+    for rows, out_features, in_features in ((1, 37, 64), (3, 50, 1000), (8, 29, 576), (11, 101, 200)):
+        x = torch.randn(rows, in_features, generator=generator)
+        weight = torch.randn(out_features, in_features, generator=generator)
+        error = (_multiply_with(kernel, x, weight).double() - x.double() @ weight.double().T).abs()
+        if not bool((error <= error_bound(x, weight)).all()):
+            return f"{rows} rows of {in_features} x {out_features}: max error {error.max().item():.2e}"
+    return None

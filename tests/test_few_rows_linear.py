@@ -1,0 +1,97 @@
+"""The few-rows linear kernel (`hf_triforce.kernels.few_rows_linear`, `csrc/few_rows_linear.c`).
+
+* `multiply` equals the product computed in float64 within an fp32 dot product's rounding bound, for 1 to 16 rows
+  (one pass of up to 8 and two), input widths with and without a tail past the last 16, output widths that end inside
+  a block of weight rows and that leave a thread without columns, on 1-3 threads;
+* each row's outputs are its own: bit for bit the same whatever the other rows hold and however many rows there are
+  (a verification row computes what a one-row step computes);
+* the TriForce loop with every linear layer on the kernel keeps its greedy output identical to plain ``generate``;
+* the kernel is off under ``HF_TRIFORCE_CPU_LINEAR=off``, and a failing build leaves it off with the compiler's error
+  in `status` (the routes then time ATen's only), never a silent stop.
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from hf_triforce.kernels import few_rows_linear, linear_routes
+
+from .conftest import make_model, random_prompt
+from .test_cpu_attention import needs_kernel
+from .test_greedy_identity import _config, assert_identical
+
+
+@needs_kernel
+def test_builds_here():
+    assert few_rows_linear.status() == "on"
+
+
+@needs_kernel
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("in_features", [16, 37, 576, 1000])
+@pytest.mark.parametrize("out_features", [1, 7, 50, 257])
+def test_matches_float64(threads, in_features, out_features):
+    generator = torch.Generator().manual_seed(in_features * 1000 + out_features)
+    weight = torch.randn(out_features, in_features, generator=generator)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for rows in range(1, 17):
+            x = torch.randn(rows, in_features, generator=generator)
+            got = few_rows_linear.multiply(x, weight)
+            error = (got.double() - x.double() @ weight.double().T).abs()
+            assert got.shape == (rows, out_features) and got.dtype == torch.float32
+            assert bool((error <= few_rows_linear.error_bound(x, weight)).all()), (rows, error.max().item())
+    finally:
+        torch.set_num_threads(previous)
+
+
+@needs_kernel
+def test_the_bound_catches_a_dropped_term():
+    """The float64 check is not loose: leaving out one input column (as a kernel that lost its tail would) puts the
+    outputs far outside `error_bound`."""
+    generator = torch.Generator().manual_seed(1)
+    x, weight = torch.randn(3, 37, generator=generator), torch.randn(20, 37, generator=generator)
+    wrong = x[:, :36].double() @ weight[:, :36].double().T
+    assert not bool(((wrong - x.double() @ weight.double().T).abs() <= few_rows_linear.error_bound(x, weight)).all())
+
+
+@needs_kernel
+def test_each_row_is_its_own_bit_for_bit():
+    generator = torch.Generator().manual_seed(2)
+    weight = torch.randn(300, 577, generator=generator)
+    x = torch.randn(11, 577, generator=generator)
+    whole = few_rows_linear.multiply(x, weight)
+    for row in range(11):
+        assert torch.equal(few_rows_linear.multiply(x[row : row + 1], weight)[0], whole[row])
+    other = x.clone()
+    other[1:] = torch.randn(10, 577, generator=generator)
+    assert torch.equal(few_rows_linear.multiply(other, weight)[0], whole[0])
+
+
+@needs_kernel
+def test_triforce_on_the_kernel_keeps_greedy_identity(monkeypatch):
+    """Every eligible layer on the kernel (whatever this CPU times fastest): the loop's greedy output is plain
+    ``generate``'s, and the stats name the route."""
+    monkeypatch.setattr(linear_routes.LinearRoutes, "calibrate", lambda self, group, rows: "stream")
+    model = make_model("qwen2")
+    stats = assert_identical(model, random_prompt(150, period=37), _config("self"))
+    assert stats.force3_steps > 0
+    assert set(stats.linear_routes["decoder"].values()) == {"stream"}
+
+
+def test_off_switch(monkeypatch):
+    monkeypatch.setenv(few_rows_linear.ENV, "off")
+    kernel, why = few_rows_linear._load.__wrapped__()
+    assert kernel is None and why == f"off ({few_rows_linear.ENV}=off)"
+
+
+@needs_kernel
+def test_failed_build_says_why(monkeypatch, tmp_path):
+    monkeypatch.setenv("HF_TRIFORCE_CACHE", str(tmp_path))
+    monkeypatch.setenv("CC", shutil.which("false") or "/bin/false")
+    kernel, why = few_rows_linear._load.__wrapped__()
+    assert kernel is None and why.startswith("unavailable (") and "false" in why
