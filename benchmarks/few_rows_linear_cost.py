@@ -5,7 +5,8 @@ of 128, MLP 8960; fp32, random weights: the cost does not depend on the values) 
 of ``--layers`` decoder layers (more weight bytes than a last-level cache, as a forward streams them) under each
 route of `linear_routes.multiply`: ``linear`` (``x @ W.T``), ``left`` (``W @ x.T``), ``stream`` (the few-rows kernel);
 the routes alternate within each setting; the least of ``--repeats`` (the machine is shared; the minimum is the stable
-figure). Each row also gives the weight bytes read per second and the kernel's largest error against float64.
+figure). Each row also gives the weight bytes read per second by the kernel and its largest error against float64 as
+a fraction of its error bound (`few_rows_linear.error_bound`).
 
     python benchmarks/few_rows_linear_cost.py --threads 2 --json out.json
 """
@@ -40,7 +41,7 @@ def main() -> None:
     if not few_rows_linear.available():
         raise SystemExit(f"the few-rows kernel does not run here: {few_rows_linear.status()}")
     results = []
-    print("| shapes | weight MB | rows | linear ms | left ms | stream ms | stream GB/s | stream max error / bound |")
+    print("| shapes | weight MB | rows | linear ms | left ms | stream ms | stream GB/s | stream error / bound |")
     print("|---|---|---|---|---|---|---|---|")
     for (name, shapes), layers in zip(SHAPES.items(), args.layers):
         weights = [torch.randn(out, width) for _ in range(layers) for out, width in shapes]
@@ -63,7 +64,7 @@ def main() -> None:
             results.append(row)
             print(f"| {name} ({layers} layers) | {nbytes / 1e6:.0f} | {rows} | {best['linear'] * 1e3:.1f} | "
                   f"{best['left'] * 1e3:.1f} | {best['stream'] * 1e3:.1f} | {nbytes / best['stream'] / 1e9:.1f} | "
-                  f"{ratio:.3f} |", flush=True)
+                  f"{ratio:.1e} |", flush=True)
     if args.json:
         with open(args.json, "w") as handle:
             json.dump({"threads": args.threads, "results": results}, handle, indent=1)

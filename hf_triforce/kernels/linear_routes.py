@@ -9,8 +9,8 @@ Three routes compute the same dot products in other summation orders (fp32 round
   where it is built.
 
 Which is faster depends on the CPU, the shapes and the row count. Qwen2.5-Coder-1.5B's decoder shapes, fp32, 2 threads,
-an AVX-512 EPYC, ms for 1 / 2 / 4 / 8 rows: ``"linear"`` 44 / 87 / 84 / 78, ``"left"`` 27 / 27 / 52 / 74,
-``"stream"`` 25 / 23 / 30 / 37 (docs/results.md, "Linear layers of a few rows on the CPU"); SmolLM2-135M's whole
+an AVX-512 EPYC, ms for 1 / 2 / 4 / 8 rows: ``"linear"`` 32 / 66 / 62 / 56, ``"left"`` 21 / 22 / 27 / 60,
+``"stream"`` 15 / 16 / 18 / 25 (docs/results.md, "Linear layers of a few rows on the CPU"); SmolLM2-135M's whole
 forward on an AVX2 EPYC: ``F.linear`` 92-110 ms for one row, 152-160 for two, weight-left 84-110 for two. So
 `LinearRoutes` times the routes for each layer group (``"head"``: the output layer; ``"decoder"``: every other eligible
 layer) at 1, 2, 4 and 8 rows (`CALIBRATED_ROWS`; a call of ``n`` rows takes the route of the largest of them not above

@@ -257,7 +257,7 @@ class Device:
     """Effective rates of one device for one dtype: bytes/s of its memory (and of the host link that streams an
     offloaded full cache; 0: none), matmul and attention FLOP/s, seconds of overhead per layer per forward, and
     optionally the bytes/s at which a forward of several rows reads the weights (``gemm_bandwidth``: CPU BLAS
-    packs the weights for a product of several rows, docs/results.md, "The target's few-row products"; None:
+    packs the weights for a product of several rows, docs/results.md, "Linear layers of a few rows on the CPU"; None:
     ``bandwidth``).
 
     ``cpu``: the lean and int8 drafting copies run here (the library runs them on the CPU only). ``quantized_bandwidth``
