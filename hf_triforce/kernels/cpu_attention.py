@@ -20,11 +20,10 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import subprocess
 
 import torch
 
-from .native_build import CSRC, load, switched_off, unsupported_platform
+from .native_build import CSRC, load_checked
 
 SOURCES = (CSRC / "decode_attention.c", CSRC / "decode_attention_span.h")  # compiled, included
 HEAD_DIMS = (64, 128)
@@ -55,17 +54,7 @@ class _Kernel:
 @functools.cache
 def _load() -> tuple[_Kernel | None, str]:
     """The built kernel and "on", or None and why not (once per process)."""
-    why = switched_off(ENV) or unsupported_platform()
-    if why is not None:
-        return None, why
-    try:
-        kernel = _Kernel(load("decode_attention", SOURCES))
-        error = _self_check(kernel)
-    except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
-        return None, f"unavailable ({type(exc).__name__}: {exc})"
-    if error is not None:
-        return None, f"unavailable (self-check against float64: {error})"
-    return kernel, "on"
+    return load_checked(ENV, "decode_attention", SOURCES, _Kernel, _self_check)
 
 
 def status() -> str:

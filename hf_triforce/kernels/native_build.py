@@ -16,12 +16,15 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 CSRC = Path(__file__).with_name("csrc")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC")
 LIBRARIES = ("-lmvec", "-lm")
 OFF_VALUES = ("0", "off", "false", "no")  # an environment switch's values that turn a kernel off
+Kernel = TypeVar("Kernel")
 
 
 def cache_dir() -> Path:
@@ -86,3 +89,20 @@ def switched_off(env: str) -> str | None:
     if os.environ.get(env, "").lower() in OFF_VALUES:
         return f"off ({env}={os.environ[env]})"
     return None
+
+
+def load_checked(env: str, name: str, sources: tuple[Path, ...], wrap: Callable[[ctypes.CDLL], Kernel],
+                 self_check: Callable[[Kernel], str | None]) -> tuple[Kernel | None, str]:
+    """The kernel ``name`` built, loaded, wrapped and checked, and "on"; or None and why not: switched off by ``env``,
+    an unsupported platform, a failed build or load, or ``self_check``'s complaint (a message; None: passed)."""
+    why = switched_off(env) or unsupported_platform()
+    if why is not None:
+        return None, why
+    try:
+        kernel = wrap(load(name, sources))
+        error = self_check(kernel)
+    except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+        return None, f"unavailable ({type(exc).__name__}: {exc})"
+    if error is not None:
+        return None, f"unavailable (self-check against float64: {error})"
+    return kernel, "on"
