@@ -51,8 +51,8 @@ class TriForceStats:
     draft_caches: dict = field(default_factory=dict)
     draft_copy_seconds: float = 0.0  # making the drafting tiers' weight copies (lean, int8): on a model's first call
     # the target's CPU linear layers: per group ("head", "decoder"), per row count multiplied so far, the route timed
-    # fastest on this CPU ("linear": x @ W.T, "left": W @ x.T; `kernels.linear_routes`), and this call's seconds timing
-    # routes (once per model, row count and process)
+    # fastest on this CPU ("linear": x @ W.T, "left": W @ x.T, "stream": the few-rows kernel; `kernels.linear_routes`),
+    # and this call's seconds timing routes (once per model, row count and process)
     linear_routes: dict = field(default_factory=dict)
     linear_calibration_seconds: float = 0.0
     prefill_seconds: float = 0.0  # the prompt's prefill (a cache= prefix's adoption included)
