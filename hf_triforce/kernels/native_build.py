@@ -3,8 +3,8 @@
 Each kernel is compiled with the system's C compiler for the CPU it runs on (``-march=native``; 512-bit vectors where
 the CPU has AVX-512, gcc's default for ``-march=native`` often being 256), kept under ``$HF_TRIFORCE_CACHE/kernels``
 (default ``~/.cache/hf_triforce/kernels``) by source, compiler and CPU flags, and loaded with ctypes into torch's
-OpenMP runtime (the library names ``libgomp.so.1``, already loaded by torch). x86-64 Linux only; elsewhere `built`
-says why not, and each kernel's module keeps ATen's paths.
+OpenMP runtime (the library names ``libgomp.so.1``, already loaded by torch). x86-64 Linux only; elsewhere
+`unsupported_platform` says why not, and each kernel's module keeps ATen's paths.
 """
 
 from __future__ import annotations
