@@ -43,9 +43,9 @@ from transformers import DynamicCache, LogitsProcessorList, TemperatureLogitsWar
 from hf_triforce import TriForceConfig
 from hf_triforce.caches.buffer import BufferCache
 from hf_triforce.decoding import tiers
-from hf_triforce.decoding.forward import forward_logits
 from hf_triforce.drafters import model as drafter_module
 from hf_triforce.drafters.model import ModelDrafter
+from hf_triforce.forwards.forward import forward_logits
 from hf_triforce.integration import recording_attention
 from hf_triforce.kernels import lean
 from hf_triforce.kernels.quantized import int8_copy

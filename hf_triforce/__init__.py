@@ -4,8 +4,8 @@
 """
 
 from .caches import RetrievalCache, SinkWindowCache
+from .candidates import TriForceCandidateGenerator
 from .config import TriForceConfig
-from .decoding.candidates import TriForceCandidateGenerator
 from .integration import TriForceGenerateOutput, disable, enable, triforce_generate
 from .stats import TriForceStats
 

@@ -25,16 +25,17 @@ from transformers import LogitsProcessorList, StoppingCriteriaList
 from . import compat
 from .caches.buffer import BufferCache, copy_prefix
 from .caches.offloaded import OffloadedBufferCache
+from .candidates import TriForceCandidateGenerator
 from .compat import layer_devices
 from .config import TriForceConfig
-from .decoding.candidates import TriForceCandidateGenerator
-from .decoding.forward import prefill
 from .decoding.output import PaddedView
 from .decoding.preflight import check_model
 from .decoding.tiers import drafting_models
+from .forwards.forward import prefill
 from .kernels.attention import recording
 from .kernels.linear_routes import linear_routes
 from .kernels.row_mixing import RowsApart
+from .request import TriForceGenerateOutput, prefix_cache, recording_attention, strip_padding
 from .verification.sampling import Sampler
 
 
@@ -71,20 +72,12 @@ def assisted_generate(model, input_ids: torch.LongTensor, logits_processor, stop
                       config: TriForceConfig, streamer, model_kwargs: dict):
     """`integration.triforce_generate` for ``config.loop == "assisted"`` (the request already checked there).
     Returns the sequences, or a `TriForceGenerateOutput` with ``return_dict_in_generate``."""
-    from .integration import TriForceGenerateOutput, _strip_padding, recording_attention  # it imports this module
-
     if input_ids.shape[0] != 1:
         raise ValueError(f"TriForceConfig(loop='assisted') runs transformers' assisted-generation loop, which decodes "
                          f"one prompt per call; got a batch of {input_ids.shape[0]}: use loop='triforce' (the default) "
                          "for batches")
-    ids, pad = _strip_padding(input_ids, model_kwargs.get("attention_mask"))
-    prefix = model_kwargs.get("cache")
-    prefix = prefix if prefix is not None and prefix.get_seq_length() > 0 else None  # generate's empty default
-    if prefix is not None and int(prefix.get_seq_length()) >= ids.shape[1]:
-        raise ValueError(f"cache= holds {int(prefix.get_seq_length())} tokens; the prompt must extend it by at "
-                         "least one token")
-    if pad and prefix is not None:
-        raise ValueError("triforce_config= does not support a padded prompt together with cache=")
+    ids, pad = strip_padding(input_ids, model_kwargs.get("attention_mask"))
+    prefix = prefix_cache(model_kwargs, ids, pad)
     view = PaddedView(input_ids[:, :pad])
     processors = view.processors(logits_processor or LogitsProcessorList())
     criteria = PaddedCriteria(stopping_criteria or StoppingCriteriaList(), view)
@@ -121,8 +114,6 @@ def run_assisted(model, ids: torch.LongTensor, processors, criteria, generation_
     """Prefill and decode ``ids`` ``[1, n]`` (no padding; ``prefix``: a cache holding its start) in transformers'
     loop; returns what ``_assisted_decoding`` returns and the `TriForceCandidateGenerator` (its ``full`` cache, its
     ``stats``). ``sampler``: the tiers' random draws (default: torch's global RNG, as transformers' loop)."""
-    from .integration import recording_attention  # it imports this module
-
     cache = full_cache(model, config, generation_config.max_length)
     with recording_attention(model), ExitStack() as stack:
         generator = TriForceCandidateGenerator(model, generation_config, processors, triforce_config=config,

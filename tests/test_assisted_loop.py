@@ -24,9 +24,8 @@ from transformers import (
     TopKLogitsWarper,
 )
 
-from hf_triforce import TriForceCandidateGenerator, TriForceConfig, TriForceGenerateOutput
+from hf_triforce import TriForceCandidateGenerator, TriForceConfig, TriForceGenerateOutput, candidates
 from hf_triforce.assisted import run_assisted
-from hf_triforce.decoding import candidates
 from hf_triforce.verification.sampling import ChainVerifier
 
 from .conftest import make_model, random_prompt

@@ -42,10 +42,10 @@ from transformers import (
 )
 
 from hf_triforce import TriForceConfig
-from hf_triforce.decoding import forward as forward_module
 from hf_triforce.decoding.lockstep import Lockstep
 from hf_triforce.decoding.loop import Decoder
 from hf_triforce.decoding.policy import AdaptivePolicy, Plan
+from hf_triforce.forwards import forward as forward_module
 from hf_triforce.integration import recording_attention
 from hf_triforce.verification.scoring import ROW_WISE
 

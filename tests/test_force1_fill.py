@@ -9,8 +9,8 @@ from transformers import LogitsProcessorList
 from hf_triforce import TriForceConfig
 from hf_triforce.caches import BufferCache
 from hf_triforce.caches.sink_window import SinkWindowCache, copy_refusal, make_layer_rerotations
-from hf_triforce.decoding.forward import forward_logits, prefill
 from hf_triforce.drafters.model import ModelDrafter, draft_positions
+from hf_triforce.forwards.forward import forward_logits, prefill
 
 from .conftest import make_model, random_prompt
 
@@ -78,7 +78,7 @@ def test_an_absolute_drafter_predicts_at_the_tokens_own_positions():
 
 
 def _run(drafter: ModelDrafter, sequence: torch.Tensor):
-    from hf_triforce.decoding.steps import run_inline
+    from hf_triforce.forwards.steps import run_inline
 
     return run_inline(drafter._draft_steps(sequence, 1))
 
@@ -119,13 +119,16 @@ def test_a_draft_model_fills_by_its_own_weights_and_drafts_by_its_lean_copy(monk
     """A draft model (no entries to copy) fills its cache by a forward of its own weights, not of its int4 copy (whose
     kernels suit a few rows): the entries are those the eager draft model writes, bit for bit, and the drafting
     forwards after it run the lean copy."""
+    from hf_triforce.decoding.tiers import tier_model
     from hf_triforce.drafters import DraftContext, build_drafter
     from hf_triforce.kernels.lean import LeanModel
     from hf_triforce.verification.sampling import TorchSampler
 
     target, draft = make_model("llama-gqa"), make_model("llama-gqa", seed=4)
     config = TriForceConfig(draft=draft, draft_precision="lean-int4", sink_tokens=SINK, window=WINDOW)
-    drafter = build_drafter(DraftContext(target, config, LogitsProcessorList(), False, TorchSampler(), None))
+    force1 = lambda model: tier_model(model, config.draft_precision, 1)  # noqa: E731  (what the hierarchy hands)
+    drafter = build_drafter(DraftContext(target, config, LogitsProcessorList(), False, TorchSampler(), None,
+                                         force1_model=force1))
     assert isinstance(drafter.model, LeanModel) and drafter.fill_model is draft
     eager = ModelDrafter(draft, SINK, WINDOW, LogitsProcessorList(), False, None, positions="absolute")
     prompt = random_prompt(80, seed=3)

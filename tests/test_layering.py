@@ -1,7 +1,9 @@
-"""Kernels only compute: which model and forward each tier runs is decided in `hf_triforce.decoding.tiers`.
+"""The package is layered, and kernels only compute.
 
-* no module of `hf_triforce.kernels` imports what decides (the decoding package, the configuration, the drafters,
-  which import the decoding package), at the top or inside a function;
+* `LAYERS`, top to bottom: a module imports only from its own layer's package or from layers below it, at the top,
+  inside a function or under ``TYPE_CHECKING``; no import circle anywhere (`KNOWN_EDGES` lists the exceptions);
+* no module of `hf_triforce.kernels` imports what decides which model and forward each tier runs (the decoding
+  package, the configuration, the drafters);
 * each decision has one home: no function of `decoding.tiers` is also reachable from `kernels.lean`.
 """
 
@@ -13,12 +15,38 @@ from pathlib import Path
 
 import pytest
 
+import hf_triforce
 import hf_triforce.kernels
 from hf_triforce.decoding import tiers
 from hf_triforce.kernels import lean
 
 DECIDING = ("hf_triforce.decoding", "hf_triforce.config", "hf_triforce.drafters")
 KERNELS = sorted(Path(hf_triforce.kernels.__file__).parent.glob("*.py"))
+PACKAGE = Path(hf_triforce.__file__).parent
+
+# Top to bottom; the packages (or modules) of one entry are independent of each other.
+LAYERS = (
+    ("hf_triforce", "hf_triforce.__main__"),  # the package, python -m hf_triforce
+    ("hf_triforce.tools",),  # the CLI, benchmarks' and demos' helpers
+    ("hf_triforce.serving",),  # a server
+    ("hf_triforce.integration",),  # generate(triforce_config=), custom_generate
+    ("hf_triforce.assisted",),  # TriForceConfig(loop="assisted")
+    ("hf_triforce.candidates",),  # the CandidateGenerator, transformers' candidate_generator= factory
+    ("hf_triforce.request",),  # validation, padding, prefix cache, output classes
+    ("hf_triforce.decoding",),  # the hierarchy, the loop, levels, Force 3, the policy
+    ("hf_triforce.config",),
+    ("hf_triforce.drafters",),
+    ("hf_triforce.forwards",),  # a forward on a cache, forward requests, the clock
+    ("hf_triforce.kernels",),
+    ("hf_triforce.verification", "hf_triforce.caches"),
+    ("hf_triforce.compat", "hf_triforce.stats", "hf_triforce.tokens"),
+)
+# Imports the layering does not yet hold to (each an edge importer -> imported), left to the kernels' owners.
+KNOWN_EDGES = {
+    ("hf_triforce.kernels.attention", "hf_triforce.kernels.tree_attention"),  # a circle inside kernels
+    ("hf_triforce.kernels.tree_attention", "hf_triforce.kernels.attention"),
+    ("hf_triforce.kernels.native_build", "hf_triforce.tools.assets"),  # an arrow up to the tools
+}
 
 
 def imported_modules(source: str, package: str) -> set[str]:
@@ -60,3 +88,111 @@ def test_each_tier_decision_has_one_home():
                  if value.__module__ == tiers.__name__]
     assert {"resolve_draft_precision", "lean_support", "tier_model", "lean_model"} <= set(decisions)
     assert [name for name in decisions if hasattr(lean, name)] == []
+
+
+def package_modules() -> dict[str, Path]:
+    """Every module of the package by dotted name (a package by its own name)."""
+    modules = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return modules
+
+
+MODULES = package_modules()
+
+
+def module_imports(name: str) -> set[str]:
+    """The package's modules that module ``name`` imports, wherever the import statement sits (``from a import b``:
+    ``a.b`` where that is a module, else ``a``)."""
+    path = MODULES[name]
+    package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = package.rsplit(".", node.level - 1)[0] if node.level else ""
+            module = ".".join(part for part in (base, node.module) if part)
+            found.update(f"{module}.{alias.name}" if f"{module}.{alias.name}" in MODULES else module
+                         for alias in node.names)
+    return {imported for imported in found if imported in MODULES and imported != name}
+
+
+def layer_of(name: str) -> int:
+    """The index in `LAYERS` of module ``name`` (the longest prefix that names it)."""
+    matches = [(len(prefix), index) for index, layer in enumerate(LAYERS) for prefix in layer
+               if name == prefix or name.startswith(f"{prefix}.")]
+    assert matches, f"{name} is in no layer: add it to LAYERS"
+    return max(matches)[1]
+
+
+def import_graph() -> dict[str, set[str]]:
+    return {name: module_imports(name) for name in MODULES}
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
+    """Imports of a module from a higher layer, or from another package of its own layer."""
+    wrong = []
+    for importer, imported in sorted((a, b) for a, targets in graph.items() for b in targets):
+        if (importer, imported) in KNOWN_EDGES:
+            continue
+        here, there = layer_of(importer), layer_of(imported)
+        sibling = here == there and _top(importer, here) != _top(imported, there)
+        if there < here or sibling:
+            wrong.append((importer, imported))
+    return wrong
+
+
+def _top(name: str, layer: int) -> str:
+    return max((prefix for prefix in LAYERS[layer] if name == prefix or name.startswith(f"{prefix}.")), key=len)
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan), `KNOWN_EDGES` left out."""
+    index, low, stack, on_stack, found = {}, {}, [], set(), []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for target in graph[node]:
+            if (node, target) in KNOWN_EDGES:
+                continue
+            if target not in index:
+                visit(target)
+                low[node] = min(low[node], low[target])
+            elif target in on_stack:
+                low[node] = min(low[node], index[target])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def test_the_layer_checks_see_a_circle_and_an_arrow_up():
+    """The checks below can fail: a planted import of the loop from a drafter is an arrow up and closes a circle."""
+    graph = import_graph()
+    graph["hf_triforce.drafters.model"] = graph["hf_triforce.drafters.model"] | {"hf_triforce.decoding.loop"}
+    assert ("hf_triforce.drafters.model", "hf_triforce.decoding.loop") in upward_imports(graph)
+    assert any("hf_triforce.drafters.model" in circle for circle in circles(graph))
+    assert layer_of("hf_triforce.decoding.tiers") > layer_of("hf_triforce.request") > layer_of("hf_triforce")
+
+
+def test_every_module_imports_from_its_own_package_or_below():
+    assert upward_imports(import_graph()) == []
+
+
+def test_no_import_circles():
+    assert circles(import_graph()) == []

@@ -20,8 +20,8 @@ from hf_triforce import TriForceConfig
 from hf_triforce.caches.buffer import BufferCache
 from hf_triforce.caches.ragged import RaggedBufferCache
 from hf_triforce.decoding import tiers
-from hf_triforce.decoding.forward import ragged_forward
 from hf_triforce.decoding.tiers import forget_lean_copy, lean_copy_bytes, lean_model
+from hf_triforce.forwards.forward import ragged_forward
 from hf_triforce.kernels import lean
 from hf_triforce.kernels.lean import LEAN_PRECISIONS, LeanModel, Projection
 

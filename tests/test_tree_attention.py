@@ -7,8 +7,8 @@ import torch
 
 from hf_triforce import compat
 from hf_triforce.caches.buffer import BufferCache
-from hf_triforce.decoding.forward import forward_logits, prefill
 from hf_triforce.decoding.tree_forward import tree_logits
+from hf_triforce.forwards.forward import forward_logits, prefill
 from hf_triforce.integration import recording_attention
 from hf_triforce.kernels.tree_attention import block_visibility
 from hf_triforce.verification.draft_tree import DraftTree

@@ -8,6 +8,7 @@ import torch
 
 from ..compat import layer_rotary, num_layers, rotary_embedding
 from .buffer import BufferCache
+from .window import WindowLayer
 
 Rerotate = Callable[[torch.Tensor, int], torch.Tensor]
 
@@ -203,8 +204,6 @@ def copy_refusal(source: BufferCache) -> str | None:
     """Why `SinkWindowCache.copy_from` cannot read ``source`` (None: it can): it reads full-attention layers holding
     every entry at its absolute position (a `BufferCache`, a batch's row of one, an offloaded one); a sliding-window
     layer keeps only its window."""
-    from .window import WindowLayer
-
     if any(isinstance(layer, WindowLayer) for layer in source.layers):
         return "the full cache has sliding-window layers (they keep only their window)"
     return None

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from .buffer import BufferLayer
+from .layer import BufferLayer
 
 
 class WindowLayer(BufferLayer):

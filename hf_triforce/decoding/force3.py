@@ -27,11 +27,11 @@ from ..caches.offloaded import OffloadedBufferCache
 from ..caches.ragged import RaggedBufferCache
 from ..compat import layer_devices
 from ..config import TriForceConfig
-from ..drafters.registry import append_tokens
+from ..forwards.clock import Clock
+from ..forwards.forward import prefill, ragged_forward, score_continuation, score_fixed_shape
 from ..kernels.attention import QueryRecorder
+from ..tokens import append_tokens
 from ..verification.scoring import process_rows
-from .clock import Clock
-from .forward import prefill, ragged_forward, score_continuation, score_fixed_shape
 from .levels import Candidates
 from .sizing import force3_rows
 from .tiers import force3_forward

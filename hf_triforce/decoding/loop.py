@@ -35,6 +35,7 @@ from ..config import TriForceConfig
 from ..drafters import DRAFTERS, DraftContext, build_drafter
 from ..drafters.model import ModelDrafter
 from ..drafters.registry import MODEL_DRAFTER, drafting_sequence, spec_of
+from ..forwards.clock import Clock, Seconds, device_clock
 from ..kernels import cpu_attention
 from ..kernels.linear_routes import linear_routes
 from ..kernels.row_mixing import RowsApart
@@ -42,13 +43,13 @@ from ..stats import TriForceStats
 from ..verification.sampling import ChainVerifier, Sampler, TorchSampler, scores_to_probs
 from ..verification.scoring import deferred_nan_checks, process_rows, row_processors
 from ..verification.tree import TreeVerifier
-from .clock import Clock, Seconds, device_clock
 from .force3 import Force3, RaggedForce3
 from .levels import Candidates, Force1Level, Force2Level, NoDrafter
 from .lockstep import Lockstep
 from .output import DecodeResult, Output, PaddedView
-from .policy import ROW_COST_SLOPE, ROW_COST_SLOPES, AdaptivePolicy, Plan
-from .report import LookupAcceptances, RowOutcome, StepRecord, UnreadStep
+from .policy import ROW_COST_SLOPE, ROW_COST_SLOPES, AdaptivePolicy, Plan, StepRecord
+from .recorder import UnreadStep
+from .report import LookupAcceptances, RowOutcome
 from .sizing import lookup_gamma2
 from .tiers import (
     kv_bytes_per_token,
@@ -204,8 +205,9 @@ class Decoder:
         a batch model drafters' caches share storage."""
         if name not in self.drafters:
             config = self.config if name == self.draft_name else replace(self.config, draft=name)
+            force1 = lambda model: tier_model(model, config.draft_precision, 1, config.tier_compile)  # noqa: E731
             rows = [build_drafter(DraftContext(self.model, config, processors, self.do_sample, self.sampler,
-                                               self.force3.row(r), self.clock))
+                                               self.force3.row(r), self.clock, force1))
                     for r, processors in enumerate(self.processors)]
             for stats, drafter in zip(self.stats, rows):
                 if isinstance(drafter, ModelDrafter):

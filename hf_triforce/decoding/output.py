@@ -9,8 +9,8 @@ import torch
 from transformers import LogitsProcessorList, StoppingCriteriaList
 
 from ..caches.buffer import BufferCache
-from ..drafters.registry import append_tokens
 from ..stats import TriForceStats
+from ..tokens import append_tokens
 from ..verification.scoring import read_back
 
 

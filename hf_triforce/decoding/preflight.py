@@ -38,9 +38,9 @@ from ..caches.window import WindowLayer
 from ..compat import CacheLayerMixin
 from ..config import TriForceConfig
 from ..drafters.registry import spec_of
+from ..forwards.forward import forward_logits
 from ..kernels.attention import PREFIX, QueryRecorder, mask_adds_bias
 from ..kernels.row_mixing import row_mixing_layers
-from .forward import forward_logits
 
 PROBE_CAPACITY = 256
 # What the probes found, per model and per what they depend on (`_probe_key`): a probe is a forward of the model

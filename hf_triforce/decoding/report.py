@@ -1,5 +1,5 @@
 """What a Force-3 step did, counted once where it happens: a level's `LevelReport`, a row's `RowOutcome`, the step's
-`StepRecord` (what the adaptive policy learns from).
+`policy.StepRecord` (what the adaptive policy learns from).
 
 A level (`levels.Force2Level`, `levels.Force1Level`) fills its report as it drafts, verifies and re-selects; the
 `Decoder` takes it after each step (`take_report`), adds it to the row's `TriForceStats` and hands it to the policy
@@ -13,18 +13,14 @@ rejected a draft; *handed*: tokens handed up to Force 3; a *selection*: a re-sel
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 
-from ..drafters.registry import device_tokens
+from ..forwards.clock import Seconds
 from ..stats import TriForceStats
+from ..tokens import device_tokens
 from ..verification.sampling import scores_to_probs
 from ..verification.scoring import Deferred
-from .clock import Seconds
-
-if TYPE_CHECKING:
-    from .policy import Choice, Plan
 
 
 @dataclass
@@ -106,39 +102,3 @@ class LookupAcceptances:
     def read(self) -> dict[str, float | None]:
         read = dict(zip(self.proposing, self.deferred.values)) if self.deferred is not None else {}
         return {name: read.get(name) for name in self.names}
-
-
-@dataclass
-class StepRecord:
-    """One Force-3 step of ``plan``: its forward (``force3_rows`` rows, a tree's where ``force3_tree``), each
-    active row's outcome, the step's wall seconds and the part spent in forwards (each shared forward once), and the
-    policy's decision for it. Its tier seconds are on the call's clock: the policy is handed it `read`."""
-
-    plan: Plan
-    force3_rows: int
-    force3_tree: bool
-    force3_seconds: float | Seconds
-    rows: list[RowOutcome]
-    seconds: float
-    forward_seconds: float | Seconds
-    choice: Choice | None = None  # what the policy decided for the step (None: its last decision)
-
-    def read(self) -> StepRecord:
-        """This record with its seconds and its rows' reports `LevelReport.read`. Returns itself."""
-        self.force3_seconds, self.forward_seconds = float(self.force3_seconds), float(self.forward_seconds)
-        for row in self.rows:
-            if row.report is not None:
-                row.report.read()
-        return self
-
-
-@dataclass
-class UnreadStep:
-    """A step's timings until they are read (`loop.Decoder`): per row its level's catch-up report (a draft cache's fill,
-    a selection before the step), Force 3's seconds, per active row its level's report (None: a plain step), and the
-    policy's record (None: no policy)."""
-
-    catch_ups: list[tuple[int, LevelReport]] = field(default_factory=list)
-    force3_seconds: float | Seconds = 0.0
-    rows: list[tuple[int, LevelReport | None]] = field(default_factory=list)
-    record: StepRecord | None = None

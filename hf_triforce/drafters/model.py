@@ -7,15 +7,15 @@ import torch
 from ..caches.buffer import BufferCache
 from ..caches.sink_window import SinkWindowCache, copy_refusal, make_layer_rerotations
 from ..compat import layer_devices, num_layers
-from ..decoding.clock import Clock, HostClock, Seconds
-from ..decoding.steps import ForwardRequest, Steps, run_inline
-from ..decoding.tiers import tier_model
+from ..forwards.clock import Clock, HostClock, Seconds
+from ..forwards.steps import ForwardRequest, Steps, run_inline
 from ..kernels.lean import LeanModel
+from ..tokens import append_tokens
 from ..verification.draft_tree import DraftTree, agreement
 from ..verification.sampling import Sampler, scores_to_probs
 from ..verification.scoring import process_rows
 from .branching import branched_chain
-from .registry import MODEL_DRAFTER, DraftContext, append_tokens, register_drafter
+from .registry import MODEL_DRAFTER, DraftContext, register_drafter
 
 # a drafter filling by copy refills once it is more than this many tokens behind the sequence (steps ran without
 # it); catching up costs a forward of that many rows, a copy a few milliseconds. One filling by forwards refills
@@ -43,7 +43,7 @@ class ModelDrafter:
         (`SinkWindowCache`): ``"slots"`` (in-cache) or ``"absolute"`` (the tokens' own). ``fill_model``: the
         model whose forward fills the cache where it is not copied (default ``model``): a draft model's own weights
         when ``model`` is its lean copy, whose int4 CPU kernels are built for a few rows (the note above the class).
-        ``clock``: the call's, timing its forwards (`decoding.clock`; default the host's)."""
+        ``clock``: the call's, timing its forwards (`forwards.clock`; default the host's)."""
         self.model = model
         self.fill_model = model if fill_model is None else fill_model
         layers = num_layers(model.config)
@@ -112,7 +112,7 @@ class ModelDrafter:
 
     def propose_steps(self, sequence: torch.Tensor, n: int) -> Steps[tuple[list[int] | torch.Tensor,
                                                                           torch.Tensor | None]]:
-        """`propose` as a generator of its forwards (`hf_triforce.decoding.steps`): a batch drafts its rows together.
+        """`propose` as a generator of its forwards (`hf_triforce.forwards.steps`): a batch drafts its rows together.
         The tokens stay on the device (a ``[n]`` tensor) until verification reads them with its own readback."""
         tokens, _, probs = yield from self._draft_steps(sequence, n)
         return tokens, (torch.stack(probs) if probs else None)
@@ -189,7 +189,7 @@ def draft_positions(config, target, model) -> str:
 def _build(context: DraftContext, model) -> ModelDrafter:
     config = context.config
     source = context.full_cache if model is context.target else None  # its own entries: copied, not recomputed
-    drafting = tier_model(model, config.draft_precision, 1, config.tier_compile)
+    drafting = context.force1_model(model)
     fill = model if isinstance(drafting, LeanModel) else None
     return ModelDrafter(drafting, config.sink_tokens, config.window, context.processors, context.do_sample,
                         context.sampler, source=source, positions=draft_positions(config, context.target, model),

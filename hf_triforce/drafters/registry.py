@@ -6,7 +6,7 @@ is called with the length of a committed prefix of the sequence; ``prefill(promp
 proposal. ``seconds`` accumulates the time spent proposing. A ``"lookup"`` drafter's ``propose`` must have no
 side effects and draw no random numbers: the adaptive policy asks it every step what it would propose
 (counterfactual scoring), whether or not the step uses it. A drafter that runs a model may also offer
-``propose_steps(sequence, n)``, `propose` as a generator of its forwards (`hf_triforce.decoding.steps`), so that a
+``propose_steps(sequence, n)``, `propose` as a generator of its forwards (`hf_triforce.forwards.steps`), so that a
 batch drafts all its rows in one forward per token. A drafter that reads token values (the lookups) sets
 ``host_sequence = True`` and is then given the sequence's host copy, an int64 NumPy array ``[1, n]``, where the
 decoder has one (`drafting_sequence`).
@@ -22,8 +22,8 @@ import numpy as np
 import torch
 from transformers import LogitsProcessorList
 
-from ..decoding.clock import Clock, HostClock
-from ..decoding.steps import Steps
+from ..forwards.clock import Clock, HostClock
+from ..forwards.steps import Steps
 from ..verification.sampling import Sampler
 
 
@@ -65,32 +65,13 @@ def host_row(sequence: torch.Tensor | np.ndarray) -> np.ndarray:
     return np.asarray(sequence[0], dtype=np.int64)
 
 
-def append_tokens(sequence: torch.Tensor, tokens: list[int] | list[torch.Tensor] | torch.Tensor) -> torch.Tensor:
-    """``sequence`` ``[1, n]`` followed by ``tokens``: ids (copied to the device), 0-d tensors or a ``[k]`` tensor
-    on the device (no host read either way)."""
-    if isinstance(tokens, torch.Tensor):
-        row = tokens.to(sequence.device)
-    elif tokens and isinstance(tokens[0], torch.Tensor):
-        row = torch.stack(tokens).to(sequence.device)
-    else:
-        row = device_tokens(tokens, sequence.device)
-    return torch.cat((sequence, row.view(1, -1)), dim=1)
-
-
-def device_tokens(tokens: list[int], device: torch.device) -> torch.Tensor:
-    """``tokens`` as a ``[k]`` long tensor on ``device``; to an accelerator by an asynchronous copy from pinned
-    memory (a blocking copy from the host waits for the device)."""
-    host = torch.tensor(tokens, dtype=torch.long)
-    if torch.device(device).type != "cuda":
-        return host.to(device)
-    return host.pin_memory().to(device, non_blocking=True)
-
-
 @dataclass(frozen=True)
 class DraftContext:
     """What a drafter may use: the target, the config, the call's processors, sampling mode and sampler, and the
     target's full cache (its row of it, in a batch; None where there is none): a drafter running the target's own
-    weights may copy entries from it; and the call's clock, which times a drafter's forwards (`decoding.clock`)."""
+    weights may copy entries from it; the call's clock, which times a drafter's forwards (`forwards.clock`); and
+    ``force1_model``, the model Force 1 runs for a drafting model (its lean or int8 copy for the configured
+    ``draft_precision``: the hierarchy hands `decoding.tiers.tier_model`'s; default: the model as given)."""
 
     target: Any
     config: Any  # TriForceConfig
@@ -99,6 +80,7 @@ class DraftContext:
     sampler: Sampler
     full_cache: Any = None  # BufferCache
     clock: Clock = field(default_factory=HostClock)
+    force1_model: Callable[[Any], Any] = field(default=lambda model: model)
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,7 @@ from tqdm.auto import tqdm
 from transformers import DynamicCache, StaticCache
 
 from ..compat import compile_everywhere
-from ..decoding.forward import prefill
+from ..forwards.forward import prefill
 from ..stats import TriForceStats
 from .methods import METHODS, TUNED_GAMMAS, chosen_gammas, method_named
 from .peer_process import PeerCrashed

@@ -12,7 +12,7 @@ import torch
 
 from ..caches.buffer import BufferCache
 from ..caches.retrieval import RetrievalCache
-from ..decoding.forward import forward_logits, prefill
+from ..forwards.forward import forward_logits, prefill
 from ..integration import recording_attention
 from ..kernels.attention import QueryRecorder
 

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..drafters.registry import device_tokens
+from ..tokens import device_tokens
 from .draft_tree import DraftTree
 from .sampling import Resample, Sampler, acceptance_probability, residual_distribution, scores_to_probs
 from .scoring import read_back

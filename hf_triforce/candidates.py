@@ -37,20 +37,22 @@ import time
 import torch
 from transformers import LogitsProcessorList, StoppingCriteriaList
 
-from .. import compat
-from ..config import TriForceConfig
-from ..drafters import DraftContext, build_drafter
-from ..drafters.model import ModelDrafter
-from ..drafters.registry import MODEL_DRAFTER
-from ..kernels import cpu_attention
-from ..kernels.attention import QueryRecorder
-from ..stats import TriForceStats
-from ..verification.sampling import ChainVerifier, Sampler, TorchSampler
-from ..verification.scoring import row_processors
-from .clock import device_clock
-from .levels import Force1Level, Force2Level, NoDrafter
-from .steps import run_inline
-from .tiers import resolve_draft_precision, tier_forwards, tier_model
+from . import compat
+from .config import TriForceConfig
+from .decoding.levels import Force1Level, Force2Level, NoDrafter
+from .decoding.preflight import check_model
+from .decoding.tiers import resolve_draft_precision, tier_forwards, tier_model
+from .drafters import DraftContext, build_drafter
+from .drafters.model import ModelDrafter
+from .drafters.registry import MODEL_DRAFTER
+from .forwards.clock import device_clock
+from .forwards.steps import run_inline
+from .kernels import cpu_attention
+from .kernels.attention import QueryRecorder
+from .request import check_request, recording_attention
+from .stats import TriForceStats
+from .verification.sampling import ChainVerifier, Sampler, TorchSampler
+from .verification.scoring import row_processors
 
 
 class CacheView:
@@ -154,8 +156,9 @@ class TriForceCandidateGenerator(compat.CandidateGenerator):
         # the exact rule of the Force-2 level (a field, so that a test can substitute a wrong one)
         self.force2_verifier = ChainVerifier(self.do_sample, self.sampler)
         clock = device_clock(model)  # times the tiers' forwards (read with the stats, after the verification)
+        force1 = lambda drafting: tier_model(drafting, config.draft_precision, 1, config.tier_compile)  # noqa: E731
         self.drafter = build_drafter(DraftContext(model, config, processors, self.do_sample, self.sampler,
-                                                  full_cache, clock))
+                                                  full_cache, clock, force1))
         if isinstance(self.drafter, ModelDrafter):
             name = config.draft if isinstance(config.draft, str) else MODEL_DRAFTER
             self.stats.draft_caches[name] = f"{self.drafter.cache.positions} positions, filled by {self.drafter.fill}"
@@ -181,8 +184,6 @@ class TriForceCandidateGenerator(compat.CandidateGenerator):
     def _check_foreign_call(model, config, input_ids, generation_config, model_kwargs, logits_processor) -> None:
         """Built by transformers (the upstream patch's factory): what `TriForceConfig(loop="assisted")` checks before
         its prefill, and what the tiers cannot read from ``generate``'s own cache."""
-        from ..integration import _check_request, recording_attention  # integration imports this module
-
         if "cache" not in model_kwargs:
             raise ValueError("TriForceCandidateGenerator needs the full model's cache: model_kwargs['cache'] or "
                              "full_cache=")
@@ -196,10 +197,8 @@ class TriForceCandidateGenerator(compat.CandidateGenerator):
                              "whose cache keeps only the window; use TriForceConfig(loop='assisted')")
         ids = input_ids if input_ids is not None else torch.zeros(1, 1, dtype=torch.long, device=model.device)
         checked = {k: v for k, v in model_kwargs.items() if k not in ("cache", "position_ids")}
-        _check_request(model, ids, config, generation_config, checked, logits_processor)
+        check_request(model, ids, config, generation_config, checked, logits_processor)
         with recording_attention(model):
-            from .preflight import check_model
-
             check_model(model, config, ids[:, :1])
 
     @property
@@ -217,8 +216,6 @@ class TriForceCandidateGenerator(compat.CandidateGenerator):
         ``[1, k, vocab]`` logits of the laws they were drawn from (None: greedy, point masses, or no candidate).
         No candidate where the full cache is not yet ``n - 1`` tokens with a recorded query (transformers' first
         iteration then prefills) or the call has no room for one."""
-        from ..integration import recording_attention  # integration imports this module
-
         if input_ids.shape[0] != 1:
             raise ValueError(f"TriForceCandidateGenerator: transformers' assisted loop decodes one prompt per call; "
                              f"got a batch of {input_ids.shape[0]}")
