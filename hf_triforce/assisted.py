@@ -23,13 +23,13 @@ import torch
 from transformers import LogitsProcessorList, StoppingCriteriaList
 
 from . import compat
-from .caches.buffer import BufferCache, copy_prefix
-from .caches.offloaded import OffloadedBufferCache
+from .caches.buffer import copy_prefix
 from .candidates import TriForceCandidateGenerator
-from .compat import layer_devices
 from .config import TriForceConfig
+from .decoding.force3 import full_cache
 from .decoding.output import PaddedView
 from .decoding.preflight import check_model
+from .decoding.resolved import resolve
 from .decoding.tiers import drafting_models
 from .forwards.forward import prefill
 from .kernels.attention import recording
@@ -48,15 +48,6 @@ class PaddedCriteria(StoppingCriteriaList):
 
     def __call__(self, input_ids: torch.LongTensor, scores, **kwargs) -> torch.BoolTensor:
         return super().__call__(self.view(input_ids), scores, **kwargs)
-
-
-def full_cache(model, config: TriForceConfig, max_length: int) -> BufferCache:
-    """Force 3's preallocated cache for ``max_length`` tokens plus a chain of candidates (sliding-window layers: their
-    window plus room to roll a chain back), host memory with ``full_cache_device="cpu"``."""
-    cache_class = OffloadedBufferCache if config.full_cache_device == "cpu" else BufferCache
-    cache = cache_class(compat.num_layers(model.config), max_length + config.gamma2 + 2,
-                        compat.layer_windows(model.config), rollback=config.gamma2 + 2)
-    return cache.expect_devices(layer_devices(model))
 
 
 def first_stop(criteria: StoppingCriteriaList, sequence: torch.Tensor, start: int) -> int:
@@ -114,9 +105,10 @@ def run_assisted(model, ids: torch.LongTensor, processors, criteria, generation_
     """Prefill and decode ``ids`` ``[1, n]`` (no padding; ``prefix``: a cache holding its start) in transformers'
     loop; returns what ``_assisted_decoding`` returns and the `TriForceCandidateGenerator` (its ``full`` cache, its
     ``stats``). ``sampler``: the tiers' random draws (default: torch's global RNG, as transformers' loop)."""
-    cache = full_cache(model, config, generation_config.max_length)
+    resolved = resolve(config, model, loop="assisted")
+    cache = full_cache(model, resolved, [generation_config.max_length])
     with recording_attention(model), ExitStack() as stack:
-        generator = TriForceCandidateGenerator(model, generation_config, processors, triforce_config=config,
+        generator = TriForceCandidateGenerator(model, generation_config, processors, triforce_config=resolved,
                                                stopping_criteria=criteria, full_cache=cache, sampler=sampler)
         for model_routes in (linear_routes(m) for m in drafting_models(generator.config, model)):
             stack.enter_context(model_routes.installed())

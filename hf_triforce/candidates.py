@@ -39,12 +39,10 @@ from transformers import LogitsProcessorList, StoppingCriteriaList
 
 from . import compat
 from .config import TriForceConfig
-from .decoding.levels import Force1Level, Force2Level, NoDrafter
+from .decoding.hierarchy import Hierarchy
+from .decoding.policy import Plan
 from .decoding.preflight import check_model
-from .decoding.tiers import resolve_draft_precision, tier_forwards, tier_model
-from .drafters import DraftContext, build_drafter
-from .drafters.model import ModelDrafter
-from .drafters.registry import MODEL_DRAFTER
+from .decoding.resolved import ResolvedConfig, resolve
 from .forwards.clock import device_clock
 from .forwards.steps import run_inline
 from .kernels import cpu_attention
@@ -92,7 +90,7 @@ def resolve_config(generation_config, triforce_config, assistant_model) -> TriFo
         else:
             raise TypeError(f"generation_config.triforce_config must be a dict or a TriForceConfig, got "
                             f"{type(raw).__name__}")
-    if not isinstance(config, TriForceConfig):
+    if not isinstance(config, (TriForceConfig, ResolvedConfig)):
         raise TypeError(f"triforce_config must be a TriForceConfig, got {type(config).__name__}")
     if config.trees:
         raise ValueError("TriForceCandidateGenerator: transformers' assisted loop verifies chains only: set "
@@ -134,13 +132,12 @@ class TriForceCandidateGenerator(compat.CandidateGenerator):
     requires_verifier_queries = True
 
     def __init__(self, model, generation_config=None, logits_processor: LogitsProcessorList | None = None,
-                 model_kwargs: dict | None = None, *, triforce_config: TriForceConfig | None = None,
+                 model_kwargs: dict | None = None, *, triforce_config: TriForceConfig | ResolvedConfig | None = None,
                  stopping_criteria: StoppingCriteriaList | None = None, full_cache=None, sampler: Sampler | None = None,
                  input_ids: torch.LongTensor | None = None, inputs_tensor: torch.Tensor | None = None,
                  assistant_model=None) -> None:
         generation_config = generation_config if generation_config is not None else model.generation_config
-        config, not_lean = resolve_draft_precision(resolve_config(generation_config, triforce_config,
-                                                                  assistant_model), model)
+        config = resolve(resolve_config(generation_config, triforce_config, assistant_model), model, loop="assisted")
         model_kwargs = model_kwargs or {}
         if full_cache is None:
             self._check_foreign_call(model, config, input_ids, generation_config, model_kwargs, logits_processor)
@@ -153,29 +150,17 @@ class TriForceCandidateGenerator(compat.CandidateGenerator):
         processors = row_processors(logits_processor or LogitsProcessorList(), 0, 1)
         self.stats = TriForceStats(draft_precision=config.draft_precision)
         self.recorder = QueryRecorder()
-        # the exact rule of the Force-2 level (a field, so that a test can substitute a wrong one)
-        self.force2_verifier = ChainVerifier(self.do_sample, self.sampler)
         clock = device_clock(model)  # times the tiers' forwards (read with the stats, after the verification)
-        force1 = lambda drafting: tier_model(drafting, config.draft_precision, 1, config.tier_compile)  # noqa: E731
-        self.drafter = build_drafter(DraftContext(model, config, processors, self.do_sample, self.sampler,
-                                                  full_cache, clock, force1))
-        if isinstance(self.drafter, ModelDrafter):
-            name = config.draft if isinstance(config.draft, str) else MODEL_DRAFTER
-            self.stats.draft_caches[name] = f"{self.drafter.cache.positions} positions, filled by {self.drafter.fill}"
-        if config.levels == 2:
-            self.level = Force1Level(self.drafter, config)
-        else:
-            self.level = Force2Level(tier_model(model, config.draft_precision, 2, config.tier_compile), NoDrafter(),
-                                     config, processors, self.force2_verifier, full_cache, clock)
-            self.level.use(self.drafter)
+        self.hierarchy = Hierarchy(model, config, [processors], self.do_sample, self.sampler, clock,
+                                   full_cache=full_cache)
+        plan = Plan(config.levels, config.draft_name, config.gamma1, config.gamma2)
+        self.drafter = self.hierarchy.drafter(0, config.draft_name)
+        self.level = self.hierarchy.level(0, plan)
+        self.stats.draft_caches.update(self.hierarchy.draft_caches())
         # per tier that runs a drafting forward, the forward it runs (as `Decoder.tier_forwards` reports it); Force 3
         # is transformers' assisted loop's forward of the model
-        models = {}
-        if isinstance(self.drafter, ModelDrafter):
-            models[f"force1 {config.draft if isinstance(config.draft, str) else MODEL_DRAFTER}"] = self.drafter.model
-        if config.levels == 3:
-            models["force2"] = self.level.model
-        self.stats.tier_forwards = tier_forwards(models, config.draft_precision, not_lean, "eager")
+        tiers = {f"force1 {config.draft_name}"} | ({"force2"} if config.levels == 3 else set())
+        self.stats.tier_forwards = self.hierarchy.tier_forwards(tiers, "eager")
         self.stats.attention_kernel = cpu_attention.describe(model)
         self.queries: dict[int, torch.Tensor] | None = None  # per layer, the query of the last cached token
         self.proposed, self.ran, self.length, self.handed_at = 0, False, 0, 0.0
@@ -200,6 +185,11 @@ class TriForceCandidateGenerator(compat.CandidateGenerator):
         check_request(model, ids, config, generation_config, checked, logits_processor)
         with recording_attention(model):
             check_model(model, config, ids[:, :1])
+
+    @property
+    def force2_verifier(self) -> ChainVerifier:
+        """The exact rule of the Force-2 level (a test may alter it)."""
+        return self.hierarchy.force2_verifier
 
     @property
     def num_drafting_tokens(self) -> int:
@@ -287,11 +277,10 @@ class TriForceCandidateGenerator(compat.CandidateGenerator):
         stats = self.stats
         stats.new_tokens = new_tokens
         stats.force1_seconds = float(self.drafter.seconds)
-        if isinstance(self.level, Force2Level) and self.level.started:
-            stats.force2_sees_whole_cache = self.level.cache.sees_whole_cache
-        stats.draft_cache_bytes = self.drafter.nbytes()
-        stats.retrieval_cache_bytes = self.level.nbytes()
-        stats.retrieval_summary_bytes = self.level.summary_bytes()
+        stats.force2_sees_whole_cache = self.hierarchy.force2_sees_whole_cache(0)
+        stats.draft_cache_bytes = self.hierarchy.draft_cache_bytes(0)
+        stats.retrieval_cache_bytes = self.hierarchy.retrieval_cache_bytes(0)
+        stats.retrieval_summary_bytes = self.hierarchy.retrieval_summary_bytes(0)
         if hasattr(self.full, "nbytes"):
             stats.full_cache_bytes = self.full.nbytes()
             stats.device_resident_bytes = (self.full.resident_bytes() + stats.retrieval_cache_bytes

@@ -24,8 +24,9 @@ from transformers import (
     TopKLogitsWarper,
 )
 
-from hf_triforce import TriForceCandidateGenerator, TriForceConfig, TriForceGenerateOutput, candidates
+from hf_triforce import TriForceCandidateGenerator, TriForceConfig, TriForceGenerateOutput
 from hf_triforce.assisted import run_assisted
+from hf_triforce.decoding import hierarchy
 from hf_triforce.verification.sampling import ChainVerifier
 
 from .conftest import make_model, random_prompt
@@ -214,7 +215,7 @@ def test_enumeration_catches_a_wrong_law(small, monkeypatch, mutation):
         if mutation.startswith("candidate"):  # q handed to the loop as if sampled at T = 1 instead of 0.8
             patch.setattr(TriForceCandidateGenerator, "candidate_logits", lambda self, probs: torch.log(probs) * 0.8)
         else:  # the reference implementation's middle level: after a rejection, draw from Force 2's own law
-            patch.setattr(candidates, "ChainVerifier",
+            patch.setattr(hierarchy, "ChainVerifier",
                           lambda do_sample, sampler: ChainVerifier(do_sample, sampler, resample=lambda p, q: p))
         law, _, _, _ = assisted_law(model, prompt, config, processors, new, monkeypatch)
     assert distance(law, target_law(model, prompt, processors, new)) > 100 * TOLERANCE, mutation

@@ -24,6 +24,7 @@ from hf_triforce import TriForceConfig
 from hf_triforce.caches.buffer import BufferCache
 from hf_triforce.decoding import force3, tiers
 from hf_triforce.decoding.levels import Candidates
+from hf_triforce.decoding.resolved import resolve
 from hf_triforce.decoding.tiers import force3_forward, lean_model, resolve_draft_precision
 from hf_triforce.forwards.clock import HostClock
 from hf_triforce.forwards.forward import forward_logits
@@ -95,7 +96,7 @@ def test_force2_gets_the_queries_of_the_rows_force3_verified():
     prompt = random_prompt(60, period=13)
     rows = {}
     for mode in ("off", "fixed"):
-        verifier = force3.Force3(model, _config(force3_compile=mode), 60, HostClock())
+        verifier = force3.Force3(model, resolve(_config(force3_compile=mode), model), 60, HostClock())
         with recording_attention(model):
             verifier.prefill([prompt[:, :50]], None, [TriForceStats()])
             verifier.score({0: prompt[:, :51]}, {0: Candidates(prompt[0, 51:55].tolist(), None)},

@@ -185,12 +185,14 @@ def test_a_draft_model_config_also_drafts_with_the_target_s_lean_copy(monkeypatc
     tokens sit in slots (re-rotation, checked before the prefill for the configured drafter only). Plans switching
     between the draft model, the self drafter and the n-gram lookup keep greedy identity, each drafter catching up."""
     from hf_triforce.decoding.loop import adaptive_policy
+    from hf_triforce.decoding.resolved import resolve
 
     target, draft = make_model("llama-gqa"), make_model("llama-gqa", seed=4, num_hidden_layers=1)
     config = auto(draft, draft_precision=precision, draft_positions=positions)
-    drafters = {p.drafter for p in adaptive_policy(config, "model", 10_000, target).candidates() if p.levels > 1}
+    plans = adaptive_policy(resolve(config, target), 10_000, target).candidates()
+    drafters = {p.drafter for p in plans if p.levels > 1}
     assert drafters == ({"", "model", "ngram", "self"} if with_self else {"", "model", "ngram"}), drafters
-    assert adaptive_policy(auto("self", draft_precision=precision), "self", 10_000, target).drafters == \
+    assert adaptive_policy(resolve(auto("self", draft_precision=precision), target), 10_000, target).drafters == \
         {"self": "model", "ngram": "lookup"}  # a named drafter: no other model drafter added
     if not with_self:
         return
@@ -259,15 +261,16 @@ def test_lookup_chains_may_be_longer_than_gamma2(monkeypatch):
     policy chooses from assumed costs (`assumed_timings`): on a loaded machine measured ones may keep it on plain
     steps."""
     from hf_triforce.decoding.loop import adaptive_policy
+    from hf_triforce.decoding.resolved import resolve
     from hf_triforce.decoding.sizing import LOOKUP_GAMMA2, force3_rows
 
     config = auto("self", gamma2=4)
     assert force3_rows(config) == LOOKUP_GAMMA2 and force3_rows(TriForceConfig(policy="fixed", gamma2=4)) == 4
-    plans = adaptive_policy(config, "self", 10_000).candidates()
+    model = make_model("llama-gqa")
+    plans = adaptive_policy(resolve(config, model), 10_000).candidates()
     assert max(p.gamma2 for p in plans if p.levels == 2 and p.drafter == "ngram") == LOOKUP_GAMMA2
     assert max(p.gamma2 for p in plans if p.levels == 2 and p.drafter == "self") == 4
     assumed_timings(monkeypatch)
-    model = make_model("llama-gqa")
     prompt = random_prompt(200, period=23)
     expected = model.generate(prompt, max_new_tokens=60, do_sample=False)
     out = model.generate(prompt, max_new_tokens=60, do_sample=False, triforce_config=auto("ngram", gamma2=4),

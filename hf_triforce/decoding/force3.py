@@ -26,14 +26,13 @@ from ..caches.buffer import BufferCache, copy_prefix
 from ..caches.offloaded import OffloadedBufferCache
 from ..caches.ragged import RaggedBufferCache
 from ..compat import layer_devices
-from ..config import TriForceConfig
 from ..forwards.clock import Clock
 from ..forwards.forward import prefill, ragged_forward, score_continuation, score_fixed_shape
 from ..kernels.attention import QueryRecorder
 from ..tokens import append_tokens
 from ..verification.scoring import process_rows
 from .levels import Candidates
-from .sizing import force3_rows
+from .resolved import ResolvedConfig
 from .tiers import force3_forward
 from .tree_forward import score_tree
 
@@ -42,16 +41,26 @@ from .tree_forward import score_tree
 SETUP_PRICE_MIN_ROWS = 64
 
 
+def full_cache(model, config: ResolvedConfig, max_lengths: list[int]) -> BufferCache | RaggedBufferCache:
+    """Force 3's preallocated cache for rows of up to ``max_lengths`` tokens, plus ``config.force3_room`` rows for a
+    step's candidates: batch size 1, a `BufferCache` (an `OffloadedBufferCache` in host memory with
+    ``full_cache_device="cpu"``) whose sliding-window layers keep their window plus that room to roll back (a rejected
+    chain, a stop); a batch, a `RaggedBufferCache` of one row each."""
+    layers, room = compat.num_layers(model.config), config.force3_room
+    if len(max_lengths) > 1:
+        cache = RaggedBufferCache(layers, len(max_lengths), max(max_lengths) + room)
+    else:
+        cache_class = OffloadedBufferCache if config.full_cache_device == "cpu" else BufferCache
+        cache = cache_class(layers, max_lengths[0] + room, compat.layer_windows(model.config), rollback=room)
+    return cache.expect_devices(layer_devices(model))
+
+
 class Force3:
     """Force 3 of a call of batch size 1 (sliding windows, offloading, trees, ``cache=`` prefixes)."""
 
-    def __init__(self, model, config: TriForceConfig, max_length: int, clock: Clock) -> None:
+    def __init__(self, model, config: ResolvedConfig, max_length: int, clock: Clock) -> None:
         self.model, self.config, self.clock = model, config, clock
-        cache_class = OffloadedBufferCache if config.full_cache_device == "cpu" else BufferCache
-        # sliding-window layers keep their window plus room for the deepest rollback (a rejected chain, a stop)
-        self.cache = cache_class(compat.num_layers(model.config), max_length + force3_rows(config) + 2,
-                                 compat.layer_windows(model.config), rollback=force3_rows(config) + 2)
-        self.cache.expect_devices(layer_devices(model))
+        self.cache = full_cache(model, config, [max_length])
         self.recorder = QueryRecorder()
         self.uncached = 1  # tokens of the sequence fed before the candidates in the last `score`
         # the chains' verification forward (`tiers.force3_forward`): None, transformers' forward; else the target's
@@ -123,13 +132,11 @@ class Force3:
 class RaggedForce3:
     """Force 3 of a batch: every row verified in one forward, each accepting its own number of tokens."""
 
-    def __init__(self, model, config: TriForceConfig, max_lengths: list[int], paddings: list[torch.Tensor],
+    def __init__(self, model, config: ResolvedConfig, max_lengths: list[int], paddings: list[torch.Tensor],
                  clock: Clock) -> None:
         self.model, self.config, self.paddings, self.batch = model, config, paddings, len(max_lengths)
         self.clock = clock
-        self.cache = RaggedBufferCache(compat.num_layers(model.config), len(max_lengths),
-                                       max(max_lengths) + force3_rows(config) + 2)
-        self.cache.expect_devices(layer_devices(model))
+        self.cache = full_cache(model, config, max_lengths)
         self.additive_mask = compat.current_attention_implementation(model).removeprefix("triforce_") == "eager"
         self.recorder = QueryRecorder()
         self.verifier, self.forward = force3_forward(model, config, len(max_lengths))  # None: per-row masks

@@ -28,7 +28,6 @@ from .. import compat
 from ..caches.buffer import BufferCache
 from ..caches.retrieval import RetrievalCache
 from ..compat import layer_devices
-from ..config import TriForceConfig
 from ..drafters import Drafter
 from ..drafters.branching import branched_chain
 from ..drafters.registry import drafting_sequence, proposal_steps
@@ -40,7 +39,7 @@ from ..verification.sampling import ChainVerifier, scores_to_probs
 from ..verification.scoring import process_rows
 from ..verification.tree import TreeVerifier
 from .report import LevelReport
-from .sizing import recent_tokens, round_rows
+from .resolved import ResolvedConfig
 from .tree_forward import score_tree
 
 
@@ -87,7 +86,7 @@ class Force2Level(Reporting):
     budget 4096, a second 189 MB cache and its first selection, 0.3 s of a 4.5 s call).
     """
 
-    def __init__(self, model, drafter: Drafter, config: TriForceConfig, processors: LogitsProcessorList,
+    def __init__(self, model, drafter: Drafter, config: ResolvedConfig, processors: LogitsProcessorList,
                  verifier: ChainVerifier, full: BufferCache, clock: Clock,
                  tree_verifier: TreeVerifier | None = None) -> None:
         self.model, self.drafter, self.config = model, drafter, config
@@ -96,9 +95,9 @@ class Force2Level(Reporting):
         self.processors, self.verifier, self.full = processors, verifier, full
         self.report = LevelReport()
         self.started = False
-        tail = config.refresh_interval * (config.gamma2 + 1) + round_rows(config)
+        tail = config.refresh_interval * (config.gamma2 + 1) + config.round_rows
         self.cache = RetrievalCache(
-            compat.num_layers(model.config), config.retrieval_budget, config.chunk_size, recent_tokens(config), tail,
+            compat.num_layers(model.config), config.retrieval_budget, config.chunk_size, config.recent_tokens, tail,
             compat.layer_windows(model.config),
         ).expect_devices(layer_devices(model))
         self.steps_since_selection = 0
@@ -123,7 +122,7 @@ class Force2Level(Reporting):
             self.select(queries, first=True)
             self.started = True
         elif self.cache.synced != self.full.length:
-            if self.cache.tail_room(self.full.length) >= round_rows(self.config):
+            if self.cache.tail_room(self.full.length) >= self.config.round_rows:
                 self.cache.sync(self.full, self.full.length)
             else:
                 self.select(queries)
@@ -270,7 +269,7 @@ class Force2Level(Reporting):
         self.cache.sync(self.full, self.full.length)
         self.steps_since_selection += 1
         low = self.config.refresh_below is not None and proposed and accepted / proposed < self.config.refresh_below
-        no_room = self.cache.tail_room(self.full.length) < round_rows(self.config)
+        no_room = self.cache.tail_room(self.full.length) < self.config.round_rows
         if self.steps_since_selection >= self.config.refresh_interval or low or no_room:
             self.select(queries)
 
@@ -288,7 +287,7 @@ class Force1Level(Reporting):
     TriForce's middle tier is measured against.
     """
 
-    def __init__(self, drafter: Drafter, config: TriForceConfig) -> None:
+    def __init__(self, drafter: Drafter, config: ResolvedConfig) -> None:
         self.drafter, self.config = drafter, config
         self.report = LevelReport()
         self.started = False

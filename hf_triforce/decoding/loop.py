@@ -25,14 +25,14 @@ from __future__ import annotations
 
 import time
 from contextlib import ExitStack
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, fields
 
 import torch
 from transformers import LogitsProcessorList, StoppingCriteriaList
 
 from .. import compat
 from ..config import TriForceConfig
-from ..drafters import DRAFTERS, DraftContext, build_drafter
+from ..drafters import DRAFTERS
 from ..drafters.model import ModelDrafter
 from ..drafters.registry import MODEL_DRAFTER, drafting_sequence, spec_of
 from ..forwards.clock import Clock, Seconds, device_clock
@@ -43,34 +43,31 @@ from ..stats import TriForceStats
 from ..verification.sampling import ChainVerifier, Sampler, TorchSampler, scores_to_probs
 from ..verification.scoring import deferred_nan_checks, process_rows, row_processors
 from ..verification.tree import TreeVerifier
-from .force3 import Force3, RaggedForce3
-from .levels import Candidates, Force1Level, Force2Level, NoDrafter
-from .lockstep import Lockstep
+from .hierarchy import Hierarchy
+from .levels import Candidates
 from .output import DecodeResult, Output, PaddedView
 from .policy import ROW_COST_SLOPE, ROW_COST_SLOPES, AdaptivePolicy, Plan, StepRecord
 from .recorder import UnreadStep
 from .report import LookupAcceptances, RowOutcome
-from .sizing import lookup_gamma2
+from .resolved import ResolvedConfig, resolve
 from .tiers import (
     kv_bytes_per_token,
     lean_self_drafting,
-    resolve_draft_precision,
-    tier_forwards,
     tier_model,
     weight_bytes,
 )
 
 
-def adaptive_policy(config: TriForceConfig, draft_name: str, max_length: int, target=None) -> AdaptivePolicy | None:
+def adaptive_policy(config: ResolvedConfig, max_length: int, target=None) -> AdaptivePolicy | None:
     """``policy="auto"``: the configured drafter plus the free n-gram lookup (and, beside a draft model, the target's
     own lean copy where it drafts lean: the ``"self"`` drafter; `lean_self_drafting`), each as Force 1 of three levels
     too if ``levels=3`` and the request (``max_length`` tokens) is longer than the retrieval budget, with
     tree plans beside the chain plans where the config sets ``tree_nodes`` (drafters that propose trees) or
     ``force2_tree_nodes`` (three levels); ``"fixed"``: None (every step runs the configured plan).
-    ``config.draft_precision`` must be concrete (`tiers.resolve_draft_precision`)."""
+    """
     if config.policy == "fixed":
         return None
-    kinds = {draft_name: spec_of(config.draft).kind}
+    kinds = {config.draft_name: spec_of(config.draft).kind}
     if target is not None and lean_self_drafting(config, target):
         kinds["self"] = DRAFTERS["self"].kind
     kinds.setdefault("ngram", DRAFTERS["ngram"].kind)  # the free lookup, scored on every step
@@ -82,7 +79,7 @@ def adaptive_policy(config: TriForceConfig, draft_name: str, max_length: int, ta
     return AdaptivePolicy(kinds, three, config.gamma1, config.gamma2, config.explore_every,
                           tree_drafters=trees, tree_nodes=config.tree_nodes if trees else 0,
                           force2_tree_nodes=config.force2_tree_nodes, tree_branch=config.tree_branch,
-                          max_lookup_gamma2=lookup_gamma2(config), row_cost_slope=row_cost_slope(target),
+                          max_lookup_gamma2=config.lookup_gamma2, row_cost_slope=row_cost_slope(target),
                           refresh_every=config.refresh_interval)
 
 
@@ -156,11 +153,11 @@ class Decoder:
     batched forwards) and every row's acceptances. Each plan's per-row levels (and, in a batch, their shared
     caches) are built on the plan's first use."""
 
-    def __init__(self, model, config: TriForceConfig, processors: LogitsProcessorList | None,
+    def __init__(self, model, config: TriForceConfig | ResolvedConfig, processors: LogitsProcessorList | None,
                  stopping_criteria: StoppingCriteriaList | None, max_lengths: list[int], do_sample: bool,
                  paddings: list[torch.Tensor] | None = None, sampler: Sampler | None = None,
                  clock: Clock | None = None) -> None:
-        config, not_lean = resolve_draft_precision(config, model)  # "auto": lean-int4 where the lean forward covers
+        config = resolve(config, model)  # "auto": lean-int4 where the lean forward covers; the sizes derived
         self.model, self.config, self.do_sample, self.max_lengths = model, config, do_sample, max_lengths
         batch = len(max_lengths)
         paddings = paddings if paddings is not None else [torch.empty(1, 0, dtype=torch.long)] * batch
@@ -173,25 +170,20 @@ class Decoder:
         # times the tiers' forwards for the policy and the stats; a device's seconds are read after the fact
         self.clock = clock if clock is not None else device_clock(model)
         self.unread: UnreadStep | None = None  # the last step's timings, where the clock reads them a step late
-        self.not_lean = not_lean
         self.stats = [TriForceStats() for _ in range(batch)]
-        # one verification rule per level (the same exact rule; separate objects so a test can alter one level)
-        self.force2_verifier = ChainVerifier(do_sample, self.sampler)
+        # Force 3's exact rules (the same rule as Force 2's; their own objects, so that a test can alter one level)
         self.force3_verifier = ChainVerifier(do_sample, self.sampler)
-        self.force2_tree_verifier = TreeVerifier(do_sample, self.sampler)  # TriForceConfig.tree_nodes > 0
         self.force3_tree_verifier = TreeVerifier(do_sample, self.sampler)
         if config.trees and any(window is not None for window in compat.layer_windows(model.config)):
             raise ValueError("TriForceConfig.tree_nodes / force2_tree_nodes > 0: candidate trees are not supported "
                              "on models with sliding-window layers; use 0 (chains)")
-        self.force3 = Force3(model, config, max_lengths[0], self.clock) if batch == 1 else \
-            RaggedForce3(model, config, max_lengths, paddings, self.clock)
-        self.draft_name = config.draft if isinstance(config.draft, str) else MODEL_DRAFTER
-        self.policy = adaptive_policy(config, self.draft_name, max(max_lengths), model)
+        self.hierarchy = Hierarchy(model, config, self.processors, do_sample, self.sampler, self.clock, max_lengths,
+                                   paddings)
+        self.force3 = self.hierarchy.force3
+        self.draft_name = config.draft_name
+        self.policy = adaptive_policy(config, max(max_lengths), model)
         self.fixed_plan = Plan(config.levels, self.draft_name, config.gamma1, config.gamma2,
                                force1_tree=bool(config.tree_nodes), force2_tree=bool(config.force2_tree_nodes))
-        self.lockstep = Lockstep(batch)
-        self.drafters: dict[str, list] = {}  # name -> per row
-        self.levels_by_plan: dict[tuple[int, str], list] = {}  # (2, drafter) or (3, "") -> per row
         self.tiers_run: set[str] = set()  # "force2" and the drafters of the plans that ran a step
         self.force3_seconds: float | Seconds = 0.0  # the call's
         self.prefill_seconds = 0.0
@@ -200,48 +192,13 @@ class Decoder:
     def batch(self) -> int:
         return len(self.max_lengths)
 
-    def drafter(self, b: int, name: str):
-        """Row ``b``'s drafter ``name`` (``"model"``: the config's draft model); every row's built at once, and in
-        a batch model drafters' caches share storage."""
-        if name not in self.drafters:
-            config = self.config if name == self.draft_name else replace(self.config, draft=name)
-            force1 = lambda model: tier_model(model, config.draft_precision, 1, config.tier_compile)  # noqa: E731
-            rows = [build_drafter(DraftContext(self.model, config, processors, self.do_sample, self.sampler,
-                                               self.force3.row(r), self.clock, force1))
-                    for r, processors in enumerate(self.processors)]
-            for stats, drafter in zip(self.stats, rows):
-                if isinstance(drafter, ModelDrafter):
-                    stats.draft_caches[name] = f"{drafter.cache.positions} positions, filled by {drafter.fill}"
-            if self.batch > 1 and all(isinstance(drafter, ModelDrafter) for drafter in rows):
-                self.lockstep.share([drafter.cache for drafter in rows], f"draft:{name}")
-            self.drafters[name] = rows
-        return self.drafters[name][b]
+    @property
+    def force2_verifier(self) -> ChainVerifier:
+        return self.hierarchy.force2_verifier
 
-    def drafting_seconds(self, b: int) -> float:
-        """Seconds row ``b``'s drafters spent (in a batch, the shared forwards it took part in)."""
-        return float(sum(drafters[b].seconds for drafters in self.drafters.values()))
-
-    def level(self, b: int, plan: Plan):
-        """Row ``b``'s level for ``plan``: None (plain), `Force1Level` or `Force2Level` (its retrieval cache synced
-        from row ``b`` of the full cache; in a batch, a row of a cache shared by every row's)."""
-        if plan.levels == 1:
-            return None
-        key = (plan.levels, plan.drafter if plan.levels == 2 else "")  # one Force 2 whoever drafts for it
-        if key not in self.levels_by_plan:
-            if plan.levels == 2:
-                rows = [Force1Level(self.drafter(r, plan.drafter), self.config) for r in range(self.batch)]
-            else:  # Force 2's model (a lean copy is made here if not yet: only where a three-level step runs)
-                target = tier_model(self.model, self.config.draft_precision, 2, self.config.tier_compile)
-                rows = [Force2Level(target, NoDrafter(), self.config, self.processors[r], self.force2_verifier,
-                                    self.force3.row(r), self.clock, self.force2_tree_verifier)
-                        for r in range(self.batch)]
-            if plan.levels == 3 and self.batch > 1:
-                self.lockstep.share([level.cache for level in rows], "force2")
-            self.levels_by_plan[key] = rows
-        level = self.levels_by_plan[key][b]
-        if plan.levels == 3:  # Force 1: the plan's drafter, or none (Force 2 drafts alone)
-            level.use(self.drafter(b, plan.drafter) if plan.drafter else NoDrafter())
-        return level
+    @property
+    def force2_tree_verifier(self) -> TreeVerifier:
+        return self.hierarchy.force2_tree_verifier
 
     def run(self, prompts: list[torch.LongTensor], prefix_cache=None, streamer=None, keep_scores: bool = False,
             keep_logits: bool = False) -> DecodeResult:
@@ -299,7 +256,7 @@ class Decoder:
         """The policy's model drafters that fill their caches by a forward (a draft model; the self drafter copies
         the full cache's entries), row 0's, by name."""
         models = [name for name, kind in self.policy.drafters.items() if kind == "model"] if self.policy else []
-        return {name: drafter for name in models if (drafter := self.drafter(0, name)).source is None}
+        return {name: drafter for name in models if (drafter := self.hierarchy.drafter(0, name)).source is None}
 
     def drafting_tiers(self) -> tuple[bool, set[str]]:
         """What the plans this call may choose can run: whether Force 2 (a three-level plan), and which drafters
@@ -319,7 +276,7 @@ class Decoder:
         tiers = [(self.model, 2)] if three else []
         tiers += [(model, 1) for name, model in (("self", self.model), (MODEL_DRAFTER, self.config.draft))
                   if name in drafters]
-        return [tier_model(model, self.config.draft_precision, tier, self.config.tier_compile) for model, tier in tiers]
+        return [self.hierarchy.tier_model(model, tier) for model, tier in tiers]
 
     def _start(self, prompts, prefix_cache, streamer, keep_scores: bool, keep_logits: bool,
                rows_apart: RowsApart) -> list[Row]:
@@ -357,10 +314,10 @@ class Decoder:
         if policy is not None:
             policy.started(plan)
         lookups = {row.index: self._lookup_proposals(row) for row in active}  # scored against Force 3 below
-        began, lockstep_mark = time.perf_counter(), self.lockstep.mark()
+        began, lockstep_mark = time.perf_counter(), self.hierarchy.lockstep.mark()
         # 2. candidates, the rows in lockstep
         room = {row.index: self.max_lengths[row.index] - row.out.sequence.shape[1] - 1 for row in active}
-        candidates: dict[int, Candidates] = self.lockstep.drive({
+        candidates: dict[int, Candidates] = self.hierarchy.lockstep.drive({
             row.index: level.candidate_steps(row.out.sequence, room[row.index], plan.gamma1, plan.gamma2,
                                              plan.force1_tree, plan.force2_tree, row.out.host)
             for row in active if (level := levels[row.index]) is not None})
@@ -387,7 +344,7 @@ class Decoder:
             trees = [found.tree for found in candidates.values() if found.tree is not None]  # batch size 1
             width = len(trees[0]) + 1 if trees else 1 + max(len(found.tokens) for found in candidates.values())
             lower = sum(outcome.report.lower_seconds for outcome in outcomes if outcome.report is not None)
-            repeated = self.lockstep.repeated_seconds_since(lockstep_mark)
+            repeated = self.hierarchy.lockstep.repeated_seconds_since(lockstep_mark)
             unread.record = StepRecord(plan, width, bool(trees), unread.force3_seconds, outcomes,
                                        time.perf_counter() - began, unread.force3_seconds + lower - repeated,
                                        policy.choice())
@@ -423,7 +380,7 @@ class Decoder:
     def _started_level(self, row: Row, plan: Plan, unread: UnreadStep):
         """``row``'s level for ``plan`` (None: plain), caught up with the row (a draft cache's fill, a selection:
         counted in the row's statistics with the step's timings, ``unread``, not in the step's cost)."""
-        level = self.level(row.index, plan)
+        level = self.hierarchy.level(row.index, plan)
         if level is not None:
             level.start(row.out.sequence, row.queries)
             unread.catch_ups.append((row.index, level.take_report()))
@@ -432,7 +389,7 @@ class Decoder:
     def _lookup_proposals(self, row: Row) -> dict[str, list[int]]:
         """What each free lookup drafter of the policy would propose next for ``row`` (no state, no randomness)."""
         names = [name for name, kind in self.policy.drafters.items() if kind == "lookup"] if self.policy else []
-        return {name: (drafter := self.drafter(row.index, name)).propose(
+        return {name: (drafter := self.hierarchy.drafter(row.index, name)).propose(
             drafting_sequence(drafter, row.out.sequence, row.out.host), 1)[0] for name in names}
 
     def _verify_row(self, row: Row, plan: Plan, level, candidates: Candidates, logits: torch.Tensor,
@@ -468,13 +425,7 @@ class Decoder:
     def tier_forwards(self) -> dict[str, str]:
         """Per tier that ran a drafting forward in a step (``"force1 <drafter>"``, ``"force2"``), the forward it ran,
         and Force 3's (`tiers.tier_forwards`). Lookup drafters run none."""
-        models = {}
-        for tier in sorted(self.tiers_run):
-            if tier == "force2":
-                models[tier] = self.levels_by_plan[(3, "")][0].model
-            elif isinstance(drafter := self.drafter(0, tier.removeprefix("force1 ")), ModelDrafter):
-                models[tier] = drafter.model
-        return tier_forwards(models, self.config.draft_precision, self.not_lean, self.force3.forward)
+        return self.hierarchy.tier_forwards(self.tiers_run, self.force3.forward)
 
     def _result(self, prompts: list[torch.Tensor], rows: list[Row]) -> DecodeResult:
         if self.unread is not None:  # the last step's timings (its verification's readback has waited for them)
@@ -484,24 +435,23 @@ class Decoder:
             row.out.end()
         forwards, (three, drafters) = self.tier_forwards(), self.drafting_tiers()
         attention = cpu_attention.describe(self.model)
-        force2 = self.levels_by_plan.get((3, ""), [])
+        hierarchy = self.hierarchy
         for b, stats in enumerate(self.stats):
+            stats.draft_caches.update(hierarchy.draft_caches())
             stats.tier_forwards = dict(forwards)
             stats.attention_kernel = attention
             stats.draft_precision = self.config.draft_precision if three or drafters else "none"
-            stats.force1_seconds = self.drafting_seconds(b)
+            stats.force1_seconds = hierarchy.force1_seconds(b)
             stats.new_tokens = rows[b].out.sequence.shape[1] - prompts[b].shape[1]
-            stats.force2_sees_whole_cache = bool(force2) and force2[b].started and force2[b].cache.sees_whole_cache
-            stats.retrieval_cache_bytes = sum(levels[b].nbytes() for levels in self.levels_by_plan.values())
-            stats.draft_cache_bytes = sum(drafters[b].nbytes() for drafters in self.drafters.values())
-            stats.retrieval_summary_bytes = sum(levels[b].summary_bytes() for levels in self.levels_by_plan.values())
+            stats.force2_sees_whole_cache = hierarchy.force2_sees_whole_cache(b)
+            stats.retrieval_cache_bytes = hierarchy.retrieval_cache_bytes(b)
+            stats.draft_cache_bytes = hierarchy.draft_cache_bytes(b)
+            stats.retrieval_summary_bytes = hierarchy.retrieval_summary_bytes(b)
         total = aggregate(self.stats, float(self.force3_seconds), self.prefill_seconds)
         # the call's seconds count each shared forward once (a row's stats count every forward it took part in)
-        shared = self.lockstep.seconds
-        total.force2_seconds = float(shared.get("force2", total.force2_seconds))
-        total.force1_seconds = float(sum(shared.get(f"draft:{name}", sum(drafter.seconds for drafter in drafters))
-                                         for name, drafters in self.drafters.items()))  # lookups: rows one by one
-        total.lockstep_forwards, total.lockstep_requests = self.lockstep.forwards, self.lockstep.requests
+        total.force2_seconds = float(hierarchy.lockstep.seconds.get("force2", total.force2_seconds))
+        total.force1_seconds = hierarchy.shared_force1_seconds()
+        total.lockstep_forwards, total.lockstep_requests = hierarchy.lockstep.forwards, hierarchy.lockstep.requests
         total.full_cache_bytes = self.force3.nbytes()
         total.device_resident_bytes = (self.force3.resident_bytes() + total.retrieval_cache_bytes
                                        + total.draft_cache_bytes + total.retrieval_summary_bytes)

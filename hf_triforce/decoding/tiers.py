@@ -4,10 +4,11 @@ One call decides its tiers along one path, all in this module:
 
 1. ``triforce_generate`` refuses, before the prefill, an explicit lean precision a drafting model cannot take
    (`check_lean_eligible` over `drafting_models`, the models Force 1 and Force 2 may run).
-2. `loop.Decoder` (`candidates.TriForceCandidateGenerator` under ``loop="assisted"``) resolves the config once,
-   `resolve_draft_precision`: ``"auto"`` by `lean_support` and `lean_refusal`, ``tier_compile="auto"`` by the device;
-   every later step reads that config, and `loop.adaptive_policy` asks `lean_self_drafting` whether the target drafts.
-3. A plan's first use builds each tier's model by `tier_model` (Force 2 for the levels, Force 1 for `drafters.model`):
+2. `resolved.resolve` resolves the config once per call, before anything is built, by `resolve_draft_precision`:
+   ``"auto"`` by `lean_support` and `lean_refusal`, ``tier_compile="auto"`` by the device; every later step reads
+   that `resolved.ResolvedConfig`, and `loop.adaptive_policy` asks `lean_self_drafting` whether the target drafts.
+3. A plan's first use builds each tier's model by `tier_model` (`hierarchy.Hierarchy`: Force 2 for its levels, and
+   through `drafters.DraftContext.force1_model` Force 1 for `drafters.model`):
    a cached `LeanModel` (`lean_model`) or its compiled view, or `kernels.quantized.drafting_model`.
 4. `tier_forward` names the forward each tier ran; `weight_bytes` and `kv_bytes_per_token` price the tiers.
 5. Force 3's verification forward (`force3_forward`, asked by `force3.Force3` and `force3.RaggedForce3` before the

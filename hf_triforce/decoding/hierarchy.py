@@ -1,0 +1,138 @@
+"""`Hierarchy`: one call's tiers, built once from the target, a resolved config and the rows, and driven by the
+library's loop (`loop.Decoder`) or transformers' (`candidates.TriForceCandidateGenerator`).
+
+    Force 3    the target on its full cache: `force3.Force3` / `force3.RaggedForce3` (the cache sized by
+               `force3.full_cache`), or the cache transformers' loop verifies on (``full_cache=``)
+    drafters   per name, one per row (the configured drafter, and the policy's others), built on first use; in a batch
+               model drafters' caches share storage (`Lockstep`)
+    levels     per plan, one per row: `levels.Force1Level` (two levels) over the plan's drafter, or
+               `levels.Force2Level` (three levels: Force 2's retrieval cache over the full cache) with the plan's
+               drafter as its Force 1; built on the plan's first use
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..drafters import DraftContext, build_drafter
+from ..drafters.model import ModelDrafter
+from ..forwards.clock import Clock
+from ..verification.sampling import ChainVerifier, Sampler
+from ..verification.tree import TreeVerifier
+from .force3 import Force3, RaggedForce3
+from .levels import Force1Level, Force2Level, NoDrafter
+from .lockstep import Lockstep
+from .policy import Plan
+from .resolved import ResolvedConfig
+from .tiers import tier_forwards, tier_model
+
+
+class Hierarchy:
+    """The tiers of one call over ``len(processors)`` rows (module docstring). Row ``b`` has its own processors,
+    drafters, levels and row of the full cache; every random draw goes through ``sampler``, every forward is timed on
+    ``clock``.
+
+    ``full_cache``: the cache transformers' loop runs Force 3 on (batch size 1; no `Force3` then); else Force 3 is
+    built here for rows of up to ``max_lengths`` tokens (``paddings``: each row's left padding, a batch's)."""
+
+    def __init__(self, model, config: ResolvedConfig, processors: list, do_sample: bool, sampler: Sampler,
+                 clock: Clock, max_lengths: list[int] | None = None, paddings: list[torch.Tensor] | None = None,
+                 full_cache=None) -> None:
+        self.model, self.config, self.processors = model, config, processors
+        self.do_sample, self.sampler, self.clock = do_sample, sampler, clock
+        self.batch = len(processors)
+        if full_cache is not None:
+            self.force3, self.external = None, full_cache
+        elif self.batch == 1:
+            self.force3, self.external = Force3(model, config, max_lengths[0], clock), None
+        else:
+            self.force3, self.external = RaggedForce3(model, config, max_lengths, paddings, clock), None
+        # Force 2's exact rules (the same rule as Force 3's; their own objects, so that a test can alter one level)
+        self.force2_verifier = ChainVerifier(do_sample, sampler)
+        self.force2_tree_verifier = TreeVerifier(do_sample, sampler)  # TriForceConfig.force2_tree_nodes > 0
+        self.lockstep = Lockstep(self.batch)
+        self.drafters: dict[str, list] = {}  # name -> per row
+        self.levels: dict[tuple[int, str], list] = {}  # (2, drafter) or (3, "") -> per row
+
+    def full(self, b: int):
+        """Row ``b`` of Force 3's full cache."""
+        return self.external if self.force3 is None else self.force3.row(b)
+
+    def tier_model(self, model, tier: int):
+        """The model Force ``tier`` (1 or 2) runs for ``model`` at the drafting precision (`tiers.tier_model`)."""
+        return tier_model(model, self.config.draft_precision, tier, self.config.tier_compile)
+
+    def drafter(self, b: int, name: str):
+        """Row ``b``'s drafter ``name`` (``"model"``: the config's draft model); every row's built at once, and in a
+        batch model drafters' caches share storage."""
+        if name not in self.drafters:
+            config = self.config if name == self.config.draft_name else self.config.with_draft(name)
+            force1 = lambda model: self.tier_model(model, 1)  # noqa: E731
+            rows = [build_drafter(DraftContext(self.model, config, processors, self.do_sample, self.sampler,
+                                               self.full(r), self.clock, force1))
+                    for r, processors in enumerate(self.processors)]
+            if self.batch > 1 and all(isinstance(drafter, ModelDrafter) for drafter in rows):
+                self.lockstep.share([drafter.cache for drafter in rows], f"draft:{name}")
+            self.drafters[name] = rows
+        return self.drafters[name][b]
+
+    def level(self, b: int, plan: Plan):
+        """Row ``b``'s level for ``plan``: None (plain), `Force1Level` or `Force2Level` (its retrieval cache synced
+        from row ``b`` of the full cache; in a batch, a row of a cache shared by every row's)."""
+        if plan.levels == 1:
+            return None
+        key = (plan.levels, plan.drafter if plan.levels == 2 else "")  # one Force 2 whoever drafts for it
+        if key not in self.levels:
+            if plan.levels == 2:
+                rows = [Force1Level(self.drafter(r, plan.drafter), self.config) for r in range(self.batch)]
+            else:  # Force 2's model (a lean copy is made here if not yet: only where a three-level step runs)
+                target = self.tier_model(self.model, 2)
+                rows = [Force2Level(target, NoDrafter(), self.config, self.processors[r], self.force2_verifier,
+                                    self.full(r), self.clock, self.force2_tree_verifier)
+                        for r in range(self.batch)]
+            if plan.levels == 3 and self.batch > 1:
+                self.lockstep.share([level.cache for level in rows], "force2")
+            self.levels[key] = rows
+        level = self.levels[key][b]
+        if plan.levels == 3:  # Force 1: the plan's drafter, or none (Force 2 drafts alone)
+            level.use(self.drafter(b, plan.drafter) if plan.drafter else NoDrafter())
+        return level
+
+    def draft_caches(self) -> dict[str, str]:
+        """`TriForceStats.draft_caches`: per model drafter built, its cache's positions and how it is filled."""
+        return {name: f"{rows[0].cache.positions} positions, filled by {rows[0].fill}"
+                for name, rows in self.drafters.items() if isinstance(rows[0], ModelDrafter)}
+
+    def tier_forwards(self, tiers: set[str], force3: str) -> dict[str, str]:
+        """Per tier of ``tiers`` (``"force1 <drafter>"``, ``"force2"``) that runs a drafting forward, the forward it
+        runs, and Force 3's, ``force3`` (`tiers.tier_forwards`). Lookup drafters run none."""
+        models = {}
+        for tier in sorted(tiers):
+            if tier == "force2":
+                models[tier] = self.levels[(3, "")][0].model
+            elif isinstance(drafter := self.drafter(0, tier.removeprefix("force1 ")), ModelDrafter):
+                models[tier] = drafter.model
+        return tier_forwards(models, self.config.draft_precision, self.config.not_lean, force3)
+
+    def force1_seconds(self, b: int) -> float:
+        """Seconds row ``b``'s drafters spent (in a batch, the shared forwards it took part in)."""
+        return float(sum(drafters[b].seconds for drafters in self.drafters.values()))
+
+    def shared_force1_seconds(self) -> float:
+        """Seconds every row's drafters spent, each shared forward once (lookups: rows one by one)."""
+        shared = self.lockstep.seconds
+        return float(sum(shared.get(f"draft:{name}", sum(drafter.seconds for drafter in drafters))
+                         for name, drafters in self.drafters.items()))
+
+    def force2_sees_whole_cache(self, b: int) -> bool:
+        force2 = self.levels.get((3, ""), [])
+        return bool(force2) and force2[b].started and force2[b].cache.sees_whole_cache
+
+    def retrieval_cache_bytes(self, b: int) -> int:
+        return sum(levels[b].nbytes() for levels in self.levels.values())
+
+    def retrieval_summary_bytes(self, b: int) -> int:
+        return sum(levels[b].summary_bytes() for levels in self.levels.values())
+
+    def draft_cache_bytes(self, b: int) -> int:
+        return sum(drafters[b].nbytes() for drafters in self.drafters.values())
