@@ -28,7 +28,7 @@ import torch
 from hf_triforce import TriForceConfig
 from hf_triforce.drafters.model import ModelDrafter
 from hf_triforce.drafters.registry import register_drafter
-from hf_triforce.forwards.steps import run_inline
+from hf_triforce.forwards.forward import run_inline
 from hf_triforce.kernels.quantized import drafting_model
 from hf_triforce.stats import TriForceStats
 from hf_triforce.tools import assets

@@ -105,7 +105,7 @@ def run_assisted(model, ids: torch.LongTensor, processors, criteria, generation_
     """Prefill and decode ``ids`` ``[1, n]`` (no padding; ``prefix``: a cache holding its start) in transformers'
     loop; returns what ``_assisted_decoding`` returns and the `TriForceCandidateGenerator` (its ``full`` cache, its
     ``stats``). ``sampler``: the tiers' random draws (default: torch's global RNG, as transformers' loop)."""
-    resolved = resolve(config, model, loop="assisted")
+    resolved = resolve(config, model, driver="assisted")
     cache = full_cache(model, resolved, [generation_config.max_length])
     with recording_attention(model), ExitStack() as stack:
         generator = TriForceCandidateGenerator(model, generation_config, processors, triforce_config=resolved,

@@ -44,7 +44,7 @@ from .decoding.policy import Plan
 from .decoding.preflight import check_model
 from .decoding.resolved import ResolvedConfig, resolve
 from .forwards.clock import device_clock
-from .forwards.steps import run_inline
+from .forwards.forward import run_inline
 from .kernels import cpu_attention
 from .kernels.attention import QueryRecorder
 from .request import check_request, recording_attention
@@ -137,7 +137,7 @@ class TriForceCandidateGenerator(compat.CandidateGenerator):
                  input_ids: torch.LongTensor | None = None, inputs_tensor: torch.Tensor | None = None,
                  assistant_model=None) -> None:
         generation_config = generation_config if generation_config is not None else model.generation_config
-        config = resolve(resolve_config(generation_config, triforce_config, assistant_model), model, loop="assisted")
+        config = resolve(resolve_config(generation_config, triforce_config, assistant_model), model, driver="assisted")
         model_kwargs = model_kwargs or {}
         if full_cache is None:
             self._check_foreign_call(model, config, input_ids, generation_config, model_kwargs, logits_processor)

@@ -1,4 +1,4 @@
-"""Token ids as tensors: appended to a sequence, or copied to a device without waiting for it."""
+"""Token ids: appended to a sequence, copied to a device without waiting for it, compared with what was committed."""
 
 from __future__ import annotations
 
@@ -24,3 +24,13 @@ def device_tokens(tokens: list[int], device: torch.device) -> torch.Tensor:
     if torch.device(device).type != "cuda":
         return host.to(device)
     return host.pin_memory().to(device, non_blocking=True)
+
+
+def agreement(committed: list[int], tokens: list[int]) -> int:
+    """How many of ``tokens`` (proposed from some position on) the ``committed`` tokens from that position on
+    still hold: where a cache that holds their entries must roll back to after verification (that position +
+    this). Host lists: the host knows every committed token from the verifications' readbacks."""
+    agree = 0
+    while agree < min(len(tokens), len(committed)) and committed[agree] == tokens[agree]:
+        agree += 1
+    return agree

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from hf_triforce import TriForceConfig
-from hf_triforce.decoding import loop
+from hf_triforce.decoding import loop, report
 from hf_triforce.decoding.policy import AdaptivePolicy, Plan
 from hf_triforce.drafters import ngram
 from hf_triforce.forwards.clock import HostClock, Seconds, device_clock
@@ -98,7 +98,7 @@ def observed_call(model, prompt, monkeypatch, immediate: bool):
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: syncs.__setitem__(0, syncs[0] + 1))
     plans = itertools.cycle(PLANS)
     # the host's own timings (the step walls, the n-gram lookup's) fixed: both calls are told the same numbers
-    for module in (loop, ngram):
+    for module in (loop, report, ngram):
         monkeypatch.setattr(module, "time", SimpleNamespace(perf_counter=lambda: 0.0))
     monkeypatch.setattr(AdaptivePolicy, "choose", lambda policy, remaining=None: next(plans))
     observe_forward, observe_step = AdaptivePolicy.observe_forward, AdaptivePolicy.observe_step

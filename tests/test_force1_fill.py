@@ -78,7 +78,7 @@ def test_an_absolute_drafter_predicts_at_the_tokens_own_positions():
 
 
 def _run(drafter: ModelDrafter, sequence: torch.Tensor):
-    from hf_triforce.forwards.steps import run_inline
+    from hf_triforce.forwards.forward import run_inline
 
     return run_inline(drafter._draft_steps(sequence, 1))
 

@@ -4,7 +4,7 @@ A step may read values back only to accept: one readback per verification (each 
 plus one for the stopping criteria of the tokens it commits. Every method that reads a tensor's value on the
 host is patched to count (`HostReads`), and a call's count is bounded by its verifications: a read added
 anywhere in a step fails the bound. The data-dependent retrieval re-selection the CPU keeps (a CPU read is no
-sync, and it copies only the chunks that changed) is switched to its sync-free form (`caches.layer.sync_free`) here.
+sync, and it copies only the chunks that changed) is switched to its sync-free form (`buffer.sync_free`) here.
 
 Greedy and sampled calls have the same bound. Sampling, every draw stays on the device until its verification's
 readback (`Sampler.device_categorical` for each drafted token and the token after the accepted ones,
@@ -24,7 +24,6 @@ import torch
 
 from hf_triforce import TriForceConfig
 from hf_triforce.caches import buffer
-from hf_triforce.caches import layer as buffer_layer
 from hf_triforce.decoding.loop import Decoder
 
 from .conftest import make_model, random_prompt
@@ -104,7 +103,7 @@ def count_reads(model, monkeypatch, prompt, mode="greedy", **config):
 
     monkeypatch.setattr(Decoder, "_step", marked)
     monkeypatch.setattr(Decoder, "_lookup_proposals", proposals)
-    monkeypatch.setattr(buffer_layer, "sync_free", lambda device: True)
+    monkeypatch.setattr(buffer, "sync_free", lambda device: True)
     torch.manual_seed(0)
     reads.active = True
     out = model.generate(prompt, max_new_tokens=40, triforce_config=config, return_dict_in_generate=True,
@@ -150,7 +149,7 @@ def test_the_sync_free_reselection_lays_out_what_the_data_dependent_one_does(mon
     first = {i: torch.randn(2, 6, 4) for i in range(2)}
     caches = []
     for free in (False, True):
-        monkeypatch.setattr(buffer_layer, "sync_free", lambda device, free=free: free)
+        monkeypatch.setattr(buffer, "sync_free", lambda device, free=free: free)
         cache = RetrievalCache(2, budget=96, chunk_size=8, recent=16, tail_capacity=40)
         cache.select(full, 203, first)
         caches.append(cache)
@@ -160,7 +159,7 @@ def test_the_sync_free_reselection_lays_out_what_the_data_dependent_one_does(mon
             layer.write(torch.randn(2, 3, grown, 4), torch.randn(2, 3, grown, 4))
         queries = {i: torch.randn(2, 6, 4) for i in range(2)}
         for free, cache in zip((False, True), caches):
-            monkeypatch.setattr(buffer_layer, "sync_free", lambda device, free=free: free)
+            monkeypatch.setattr(buffer, "sync_free", lambda device, free=free: free)
             cache.select(full, full.length, queries)
         data_dependent, sync_free = caches
         assert all(torch.equal(a, b) for a, b in zip(data_dependent._held, sync_free._held))

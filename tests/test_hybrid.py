@@ -13,8 +13,8 @@ import torch
 from transformers import DynamicCache, LogitsProcessorList, TopKLogitsWarper
 
 from hf_triforce import TriForceConfig
+from hf_triforce.caches.buffer import WindowLayer
 from hf_triforce.caches.sink_window import make_layer_rerotations
-from hf_triforce.caches.window import WindowLayer
 from hf_triforce.compat import layer_windows
 from hf_triforce.decoding.policy import AdaptivePolicy, Plan
 

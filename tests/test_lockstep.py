@@ -14,7 +14,7 @@ from hf_triforce.caches.buffer import BufferCache
 from hf_triforce.caches.sink_window import SinkWindowCache, make_layer_rerotations
 from hf_triforce.compat import num_layers
 from hf_triforce.decoding.lockstep import Lockstep
-from hf_triforce.forwards.steps import ForwardRequest
+from hf_triforce.forwards.forward import ForwardRequest
 from hf_triforce.integration import recording_attention
 
 from .conftest import make_model, random_prompt

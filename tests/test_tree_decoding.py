@@ -70,7 +70,7 @@ def test_drafter_forgets_force2_chain_past_an_accepted_alternative(gqa_model, mo
 
     from hf_triforce.decoding.levels import Force2Level
     from hf_triforce.drafters.model import ModelDrafter
-    from hf_triforce.forwards.steps import run_inline
+    from hf_triforce.forwards.forward import run_inline
 
     commit, checked = Force2Level.commit, []
 

@@ -15,8 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from .buffer import BufferCache
-from .window import WindowLayer
+from .buffer import BufferCache, WindowLayer
 
 
 class RetrievalCache(BufferCache):

@@ -7,8 +7,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from ..compat import layer_rotary, num_layers, rotary_embedding
-from .buffer import BufferCache
-from .window import WindowLayer
+from .buffer import BufferCache, WindowLayer
 
 Rerotate = Callable[[torch.Tensor, int], torch.Tensor]
 

@@ -65,8 +65,8 @@ class Force3:
         self.uncached = 1  # tokens of the sequence fed before the candidates in the last `score`
         # the chains' verification forward (`tiers.force3_forward`): None, transformers' forward; else the target's
         # native lean forward at fixed shapes, whose queries come out stacked ([layers, 1, heads, n, dim])
-        self.verifier, self.forward = force3_forward(model, config)
-        self.stacked: torch.Tensor | None = None  # the last `score`'s queries where the verifier ran it
+        self.lean_forward, self.forward = force3_forward(model, config)
+        self.stacked: torch.Tensor | None = None  # the last `score`'s queries where the lean forward ran it
 
     def row(self, b: int) -> BufferCache:
         return self.cache
@@ -99,9 +99,9 @@ class Force3:
         if found.tree is not None:
             logits, scores = score_tree(self.model, cache, cache.length, sequence, found.tree, processors[b],
                                         self.recorder)
-        elif self.verifier is not None:
+        elif self.lean_forward is not None:
             extended = append_tokens(sequence, found.tokens)
-            logits, scores, self.stacked = score_fixed_shape(self.verifier, cache, extended, sequence.shape[1],
+            logits, scores, self.stacked = score_fixed_shape(self.lean_forward, cache, extended, sequence.shape[1],
                                                              processors[b])
         else:
             extended = append_tokens(sequence, found.tokens)
@@ -139,7 +139,7 @@ class RaggedForce3:
         self.cache = full_cache(model, config, max_lengths)
         self.additive_mask = compat.current_attention_implementation(model).removeprefix("triforce_") == "eager"
         self.recorder = QueryRecorder()
-        self.verifier, self.forward = force3_forward(model, config, len(max_lengths))  # None: per-row masks
+        self.lean_forward, self.forward = force3_forward(model, config, len(max_lengths))  # None: per-row masks
 
     def row(self, b: int) -> BufferCache:
         return self.cache.row(b)

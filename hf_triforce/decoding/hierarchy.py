@@ -17,6 +17,7 @@ import torch
 from ..drafters import DraftContext, build_drafter
 from ..drafters.model import ModelDrafter
 from ..forwards.clock import Clock
+from ..forwards.forward import Steps, run_inline
 from ..verification.sampling import ChainVerifier, Sampler
 from ..verification.tree import TreeVerifier
 from .force3 import Force3, RaggedForce3
@@ -97,6 +98,14 @@ class Hierarchy:
         if plan.levels == 3:  # Force 1: the plan's drafter, or none (Force 2 drafts alone)
             level.use(self.drafter(b, plan.drafter) if plan.drafter else NoDrafter())
         return level
+
+    def drive(self, steps: dict[int, Steps]) -> dict:
+        """Run each row's candidate generator (``steps``: row -> a level's ``candidate_steps``) to its end; returns each
+        row's result. Batch size 1 runs each forward when it is asked for (`run_inline`); a batch, its rows in
+        lockstep (`Lockstep.drive`: rows whose caches share storage in one forward)."""
+        if self.batch == 1:
+            return {b: run_inline(row_steps) for b, row_steps in steps.items()}
+        return self.lockstep.drive(steps)
 
     def draft_caches(self) -> dict[str, str]:
         """`TriForceStats.draft_caches`: per model drafter built, its cache's positions and how it is filled."""

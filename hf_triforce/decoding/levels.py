@@ -3,7 +3,7 @@ Force 3 (`Force1Level`, two levels).
 
 A level's ``start(sequence, queries)`` catches it up before a step that uses it (a draft cache's fill, the first
 retrieval selection, a sync after steps without it). ``candidate_steps(sequence, limit, gamma1, gamma2,
-force1_tree, force2_tree)`` is a generator of its forwards (`hf_triforce.forwards.steps`: a batch's rows run them
+force1_tree, force2_tree)`` is a generator of its forwards (`hf_triforce.forwards.forward`: a batch's rows run them
 in lockstep) that returns a `Candidates`: up to ``limit`` tokens and, row by row, the exact distribution each was
 drawn from (``None``: point masses, or greedy decoding), or a candidate tree. After Force 3 has committed,
 ``commit(sequence, accepted, proposed, queries, committed)`` is told the committed sequence (its last token not yet
@@ -32,9 +32,9 @@ from ..drafters import Drafter
 from ..drafters.branching import branched_chain
 from ..drafters.registry import drafting_sequence, proposal_steps
 from ..forwards.clock import Clock
-from ..forwards.steps import ForwardRequest, Steps, run_inline
-from ..tokens import append_tokens
-from ..verification.draft_tree import DraftTree, agreement
+from ..forwards.forward import ForwardRequest, Steps, run_inline
+from ..tokens import agreement, append_tokens
+from ..verification.draft_tree import DraftTree
 from ..verification.sampling import ChainVerifier, scores_to_probs
 from ..verification.scoring import process_rows
 from ..verification.tree import TreeVerifier
@@ -145,7 +145,7 @@ class Force2Level(Reporting):
         return run_inline(self.score_steps(sequence, proposals))
 
     def score_steps(self, sequence: torch.Tensor, proposals: list[int] | torch.Tensor) -> Steps[torch.Tensor]:
-        """`scores` as a generator of its forward (`hf_triforce.forwards.steps`)."""
+        """`scores` as a generator of its forward (`hf_triforce.forwards.forward`)."""
         extended = append_tokens(sequence, proposals) if len(proposals) else sequence
         rows = extended.shape[1] - self.seen  # the forward's rows (`seen` counts them in once it has run)
         request = ForwardRequest(self.model, self.cache, extended[:, self.seen :], self.seen, len(proposals) + 1,
@@ -198,7 +198,7 @@ class Force2Level(Reporting):
         """Up to ``min(gamma2, limit)`` tokens (gammas default to the config's); ``force1_tree``: Force 1
         proposes trees of ``tree_nodes``, ``force2_tree``: a tree of ``force2_tree_nodes`` goes up (both default
         to whether the config sets those); ``host``: the sequence's host copy, for a lookup Force 1
-        (`registry.drafting_sequence`). A generator of its forwards (`hf_triforce.forwards.steps`)."""
+        (`registry.drafting_sequence`). A generator of its forwards (`hf_triforce.forwards.forward`)."""
         force1_tree = bool(self.config.tree_nodes) if force1_tree is None else force1_tree
         force2_tree = bool(self.config.force2_tree_nodes) if force2_tree is None else force2_tree
         gamma1 = self.config.gamma1 if gamma1 is None else gamma1
@@ -302,7 +302,7 @@ class Force1Level(Reporting):
                         force2_tree: bool | None = None, host: np.ndarray | None = None) -> Steps[Candidates]:
         """Up to ``min(gamma2, limit)`` tokens, or (``force1_tree``, default: whether the config sets
         ``tree_nodes``) Force 1's tree of that depth; ``gamma1`` and ``force2_tree`` are unused (no Force 2);
-        ``host``: as `Force2Level.candidate_steps`. A generator of its forwards (`hf_triforce.forwards.steps`)."""
+        ``host``: as `Force2Level.candidate_steps`. A generator of its forwards (`hf_triforce.forwards.forward`)."""
         force1_tree = bool(self.config.tree_nodes) if force1_tree is None else force1_tree
         wanted = min(self.config.gamma2 if gamma2 is None else gamma2, limit)
         if wanted <= 0:

@@ -3,7 +3,7 @@
 Each row of a batch has its own Force-2 retrieval cache and its own Force-1 sink+window cache, but `share`
 lays the same cache of every row into one `RaggedBufferCache`: row ``b``'s cache keeps its own class, state
 and single-row code (selection, sync, eviction, rollback) and its layers become views of row ``b`` of the
-shared buffers. `Lockstep.drive` then runs each row's tier generator (`hf_triforce.forwards.steps`) and, round after
+shared buffers. `Lockstep.drive` then runs each row's tier generator (`hf_triforce.forwards.forward`) and, round after
 round, takes the largest set of pending requests that target the same shared cache and runs them as one
 forward: row ``b``'s tokens at its own positions after its own entries, padded with dummies to the widest
 request, under a per-row mask (`ragged_causal_mask`); only each row's real entries are written. So the
@@ -24,8 +24,7 @@ import torch
 from ..caches.buffer import BufferCache, BufferLayer
 from ..caches.ragged import RaggedBufferCache, RowLayer
 from ..forwards.clock import Seconds
-from ..forwards.forward import ragged_forward
-from ..forwards.steps import ForwardRequest, Steps
+from ..forwards.forward import ForwardRequest, Steps, ragged_forward
 
 
 class Lockstep:

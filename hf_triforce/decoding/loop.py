@@ -35,7 +35,7 @@ from ..config import TriForceConfig
 from ..drafters import DRAFTERS
 from ..drafters.model import ModelDrafter
 from ..drafters.registry import MODEL_DRAFTER, drafting_sequence, spec_of
-from ..forwards.clock import Clock, Seconds, device_clock
+from ..forwards.clock import Clock, device_clock
 from ..kernels import cpu_attention
 from ..kernels.linear_routes import linear_routes
 from ..kernels.row_mixing import RowsApart
@@ -46,9 +46,8 @@ from ..verification.tree import TreeVerifier
 from .hierarchy import Hierarchy
 from .levels import Candidates
 from .output import DecodeResult, Output, PaddedView
-from .policy import ROW_COST_SLOPE, ROW_COST_SLOPES, AdaptivePolicy, Plan, StepRecord
-from .recorder import UnreadStep
-from .report import LookupAcceptances, RowOutcome
+from .policy import ROW_COST_SLOPE, ROW_COST_SLOPES, AdaptivePolicy, Plan
+from .report import StepRecorder, proposed_of
 from .resolved import ResolvedConfig, resolve
 from .tiers import (
     kv_bytes_per_token,
@@ -112,25 +111,21 @@ def aggregate(row_stats: list[TriForceStats], force3_seconds: float, prefill_sec
     return total
 
 
-def fixed_shape_counts(fixed_shapes: list, before: list[tuple], tier_mode: str, verifier) -> dict:
+def fixed_shape_counts(fixed_shapes: list, before: list[tuple], tier_mode: str, lean_forward) -> dict:
     """`TriForceStats.tier_compile`: what the drafting tiers' fixed-shape forwards ran and compiled since ``before``
-    (their counters then), and under ``"force3"`` what Force 3's (``verifier``'s, the last of ``fixed_shapes``) did."""
+    (their counters then), and under ``"force3"`` what Force 3's lean forward (``lean_forward``'s, the last of
+    ``fixed_shapes``) did."""
     def counts(pairs, mode: str) -> dict:
         return {"mode": mode, "forwards": sum(f.calls - b[0] for f, b in pairs),
                 "compiles": sum(f.compiles - b[1] for f, b in pairs),
                 "compile_seconds": sum(f.compile_seconds - b[2] for f, b in pairs)}
 
     pairs = list(zip(fixed_shapes, before))
-    own = pairs.pop() if verifier is not None else None
+    own = pairs.pop() if lean_forward is not None else None
     compiled = counts(pairs, tier_mode) if pairs else {}
     if own is not None:
         compiled["force3"] = counts([own], own[0].mode)
     return compiled
-
-
-def proposed_of(candidates: Candidates) -> int:
-    """Tokens a step proposed: a chain's length, a tree's depth (so that acceptance compares with chains')."""
-    return len(candidates.tokens) if candidates.tree is None else max(candidates.tree.depths(), default=0)
 
 
 @dataclass
@@ -169,7 +164,6 @@ class Decoder:
         self.sampler = sampler if sampler is not None else TorchSampler()
         # times the tiers' forwards for the policy and the stats; a device's seconds are read after the fact
         self.clock = clock if clock is not None else device_clock(model)
-        self.unread: UnreadStep | None = None  # the last step's timings, where the clock reads them a step late
         self.stats = [TriForceStats() for _ in range(batch)]
         # Force 3's exact rules (the same rule as Force 2's; their own objects, so that a test can alter one level)
         self.force3_verifier = ChainVerifier(do_sample, self.sampler)
@@ -184,8 +178,8 @@ class Decoder:
         self.policy = adaptive_policy(config, max(max_lengths), model)
         self.fixed_plan = Plan(config.levels, self.draft_name, config.gamma1, config.gamma2,
                                force1_tree=bool(config.tree_nodes), force2_tree=bool(config.force2_tree_nodes))
-        self.tiers_run: set[str] = set()  # "force2" and the drafters of the plans that ran a step
-        self.force3_seconds: float | Seconds = 0.0  # the call's
+        # timing and accounting: each row's statistics, the call's Force-3 seconds, the policy's observations
+        self.recorder = StepRecorder(self.stats, self.policy, self.clock, self.hierarchy.lockstep, do_sample)
         self.prefill_seconds = 0.0
 
     @property
@@ -208,8 +202,8 @@ class Decoder:
         tier_models = self._tier_models()  # a lean or int8 copy is made on a model's first call, then kept
         copy_seconds = time.perf_counter() - began
         fixed_shapes = list({id(f): f for f in (getattr(m, "fixed_shape", None) for m in tier_models) if f}.values())
-        verifier = self.force3.verifier
-        fixed_shapes += [verifier.fixed_shape] if verifier is not None else []
+        lean_forward = self.force3.lean_forward
+        fixed_shapes += [lean_forward.fixed_shape] if lean_forward is not None else []
         before = [(f.calls, f.compiles, f.compile_seconds) for f in fixed_shapes]
         # the models' CPU linear layers multiply few rows by the route timed fastest on this CPU (`linear_routes`)
         routes = [linear_routes(model) for model in (self.model, self.config.draft) if not isinstance(model, str)]
@@ -223,7 +217,7 @@ class Decoder:
             while active := [row for row in rows if not row.done]:
                 self._step(active)
             result = self._result(prompts, rows)
-        compiled = fixed_shape_counts(fixed_shapes, before, self.config.tier_compile, verifier)
+        compiled = fixed_shape_counts(fixed_shapes, before, self.config.tier_compile, lean_forward)
         for stats in {id(s): s for s in [*result.row_stats, result.stats]}.values():
             stats.linear_routes = routes[0].used()
             stats.linear_calibration_seconds = sum(r.calibration_seconds - c for r, c in zip(routes, calibrated))
@@ -302,88 +296,48 @@ class Decoder:
         return rows
 
     def _step(self, active: list[Row]) -> None:
-        """One Force-3 step of the ``active`` rows."""
-        policy = self.policy
-        # 1. the plan, and each row's level for it, caught up (a draft cache's fill, a selection: not the step's)
-        remaining = max(self.max_lengths[row.index] - row.out.sequence.shape[1] for row in active)
-        plan = policy.choose(remaining) if policy is not None else self.fixed_plan
-        self.tiers_run |= {"force2"} if plan.levels == 3 else set()
-        self.tiers_run |= {f"force1 {plan.drafter}"} if plan.levels > 1 and plan.drafter else set()
-        unread = UnreadStep()
-        levels = {row.index: self._started_level(row, plan, unread) for row in active}
-        if policy is not None:
-            policy.started(plan)
-        lookups = {row.index: self._lookup_proposals(row) for row in active}  # scored against Force 3 below
-        began, lockstep_mark = time.perf_counter(), self.hierarchy.lockstep.mark()
-        # 2. candidates, the rows in lockstep
-        room = {row.index: self.max_lengths[row.index] - row.out.sequence.shape[1] - 1 for row in active}
-        candidates: dict[int, Candidates] = self.hierarchy.lockstep.drive({
-            row.index: level.candidate_steps(row.out.sequence, room[row.index], plan.gamma1, plan.gamma2,
+        """One Force-3 step of the ``active`` rows: the algorithm; what it costs goes to the recorder."""
+        recorder, hierarchy = self.recorder, self.hierarchy
+        # 1. plan; each row's level for it, caught up (a draft cache's fill, a selection: not the step's cost)
+        plan = self._plan(active)
+        recorder.planned(plan)
+        levels = {row.index: self._caught_up_level(row, plan) for row in active}
+        recorder.started({row.index: self._lookup_proposals(row) for row in active})
+        # 2. candidates: every row's level proposes, the rows in lockstep
+        candidates = hierarchy.drive({
+            row.index: level.candidate_steps(row.out.sequence, self._room(row), plan.gamma1, plan.gamma2,
                                              plan.force1_tree, plan.force2_tree, row.out.host)
             for row in active if (level := levels[row.index]) is not None})
-        for row in active:
-            candidates.setdefault(row.index, Candidates([], None))
+        candidates = {row.index: candidates.get(row.index, Candidates([], None)) for row in active}
         # 3. one Force-3 forward scores every row's candidates
-        force3_began = self.clock.start()
+        began = self.clock.start()
         scored = self.force3.score({row.index: row.out.sequence for row in active}, candidates, self.processors)
-        unread.force3_seconds = self.clock.stop(force3_began)
-        self.force3_seconds += unread.force3_seconds
-        # the free lookups scored against each row's first row of p, read with the verifications' readbacks
-        looked_up = {row.index: LookupAcceptances(lookups[row.index], scored[row.index][1][0], self.do_sample)
-                     for row in active}
+        recorder.scored(began, scored)
         # 4. per row: verify against its own p, keep what Force 3 accepted, commit, its level told
-        outcomes = []
         for row in active:
             level, found = levels[row.index], candidates[row.index]
             accepted, committed = self._verify_row(row, plan, level, found, *scored[row.index])
-            report = level.take_report() if level is not None else None
-            unread.rows.append((row.index, report))
-            outcomes.append(RowOutcome(report, proposed_of(found), accepted, committed, looked_up[row.index].read()))
-        # 5. the policy told what the step cost (each forward's seconds once) and how each row's levels did
-        if policy is not None:
-            trees = [found.tree for found in candidates.values() if found.tree is not None]  # batch size 1
-            width = len(trees[0]) + 1 if trees else 1 + max(len(found.tokens) for found in candidates.values())
-            lower = sum(outcome.report.lower_seconds for outcome in outcomes if outcome.report is not None)
-            repeated = self.hierarchy.lockstep.repeated_seconds_since(lockstep_mark)
-            unread.record = StepRecord(plan, width, bool(trees), unread.force3_seconds, outcomes,
-                                       time.perf_counter() - began, unread.force3_seconds + lower - repeated,
-                                       policy.choice())
-        self._timed(unread)
+            recorder.row(row.index, level.take_report() if level is not None else None, found, accepted, committed)
+        # 5. learn: the policy told what the step cost and how each row's levels did
+        recorder.ended(candidates)
 
-    def _timed(self, step: UnreadStep) -> None:
-        """A finished step's timings, counted (`_count`) now on an immediate clock; on a device's, at the end of the
-        next step (or of the call), after that step's readbacks have waited for the device: the work this step
-        launched after its own last readback (a level's commit: a re-selection) has then finished, so reading its
-        events waits for nothing and the policy learns each step's costs one step late."""
-        if self.clock.immediate:
-            self._count(step)
-            return
-        step, self.unread = self.unread, step
-        if step is not None:
-            self._count(step)
+    def _plan(self, active: list[Row]) -> Plan:
+        """The step's plan: the configured one, or the adaptive policy's for the tokens the longest row may add."""
+        if self.policy is None:
+            return self.fixed_plan
+        return self.policy.choose(max(self.max_lengths[row.index] - row.out.sequence.shape[1] for row in active))
 
-    def _count(self, step: UnreadStep) -> None:
-        """Read a step's timings: each row's statistics counted, the policy told (its catch-ups' forwards, then the
-        step's record)."""
-        force3_seconds = float(step.force3_seconds)
-        for b, report in step.catch_ups:
-            report.add_to(self.stats[b])
-            for timing in report.timings if self.policy is not None else ():  # a catch-up selection
-                self.policy.observe_forward(*timing)
-        for b, report in step.rows:
-            self.stats[b].force3_seconds += force3_seconds
-            if report is not None:
-                report.add_to(self.stats[b])
-        if step.record is not None:
-            self.policy.observe(step.record.read())
+    def _room(self, row: Row) -> int:
+        """Candidates ``row`` has room for: its tokens left, but the one Force 3 adds."""
+        return self.max_lengths[row.index] - row.out.sequence.shape[1] - 1
 
-    def _started_level(self, row: Row, plan: Plan, unread: UnreadStep):
+    def _caught_up_level(self, row: Row, plan: Plan):
         """``row``'s level for ``plan`` (None: plain), caught up with the row (a draft cache's fill, a selection:
-        counted in the row's statistics with the step's timings, ``unread``, not in the step's cost)."""
+        counted in the row's statistics, not in the step's cost)."""
         level = self.hierarchy.level(row.index, plan)
         if level is not None:
             level.start(row.out.sequence, row.queries)
-            unread.catch_ups.append((row.index, level.take_report()))
+            self.recorder.caught_up(row.index, level.take_report())
         return level
 
     def _lookup_proposals(self, row: Row) -> dict[str, list[int]]:
@@ -425,12 +379,10 @@ class Decoder:
     def tier_forwards(self) -> dict[str, str]:
         """Per tier that ran a drafting forward in a step (``"force1 <drafter>"``, ``"force2"``), the forward it ran,
         and Force 3's (`tiers.tier_forwards`). Lookup drafters run none."""
-        return self.hierarchy.tier_forwards(self.tiers_run, self.force3.forward)
+        return self.hierarchy.tier_forwards(self.recorder.tiers_run, self.force3.forward)
 
     def _result(self, prompts: list[torch.Tensor], rows: list[Row]) -> DecodeResult:
-        if self.unread is not None:  # the last step's timings (its verification's readback has waited for them)
-            self._count(self.unread)
-            self.unread = None
+        self.recorder.finish()
         for row in rows:
             row.out.end()
         forwards, (three, drafters) = self.tier_forwards(), self.drafting_tiers()
@@ -447,7 +399,7 @@ class Decoder:
             stats.retrieval_cache_bytes = hierarchy.retrieval_cache_bytes(b)
             stats.draft_cache_bytes = hierarchy.draft_cache_bytes(b)
             stats.retrieval_summary_bytes = hierarchy.retrieval_summary_bytes(b)
-        total = aggregate(self.stats, float(self.force3_seconds), self.prefill_seconds)
+        total = aggregate(self.stats, float(self.recorder.force3_seconds), self.prefill_seconds)
         # the call's seconds count each shared forward once (a row's stats count every forward it took part in)
         total.force2_seconds = float(hierarchy.lockstep.seconds.get("force2", total.force2_seconds))
         total.force1_seconds = hierarchy.shared_force1_seconds()

@@ -44,11 +44,6 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 from statistics import median_low
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from ..forwards.clock import Seconds
-    from .report import RowOutcome
 
 # Extra cost of each additional row of a forward, as a fraction of a one-row forward, until a tier's own rows are
 # measured over `SLOPE_SPAN` rows, by device type: a CPU forward is compute-bound (SmolLM2-135M fp32, 2 threads: 9
@@ -519,9 +514,10 @@ class AdaptivePolicy:
         return seconds - tokens / best_speed if best_speed > 0 else 0.0
 
     # -- observations -----------------------------------------------------------------------------------
-    def observe(self, step: StepRecord) -> None:
-        """One finished step: what each forward cost (a forward shared by rows: its wall, once per row that took
-        part), how each row's levels did, what the free lookups would have proposed, and the step's seconds."""
+    def observe(self, step) -> None:
+        """One finished step (a `report.StepRecord`, read): what each forward cost (a forward shared by rows: its
+        wall, once per row that took part), how each row's levels did, what the free lookups would have proposed, and
+        the step's seconds."""
         plan = step.plan
         self.observe_forward("force3-tree" if step.force3_tree else "force3", step.force3_rows, step.force3_seconds)
         drafted, force1_seconds = 0, 0.0
@@ -631,27 +627,3 @@ class AdaptivePolicy:
 
     def summary(self) -> dict:
         return {name: record.to_dict() for name, record in self.records.items()}
-
-
-@dataclass
-class StepRecord:
-    """One Force-3 step of ``plan``: its forward (``force3_rows`` rows, a tree's where ``force3_tree``), each
-    active row's outcome, the step's wall seconds and the part spent in forwards (each shared forward once), and the
-    policy's decision for it. Its tier seconds are on the call's clock: the policy is handed it `read`."""
-
-    plan: Plan
-    force3_rows: int
-    force3_tree: bool
-    force3_seconds: float | Seconds
-    rows: list[RowOutcome]
-    seconds: float
-    forward_seconds: float | Seconds
-    choice: Choice | None = None  # what the policy decided for the step (None: its last decision)
-
-    def read(self) -> StepRecord:
-        """This record with its seconds and its rows' reports `LevelReport.read`. Returns itself."""
-        self.force3_seconds, self.forward_seconds = float(self.force3_seconds), float(self.forward_seconds)
-        for row in self.rows:
-            if row.report is not None:
-                row.report.read()
-        return self

@@ -32,9 +32,8 @@ import weakref
 import torch
 
 from .. import compat
-from ..caches.buffer import BufferCache
+from ..caches.buffer import BufferCache, WindowLayer
 from ..caches.sink_window import make_layer_rerotations
-from ..caches.window import WindowLayer
 from ..compat import CacheLayerMixin
 from ..config import TriForceConfig
 from ..drafters.registry import spec_of

@@ -1,7 +1,7 @@
 """`ResolvedConfig`: a call's `TriForceConfig` resolved once, before anything is built, into a frozen value holding
 every resolved choice and derived size. Everything downstream reads it; nothing resolves again.
 
-    resolve(config, target, loop)
+    resolve(config, target, driver)
         draft_precision, tier_compile   concrete (`tiers.resolve_draft_precision`: "auto" by the models and device)
         not_lean                        why ``draft_precision="auto"`` kept the models' eager forwards (None: not)
         draft_name                      the configured drafter's name (``"model"`` for a draft model)
@@ -9,14 +9,13 @@ every resolved choice and derived size. Everything downstream reads it; nothing 
         recent_tokens, round_rows,      (the library's loop, whose adaptive policy may verify longer lookup chains) or
         force3_rows, force3_room        ``"assisted"`` (transformers' loop: at most ``gamma2`` candidates a step)
 
-Every field of the `TriForceConfig` reads through (``resolved.gamma2``), so that a resolved config goes wherever a
-config goes.
+Every field of the `TriForceConfig` (and its ``refresh_interval``, ``trees``) is an attribute of the resolved value
+too (``resolved.gamma2``), so that a resolved config goes wherever a config goes.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
-from typing import Any
+from dataclasses import dataclass, fields, replace
 
 from ..config import TriForceConfig
 from ..drafters.registry import MODEL_DRAFTER
@@ -31,7 +30,7 @@ class ResolvedConfig:
     """A `TriForceConfig` with its choices made concrete for one target and its sizes derived (module docstring)."""
 
     config: TriForceConfig  # draft_precision and tier_compile concrete
-    loop: str
+    driver: str  # the loop that drives the hierarchy (`LOOPS`)
     not_lean: str | None
     draft_name: str
     lookup_gamma2: int  # most tokens a lookup drafter proposes straight to Force 3
@@ -41,28 +40,28 @@ class ResolvedConfig:
     force3_rows: int  # most candidates one Force-3 verification scores
     force3_room: int  # rows Force 3's cache keeps past the request: the candidates, the bonus token, one more
 
-    def __getattr__(self, name: str) -> Any:
-        if name == "config":  # not yet set (copying, unpickling)
-            raise AttributeError(name)
-        return getattr(self.config, name)
+    def __post_init__(self) -> None:
+        # every field of the config, and its derived properties, read as attributes of this value
+        for name in [f.name for f in fields(self.config)] + ["refresh_interval", "trees"]:
+            object.__setattr__(self, name, getattr(self.config, name))
 
     def with_draft(self, name: str) -> ResolvedConfig:
         """This resolution with ``draft=name`` (another drafter of the policy's; the sizes do not depend on it)."""
         return replace(self, config=replace(self.config, draft=name), draft_name=name)
 
 
-def resolve(config: TriForceConfig | ResolvedConfig, target, loop: str = "triforce") -> ResolvedConfig:
-    """``config`` resolved for ``target`` driven by ``loop`` (`LOOPS`); a `ResolvedConfig` is returned as it is."""
+def resolve(config: TriForceConfig | ResolvedConfig, target, driver: str = "triforce") -> ResolvedConfig:
+    """``config`` resolved for ``target`` driven by ``driver`` (`LOOPS`); a `ResolvedConfig` is returned as it is."""
     if isinstance(config, ResolvedConfig):
         return config
-    if loop not in LOOPS:
-        raise ValueError(f"loop must be one of {LOOPS}, got {loop!r}")
+    if driver not in LOOPS:
+        raise ValueError(f"driver must be one of {LOOPS}, got {driver!r}")
     concrete, not_lean = resolve_draft_precision(config, target)
     # transformers' loop asks for at most gamma2 candidates a step (no adaptive policy lengthens a lookup's chain)
-    lookup = lookup_gamma2(concrete) if loop == "triforce" else concrete.gamma2
-    rows = force3_rows(concrete) if loop == "triforce" else concrete.gamma2
+    lookup = lookup_gamma2(concrete) if driver == "triforce" else concrete.gamma2
+    rows = force3_rows(concrete) if driver == "triforce" else concrete.gamma2
     return ResolvedConfig(
-        config=concrete, loop=loop, not_lean=not_lean,
+        config=concrete, driver=driver, not_lean=not_lean,
         draft_name=concrete.draft if isinstance(concrete.draft, str) else MODEL_DRAFTER,
         lookup_gamma2=lookup, proposal_rows=proposal_rows(concrete), recent_tokens=recent_tokens(concrete),
         round_rows=round_rows(concrete), force3_rows=rows, force3_room=rows + 2,

@@ -1,6 +1,7 @@
-"""Sizes the decoder derives from a `TriForceConfig`: how many rows a verification scores, how many tokens a
-lookup chain may hold, how many recent tokens the retrieval cache keeps. Functions of the configuration, not fields
-of it: a user sets ``gamma1``, ``gamma2``, the tree sizes and the retrieval fields; these follow."""
+"""Sizes derived from a `TriForceConfig`, once per call by `resolved.resolve`: how many rows a verification
+scores, how many tokens a lookup chain may hold, how many recent tokens the retrieval cache keeps. Functions of the
+configuration, not fields of it: a user sets ``gamma1``, ``gamma2``, the tree sizes and the retrieval fields; these
+follow."""
 
 from __future__ import annotations
 

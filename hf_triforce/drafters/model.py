@@ -8,10 +8,10 @@ from ..caches.buffer import BufferCache
 from ..caches.sink_window import SinkWindowCache, copy_refusal, make_layer_rerotations
 from ..compat import layer_devices, num_layers
 from ..forwards.clock import Clock, HostClock, Seconds
-from ..forwards.steps import ForwardRequest, Steps, run_inline
+from ..forwards.forward import ForwardRequest, Steps, run_inline
 from ..kernels.lean import LeanModel
-from ..tokens import append_tokens
-from ..verification.draft_tree import DraftTree, agreement
+from ..tokens import agreement, append_tokens
+from ..verification.draft_tree import DraftTree
 from ..verification.sampling import Sampler, scores_to_probs
 from ..verification.scoring import process_rows
 from .branching import branched_chain
@@ -112,7 +112,7 @@ class ModelDrafter:
 
     def propose_steps(self, sequence: torch.Tensor, n: int) -> Steps[tuple[list[int] | torch.Tensor,
                                                                           torch.Tensor | None]]:
-        """`propose` as a generator of its forwards (`hf_triforce.forwards.steps`): a batch drafts its rows together.
+        """`propose` as a generator of its forwards (`hf_triforce.forwards.forward`): a batch drafts its rows together.
         The tokens stay on the device (a ``[n]`` tensor) until verification reads them with its own readback."""
         tokens, _, probs = yield from self._draft_steps(sequence, n)
         return tokens, (torch.stack(probs) if probs else None)

@@ -6,7 +6,7 @@ is called with the length of a committed prefix of the sequence; ``prefill(promp
 proposal. ``seconds`` accumulates the time spent proposing. A ``"lookup"`` drafter's ``propose`` must have no
 side effects and draw no random numbers: the adaptive policy asks it every step what it would propose
 (counterfactual scoring), whether or not the step uses it. A drafter that runs a model may also offer
-``propose_steps(sequence, n)``, `propose` as a generator of its forwards (`hf_triforce.forwards.steps`), so that a
+``propose_steps(sequence, n)``, `propose` as a generator of its forwards (`hf_triforce.forwards.forward`), so that a
 batch drafts all its rows in one forward per token. A drafter that reads token values (the lookups) sets
 ``host_sequence = True`` and is then given the sequence's host copy, an int64 NumPy array ``[1, n]``, where the
 decoder has one (`drafting_sequence`).
@@ -23,7 +23,7 @@ import torch
 from transformers import LogitsProcessorList
 
 from ..forwards.clock import Clock, HostClock
-from ..forwards.steps import Steps
+from ..forwards.forward import Steps
 from ..verification.sampling import Sampler
 
 

@@ -109,16 +109,6 @@ class DraftTree:
         return torch.tensor([[first - 1 + depth for depth in self.depths()]], device=device)
 
 
-def agreement(committed: list[int], tokens: list[int]) -> int:
-    """How many of ``tokens`` (proposed from some position on) the ``committed`` tokens from that position on
-    still hold: where a cache that holds their entries must roll back to after verification (that position +
-    this). Host lists: the host knows every committed token from the verifications' readbacks."""
-    agree = 0
-    while agree < min(len(tokens), len(committed)) and committed[agree] == tokens[agree]:
-        agree += 1
-    return agree
-
-
 def without(law: torch.Tensor, tokens: list[int]) -> torch.Tensor:
     """``law`` with ``tokens`` removed and renormalised: the law of the next draw without replacement.
 
