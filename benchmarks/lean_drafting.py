@@ -42,8 +42,7 @@ from transformers import DynamicCache, LogitsProcessorList, TemperatureLogitsWar
 
 from hf_triforce import TriForceConfig
 from hf_triforce.caches.buffer import BufferCache
-from hf_triforce.decoding import tiers
-from hf_triforce.drafters import model as drafter_module
+from hf_triforce.decoding import hierarchy, tiers
 from hf_triforce.drafters.model import ModelDrafter
 from hf_triforce.forwards.forward import forward_logits
 from hf_triforce.integration import recording_attention
@@ -170,13 +169,14 @@ def acceptance(model, ids, prefix, new: int, frequent: int, samples: int) -> dic
         out[f"static {mode}"] = {"decode_seconds": walls, "load": load()}
         print(f"  {'static (baseline)':28s} {mode:8s} decode {statistics.median(walls):6.1f} s  load {load()}",
               flush=True)
-    real_tier_model, real_force2 = drafter_module.tier_model, dict(tiers.FORCE2_PRECISION)
+    real_tier_model, real_force2 = hierarchy.tier_model, dict(tiers.FORCE2_PRECISION)
     subset = vocabulary(model, ids, frequent)
     for label, precision, force2, restricted in variants:
         if force2 is not None:
             tiers.FORCE2_PRECISION[precision] = force2
         if restricted:
-            drafter_module.tier_model = lambda m, p, tier, *rest: real_tier_model(m, p, tier, *rest).restricted(subset)
+            hierarchy.tier_model = lambda m, p, tier, *rest: real_tier_model(m, p, tier, *rest).restricted(subset) \
+                if tier == 1 else real_tier_model(m, p, tier, *rest)
         try:
             for mode, sampling, seeds in (("greedy", {"do_sample": False}, [0]), ("sampled", SAMPLING, range(samples))):
                 config = TriForceConfig(draft="self", policy="fixed", levels=3, gamma1=2, gamma2=6,
@@ -204,7 +204,7 @@ def acceptance(model, ids, prefix, new: int, frequent: int, samples: int) -> dic
                       f"{1e3 * row['force1_seconds_per_draft']:6.2f} ms/draft  F2 "
                       f"{1e3 * row['force2_seconds_per_verification']:6.2f} ms/verify  load {load()}", flush=True)
         finally:
-            drafter_module.tier_model = real_tier_model
+            hierarchy.tier_model = real_tier_model
             tiers.FORCE2_PRECISION.update(real_force2)
     return out
 

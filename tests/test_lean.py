@@ -204,11 +204,11 @@ def test_rows_that_depend_on_each_other_are_caught(tiny, monkeypatch):
 def test_a_restricted_drafting_vocabulary_keeps_the_law_exact(tiny, monkeypatch, lean_calls):
     """Force 1 scoring tokens 0-2 only (q is 0 for token 3, in 86% of the target's continuations): the residual
     covers it."""
-    from hf_triforce.drafters import model as drafter_module
+    from hf_triforce.decoding import hierarchy
 
-    real = drafter_module.tier_model
-    monkeypatch.setattr(drafter_module, "tier_model",
-                        lambda m, p, tier, *mode: real(m, p, tier, *mode).restricted(torch.tensor([0, 1, 2])))
+    real = hierarchy.tier_model  # what the hierarchy hands the drafters as Force 1's model (tier 1)
+    monkeypatch.setattr(hierarchy, "tier_model", lambda m, p, tier, *mode: real(m, p, tier, *mode).restricted(
+        torch.tensor([0, 1, 2])) if tier == 1 else real(m, p, tier, *mode))
     model, prompt = tiny
     processors = LogitsProcessorList([TopKLogitsWarper(2)])
     config = TriForceConfig(draft="self", draft_precision="lean-int4", **ENUMERATION)
