@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import time
 from contextlib import ExitStack
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import torch
 from transformers import LogitsProcessorList, StoppingCriteriaList
@@ -47,7 +47,7 @@ from .hierarchy import Hierarchy
 from .levels import Candidates
 from .output import DecodeResult, Output, PaddedView
 from .policy import ROW_COST_SLOPE, ROW_COST_SLOPES, AdaptivePolicy, Plan
-from .report import StepRecorder, proposed_of
+from .report import StepRecorder, aggregate, proposed_of
 from .resolved import ResolvedConfig, resolve
 from .tiers import (
     kv_bytes_per_token,
@@ -86,29 +86,6 @@ def row_cost_slope(target) -> float:
     """The per-row cost prior of ``target``'s device type (`policy.ROW_COST_SLOPES`; a CPU's for any other)."""
     device = getattr(target, "device", None)
     return ROW_COST_SLOPES.get(getattr(device, "type", "cpu"), ROW_COST_SLOPE)
-
-
-def aggregate(row_stats: list[TriForceStats], force3_seconds: float, prefill_seconds: float) -> TriForceStats:
-    """The call's statistics: counts and per-row seconds summed, flags true if true for any row, Force-3 and
-    prefill seconds of the call (`Decoder` then counts each shared lower-tier forward once)."""
-    total = TriForceStats(draft_precision=row_stats[0].draft_precision)
-    for f in fields(TriForceStats):
-        values = [getattr(s, f.name) for s in row_stats]
-        if isinstance(values[0], bool):
-            setattr(total, f.name, any(values))
-        elif isinstance(values[0], str):  # a description, the same in every row
-            setattr(total, f.name, values[0])
-        elif isinstance(values[0], (int, float)):
-            setattr(total, f.name, sum(values))
-        elif isinstance(values[0], dict):
-            merged: dict = {}
-            for value in values:
-                for key, count in value.items():  # counts summed; descriptions (the same in every row) kept
-                    merged[key] = count if isinstance(count, str) else merged.get(key, 0) + count
-            setattr(total, f.name, merged)
-    total.force3_steps = max(s.force3_steps for s in row_stats)  # Force-3 forwards
-    total.force3_seconds, total.prefill_seconds = force3_seconds, prefill_seconds
-    return total
 
 
 def fixed_shape_counts(fixed_shapes: list, before: list[tuple], tier_mode: str, lean_forward) -> dict:

@@ -17,7 +17,8 @@ from ..verification.scoring import read_back
 @dataclass
 class DecodeResult:
     """One call's output. ``stats`` is the call's: batch size 1, the row's own; a batch, counts summed over rows and
-    each shared forward's seconds counted once (`aggregate`). ``scores``/``logits``/``cache``: batch size 1 only."""
+    each shared forward's seconds counted once (`report.aggregate`). ``scores``/``logits``/``cache``: batch size 1
+    only."""
 
     sequences: list[torch.LongTensor]  # per row [1, n_b], without its left padding
     row_stats: list[TriForceStats]

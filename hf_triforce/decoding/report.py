@@ -24,7 +24,7 @@ costs one step late. On an immediate clock they are counted when the step ends.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import torch
 
@@ -249,3 +249,26 @@ class StepRecorder:
                 report.add_to(self.stats[b])
         if step.record is not None:
             self.policy.observe(step.record.read())
+
+
+def aggregate(row_stats: list[TriForceStats], force3_seconds: float, prefill_seconds: float) -> TriForceStats:
+    """The call's statistics: counts and per-row seconds summed, flags true if true for any row, Force-3 and
+    prefill seconds of the call (`Decoder` then counts each shared lower-tier forward once)."""
+    total = TriForceStats(draft_precision=row_stats[0].draft_precision)
+    for f in fields(TriForceStats):
+        values = [getattr(s, f.name) for s in row_stats]
+        if isinstance(values[0], bool):
+            setattr(total, f.name, any(values))
+        elif isinstance(values[0], str):  # a description, the same in every row
+            setattr(total, f.name, values[0])
+        elif isinstance(values[0], (int, float)):
+            setattr(total, f.name, sum(values))
+        elif isinstance(values[0], dict):
+            merged: dict = {}
+            for value in values:
+                for key, count in value.items():  # counts summed; descriptions (the same in every row) kept
+                    merged[key] = count if isinstance(count, str) else merged.get(key, 0) + count
+            setattr(total, f.name, merged)
+    total.force3_steps = max(s.force3_steps for s in row_stats)  # Force-3 forwards
+    total.force3_seconds, total.prefill_seconds = force3_seconds, prefill_seconds
+    return total
