@@ -75,9 +75,10 @@ class CacheView:
         return int(self.cache.get_seq_length())
 
 
-def resolve_config(generation_config, triforce_config, assistant_model) -> TriForceConfig:
-    """The `TriForceConfig` of a generator: the one given, else ``generation_config.triforce_config`` (a dict on a
-    patched transformers; ``assistant_model``, if any, as its draft model), else the default; chains only."""
+def requested_config(generation_config, triforce_config, assistant_model) -> TriForceConfig | ResolvedConfig:
+    """The `TriForceConfig` a generator is asked for: the one given (resolved already by `assisted.run_assisted`),
+    else ``generation_config.triforce_config`` (a dict on a patched transformers; ``assistant_model``, if any, as its
+    draft model), else the default; chains only."""
     config = triforce_config
     if config is None:
         raw = getattr(generation_config, "triforce_config", None)
@@ -137,7 +138,8 @@ class TriForceCandidateGenerator(compat.CandidateGenerator):
                  input_ids: torch.LongTensor | None = None, inputs_tensor: torch.Tensor | None = None,
                  assistant_model=None) -> None:
         generation_config = generation_config if generation_config is not None else model.generation_config
-        config = resolve(resolve_config(generation_config, triforce_config, assistant_model), model, driver="assisted")
+        requested = requested_config(generation_config, triforce_config, assistant_model)
+        config = resolve(requested, model, driver="assisted")  # once; a config resolved by the caller as it is
         model_kwargs = model_kwargs or {}
         if full_cache is None:
             self._check_foreign_call(model, config, input_ids, generation_config, model_kwargs, logits_processor)
