@@ -10,7 +10,6 @@ Routes: ``POST /v1/chat/completions``, ``POST /v1/completions`` (streamed or not
 replica that answered in the header ``x-triforce-replica`` (``<host>:<process id>``).
 """
 
-from __future__ import annotations
 
 import asyncio
 import json

@@ -110,7 +110,7 @@ class Engine:
             cache = DynamicCache(config=self.model.config)
         with torch.no_grad():
             for begin in range(reused, tokens.shape[0], self.prefill_chunk_size):
-                self.model(ids[:, begin : begin + self.prefill_chunk_size], past_key_values=cache, use_cache=True,
+                self.model(ids[:, begin : begin + self.prefill_chunk_size], cache=cache, use_cache=True,
                            logits_to_keep=1)
         if self.store is not None and reused < tokens.shape[0]:
             self.store.put(tokens, cache)
@@ -138,7 +138,7 @@ class Engine:
             stats = out.triforce_stats
         else:
             if cache is not None:
-                kwargs["past_key_values"] = self._static_copy(cache, n + kwargs["max_new_tokens"])
+                kwargs["cache"] = self._static_copy(cache, n + kwargs["max_new_tokens"])
             out = self.model.generate(ids, streamer=_TokenSink(job, on_token, clock), return_dict_in_generate=True,
                                       **kwargs)
             stats = None

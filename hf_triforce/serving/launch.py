@@ -27,7 +27,8 @@ def deployment_options(replicas: int, autoscaling: str | None, threads: int | No
         except json.JSONDecodeError as error:
             raise ValueError(f"--autoscaling: not JSON ({error}): {autoscaling!r}") from error
         if not isinstance(config, dict):
-            raise ValueError(f"--autoscaling must be a JSON object (Ray Serve's autoscaling_config), got {autoscaling!r}")
+            raise ValueError(f"--autoscaling must be a JSON object (Ray Serve's autoscaling_config), got "
+                             f"{autoscaling!r}")
         options["autoscaling_config"] = config
     else:
         if replicas < 1:
