@@ -89,7 +89,7 @@ def ask(client, model: str, document: str, question: str, new_tokens: int) -> di
     """One streamed greedy chat request: the client's timings and the server's figures."""
     sent = time.perf_counter()
     first = last = None
-    figures, completion_tokens = {}, 0
+    figures, completion_tokens, text = {}, 0, ""
     stream = client.chat.completions.create(
         model=model, messages=[{"role": "user", "content": f"{document}\n\n{question}"}], max_tokens=new_tokens,
         temperature=0, stream=True, stream_options={"include_usage": True})
@@ -98,6 +98,7 @@ def ask(client, model: str, document: str, question: str, new_tokens: int) -> di
             figures, completion_tokens = chunk.usage.model_extra["triforce"], chunk.usage.completion_tokens
             prompt_tokens, cached = chunk.usage.prompt_tokens, chunk.usage.prompt_tokens_details.cached_tokens
         elif chunk.choices and chunk.choices[0].delta.content:
+            text += chunk.choices[0].delta.content
             now = time.perf_counter()
             first = first or now
             last = now
@@ -105,7 +106,8 @@ def ask(client, model: str, document: str, question: str, new_tokens: int) -> di
     return {"ttft_s": (first or last or sent) - sent, "decode_tok_s_server": figures.get("decode_tokens_per_second"),
             "decode_tok_s_client": client_rate, "completion_tokens": completion_tokens,
             "prompt_tokens": prompt_tokens, "cached_tokens": cached,
-            "force3_acceptance": figures.get("force3_acceptance"), "plan_steps": figures.get("plan_steps")}
+            "force3_acceptance": figures.get("force3_acceptance"), "plan_steps": figures.get("plan_steps"),
+            "text": text}
 
 
 def run_mode(args, mode: str, docs: list[str], shared: list[str], seconds: list[str]) -> dict:
@@ -156,6 +158,10 @@ def table(results: dict) -> str:
                          f"{_median(r['decode_tok_s_server'] for r in rows) or 0:.2f} | "
                          f"{_median(r['decode_tok_s_client'] for r in rows) or 0:.2f} | "
                          f"{_median(r['cached_tokens'] for r in rows):.0f} |")
+    if len(results) == 2:  # greedy: TriForce's answers must be plain decoding's, request by request
+        (_, one), (_, other) = results.items()
+        same = all(a["text"] == b["text"] for load in one for a, b in zip(one[load], other[load]))
+        lines.append(f"\ngreedy answers identical with and without TriForce: {'yes' if same else 'NO'}")
     for mode, runs in results.items():
         first, second = runs["second"]
         lines.append(f"\n{mode}: second question on one document: TTFT {second['ttft_s']:.2f} s against the first's "
