@@ -163,6 +163,7 @@ BAD = [
     ({"triforce": {"gamma1": 0}}, "gamma1"),
     ({"triforce": {"draft": "bogus"}}, "draft"),
     ({"max_tokens": 4000}, "max_tokens"),
+    ({"generation_config": "{not json"}, "generation_config"),
     ({"messages": [{"role": "user", "content": _words(3, 2100)}]}, "2048"),
 ]
 

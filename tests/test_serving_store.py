@@ -117,3 +117,14 @@ def test_sliding_window_models_are_named_unsupported():
 def test_serve_options_are_checked_before_starting(argv, named):
     with pytest.raises(SystemExit, match=named):
         main(argv)
+
+
+def test_replicas_and_autoscaling_are_deployment_options():
+    from hf_triforce.serving.launch import deployment_options
+
+    fixed = deployment_options(3, None, 4, 16)
+    assert fixed["num_replicas"] == 3 and fixed["ray_actor_options"] == {"num_cpus": 4}
+    scaled = deployment_options(1, '{"min_replicas": 1, "max_replicas": 4}', None, 16)
+    assert scaled["autoscaling_config"] == {"min_replicas": 1, "max_replicas": 4} and "num_replicas" not in scaled
+    with pytest.raises(ValueError, match="--autoscaling"):
+        deployment_options(1, "{max", None, 16)

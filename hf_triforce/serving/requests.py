@@ -93,7 +93,7 @@ class RequestParser:
             inputs = self.chat.render_messages(self._engine, body["messages"], body)
         except (KeyError, TypeError) as error:
             raise BadRequest(f"messages: {type(error).__name__}: {error}") from error
-        kwargs = self.chat._build_generation_kwargs(body, self.generation_config)
+        kwargs = self._generation_kwargs(self.chat, body)
         return self._parsed(body, inputs["input_ids"], kwargs, extension, "messages")
 
     def completion_request(self, body: dict) -> Parsed:
@@ -106,8 +106,14 @@ class RequestParser:
         if body.get("suffix") is not None:
             raise BadRequest("suffix is not supported")
         ids = self.tokenizer(prompt, return_tensors="pt").input_ids
-        kwargs = self.completion._build_generation_kwargs(body, self.generation_config)
+        kwargs = self._generation_kwargs(self.completion, body)
         return self._parsed(body, ids, kwargs, extension, "prompt")
+
+    def _generation_kwargs(self, handler, body: dict) -> dict:
+        try:
+            return handler._build_generation_kwargs(body, self.generation_config)
+        except (TypeError, ValueError) as error:  # the other fields are checked in `_common`
+            raise BadRequest(f"generation_config: {type(error).__name__}: {error}") from error
 
     def _common(self, body: dict) -> TriForceConfig | None:
         """Checks every endpoint shares; removes the extension field from ``body`` and returns its configuration."""
@@ -157,6 +163,9 @@ class RequestParser:
         temperature = body.get("temperature")
         if temperature is not None and temperature > 0:
             kwargs["do_sample"] = True  # as OpenAI: a temperature above 0 samples
+        if not kwargs.get("do_sample"):  # greedy: the sampling settings would only draw generate's warnings
+            for name in ("temperature", "top_p", "top_k"):
+                kwargs.pop(name, None)
         seed = kwargs.pop("seed", None)
         if kwargs.get("stop_strings") is not None and isinstance(kwargs["stop_strings"], str):
             kwargs["stop_strings"] = [kwargs["stop_strings"]]
