@@ -22,7 +22,7 @@ from .serving_util import save_chat_model, start_server, stop_server
 
 # small budgets, so that prompts of a few hundred tokens run all three tiers
 TRIFORCE = {"retrieval_budget": 64, "chunk_size": 8, "window": 32}
-NEW_TOKENS = 24
+NEW_TOKENS = 16
 MODEL_NAME = "tiny-chat"
 
 
@@ -99,7 +99,7 @@ def test_concurrent_greedy_answers_equal_generate(served):
     each equal to the single-process TriForce answer."""
     url, model, tokenizer = served
     documents = [_words(seed, 160) for seed in range(4)]
-    requests = [(("chat", "text")[i % 2], f"{documents[i % 4]} {_words(100 + i % 8, 6)}", bool(i // 2 % 2))
+    requests = [(("chat", "text")[i % 2], f"{documents[i % 4]} {_words(100 + i % 4, 6)}", bool(i // 8 % 2))
                 for i in range(32)]
     expected = {}
     for kind, content, _ in requests:

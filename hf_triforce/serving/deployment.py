@@ -28,9 +28,10 @@ from .requests import BadRequest, Parsed, RequestParser
 from .responses import DONE, ChatResponses, TextResponses, error_body, error_event, usage
 
 REPLICA_HEADER = "x-triforce-replica"
-DOCUMENT_HEADER = "serve_multiplexed_model_id"  # Ray Serve's routing header
 
+# Ray Serve's class ingress takes the app where the class is defined; each replica process holds its own copy
 app = FastAPI(title="hf-triforce")
+DOCUMENTS_PER_REPLICA = 1024  # document ids a replica is routed before Ray Serve forgets its least recent
 
 
 @app.exception_handler(BadRequest)
@@ -47,7 +48,7 @@ class ServerSettings:
     triforce: the server's `TriForceConfig` fields as a JSON object, or ``"off"`` for plain decoding.
     store_bytes / min_prefix_tokens: the prefix store's budget and shortest reused prefix (`PrefixStore`).
     threads: torch threads per replica (None: torch's default).
-    documents_per_replica: how many document ids a replica is routed before Ray forgets the oldest.
+    dtype: the model's dtype (``"float32"``, ``"bfloat16"``).
     """
 
     model: str
@@ -56,7 +57,6 @@ class ServerSettings:
     store_bytes: int = 4 << 30
     min_prefix_tokens: int = 256
     threads: int | None = None
-    documents_per_replica: int = 1024
     dtype: str = "float32"
 
 
@@ -116,12 +116,10 @@ class TriForceServer:
                                     triforce_setting(settings.triforce))
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="generate")
         self.replica = f"{socket.gethostname()}:{os.getpid()}"
-        self.documents_seen = 0
 
-    @serve.multiplexed(max_num_models_per_replica=1024)
+    @serve.multiplexed(max_num_models_per_replica=DOCUMENTS_PER_REPLICA)
     async def document(self, document_id: str) -> str:
         """Registers a document id with this replica, so that Ray Serve routes its next requests here."""
-        self.documents_seen += 1
         return document_id
 
     async def _route(self) -> None:

@@ -13,6 +13,7 @@ from dataclasses import asdict
 from .deployment import ServerSettings, TriForceServer, triforce_setting
 
 APP_NAME = "hf-triforce"
+LOCAL_OBJECT_STORE_BYTES = 256 << 20
 
 
 def deployment_options(replicas: int, autoscaling: str | None, threads: int | None,
@@ -51,8 +52,9 @@ def launch(settings: ServerSettings, host: str = "127.0.0.1", port: int = 8000, 
         # the replicas import this package as the driver does (a checkout run in place included)
         package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         path = os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH")) if p)
+        # the object store carries requests and answers only (tensors stay in the replicas): a small one
         ray.init(num_cpus=cluster_cpus or os.cpu_count(), include_dashboard=False, log_to_driver=False,
-                 runtime_env={"env_vars": {"PYTHONPATH": path}})
+                 object_store_memory=LOCAL_OBJECT_STORE_BYTES, runtime_env={"env_vars": {"PYTHONPATH": path}})
     else:
         ray.init(address=address, log_to_driver=False)
     serve.start(http_options={"host": host, "port": port})
