@@ -164,6 +164,7 @@ BAD = [
     ({"triforce": {"draft": "bogus"}}, "draft"),
     ({"max_tokens": 4000}, "max_tokens"),
     ({"generation_config": "{not json"}, "generation_config"),
+    ({"generation_config": '{"num_beams": 2}'}, "num_beams"),  # refused by generate(triforce_config=...)
     ({"messages": [{"role": "user", "content": _words(3, 2100)}]}, "2048"),
 ]
 
@@ -177,6 +178,19 @@ def test_bad_requests_get_400_naming_the_field(served, change, named):
     assert named in response.json()["error"]["message"]
     assert httpx.post(f"{url}/v1/chat/completions", timeout=60, json={
         "model": MODEL_NAME, "messages": [{"role": "user", "content": "t5 t6"}], "max_tokens": 2}).status_code == 200
+
+
+def test_a_stream_that_fails_ends_in_an_error(served):
+    """A generation refused once streaming has begun: the client gets the error, and no finishing chunk."""
+    url, _, _ = served
+    stream = _client(url).chat.completions.create(
+        model=MODEL_NAME, messages=[{"role": "user", "content": "t5 t6"}], max_tokens=4, stream=True,
+        extra_body={"generation_config": json.dumps({"num_beams": 2})})
+    finished = []
+    with pytest.raises(openai.APIError, match="num_beams"):
+        for chunk in stream:
+            finished += [choice.finish_reason for choice in chunk.choices if choice.finish_reason]
+    assert not finished
 
 
 def test_models_route(served):

@@ -1,10 +1,10 @@
 """OpenAI request bodies (``/v1/chat/completions``, ``/v1/completions``) to `Job` s, checked.
 
-Built on `transformers serve`'s own handlers (transformers 5.24-5.25, ``transformers.cli.serving``): their request
-schemas (a field outside them is refused with HTTP 422, as there), their chat-template rendering, and their mapping
-of the OpenAI fields to ``generate`` arguments (``max_tokens``, ``stop`` as ``stop_strings``, ``frequency_penalty``,
-``logit_bias``, ``seed``, the default of at least 1024 new tokens). This module is the serving layer's one contact
-with those handlers. On top, each value the server cannot honour is refused with HTTP 400 and a message naming the
+Built on `transformers serve`'s own handlers (transformers 5.24-5.25, ``transformers.cli.serving``, reached through
+`hf_triforce.compat.ServeRequestHandling`): their request schemas (a field outside them is refused with HTTP 422, as
+there), their chat-template rendering, and their mapping of the OpenAI fields to ``generate`` arguments
+(``max_tokens``, ``stop`` as ``stop_strings``, ``frequency_penalty``, ``logit_bias``, ``seed``, the default of at
+least 1024 new tokens). On top, each value the server cannot honour is refused with HTTP 400 and a message naming the
 field (`BadRequest`): a model it does not serve, ``n`` other than 1, a negative temperature, a prompt that leaves no
 room in the model's context, an unknown or invalid ``triforce`` field.
 
@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, fields, replace
-from types import SimpleNamespace
 from typing import Any
 
 import torch
 
+from ..compat import ServeRequestHandling
 from ..config import TriForceConfig
 from .engine import Job
 
@@ -38,16 +38,6 @@ class Parsed:
     job: Job
     stream: bool
     include_usage: bool
-
-
-def _handlers():
-    """transformers serve's chat and text completion handlers (no model manager: only their request logic runs)."""
-    from transformers.cli.serving.chat_completion import ChatCompletionHandler
-    from transformers.cli.serving.completion import CompletionHandler
-    from transformers.cli.serving.utils import GenerationState
-
-    state = GenerationState()
-    return ChatCompletionHandler(None, state), CompletionHandler(None, state)
 
 
 def triforce_from_body(value: Any, base: TriForceConfig | None) -> TriForceConfig | None:
@@ -75,43 +65,39 @@ class RequestParser:
 
     def __init__(self, model_id: str, tokenizer, generation_config, context_length: int | None,
                  triforce: TriForceConfig | None) -> None:
-        from transformers.cli.serving.utils import Modality
-
         self.model_id, self.tokenizer, self.generation_config = model_id, tokenizer, generation_config
         self.context_length, self.triforce = context_length, triforce
-        self.chat, self.completion = _handlers()
-        # what transformers serve's chat rendering reads of its engine
-        self._engine = SimpleNamespace(processor=tokenizer, modality=Modality.LLM, use_cb=False)
+        self.serve = ServeRequestHandling(tokenizer)
 
     def chat_request(self, body: dict) -> Parsed:
         """A ``/v1/chat/completions`` body."""
         extension = self._common(body)
-        self.chat._validate_request(body)
+        self.serve.validate("chat", body)
         if not isinstance(body.get("messages"), list) or not body["messages"]:
             raise BadRequest("messages must be a non-empty list of messages")
         try:
-            inputs = self.chat.render_messages(self._engine, body["messages"], body)
+            inputs = self.serve.render_chat(body)
         except (KeyError, TypeError) as error:
             raise BadRequest(f"messages: {type(error).__name__}: {error}") from error
-        kwargs = self._generation_kwargs(self.chat, body)
+        kwargs = self._generation_kwargs("chat", body)
         return self._parsed(body, inputs["input_ids"], kwargs, extension, "messages")
 
     def completion_request(self, body: dict) -> Parsed:
         """A ``/v1/completions`` body (a text prompt, no chat template)."""
         extension = self._common(body)
-        self.completion._validate_request(body)
+        self.serve.validate("text", body)
         prompt = body.get("prompt")
         if not isinstance(prompt, str) or not prompt:
             raise BadRequest("prompt must be a non-empty string")
         if body.get("suffix") is not None:
             raise BadRequest("suffix is not supported")
         ids = self.tokenizer(prompt, return_tensors="pt").input_ids
-        kwargs = self._generation_kwargs(self.completion, body)
+        kwargs = self._generation_kwargs("text", body)
         return self._parsed(body, ids, kwargs, extension, "prompt")
 
-    def _generation_kwargs(self, handler, body: dict) -> dict:
+    def _generation_kwargs(self, endpoint: str, body: dict) -> dict:
         try:
-            return handler._build_generation_kwargs(body, self.generation_config)
+            return self.serve.generation_kwargs(endpoint, body, self.generation_config)
         except (TypeError, ValueError) as error:  # the other fields are checked in `_common`
             raise BadRequest(f"generation_config: {type(error).__name__}: {error}") from error
 
