@@ -25,7 +25,7 @@ import torch
 
 from .native_build import CSRC, load_checked
 
-SOURCES = (CSRC / "decode_attention.c", CSRC / "decode_attention_span.h")  # compiled, included
+SOURCES = (CSRC / "decode_attention.c", CSRC / "decode_attention_span.h", CSRC / "vectors.h")  # compiled, included
 HEAD_DIMS = (64, 128)
 # New tokens per call it takes: a decoding step, and verifications up to the longest chain the policy runs (a lookup's
 # 10 tokens + 1). Against ATen's route (one-row SDPA; else the cheaper of one masked call and split-KV), an AVX-512
@@ -36,6 +36,7 @@ MAX_NEW_TOKENS = 11
 # Cached entries from which the kernel runs a call (it is cheaper from 1024 on, the shortest measured)
 MIN_CACHED = 1024
 ENV = "HF_TRIFORCE_CPU_ATTENTION"
+ELEMENTS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # the kernel's element codes (csrc/vectors.h)
 
 
 class _Kernel:
@@ -43,7 +44,7 @@ class _Kernel:
         self.library = library
         pointer, long, integer = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
         self.attend = self.library.triforce_attend
-        self.attend.argtypes = [integer, pointer, pointer, pointer, long, long, long, long, integer, integer,
+        self.attend.argtypes = [integer, integer, pointer, pointer, pointer, long, long, long, long, integer, integer,
                                 integer, long, ctypes.c_float, integer, integer, pointer, pointer]
         self.attend.restype = integer
         self.workspace = self.library.triforce_attend_workspace
@@ -113,9 +114,9 @@ def _attend_with(kernel: _Kernel, query: torch.Tensor, key: torch.Tensor, value:
     out = torch.empty(kv_heads, rows, dim)
     workspace = torch.empty(kernel.workspace(dim, kv_heads, rows, parts, threads))
     scale = dim ** -0.5 if scaling is None else float(scaling)
-    code = kernel.attend(dim, q.data_ptr(), key.data_ptr(), value.data_ptr(), key.stride(1), key.stride(2),
-                         value.stride(1), value.stride(2), kv_heads, rows, new, kv_len, scale, parts, threads,
-                         workspace.data_ptr(), out.data_ptr())
+    code = kernel.attend(ELEMENTS[query.dtype], dim, q.data_ptr(), key.data_ptr(), value.data_ptr(), key.stride(1),
+                         key.stride(2), value.stride(1), value.stride(2), kv_heads, rows, new, kv_len, scale, parts,
+                         threads, workspace.data_ptr(), out.data_ptr())
     if code:
         raise ValueError(f"cpu_attention.attend: head dim {dim} is not one of {HEAD_DIMS}")
     return out.view(1, heads, new, dim).transpose(1, 2).contiguous()

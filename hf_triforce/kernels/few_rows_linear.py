@@ -26,15 +26,16 @@ import torch
 
 from .native_build import CSRC, load_checked
 
-SOURCES = (CSRC / "few_rows_linear.c",)
+SOURCES = (CSRC / "few_rows_linear.c", CSRC / "vectors.h")  # compiled, included
 ENV = "HF_TRIFORCE_CPU_LINEAR"
+ELEMENTS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # the kernel's element codes (csrc/vectors.h)
 
 
 class _Kernel:
     def __init__(self, library: ctypes.CDLL) -> None:
         self.multiply = library.triforce_few_rows_linear
         pointer, long, integer = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
-        self.multiply.argtypes = [integer, pointer, pointer, pointer, long, long, integer]
+        self.multiply.argtypes = [integer, integer, pointer, pointer, pointer, long, long, integer]
         self.multiply.restype = integer
 
 
@@ -68,8 +69,8 @@ def multiply(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 def _multiply_with(kernel: _Kernel, rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     rows = rows.contiguous()
     out = torch.empty(rows.shape[0], weight.shape[0])
-    code = kernel.multiply(rows.shape[0], rows.data_ptr(), weight.data_ptr(), out.data_ptr(), weight.shape[0],
-                           weight.shape[1], torch.get_num_threads())
+    code = kernel.multiply(ELEMENTS[weight.dtype], rows.shape[0], rows.data_ptr(), weight.data_ptr(), out.data_ptr(),
+                           weight.shape[0], weight.shape[1], torch.get_num_threads())
     if code:
         raise ValueError(f"few_rows_linear.multiply: rows must be at least 1, got {rows.shape[0]}")
     return out
