@@ -71,11 +71,17 @@ static inline void reduce(vec *x) {
 #define LOAD_KV load_f32
 #define SPAN_ATTENTION span_128_f32
 #include "decode_attention_span.h"
+#ifdef __AVX512BF16__
+#define SCORE_PAIRS
+#endif
 #define HEAD_DIM 64
 #define ELEMENT uint16_t
 #define LOAD_KV load_bf16
 #define SPAN_ATTENTION span_64_bf16
 #include "decode_attention_span.h"
+#ifdef __AVX512BF16__
+#define SCORE_PAIRS
+#endif
 #define HEAD_DIM 128
 #define ELEMENT uint16_t
 #define LOAD_KV load_bf16

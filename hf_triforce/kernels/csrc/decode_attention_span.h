@@ -8,6 +8,21 @@
  * AVX2's 16 */
 #define VALUE_NV (NV < LANES / 2 ? NV : LANES / 2)
 
+/* a key's dot products with the query rows: QUERY_NV vectors a row. bf16 keys where the target has AVX512-BF16
+ * (SCORE_PAIRS, defined by the includer): pairs of bf16 by vdpbf16ps (vectors.h), the rows packed back to bf16
+ * (exactly: they are bf16 values); else the keys widened to fp32 and multiplied lane by lane */
+#ifdef SCORE_PAIRS
+#define QUERY_NV (NV / 2)
+#define QUERY_VECTOR(row, c) pack_pairs((row) + 2 * (c) * LANES)
+#define KEY_VECTOR(key, c) load_pairs((key) + 2 * (c) * LANES)
+#define KEY_PRODUCT(sum, a, kc) dot_pairs(sum, a, kc)
+#else
+#define QUERY_NV NV
+#define QUERY_VECTOR(row, c) load_f32((row) + (c) * LANES)
+#define KEY_VECTOR(key, c) LOAD_KV((key) + (c) * LANES)
+#define KEY_PRODUCT(sum, a, kc) ((sum) + (a) * (kc))
+#endif
+
 static void SPAN_ATTENTION(const float *restrict q, const void *restrict k_, const void *restrict v_, long k_row,
                            long v_row, int rows, int new_rows, long kv_len, float scale, long lo, long hi,
                            float *restrict m, float *restrict l, float *restrict acc, float *restrict scores) {
@@ -24,19 +39,19 @@ static void SPAN_ATTENTION(const float *restrict q, const void *restrict k_, con
          * group of keys. */
 #if LANES == 16
         for (int r = 0; r < rows; r += 2) {
-            vec a[NV], b[NV], x[LANES];
-            for (int c = 0; c < NV; c++) a[c] = load_f32(q + (long)r * HEAD_DIM + c * LANES);
+            vec a[QUERY_NV], b[QUERY_NV], x[LANES];
+            for (int c = 0; c < QUERY_NV; c++) a[c] = QUERY_VECTOR(q + (long)r * HEAD_DIM, c);
             if (r + 1 < rows) {
-                for (int c = 0; c < NV; c++) b[c] = load_f32(q + (long)(r + 1) * HEAD_DIM + c * LANES);
+                for (int c = 0; c < QUERY_NV; c++) b[c] = QUERY_VECTOR(q + (long)(r + 1) * HEAD_DIM, c);
                 for (int j = 0; j < block; j += LANES / 2) {
                     int count = block - j < LANES / 2 ? block - j : LANES / 2;
                     for (int i = 0; i < LANES / 2; i++) {
                         const ELEMENT *key = k + (start + j + (i < count ? i : 0)) * k_row;
-                        vec kc = LOAD_KV(key), da = a[0] * kc, db = b[0] * kc;
-                        for (int c = 1; c < NV; c++) {
-                            kc = LOAD_KV(key + c * LANES);
-                            da += a[c] * kc;
-                            db += b[c] * kc;
+                        vec da = {0}, db = {0};
+                        for (int c = 0; c < QUERY_NV; c++) {
+                            vec kc = KEY_VECTOR(key, c);
+                            da = KEY_PRODUCT(da, a[c], kc);
+                            db = KEY_PRODUCT(db, b[c], kc);
                         }
                         x[i] = da;
                         x[i + LANES / 2] = db;
@@ -52,8 +67,8 @@ static void SPAN_ATTENTION(const float *restrict q, const void *restrict k_, con
                     int count = block - j < LANES ? block - j : LANES;
                     for (int i = 0; i < LANES; i++) {
                         const ELEMENT *key = k + (start + j + (i < count ? i : 0)) * k_row;
-                        vec da = a[0] * LOAD_KV(key);
-                        for (int c = 1; c < NV; c++) da += a[c] * LOAD_KV(key + c * LANES);
+                        vec da = {0};
+                        for (int c = 0; c < QUERY_NV; c++) da = KEY_PRODUCT(da, a[c], KEY_VECTOR(key, c));
                         x[i] = da;
                     }
                     reduce(x);
@@ -151,6 +166,11 @@ static void SPAN_ATTENTION(const float *restrict q, const void *restrict k_, con
     }
 }
 #undef VALUE_NV
+#undef QUERY_NV
+#undef QUERY_VECTOR
+#undef KEY_VECTOR
+#undef KEY_PRODUCT
+#undef SCORE_PAIRS
 #undef NV
 #undef SPAN_ATTENTION
 #undef LOAD_KV

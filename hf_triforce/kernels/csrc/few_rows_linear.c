@@ -111,12 +111,7 @@ KERNELS(bf16, float, uint16_t, LANES, load_f32, load_bf16, fma_lanes, same, wide
 KERNELS(f16, float, uint16_t, LANES, load_f32, load_f16, fma_lanes, same, widen_f16, narrow_f16)
 
 #ifdef __AVX512BF16__
-/* bf16 rows and weights: vdpbf16ps multiplies 32 pairs (exact in fp32) and adds each lane's two products to it in
- * turn, in fp32 (inputs and results below fp32's normal range taken as 0) */
-static inline vec load_pairs(const uint16_t *p) { vec x; memcpy(&x, p, sizeof x); return x; }
-static inline vec dot_pairs(vec acc, vec x, vec w) {
-    return (vec)_mm512_dpbf16_ps((__m512)acc, (__m512bh)x, (__m512bh)w);
-}
+/* bf16 rows and weights: vdpbf16ps multiplies 32 pairs (exact in fp32) into 16 lanes (vectors.h) */
 KERNELS(bf16_pairs, uint16_t, uint16_t, (2 * LANES), load_pairs, load_pairs, dot_pairs, widen_bf16, widen_bf16,
         narrow_bf16)
 #endif

@@ -48,6 +48,22 @@ static inline vec load_f16(const uint16_t *p) {
 #endif
 }
 
+#ifdef __AVX512BF16__
+/* 32 bf16 elements as they are, for vdpbf16ps */
+static inline vec load_pairs(const uint16_t *p) { vec x; memcpy(&x, p, sizeof x); return x; }
+
+/* 32 fp32 values holding bf16 values, packed to bf16 (exactly) */
+static inline vec pack_pairs(const float *p) {
+    return (vec)_mm512_cvtne2ps_pbh((__m512)load_f32(p + LANES), (__m512)load_f32(p));
+}
+
+/* sum + the products of 32 pairs of bf16, each lane adding its two products to it in turn, in fp32 (vdpbf16ps:
+ * inputs and results below fp32's normal range taken as 0) */
+static inline vec dot_pairs(vec sum, vec x, vec w) {
+    return (vec)_mm512_dpbf16_ps((__m512)sum, (__m512bh)x, (__m512bh)w);
+}
+#endif
+
 static inline float widen_bf16(uint16_t h) {
     uint32_t bits = (uint32_t)h << 16;
     float x;
