@@ -1,13 +1,16 @@
 """What the CPU attention kernel (`kernels.cpu_attention`) costs against ATen's best route, by cache length and rows.
 
-For each attention shape (SmolLM2-135M: 3 KV heads of 64; Qwen2.5-Coder-1.5B: 2 KV heads of 128; fp32), cache
+For each attention shape (SmolLM2-135M: 3 KV heads of 64; Qwen2.5-Coder-1.5B: 2 KV heads of 128; ``--dtype``), cache
 length and number of new tokens, times `cpu_attention.attend` against the route the attention wrapper takes without
 it: `attention.one_row_sdpa` for one new token, else the cheaper of `attention.gqa_sdpa` (one masked call) and
 `attention.split_kv_sdpa` (spans merged by log-sum-exp). K/V are random views of longer buffers, as a cache's are
 (the cost does not depend on the values); the routes alternate within each setting; medians of ``--repeats``. Each
 row also gives the kernel's largest error against float64, beside ATen's.
 
-    python benchmarks/cpu_attention_cost.py --threads 2 --json out.json
+    python benchmarks/cpu_attention_cost.py --threads 2 --dtype bfloat16 --json out.json
+
+On an AVX2 CPU's instructions (an AVX-512 machine standing in for one): the kernel built for x86-64-v3
+(``HF_TRIFORCE_CPU_MARCH=x86-64-v3``) against ATen's AVX2 kernels (``ATEN_CPU_CAPABILITY=avx2``).
 """
 
 from __future__ import annotations
@@ -41,9 +44,12 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=25)
     parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096, 8192, 16384, 32768])
     parser.add_argument("--new", type=int, nargs="+", default=[1, 4, 7])
+    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
+                        help="the query's, keys' and values' dtype (default float32)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    dtype = getattr(torch, args.dtype)
     if not cpu_attention.available():
         raise SystemExit(f"the CPU attention kernel does not run here: {cpu_attention.status()}")
     module = nn.Module().eval()
@@ -52,10 +58,10 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|")
     for name, (kv_heads, groups, dim) in SHAPES.items():
         for length in args.lengths:
-            buffers = torch.randn(2, 1, kv_heads, length + 64, dim) * 0.5
+            buffers = (torch.randn(2, 1, kv_heads, length + 64, dim) * 0.5).to(dtype)
             for new in args.new:
                 keys, values = buffers[0, :, :, : length + new], buffers[1, :, :, : length + new]
-                query = torch.randn(1, kv_heads * groups, new, dim)
+                query = torch.randn(1, kv_heads * groups, new, dim).to(dtype)
                 routes = {**aten_route(module, query, keys, values),
                           "kernel": lambda q=query, k=keys, v=values: cpu_attention.attend(q, k, v, None)}
                 times: dict[str, list[float]] = {route: [] for route in routes}
@@ -78,7 +84,8 @@ def main() -> None:
                       f"{row['speedup']:.2f}x | {error['kernel']:.1e} / {error[aten]:.1e} |", flush=True)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(dict(threads=args.threads, repeats=args.repeats, torch=torch.__version__, rows=rows), f, indent=1)
+            json.dump(dict(threads=args.threads, repeats=args.repeats, dtype=args.dtype, torch=torch.__version__,
+                           rows=rows), f, indent=1)
 
 
 if __name__ == "__main__":

@@ -38,9 +38,9 @@ class TriForceStats:
     # "auto" would have run it at fixed shapes but could not, or "<mode> (native)" ("graph (native)": the target's own
     # weights in a CUDA graph per row count), with "; candidate trees: eager" where trees may run
     tier_forwards: dict = field(default_factory=dict)
-    # the long-cache attention of a CPU fp32 target's forwards (`kernels.cpu_attention.describe`): "cpu kernel" where
-    # the library's compiled kernel takes its decoding steps and few-row verifications, "sdpa (cpu kernel <why not>)"
-    # where it does not run; "" elsewhere (other devices and dtypes take ATen's and the fused routes)
+    # the long-cache attention of a CPU fp32 / bf16 / fp16 target's forwards (`kernels.cpu_attention.describe`): "cpu
+    # kernel" where the library's compiled kernel takes its decoding steps and few-row verifications, "sdpa (cpu
+    # kernel <why not>)" where it does not run; "" elsewhere (other devices and dtypes take ATen's and the fused routes)
     attention_kernel: str = ""
     # TriForceConfig.tier_compile other than "off": {"mode", "forwards" (fixed-shape forwards run), "compiles" (graphs
     # compiled in this call: 0 once a model's first call has compiled), "compile_seconds"} (`kernels.fixed_shape`);

@@ -1,13 +1,14 @@
 """The CPU attention kernel (`hf_triforce.kernels.cpu_attention`, `csrc/decode_attention.c`).
 
-* `attend` equals attention computed in float64 by its definition within fp32 rounding: both head dims, GQA groups
-  of 1 to 6, one new token and up to `MAX_NEW_TOKENS` (odd and even rows: the kernel pairs them), caches that end
-  inside a block and on a block's edge, strided views of longer buffers, a custom scale;
-* its causal rule is exercised: where the new tokens' keys carry large scores, a rule that shows each new token one
-  key more (or less) moves the result by far more than the tolerance;
-* the attention wrapper routes fp32 CPU calls over a long cache to it (a model with head dim 64 and a 1100-token
-  prompt), and TriForce's greedy output stays identical to plain ``generate``; `TriForceStats.attention_kernel`
-  says so;
+* `attend` equals attention computed in float64 by its definition within fp32 rounding (bf16 and fp16: plus one
+  rounding of the output to their dtype), in fp32, bf16 and fp16: both head dims, GQA groups of 1 to 6, one new token
+  and up to `MAX_NEW_TOKENS` (odd and even rows: the kernel pairs them), caches that end inside a block and on a
+  block's edge, strided views of longer buffers, a custom scale;
+* its causal rule is exercised in each dtype: where the new tokens' keys carry large scores, a rule that shows each
+  new token one key more (or less) moves the result by far more than the tolerance;
+* the attention wrapper routes fp32 and bf16 CPU calls over a long cache to it (a model with head dim 64 and a
+  1100-token prompt), and TriForce's greedy output stays identical to plain ``generate`` in the model's dtype;
+  `TriForceStats.attention_kernel` says so;
 * the kernel is off under ``HF_TRIFORCE_CPU_ATTENTION=off``, and a failing build leaves it off with the
   compiler's error in `status` (ATen's paths then run), never a silent stop: `tests/test_native_build.py`.
 """
@@ -32,11 +33,17 @@ needs_kernel = pytest.mark.skipif(not BUILDS, reason="the CPU kernel is built on
 TOLERANCE = 1e-6
 
 
-def _case(dim: int, kv_heads: int, groups: int, new: int, kv_len: int, seed: int = 0, spare: int = 37):
+def _case(dim: int, kv_heads: int, groups: int, new: int, kv_len: int, seed: int = 0, spare: int = 37,
+          dtype: torch.dtype = torch.float32):
     generator = torch.Generator().manual_seed(seed)
-    buffers = torch.randn(2, 1, kv_heads, kv_len + spare, dim, generator=generator)
-    query = torch.randn(1, kv_heads * groups, new, dim, generator=generator)
+    buffers = torch.randn(2, 1, kv_heads, kv_len + spare, dim, generator=generator).to(dtype)
+    query = torch.randn(1, kv_heads * groups, new, dim, generator=generator).to(dtype)
     return query, buffers[0, :, :, :kv_len], buffers[1, :, :, :kv_len]  # views of longer buffers, like a cache's
+
+
+def _bound(expected: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`TOLERANCE` for fp32's rounding, plus half an ulp of the output's dtype (bf16, fp16) relative to the value."""
+    return TOLERANCE + cpu_attention.OUTPUT_ROUNDING[dtype] * (expected.abs() + TOLERANCE)
 
 
 @needs_kernel
@@ -45,6 +52,7 @@ def test_builds_here():
 
 
 @needs_kernel
+@pytest.mark.parametrize("dtype", cpu_attention.DTYPES)
 @pytest.mark.parametrize("dim, kv_heads, groups, new, kv_len", [
     (64, 3, 3, 1, 1024),  # SmolLM2's layout, one decoding step, spans on block edges
     (64, 3, 3, 7, 2085),  # a verification of 7 tokens, the cache ending inside a block
@@ -53,40 +61,43 @@ def test_builds_here():
     (128, 2, 6, 1, 1537),  # Qwen2.5's layout
     (128, 4, 2, 5, 1300),
 ])
-def test_matches_float64_reference(dim, kv_heads, groups, new, kv_len):
-    query, key, value = _case(dim, kv_heads, groups, new, kv_len)
+def test_matches_float64_reference(dim, kv_heads, groups, new, kv_len, dtype):
+    query, key, value = _case(dim, kv_heads, groups, new, kv_len, dtype=dtype)
     for scaling in (None, 0.07):
         got = cpu_attention.attend(query, key, value, scaling)
         expected = cpu_attention.reference(query, key, value, scaling)
-        error = (got.double() - expected).abs().max().item()
-        assert got.shape == (1, new, kv_heads * groups, dim) and got.dtype == torch.float32
-        assert error < TOLERANCE
+        error = (got.double() - expected).abs()
+        assert got.shape == (1, new, kv_heads * groups, dim) and got.dtype == dtype
+        assert bool((error < _bound(expected, dtype)).all()), error.max().item()
 
 
 @needs_kernel
-def test_causal_rule_is_exercised():
+@pytest.mark.parametrize("dtype", cpu_attention.DTYPES)
+def test_causal_rule_is_exercised(dtype):
     """The new tokens' keys score high: a row shown one key too many or too few differs by far more than the
     tolerance, and the kernel matches the right rule."""
     dim, kv_heads, groups, new, kv_len = 64, 3, 3, 6, 1500
-    query, key, value = _case(dim, kv_heads, groups, new, kv_len, seed=3)
+    query, key, value = _case(dim, kv_heads, groups, new, kv_len, seed=3, dtype=dtype)
     key = key.clone()
     key[:, :, -new:] = query.reshape(1, kv_heads, groups, new, dim).mean(2) * 4  # the new keys dominate the scores
     got = cpu_attention.attend(query, key, value, None).double()
-    assert (got - cpu_attention.reference(query, key, value, None)).abs().max().item() < TOLERANCE
+    expected = cpu_attention.reference(query, key, value, None)
+    assert bool(((got - expected).abs() < _bound(expected, dtype)).all())
     for shift in (1, -1):  # row i sees keys [0, kv_len - new + 1 + i + shift)
         visible = torch.ones(new, kv_len, dtype=torch.bool).tril(kv_len - new + shift)
         scores = torch.einsum("bhnd,bhkd->bhnk", query.double(), key.double().repeat_interleave(groups, 1))
         weights = (scores * dim ** -0.5).masked_fill(~visible, float("-inf")).softmax(-1)
         wrong = (weights @ value.double().repeat_interleave(groups, 1)).transpose(1, 2)
-        assert (got - wrong).abs().max().item() > 100 * TOLERANCE
+        assert ((got - wrong).abs() / _bound(expected, dtype)).max().item() > 100
 
 
 @needs_kernel
-def test_routed_and_greedy_identical(monkeypatch):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_routed_and_greedy_identical(monkeypatch, dtype):
     """A model with head dim 64 and a prompt past `MIN_CACHED`: Force 3's steps and verifications take the kernel,
-    and greedy output is plain ``generate``'s."""
+    and greedy output is plain ``generate``'s in the model's dtype."""
     model = make_model("llama-gqa", hidden_size=128, num_attention_heads=2, num_key_value_heads=1,
-                       max_position_embeddings=4096)
+                       max_position_embeddings=4096).to(dtype)
     prompt = random_prompt(cpu_attention.MIN_CACHED + 80, period=61)
     calls = []
     attend = cpu_attention.attend

@@ -9,7 +9,7 @@ chunked prefill) stay GQA-native: on CUDA they take a mask-free fused kernel whe
 else `native_attention.flex_verify`); on CPU a few query rows over a long cache take `split_kv_sdpa` (the
 cache split across threads, partial results merged by log-sum-exp); other masked SDPA calls on GQA models
 take `gqa_sdpa`, which does not expand K/V. One-row calls (decoding steps of every tier) take
-`one_row_sdpa`: no mask, GQA-native. In fp32 on the CPU, decoding steps and verifications of up to
+`one_row_sdpa`: no mask, GQA-native. On the CPU (fp32, bf16 or fp16), decoding steps and verifications of up to
 `cpu_attention.MAX_NEW_TOKENS` tokens over at least `cpu_attention.MIN_CACHED` cached entries take the library's
 compiled kernel (`cpu_attention.attend`) where it built. Everything else is ``<base>``.
 
@@ -311,8 +311,8 @@ def _wants_split_kv(query, key, value, dropout, module) -> bool:
 
 def _wants_cpu_kernel(query, key, value, attention_mask, kwargs, module) -> bool:
     """A call `cpu_attention.attend` takes: a decoding step or a few-row verification of a full-attention layer over a
-    long fp32 cache on the CPU (batch 1, bottom-right causal: the mask, boolean or None, is not read), nothing but
-    plain scaled attention."""
+    long CPU cache of a dtype the kernel reads (batch 1, bottom-right causal: the mask, boolean or None, is not read),
+    nothing but plain scaled attention."""
     return (
         query.device.type == "cpu"
         and _plain_masked(attention_mask, kwargs)

@@ -1,4 +1,5 @@
-"""A CPU kernel for attention of a few query rows over a long KV cache: decoding steps and verifications in fp32.
+"""A CPU kernel for attention of a few query rows over a long KV cache: decoding steps and verifications in fp32, bf16
+or fp16.
 
 ATen's CPU attention runs a decoding step or a few-row verification over a long cache as many small matrix products per
 block of keys: SmolLM2's shapes at 32k entries, 2 threads, one new token 4.3 ms a layer, four 6.2 ms, where reading
@@ -12,8 +13,11 @@ a float64 reference; a build, load or check that fails leaves `status` saying wh
 and the attention functions take ATen's paths (`TriForceStats.attention_kernel` reports which ran).
 ``HF_TRIFORCE_CPU_ATTENTION=off`` turns it off.
 
-Numerics: every score and output in fp32; the softmax's order of summation differs from ATen's, so outputs differ
-from SDPA's by rounding (3-6e-8 against the float64 result at 1k-32k entries, ATen's own 0.5-6e-8).
+Numerics: every score, weight and sum in fp32; the softmax's order of summation differs from ATen's, so outputs differ
+from SDPA's by rounding (fp32: 3-6e-8 against the float64 result at 1k-32k entries, ATen's own 0.5-6e-8). A bf16 or
+fp16 cache is read as it is (half the bytes) and widened in registers (with AVX512-BF16, bf16 keys' dot products are
+taken in pairs by ``vdpbf16ps``); each product of two such values is exact in fp32, and the output is rounded once to
+the cache's dtype (`tolerance`).
 """
 
 from __future__ import annotations
@@ -37,6 +41,10 @@ MAX_NEW_TOKENS = 11
 MIN_CACHED = 1024
 ENV = "HF_TRIFORCE_CPU_ATTENTION"
 ELEMENTS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # the kernel's element codes (csrc/vectors.h)
+DTYPES = tuple(ELEMENTS)  # what the kernel reads and writes: query, keys and values of one of these, the output alike
+FP32_TOLERANCE = 1e-5  # the fp32 result's error against float64 on random inputs of unit scale (measured: below 1e-6)
+# half an ulp of an output rounded to bf16 / fp16, relative to the value
+OUTPUT_ROUNDING = {torch.float32: 0.0, torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11}
 
 
 class _Kernel:
@@ -68,22 +76,23 @@ def available() -> bool:
 
 
 def describe(model) -> str:
-    """`TriForceStats.attention_kernel` for ``model``'s calls: "cpu kernel" where `attend` serves its fp32 CPU
-    attention, "sdpa (cpu kernel <why not>)" where it would but cannot, "" for other devices and dtypes."""
+    """`TriForceStats.attention_kernel` for ``model``'s calls: "cpu kernel" where `attend` serves its CPU attention
+    (a dtype of `DTYPES`), "sdpa (cpu kernel <why not>)" where it would but cannot, "" for other devices and dtypes."""
     parameter = next(model.parameters(), None)
-    if parameter is None or parameter.device.type != "cpu" or parameter.dtype != torch.float32:
+    if parameter is None or parameter.device.type != "cpu" or parameter.dtype not in DTYPES:
         return ""
     return "cpu kernel" if available() else f"sdpa (cpu kernel {status()})"
 
 
 def supports(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
-    """Whether `attend` takes this call: CPU fp32, batch 1, equal head dims of 64 or 128, contiguous head rows,
-    at most `MAX_NEW_TOKENS` new tokens, at least `MIN_CACHED` cached entries."""
+    """Whether `attend` takes this call: CPU, one dtype of `DTYPES`, batch 1, equal head dims of 64 or 128, contiguous
+    head rows, at most `MAX_NEW_TOKENS` new tokens, at least `MIN_CACHED` cached entries."""
     batch, heads, new, dim = query.shape
     kv_heads, kv_len = key.shape[1], key.shape[2]
     return (
         query.device.type == "cpu"
-        and query.dtype == key.dtype == value.dtype == torch.float32
+        and query.dtype == key.dtype == value.dtype
+        and query.dtype in DTYPES
         and batch == 1
         and dim in HEAD_DIMS
         and key.shape[-1] == value.shape[-1] == dim
@@ -99,7 +108,7 @@ def supports(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> boo
 def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float | None) -> torch.Tensor:
     """Attention of ``query`` ``[1, heads, new, dim]`` over ``key``/``value`` ``[1, kv_heads, kv_len, dim]`` whose
     last ``new`` entries are the new tokens (bottom-right causal); returns ``[1, new, heads, dim]`` (transformers'
-    layout). The caller checks `supports`."""
+    layout) in their dtype. The caller checks `supports`."""
     return _attend_with(_load()[0], query, key, value, scaling)
 
 
@@ -111,7 +120,7 @@ def _attend_with(kernel: _Kernel, query: torch.Tensor, key: torch.Tensor, value:
     threads = torch.get_num_threads()
     parts = max(threads, 1)
     q = query.reshape(kv_heads, rows, dim).contiguous()
-    out = torch.empty(kv_heads, rows, dim)
+    out = torch.empty(kv_heads, rows, dim, dtype=query.dtype)
     workspace = torch.empty(kernel.workspace(dim, kv_heads, rows, parts, threads))
     scale = dim ** -0.5 if scaling is None else float(scaling)
     code = kernel.attend(ELEMENTS[query.dtype], dim, q.data_ptr(), key.data_ptr(), value.data_ptr(), key.stride(1),
@@ -135,16 +144,23 @@ def reference(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scali
     return (weights @ values).transpose(1, 2)
 
 
+def tolerance(expected: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Per output, how far the kernel's output in ``dtype`` may be from the float64 result ``expected`` (inputs of
+    unit scale): `FP32_TOLERANCE`, plus the rounding to bf16 / fp16, half an ulp of the value (`OUTPUT_ROUNDING`)."""
+    return FP32_TOLERANCE + OUTPUT_ROUNDING[dtype] * (expected.abs() + FP32_TOLERANCE)
+
+
 def _self_check(kernel: _Kernel) -> str | None:
     """Run the kernel on random shapes it takes (a span shorter than a block, several spans, both head dims, strided
-    cache views) against `reference`; the first mismatch, or None."""
+    cache views), in each of `DTYPES`, against `reference`; the first output outside `tolerance`, or None."""
     generator = torch.Generator().manual_seed(0)
-    for dim, kv_heads, groups, new, kv_len in ((64, 3, 3, 1, 1100), (64, 3, 3, 5, 1537), (128, 2, 6, 3, 1200)):
-        buffer = torch.randn(2, 1, kv_heads, kv_len + 40, dim, generator=generator)
-        key, value = buffer[0, :, :, :kv_len], buffer[1, :, :, :kv_len]
-        query = torch.randn(1, kv_heads * groups, new, dim, generator=generator)
-        got = _attend_with(kernel, query, key, value)
-        error = (got.double() - reference(query, key, value, None)).abs().max().item()
-        if not error < 1e-5:
-            return f"head dim {dim}, {new} new of {kv_len}: max error {error:.2e}"
+    for dtype in DTYPES:
+        for dim, kv_heads, groups, new, kv_len in ((64, 3, 3, 1, 1100), (64, 3, 3, 5, 1537), (128, 2, 6, 3, 1200)):
+            buffer = torch.randn(2, 1, kv_heads, kv_len + 40, dim, generator=generator).to(dtype)
+            key, value = buffer[0, :, :, :kv_len], buffer[1, :, :, :kv_len]
+            query = torch.randn(1, kv_heads * groups, new, dim, generator=generator).to(dtype)
+            expected = reference(query, key, value, None)
+            error = (_attend_with(kernel, query, key, value).double() - expected).abs()
+            if not bool((error <= tolerance(expected, dtype)).all()):
+                return f"{dtype}, head dim {dim}, {new} new of {kv_len}: max error {error.max().item():.2e}"
     return None

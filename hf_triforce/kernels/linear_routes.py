@@ -1,12 +1,13 @@
 """How the model's CPU `nn.Linear` layers multiply the few rows of a decoding forward, chosen by timing on this CPU.
 
-Three routes compute the same dot products in other summation orders (fp32 rounding, like any change of GEMM kernel):
+Three routes compute the same dot products in other summation orders (fp32 rounding, and for bf16 / fp16 weights one
+rounding of each output to their dtype, like any change of GEMM kernel):
 
 - ``"linear"``: ``F.linear(x, W)``, i.e. ``x @ W.T`` (what the model does);
 - ``"left"``: weight on the left, ``(W @ x.T).T``; one row goes in as two identical columns and the first is kept
   (MKL's one-column product takes a slower kernel than its two-column one on some CPUs);
-- ``"stream"``: the library's kernel (`few_rows_linear`: each weight row read once for all the rows), fp32 only,
-  where it is built.
+- ``"stream"``: the library's kernel (`few_rows_linear`: each weight row read once for all the rows), fp32, bf16 or
+  fp16 weights, where it is built.
 
 Which is faster depends on the CPU, the shapes and the row count. Qwen2.5-Coder-1.5B's decoder shapes, fp32, 2 threads,
 an AVX-512 EPYC, ms for 1 / 2 / 4 / 8 rows: ``"linear"`` 32 / 66 / 62 / 56, ``"left"`` 21 / 22 / 27 / 60,
