@@ -106,3 +106,40 @@ def test_routed_and_greedy_identical(monkeypatch, dtype):
                              max_new_tokens=24)
     assert stats.attention_kernel == "cpu kernel"
     assert calls and max(calls) > 1 and 1 in calls  # verifications and the one-row first step
+
+
+@needs_kernel
+def test_inputs_the_kernel_does_not_take_are_refused():
+    """Another dtype, mixed dtypes, a head dim it has no code for, query heads that are not a multiple of the KV
+    heads, more new rows than entries, keys not of unit stride along the head dim, another device: a ValueError
+    naming the argument, never a wrong result or a read out of bounds."""
+    query, key, value = _case(64, 3, 3, 2, 1100)
+    cases = {
+        "query, key and value must share a dtype, got torch.bfloat16, torch.float32": (query.bfloat16(), key, value),
+        "value dtype must be one of torch.float32, torch.bfloat16, torch.float16, got torch.float64":
+            (query, key, value.double()),
+        "head dim must be one of \\(64, 128\\), got 32": (query[..., :32], key[..., :32], value[..., :32]),
+        "9 heads are not a multiple of 2 KV heads": (query, key[:, :2], value[:, :2]),
+        "1200 new rows must be 1 to key's 1100 entries": (torch.randn(1, 9, 1200, 64), key, value),
+        "unit stride along the head dim": (query, key.transpose(2, 3).contiguous().transpose(2, 3), value),
+        "key \\(1, 3, 1100, 64\\) and value \\(1, 3, 1000, 64\\)": (query, key, value[:, :, :1000]),
+        "query must be \\[1, heads, length, dim\\]": (query.expand(2, -1, -1, -1), key, value),
+        "key must be on the CPU, got meta": (query, torch.empty(1, 3, 1100, 64, device="meta"), value),
+    }
+    for message, (q, k, v) in cases.items():
+        with pytest.raises(ValueError, match=message):
+            cpu_attention.attend(q, k, v, None)
+
+
+@needs_kernel
+@pytest.mark.parametrize("default", [torch.float16, torch.float64])
+def test_the_output_dtype_does_not_follow_the_default_dtype(default):
+    query, key, value = _case(64, 3, 3, 3, 1100)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(default)
+    try:
+        got = cpu_attention.attend(query, key, value, None)
+    finally:
+        torch.set_default_dtype(previous)
+    assert got.dtype == torch.float32
+    assert (got.double() - cpu_attention.reference(query, key, value, None)).abs().max().item() < TOLERANCE

@@ -85,3 +85,79 @@ def test_triforce_on_the_kernel_keeps_greedy_identity(monkeypatch, dtype):
     stats = assert_identical(model, random_prompt(150, period=37), _config("self"))
     assert stats.force3_steps > 0
     assert set(stats.linear_routes["decoder"].values()) == {"stream"}
+
+
+@needs_kernel
+def test_inputs_the_kernel_does_not_take_are_refused():
+    """Rows or weight of a dtype it has no code for, rows of another dtype than the weight's (bf16 rows read beside
+    fp32 weights would be garbage), another width than the weight's (the kernel would read past the rows), no rows, a
+    non-contiguous weight, another device: a ValueError naming the argument, never a wrong result."""
+    weight = torch.randn(40, 64)
+    rows = torch.randn(3, 64)
+    cases = {
+        "rows \\(torch.bfloat16\\) and weight \\(torch.float32\\) must share a dtype": (rows.bfloat16(), weight),
+        "weight dtype must be one of torch.float32, torch.bfloat16, torch.float16, got torch.float64":
+            (rows, weight.double()),
+        "rows are 32 wide, weight \\[out, in\\] takes 64": (torch.randn(3, 32), weight),
+        "at least 1 row, got 0": (torch.randn(0, 64), weight),
+        "weight must be contiguous": (rows, torch.randn(64, 40).T),
+        "rows must be 2-D": (torch.randn(64), weight),
+        "rows must be on the CPU, got meta": (torch.empty(3, 64, device="meta"), weight),
+    }
+    for message, (x, w) in cases.items():
+        with pytest.raises(ValueError, match=message):
+            few_rows_linear.multiply(x, w)
+    assert torch.equal(few_rows_linear.multiply(rows.T.contiguous().T, weight), few_rows_linear.multiply(rows, weight))
+
+
+@needs_kernel
+@pytest.mark.parametrize("default", [torch.float16, torch.float64])
+def test_the_output_dtype_does_not_follow_the_default_dtype(default):
+    """Under ``torch.set_default_dtype(torch.float16)`` an output allocated by default would be half the bytes the
+    kernel writes; under float64 the kernel's floats would be read as doubles."""
+    generator = torch.Generator().manual_seed(3)
+    rows = torch.randn(4, 256, generator=generator, dtype=torch.float32)
+    weight = torch.randn(64, 256, generator=generator, dtype=torch.float32)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(default)
+    try:
+        got = few_rows_linear.multiply(rows, weight)
+    finally:
+        torch.set_default_dtype(previous)
+    assert got.dtype == torch.float32
+    error = (got.double() - rows.double() @ weight.double().T).abs()
+    assert bool((error <= few_rows_linear.error_bound(rows, weight)).all())
+
+
+def test_routes_leave_autocast_and_foreign_rows_to_f_linear():
+    """Under CPU autocast a layer's rows arrive in bf16 and ``F.linear`` casts as the model's own forward does: a
+    route other than ``"linear"`` gives such calls to ``F.linear`` and counts them (`LinearRoutes.bypassed`)."""
+    model = make_model("llama-gqa")
+    routes = linear_routes.LinearRoutes(model)
+    routes.calibrate = lambda group, rows: "left"  # a route that is not the layer's own forward
+    layer = model.model.layers[0].mlp.down_proj
+    x = torch.randn(2, layer.in_features)
+    with routes.installed(), torch.autocast("cpu", dtype=torch.bfloat16):
+        got = layer(x)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = layer(x)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, expected)
+    assert routes.bypassed == {"autocast (torch.bfloat16)": 1}
+    with routes.installed(), pytest.raises(RuntimeError):  # what the layer's own forward raises for such rows
+        layer(x.double())
+    assert routes.bypassed["torch.float64 rows, torch.float32 weight"] == 1
+
+
+@needs_kernel
+def test_triforce_under_autocast_runs_where_plain_generate_runs(monkeypatch):
+    """Under ``torch.autocast("cpu", dtype=torch.bfloat16)`` the layers' rows arrive in bf16: with the kernel's route
+    chosen, they take ``F.linear`` (as in plain ``generate``) instead of being read as fp32 (NaN logits)."""
+    monkeypatch.setattr(linear_routes.LinearRoutes, "calibrate", lambda self, group, rows: "stream")
+    model = make_model("qwen2")
+    prompt = random_prompt(150, period=37)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        plain = model.generate(prompt, max_new_tokens=30, do_sample=False)
+        out = model.generate(prompt, max_new_tokens=30, do_sample=False, triforce_config=_config("self"),
+                             return_dict_in_generate=True)
+    assert out.sequences.shape == plain.shape
+    assert linear_routes.linear_routes(model).bypassed["autocast (torch.bfloat16)"] > 0

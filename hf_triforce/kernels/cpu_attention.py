@@ -90,10 +90,11 @@ def supports(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> boo
     batch, heads, new, dim = query.shape
     kv_heads, kv_len = key.shape[1], key.shape[2]
     return (
-        query.device.type == "cpu"
+        query.device.type == key.device.type == value.device.type == "cpu"
         and query.dtype == key.dtype == value.dtype
         and query.dtype in DTYPES
         and batch == 1
+        and key.shape == value.shape
         and dim in HEAD_DIMS
         and key.shape[-1] == value.shape[-1] == dim
         and key.stride(-1) == 1
@@ -108,20 +109,60 @@ def supports(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> boo
 def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float | None) -> torch.Tensor:
     """Attention of ``query`` ``[1, heads, new, dim]`` over ``key``/``value`` ``[1, kv_heads, kv_len, dim]`` whose
     last ``new`` entries are the new tokens (bottom-right causal); returns ``[1, new, heads, dim]`` (transformers'
-    layout) in their dtype. The caller checks `supports`."""
-    return _attend_with(_load()[0], query, key, value, scaling)
+    layout), in their dtype. ValueError for inputs the kernel does not take (`check_inputs`); the kernel must be built
+    (`available`). Which calls should take it is `supports`'s and the routes' choice (`attention_routes`)."""
+    kernel = _load()[0]
+    if kernel is None:
+        raise RuntimeError(f"cpu_attention.attend: the kernel is {status()}")
+    return _attend_with(kernel, query, key, value, scaling)
+
+
+def check_inputs(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
+    """ValueError naming the argument unless ``query`` ``[1, heads, new, dim]`` and ``key``/``value`` ``[1, kv_heads,
+    kv_len, dim]`` are CPU tensors of one dtype of `DTYPES`, ``dim`` one of `HEAD_DIMS`, ``heads`` a multiple of
+    ``kv_heads``, ``1 <= new <= kv_len``, and ``key``/``value`` read with unit stride along ``dim`` (their other
+    strides are passed to the kernel; ``query`` may be any layout: the kernel reads a contiguous copy)."""
+    allowed = ", ".join(str(dtype) for dtype in DTYPES)
+    for label, tensor in (("query", query), ("key", key), ("value", value)):
+        if tensor.device.type != "cpu":
+            raise ValueError(f"cpu_attention.attend: {label} must be on the CPU, got {tensor.device}")
+        if tensor.dtype not in DTYPES:
+            raise ValueError(f"cpu_attention.attend: {label} dtype must be one of {allowed}, got {tensor.dtype}")
+        if tensor.dim() != 4 or tensor.shape[0] != 1:
+            raise ValueError(f"cpu_attention.attend: {label} must be [1, heads, length, dim], got "
+                             f"{tuple(tensor.shape)}")
+    if not query.dtype == key.dtype == value.dtype:
+        raise ValueError(f"cpu_attention.attend: query, key and value must share a dtype, got {query.dtype}, "
+                         f"{key.dtype}, {value.dtype}")
+    _, heads, new, dim = query.shape
+    if dim not in HEAD_DIMS:
+        raise ValueError(f"cpu_attention.attend: head dim must be one of {HEAD_DIMS}, got {dim}")
+    if key.shape != value.shape or key.shape[-1] != dim:
+        raise ValueError(f"cpu_attention.attend: key {tuple(key.shape)} and value {tuple(value.shape)} must be "
+                         f"[1, kv_heads, kv_len, {dim}] alike")
+    kv_heads, kv_len = key.shape[1], key.shape[2]
+    if heads % kv_heads:
+        raise ValueError(f"cpu_attention.attend: query's {heads} heads are not a multiple of {kv_heads} KV heads")
+    if not 1 <= new <= kv_len:
+        raise ValueError(f"cpu_attention.attend: query's {new} new rows must be 1 to key's {kv_len} entries")
+    if key.stride(-1) != 1 or value.stride(-1) != 1:
+        raise ValueError(f"cpu_attention.attend: key and value need unit stride along the head dim, got "
+                         f"{key.stride()} and {value.stride()}")
 
 
 def _attend_with(kernel: _Kernel, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                  scaling: float | None = None) -> torch.Tensor:
+    check_inputs(query, key, value)
     _, heads, new, dim = query.shape
     kv_heads, kv_len = key.shape[1], key.shape[2]
     rows = heads // kv_heads * new
     threads = torch.get_num_threads()
     parts = max(threads, 1)
     q = query.reshape(kv_heads, rows, dim).contiguous()
-    out = torch.empty(kv_heads, rows, dim, dtype=query.dtype)
-    workspace = torch.empty(kernel.workspace(dim, kv_heads, rows, parts, threads))
+    out = torch.empty(kv_heads, rows, dim, dtype=query.dtype, device=query.device)
+    # the kernel's scratch: fp32 partial sums and maxima whatever the inputs' dtype
+    workspace = torch.empty(kernel.workspace(dim, kv_heads, rows, parts, threads), dtype=torch.float32,
+                            device=query.device)
     scale = dim ** -0.5 if scaling is None else float(scaling)
     code = kernel.attend(ELEMENTS[query.dtype], dim, q.data_ptr(), key.data_ptr(), value.data_ptr(), key.stride(1),
                          key.stride(2), value.stride(1), value.stride(2), kv_heads, rows, new, kv_len, scale, parts,

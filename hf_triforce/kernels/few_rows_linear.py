@@ -71,14 +71,42 @@ def supports(weight: torch.Tensor) -> bool:
 
 
 def multiply(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``rows`` ``[n, in]`` (n >= 1) times ``weight.T`` (``weight`` ``[out, in]``) -> ``[n, out]``, rows, weight and
-    output of one dtype. The caller checks `supports`."""
-    return _multiply_with(_load()[0], rows, weight)
+    """``rows`` ``[n, in]`` (n >= 1) times ``weight.T`` (``weight`` ``[out, in]``) -> ``[n, out]`` in their dtype.
+    ValueError for inputs the kernel does not take (`check_inputs`); the kernel must be built (`available`)."""
+    kernel = _load()[0]
+    if kernel is None:
+        raise RuntimeError(f"few_rows_linear.multiply: the kernel is {status()}")
+    return _multiply_with(kernel, rows, weight)
+
+
+def check_inputs(rows: torch.Tensor, weight: torch.Tensor) -> None:
+    """ValueError naming the argument unless ``rows`` ``[n >= 1, in]`` and ``weight`` ``[out, in]`` are CPU tensors
+    of one dtype of `DTYPES`, ``weight`` contiguous (``rows`` may be any layout: the kernel reads a contiguous
+    copy)."""
+    allowed = ", ".join(str(dtype) for dtype in DTYPES)
+    for label, tensor in (("rows", rows), ("weight", weight)):
+        if tensor.device.type != "cpu":
+            raise ValueError(f"few_rows_linear.multiply: {label} must be on the CPU, got {tensor.device}")
+        if tensor.dtype not in DTYPES:
+            raise ValueError(f"few_rows_linear.multiply: {label} dtype must be one of {allowed}, got {tensor.dtype}")
+        if tensor.dim() != 2:
+            raise ValueError(f"few_rows_linear.multiply: {label} must be 2-D, got shape {tuple(tensor.shape)}")
+    if rows.dtype != weight.dtype:
+        raise ValueError(f"few_rows_linear.multiply: rows ({rows.dtype}) and weight ({weight.dtype}) must share a "
+                         "dtype")
+    if rows.shape[1] != weight.shape[1]:
+        raise ValueError(f"few_rows_linear.multiply: rows are {rows.shape[1]} wide, weight [out, in] takes "
+                         f"{weight.shape[1]}")
+    if rows.shape[0] < 1:
+        raise ValueError("few_rows_linear.multiply: rows must hold at least 1 row, got 0")
+    if not weight.is_contiguous():
+        raise ValueError(f"few_rows_linear.multiply: weight must be contiguous, got strides {weight.stride()}")
 
 
 def _multiply_with(kernel: _Kernel, rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    check_inputs(rows, weight)
     rows = rows.contiguous()
-    out = torch.empty(rows.shape[0], weight.shape[0], dtype=weight.dtype)
+    out = torch.empty(rows.shape[0], weight.shape[0], dtype=weight.dtype, device=weight.device)
     code = kernel.multiply(ELEMENTS[weight.dtype], rows.shape[0], rows.data_ptr(), weight.data_ptr(), out.data_ptr(),
                            weight.shape[0], weight.shape[1], torch.get_num_threads())
     if code:

@@ -68,6 +68,17 @@ def multiply(route: str, rows: torch.Tensor, weight: torch.Tensor) -> torch.Tens
     return (weight @ columns.T).T[: rows.shape[0]]
 
 
+def bypass(hidden: torch.Tensor, weight: torch.Tensor) -> str | None:
+    """Why a call of ``hidden`` rows through ``weight`` takes ``F.linear`` whatever its route, or None: under CPU
+    autocast (``F.linear`` casts as the model's own forward does; a route would not), or rows of another dtype than
+    the weight (``F.linear`` raises or casts as the model's forward would)."""
+    if torch.is_autocast_enabled(hidden.device.type):
+        return f"autocast ({torch.get_autocast_dtype(hidden.device.type)})"
+    if hidden.dtype != weight.dtype:
+        return f"{hidden.dtype} rows, {weight.dtype} weight"
+    return None
+
+
 def routes_for(layers: list[nn.Linear]) -> tuple[str, ...]:
     """The routes ``layers`` can take: ``"stream"`` only where the kernel takes every one of their weights."""
     stream = bool(layers) and all(few_rows_linear.supports(layer.weight) for layer in layers)
@@ -83,6 +94,8 @@ class LinearRoutes:
         self.groups: dict[str, list[nn.Linear]] = {}  # the eligible layers by group, found on each `installed`
         self.routes: dict[tuple[str, int], str] = {}
         self.calibration_seconds = 0.0
+        # calls a route other than "linear" was chosen for that took F.linear instead, by why (`bypass`)
+        self.bypassed: dict[str, int] = {}
 
     def find_groups(self) -> dict[str, list[nn.Linear]]:
         """The model's eligible layers: ``"head"`` (the output layer) and ``"decoder"`` (every other one)."""
@@ -146,6 +159,10 @@ class LinearRoutes:
         def forward(hidden: torch.Tensor) -> torch.Tensor:
             rows = hidden.reshape(-1, hidden.shape[-1])
             route = self.route(group, rows.shape[0])
+            why = bypass(hidden, layer.weight) if route != "linear" else None
+            if why is not None:
+                self.bypassed[why] = self.bypassed.get(why, 0) + 1
+                route = "linear"
             if route == "linear":
                 return F.linear(hidden, layer.weight, layer.bias)
             out = multiply(route, rows, layer.weight)
