@@ -2,7 +2,8 @@
 a build that fails leaves the kernel off with the reason in its `status`, for every kernel built this way; a kept
 library that is damaged is rebuilt (or refused with the reason where no compiler is there) and never loaded; a kept
 one loads without a compiler; a compiler that hangs is stopped; a long compile shows progress; the build target
-(``HF_TRIFORCE_CPU_MARCH``) enters the flags and the cache key, and one the CPU cannot run is refused."""
+(``HF_TRIFORCE_CPU_MARCH``) enters the flags and the cache key, and one the CPU cannot run is refused; the code each
+target builds (AVX2's 8 lanes, AVX-512's 16 without AVX512-BF16) computes within the kernels' bounds in every dtype."""
 
 from __future__ import annotations
 
@@ -178,3 +179,32 @@ def test_without_cpuinfo_the_key_carries_torchs_isa_level(monkeypatch):
     assert paths["AVX512"] != paths["AVX2"]
     monkeypatch.setenv(native_build.MARCH_ENV, "x86-64-v4")  # a forced level above torch's: refused
     assert "ISA level is AVX2" in native_build.unsupported_target()
+
+
+@needs_kernel
+@KERNELS
+@pytest.mark.parametrize("march", ["x86-64-v3", "x86-64-v4"])
+def test_each_build_target_computes_within_bounds(monkeypatch, tmp_path, kernel_module, march):
+    """The kernels as x86-64-v3 builds them (8-lane AVX2 vectors: what an AVX2-only CPU runs) and as x86-64-v4 does
+    (16 lanes, bf16 widened in registers where AVX512-BF16 is not assumed) pass their self-checks against float64 in
+    every dtype, and a ragged call per dtype stays within the bounds the native build's tests hold."""
+    _fresh(monkeypatch, tmp_path)
+    monkeypatch.setenv(native_build.MARCH_ENV, march)
+    if native_build.unsupported_target() is not None:
+        pytest.skip(native_build.unsupported_target())  # this CPU cannot run the target's instructions
+    kernel, why = kernel_module._load.__wrapped__()
+    assert why == "on"
+    generator = torch.Generator().manual_seed(4)
+    for dtype in kernel_module.DTYPES:
+        if kernel_module is few_rows_linear:
+            x, weight = (torch.randn(n, 77, generator=generator).to(dtype) for n in (11, 43))
+            error = (few_rows_linear._multiply_with(kernel, x, weight).double() - x.double() @ weight.double().T).abs()
+            assert bool((error <= few_rows_linear.error_bound(x, weight)).all()), (dtype, error.max().item())
+            continue
+        for dim, kv_heads, groups, new in ((64, 3, 3, 5), (128, 2, 3, 1)):
+            buffers = torch.randn(2, 1, kv_heads, 1150, dim, generator=generator).to(dtype)
+            key, value = buffers[0, :, :, :1111], buffers[1, :, :, :1111]
+            query = torch.randn(1, kv_heads * groups, new, dim, generator=generator).to(dtype)
+            expected = cpu_attention.reference(query, key, value, None)
+            error = (cpu_attention._attend_with(kernel, query, key, value).double() - expected).abs()
+            assert bool((error <= cpu_attention.tolerance(expected, dtype)).all()), (dtype, dim, error.max().item())
