@@ -361,7 +361,7 @@ class LeanModel:
             keys, values = layers[index].update(new_keys.to(self.cache_dtype), new_values.to(self.cache_dtype))
             query = query.to(keys.dtype)  # a bf16 model's caches are bf16
             if (mask is None or isinstance(mask, int)) and cpu_attention.supports(query, keys, values):
-                return cpu_attention.attend(query, keys, values, self.scaling).reshape(n, heads * dim)
+                return cpu_attention.attend(query, keys, values, self.scaling).reshape(n, heads * dim).float()
             if mask is None:  # one row per batch row seeing all its entries
                 out = F.scaled_dot_product_attention(query.reshape(batch, kv_heads, groups, dim), keys, values,
                                                      scale=self.scaling)

@@ -90,9 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--rope-factor", type=_positive_float, default=None,
                        help="extend SmolLM2's RoPE by this YaRN factor (needed beyond 8192 tokens)")
     bench.add_argument("--threads", type=_positive, default=None)
-    bench.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
-                       help="dtype of the target and the draft model (default float32; bfloat16 is faster where the "
-                            "CPU has AMX or AVX512-BF16, and the lean drafting copies cover float32 models only)")
+    bench.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
+                       help="dtype of the target and the draft model (default float32; bfloat16 and float16 halve the "
+                            "bytes each forward reads, and the CPU kernels read them as they are)")
     bench.add_argument("--out", type=Path, default=Path("bench-results"), help="folder for JSON and markdown")
     add_triforce_arguments(bench, _positive)
 
