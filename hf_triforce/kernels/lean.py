@@ -18,7 +18,7 @@ target's (or a draft model's) weights copied once, run by a forward with little 
   attention and the cache run in the model's dtype (fp32; bf16 for a bf16 model's int8/int4 copy);
 * RMSNorm as one ``F.rms_norm``, the rotary's cos/sin computed once per forward by the model's own rotary
   module (scaled RoPE types included), attention by SDPA over the cache's buffers (GQA-native: a KV head's
-  query heads are extra rows; in fp32 on the CPU over at least 1024 entries, the library's kernel,
+  query heads are extra rows; on the CPU over at least 1024 entries, the library's kernel,
   `cpu_attention`), written through the same cache objects the eager forward uses
   (``cache.layers[i].update``: `SinkWindowCache`, `RetrievalCache`, the batch's `RaggedBufferCache`); at fixed
   shapes over a long buffer, split-KV attention (`split_kv`: the buffer in spans merged by log-sum-exp) where it pays.
