@@ -107,7 +107,8 @@ static void SPAN_ATTENTION(const float *restrict q, const void *restrict k_, con
                     for (int i = 0; i < LANES; i++) x[i] = (vec){0};
                     for (int c = 0; c < NV; c++) {
                         vec a = load_f32(qa + c * LANES);
-                        for (int i = 0; i < LANES; i++) x[i] += a * LOAD_KV(key + (i < count ? i : 0) * k_row + c * LANES);
+                        for (int i = 0; i < LANES; i++)
+                            x[i] += a * LOAD_KV(key + (i < count ? i : 0) * k_row + c * LANES);
                     }
                     reduce(x);
                     if (count == LANES) store_f32(scores + r * BLOCK + j, x[0]);

@@ -16,6 +16,10 @@
 #include <stdint.h>
 #include <string.h>
 
+#if !defined(__AVX2__) || !defined(__FMA__) || !defined(__F16C__)
+#error "the CPU kernels need AVX2, FMA and F16C (x86-64-v3 or newer)"
+#endif
+
 #ifdef __AVX512F__
 #define LANES 16
 #else
