@@ -1,5 +1,5 @@
-/* A few rows times a weight matrix on the CPU (hf_triforce.kernels.few_rows_linear): weights in fp32, bf16 or fp16,
- * products and sums in fp32.
+/* A few rows times a weight matrix on the CPU (hf_triforce.kernels.few_rows_linear): rows and weights of one type,
+ * fp32, bf16 or fp16; products and sums in fp32.
  *
  * y[m, n] = sum_k x[m, k] * w[n, k] for rows m < ROWS <= 8, w [N, K] row-major (nn.Linear's layout). A decoding or
  * verification forward is bound by reading the weights: each block of NB weight rows is read once, LANES elements a
@@ -7,10 +7,12 @@
  * (x stays in the cache: at most 8 x K floats), so 1-8 rows cost one pass over the weights. Threads take contiguous
  * ranges of output columns.
  *
- * Numerics: x is fp32 (the wrapper widens bf16 / fp16 rows, exactly); each output is its own dot product of row m with
- * weight row n (rows never mix), summed in LANES lanes over k = lane mod LANES, then across the lanes; a K not a
- * multiple of LANES ends with a scalar tail. The product of two bf16 or fp16 values is exact in fp32, so the sum's
- * rounding is an fp32 dot product's; the output is then rounded once to the weights' type.
+ * Numerics: each output is its own dot product of row m with weight row n (rows never mix), summed in LANES lanes over
+ * k = lane mod LANES, then across the lanes; a K not a multiple of LANES ends with a scalar tail. bf16 and fp16 rows
+ * are widened to fp32 once per call (exactly), and the product of two such values is exact in fp32, so the sum's
+ * rounding is an fp32 dot product's; the output is then rounded once to the weights' type. Where the target has
+ * AVX512-BF16, bf16 rows and weights are multiplied in pairs by vdpbf16ps instead (lane i sums k = 2i, 2i + 1 mod 32;
+ * values below fp32's normal range taken as 0), with the same one rounding at the end.
  */
 #include <omp.h>
 #include <stdlib.h>
