@@ -6,6 +6,7 @@ one loads without a compiler; a compiler that hangs is stopped; a long compile s
 
 from __future__ import annotations
 
+import json
 import shutil
 import time
 
@@ -178,3 +179,21 @@ def test_without_cpuinfo_the_key_carries_torchs_isa_level(monkeypatch):
     assert paths["AVX512"] != paths["AVX2"]
     monkeypatch.setenv(native_build.MARCH_ENV, "x86-64-v4")  # a forced level above torch's: refused
     assert "ISA level is AVX2" in native_build.unsupported_target()
+
+
+@needs_kernel
+@KERNELS
+@pytest.mark.parametrize("march", ["x86-64-v3", "x86-64-v4"])
+def test_each_build_target_builds_and_passes_its_check(monkeypatch, tmp_path, kernel_module, march):
+    """The AVX2 build (what an AVX2-only CPU runs) is built and checked against float64 on any newer CPU; the AVX-512
+    one where the CPU has AVX-512, else refused with what it lacks (the whole suite runs on either target under
+    ``HF_TRIFORCE_CPU_MARCH``)."""
+    _fresh(monkeypatch, tmp_path)
+    monkeypatch.setenv(native_build.MARCH_ENV, march)
+    kernel, why = kernel_module._load.__wrapped__()
+    lacking = native_build.unsupported_target()
+    assert (kernel is not None and why == "on") if lacking is None else why == f"unavailable ({lacking})"
+    assert march == "x86-64-v4" or lacking is None  # every x86-64 Linux CPU this suite runs on has AVX2
+    if kernel is not None:
+        records = list(native_build.cache_dir().glob("*.json"))
+        assert len(records) == 1 and f"-march={march}" in json.loads(records[0].read_text())["flags"]
