@@ -1,7 +1,7 @@
 """Where greedy identity ends: top-two logits closer than the rounding of a forward.
 
 A verification forward scores several rows at once; its products and attention sum in other orders than a one-row
-step's, so its logits differ from plain ``generate``'s by float rounding (a few 1e-7 of their size in fp32). TriForce
+step's, so its logits differ from plain ``generate``'s by float rounding (1e-7 to 1e-6 of their size in fp32). TriForce
 picks each token as the ``argmax`` of the verification's logits, exactly (docs/exactness.md); where the top two
 logits of plain decoding are closer than that rounding, the two ``argmax`` may differ. This test builds such a model
 (every output row a common vector plus 1e-6 times its own: the logits of all tokens within ~4e-5 of each other,
