@@ -10,7 +10,8 @@ by their softmax maxima and sums.
 
 It is compiled on first use for the CPU it runs on and kept (`native_build`). Before first use it is checked against
 a float64 reference; a build, load or check that fails leaves `status` saying why,
-and the attention functions take ATen's paths (`TriForceStats.attention_kernel` reports which ran).
+and the attention functions take ATen's paths; where it runs, each class of calls takes it only where it was timed
+cheaper than ATen's route on this CPU (`attention_routes`; `TriForceStats.attention_kernel` reports which ran).
 ``HF_TRIFORCE_CPU_ATTENTION=off`` turns it off.
 
 Numerics: every score, weight and sum in fp32; the softmax's order of summation differs from ATen's, so outputs differ
@@ -73,15 +74,6 @@ def status() -> str:
 
 def available() -> bool:
     return _load()[0] is not None
-
-
-def describe(model) -> str:
-    """`TriForceStats.attention_kernel` for ``model``'s calls: "cpu kernel" where `attend` serves its CPU attention
-    (a dtype of `DTYPES`), "sdpa (cpu kernel <why not>)" where it would but cannot, "" for other devices and dtypes."""
-    parameter = next(model.parameters(), None)
-    if parameter is None or parameter.device.type != "cpu" or parameter.dtype not in DTYPES:
-        return ""
-    return "cpu kernel" if available() else f"sdpa (cpu kernel {status()})"
 
 
 def supports(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:

@@ -17,7 +17,9 @@ forward on an AVX2 EPYC: ``F.linear`` 92-110 ms for one row, 152-160 for two, we
 layer) at 1, 2, 4 and 8 rows (`CALIBRATED_ROWS`; a call of ``n`` rows takes the route of the largest of them not above
 ``n``), on a working set of the group's own weights larger than a last-level cache, before the call decodes (so that no
 timed forward of the adaptive policy includes it), and keeps them for the model's later calls; calls of more than
-`MAX_ROUTED_ROWS` rows, the prefill's chunks, keep ``F.linear``. The timings take ~1 s once per model and process
+`MAX_ROUTED_ROWS` rows, the prefill's chunks, keep ``F.linear``, and so do calls under CPU autocast or of rows in
+another dtype than the weight (`bypass`: ``F.linear`` casts or raises as the model's own forward does; counted in
+`LinearRoutes.bypassed`, `TriForceStats.linear_bypassed`). The timings take ~1 s once per model and process
 (`TriForceStats.linear_calibration_seconds`).
 
 Exactness: each row's outputs are its own dot products under every route (the columns of ``W @ x.T`` never mix; the

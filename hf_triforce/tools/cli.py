@@ -162,9 +162,8 @@ def _bench(args) -> int:
 
     import torch
 
-    from ..kernels import cpu_attention
     from . import assets
-    from .bench import compare, prefill_prefix, table, to_json, write_results
+    from .bench import compare, kernels_note, prefill_prefix, table, to_json, write_results
     from .methods import DEFAULT_EXCLUDED, METHODS, describe_gammas, knobs_from_args
     from .prompts import document_prompt
 
@@ -221,8 +220,9 @@ def _bench(args) -> int:
             runs, prefill_seconds = compare(model, ids, methods, args.new_tokens, args.repeats, args.budget,
                                             draft_model, sampling, gammas, knobs_from_args(args), prefilled,
                                             engines)
-            attention = cpu_attention.describe(model)  # TriForce's; plain and static run transformers' own
-            attention_note = f", TriForce attention: {attention}" if attention else ""
+            kernels = kernels_note(runs)  # TriForce's; plain and static run transformers' own
+            attention_note = f", {kernels}" if kernels else ""
+            attention = next((run.stats.attention_kernel for run in runs if run.stats is not None), "")
             engine_prefill = "".join(f", {m} crashed" if e.crashed else f", {m} prefill {e.prefill_seconds:.1f} s"
                                      for m, e in engines.items())
             rendered = (f"### context {context} tokens, {text}, prompt '{args.prompt}', {described} "
