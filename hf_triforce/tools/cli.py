@@ -94,6 +94,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="dtype of the target and the draft model (default float32; bfloat16 and float16 halve the "
                             "bytes each forward reads, and the CPU kernels read them as they are)")
     bench.add_argument("--out", type=Path, default=Path("bench-results"), help="folder for JSON and markdown")
+    bench.add_argument("--prefill-dir", type=Path, default=None,
+                       help="folder of saved prefills (safetensors): each prompt's prefill is read from it where "
+                            "saved for this model, dtype and RoPE, else computed and saved there")
     add_triforce_arguments(bench, _positive)
 
     needle = commands.add_parser("needle", help="Force-2 acceptance: retrieval vs StreamingLLM cache on a needle")
@@ -163,7 +166,7 @@ def _bench(args) -> int:
     import torch
 
     from . import assets
-    from .bench import compare, kernels_note, prefill_prefix, table, to_json, write_results
+    from .bench import compare, kernels_note, prefill_prefix, saved_prefix, table, to_json, write_results
     from .methods import DEFAULT_EXCLUDED, METHODS, describe_gammas, knobs_from_args
     from .prompts import document_prompt
 
@@ -211,8 +214,13 @@ def _bench(args) -> int:
     results, tables = [], []
     for text, context in prompts:
         ids = prompts[text, context]
-        start = time.perf_counter()
-        prefilled = prefill_prefix(model, ids), time.perf_counter() - start
+        if args.prefill_dir is None:
+            start = time.perf_counter()
+            prefilled = prefill_prefix(model, ids), time.perf_counter() - start
+        else:
+            cache, seconds, source = saved_prefix(model, ids, args.prefill_dir)
+            print(f"prefill of {text} at {context} tokens: {source} ({seconds:.1f} s)", flush=True)
+            prefilled = cache, seconds
         engines = _llama_cpp_engines(args, engine_methods, ids)
         for mode in modes:
             sampling = sampled if mode == "sampled" else None
