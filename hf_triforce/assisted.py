@@ -32,7 +32,10 @@ from .decoding.forward import prefill
 from .decoding.output import PaddedView
 from .decoding.preflight import check_model
 from .decoding.tiers import drafting_models
+from .kernels import cpu_kernels
 from .kernels.attention import recording
+from .kernels.attention_routes import attention_routes
+from .kernels.attention_routes import describe as describe_attention
 from .kernels.linear_routes import linear_routes
 from .kernels.row_mixing import RowsApart
 from .verification.sampling import Sampler
@@ -124,10 +127,17 @@ def run_assisted(model, ids: torch.LongTensor, processors, criteria, generation_
     from .integration import recording_attention  # it imports this module
 
     cache = full_cache(model, config, generation_config.max_length)
+    # compiled here, if at all: not inside a timed forward
+    build_seconds = cpu_kernels.prepare([model, *([config.draft] if isinstance(config.draft, torch.nn.Module) else [])])
+    attention = attention_routes(model)
+    attention_calibrated = attention.calibration_seconds
     with recording_attention(model), ExitStack() as stack:
+        stack.enter_context(attention.installed(model, generation_config.max_length))
         generator = TriForceCandidateGenerator(model, generation_config, processors, triforce_config=config,
                                                stopping_criteria=criteria, full_cache=cache, sampler=sampler)
-        for model_routes in (linear_routes(m) for m in drafting_models(generator.config, model)):
+        linear = [linear_routes(m) for m in drafting_models(generator.config, model)]
+        bypassed = dict(linear[0].bypassed) if linear else {}
+        for model_routes in linear:
             stack.enter_context(model_routes.installed())
         rows_apart = stack.enter_context(RowsApart(model))
         began = time.perf_counter()
@@ -141,4 +151,13 @@ def run_assisted(model, ids: torch.LongTensor, processors, criteria, generation_
         with recording(generator.recorder):
             out = compat.assisted_decoding(model, generator, ids, processors, criteria, generation_config, streamer,
                                            cache=cache, use_cache=True, logits_to_keep=1)
+    stats = generator.stats
+    stats.attention_routes = attention.used()
+    stats.attention_calibration_seconds = attention.calibration_seconds - attention_calibrated
+    stats.attention_kernel = describe_attention(model)
+    stats.cpu_kernels = cpu_kernels.describe(model)
+    stats.kernel_build_seconds = build_seconds
+    if linear:
+        stats.linear_bypassed = {why: calls - bypassed.get(why, 0) for why, calls in linear[0].bypassed.items()
+                                 if calls > bypassed.get(why, 0)}
     return out, generator

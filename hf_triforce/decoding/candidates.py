@@ -42,7 +42,7 @@ from ..config import TriForceConfig
 from ..drafters import DraftContext, build_drafter
 from ..drafters.model import ModelDrafter
 from ..drafters.registry import MODEL_DRAFTER
-from ..kernels import cpu_attention
+from ..kernels import attention_routes
 from ..kernels.attention import QueryRecorder
 from ..stats import TriForceStats
 from ..verification.sampling import ChainVerifier, Sampler, TorchSampler
@@ -173,7 +173,11 @@ class TriForceCandidateGenerator(compat.CandidateGenerator):
         if config.levels == 3:
             models["force2"] = self.level.model
         self.stats.tier_forwards = tier_forwards(models, config.draft_precision, not_lean, "eager")
-        self.stats.attention_kernel = cpu_attention.describe(model)
+        # where hf_triforce's own loop set the call up, its timed routes; where transformers built this generator, none
+        # are installed and every call takes ATen's route (`attention_routes.takes_kernel`)
+        routes = attention_routes.active()
+        self.stats.attention_kernel = attention_routes.describe(model) if routes is not None else \
+            attention_routes.NOT_SET_UP if attention_routes.model_shape(model) is not None else ""
         self.queries: dict[int, torch.Tensor] | None = None  # per layer, the query of the last cached token
         self.proposed, self.ran, self.length, self.handed_at = 0, False, 0, 0.0
 

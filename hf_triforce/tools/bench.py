@@ -280,6 +280,21 @@ def table(runs: list[Run], sampled: bool = False) -> str:
     return "\n".join(lines)
 
 
+def kernels_note(runs: list[Run]) -> str:
+    """What a TriForce run among ``runs`` ran on the CPU, for a table's heading: the kernels' build target and
+    status, the attention route (`TriForceStats.attention_kernel`), the linear routes by group and row count, and
+    the calls that left their route (`TriForceStats.linear_bypassed`); "" where no TriForce run served a CPU model."""
+    stats = next((run.stats for run in runs if run.stats is not None and run.stats.cpu_kernels), None)
+    if stats is None:
+        return ""
+    kernels = stats.cpu_kernels
+    routes = "; ".join(f"{group} " + " ".join(f"{rows}:{route}" for rows, route in by_rows.items())
+                       for group, by_rows in stats.linear_routes.items() if by_rows) or "none timed"
+    bypassed = "".join(f", {calls} calls by F.linear ({why})" for why, calls in stats.linear_bypassed.items())
+    return (f"TriForce CPU kernels built for {kernels['target']}: attention {stats.attention_kernel}, linear kernel "
+            f"{kernels['linear']}, linear routes {routes}{bypassed}")
+
+
 def identity(run: Run, base: Run) -> str:
     """"yes"/"NO" against plain `generate`; for another engine, how many leading new tokens match."""
     if not method_named(run.method).other_engine:

@@ -104,9 +104,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--rope-factor", type=_positive_float, default=None,
                        help="extend SmolLM2's RoPE by this YaRN factor (needed beyond 8192 tokens)")
     bench.add_argument("--threads", type=_positive, default=None)
-    bench.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
-                       help="dtype of the target and the draft model (default float32; bfloat16 is faster where the "
-                            "CPU has AMX or AVX512-BF16, and the lean drafting copies cover float32 models only)")
+    bench.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
+                       help="dtype of the target and the draft model (default float32; bfloat16 and float16 halve the "
+                            "bytes each forward reads, and the CPU kernels read them as they are)")
     bench.add_argument("--out", type=Path, default=Path("bench-results"), help="folder for JSON and markdown")
     bench.add_argument("--prefill-dir", type=Path, default=None,
                        help="folder of saved prefills (safetensors): each prompt's prefill is read from it where "
@@ -204,9 +204,8 @@ def _bench(args) -> int:
 
     import torch
 
-    from ..kernels import cpu_attention
     from . import assets
-    from .bench import compare, prefill_prefix, saved_prefix, table, to_json, write_results
+    from .bench import compare, kernels_note, prefill_prefix, saved_prefix, table, to_json, write_results
     from .methods import DEFAULT_EXCLUDED, METHODS, describe_gammas, knobs_from_args
     from .prompts import document_prompt
 
@@ -268,8 +267,9 @@ def _bench(args) -> int:
             runs, prefill_seconds = compare(model, ids, methods, args.new_tokens, args.repeats, args.budget,
                                             draft_model, sampling, gammas, knobs_from_args(args), prefilled,
                                             engines)
-            attention = cpu_attention.describe(model)  # TriForce's; plain and static run transformers' own
-            attention_note = f", TriForce attention: {attention}" if attention else ""
+            kernels = kernels_note(runs)  # TriForce's; plain and static run transformers' own
+            attention_note = f", {kernels}" if kernels else ""
+            attention = next((run.stats.attention_kernel for run in runs if run.stats is not None), "")
             engine_prefill = "".join(f", {m} crashed" if e.crashed else f", {m} prefill {e.prefill_seconds:.1f} s"
                                      for m, e in engines.items())
             rendered = (f"### context {context} tokens, {text}, prompt '{args.prompt}', {described} "
