@@ -177,7 +177,7 @@ class TriForceCandidateGenerator(compat.CandidateGenerator):
         # are installed and every call takes ATen's route (`attention_routes.takes_kernel`)
         routes = attention_routes.active()
         self.stats.attention_kernel = attention_routes.describe(model) if routes is not None else \
-            attention_routes.NOT_SET_UP if attention_routes.model_shape(model) is not None else ""
+            attention_routes.NOT_SET_UP if attention_routes.cpu_dtype(model) is not None else ""
         self.queries: dict[int, torch.Tensor] | None = None  # per layer, the query of the last cached token
         self.proposed, self.ran, self.length, self.handed_at = 0, False, 0, 0.0
 

@@ -66,17 +66,26 @@ def shape_of(query: torch.Tensor, key: torch.Tensor) -> Shape:
     return query.dtype, dim, kv_heads, heads // kv_heads, torch.get_num_threads()
 
 
-def model_shape(model: nn.Module) -> tuple[torch.dtype, int, int, int] | None:
-    """``model``'s attention shape (dtype, head dim, KV heads, query heads per KV head) where it runs on the CPU in a
-    dtype the kernel takes; else None."""
+def cpu_dtype(model: nn.Module) -> torch.dtype | None:
+    """``model``'s dtype where it runs on the CPU in a dtype the kernel takes (`cpu_attention.DTYPES`); else None."""
     parameter = next(model.parameters(), None)
     if parameter is None or parameter.device.type != "cpu" or parameter.dtype not in cpu_attention.DTYPES:
         return None
-    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    heads = config.num_attention_heads
-    dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    return parameter.dtype, dim, kv_heads, heads // kv_heads
+    return parameter.dtype
+
+
+def model_shapes(model: nn.Module) -> set[tuple[int, int, int]]:
+    """The attention shapes (head dim, KV heads, query heads per KV head) of ``model``'s attention modules that expose
+    them as transformers' do (``head_dim``, ``num_key_value_groups``, a ``k_proj`` linear layer), read from the
+    modules: a config's global values may not hold for every layer. Empty where no module exposes them (its calls'
+    classes are then timed at their first call)."""
+    shapes = set()
+    for module in model.modules():
+        dim, groups = getattr(module, "head_dim", None), getattr(module, "num_key_value_groups", None)
+        keys = getattr(module, "k_proj", None)
+        if isinstance(dim, int) and dim > 0 and isinstance(groups, int) and isinstance(keys, nn.Linear):
+            shapes.add((dim, keys.out_features // dim, groups))
+    return shapes
 
 
 def label(shape: Shape) -> str:
@@ -132,15 +141,18 @@ class AttentionRoutes:
         """Time ``model``'s shape class at every `CALIBRATED_ROWS` count and every cache length a call of up to
         ``max_length`` positions reaches (nothing where it is not a CPU model in a dtype and head dim the kernel
         takes, where the kernel is not built, or below `cpu_attention.MIN_CACHED`)."""
-        shape = model_shape(model)
-        if shape is None or shape[1] not in cpu_attention.HEAD_DIMS or not cpu_attention.available():
+        dtype = cpu_dtype(model)
+        if dtype is None or not cpu_attention.available():
             return
-        full = (*shape, torch.get_num_threads())
-        for rows in CALIBRATED_ROWS:
-            length = cpu_attention.MIN_CACHED
-            while length + rows <= max_length:
-                self.route_of(full, rows, length)
-                length *= 2
+        threads = torch.get_num_threads()
+        for dim, kv_heads, groups in model_shapes(model):
+            if dim not in cpu_attention.HEAD_DIMS:
+                continue
+            for rows in CALIBRATED_ROWS:
+                length = cpu_attention.MIN_CACHED
+                while length + rows <= max_length:
+                    self.route_of((dtype, dim, kv_heads, groups, threads), rows, length)
+                    length *= 2
 
     def used(self) -> dict[str, dict[int, dict[int, str]]]:
         """``{shape class (`label`): {rows: {cache length: route}}}`` of every class timed so far."""
@@ -189,15 +201,19 @@ def describe(model: nn.Module) -> str:
     timed for the model's shape; ``"cpu kernel where faster (k of n timed classes, sdpa elsewhere)"``; ``"sdpa
     (<why>)"`` where it took none: slower at every timed class, not built (`cpu_attention.status`), a head dim it has
     no code for, or a cache too short for it; ``""`` for other devices and dtypes."""
-    shape = model_shape(model)
-    if shape is None:
+    dtype = cpu_dtype(model)
+    if dtype is None:
         return ""
     if not cpu_attention.available():
         return f"sdpa (cpu kernel {cpu_attention.status()})"
-    if shape[1] not in cpu_attention.HEAD_DIMS:
-        return f"sdpa (head dim {shape[1]}: the cpu kernel takes {', '.join(map(str, cpu_attention.HEAD_DIMS))})"
+    shapes = {(dtype, *shape) for shape in model_shapes(model)}
+    dims = sorted({shape[1] for shape in shapes})
+    if dims and not set(dims) & set(cpu_attention.HEAD_DIMS):
+        return (f"sdpa (head dim {', '.join(map(str, dims))}: the cpu kernel takes "
+                f"{', '.join(map(str, cpu_attention.HEAD_DIMS))})")
     routes = _ROUTES.get(model)
-    own = [route for (full, _, _), route in (routes.routes.items() if routes else ()) if full[:4] == shape]
+    own = [route for (full, _, _), route in (routes.routes.items() if routes else ())
+           if not shapes or full[:4] in shapes]
     if not own:
         return f"sdpa (no call over {cpu_attention.MIN_CACHED} cached entries or more timed: the cpu kernel's)"
     taken = own.count("kernel")
