@@ -1,14 +1,14 @@
 """What a few rows through a model's linear layers cost by route (`kernels.linear_routes`): ATen's two and the kernel's.
 
 For each model's decoder-layer shapes (SmolLM2-135M: hidden 576, MLP 1536; Qwen2.5-Coder-1.5B: hidden 1536, 2 KV heads
-of 128, MLP 8960; fp32, random weights: the cost does not depend on the values) and number of rows, times the layers
-of ``--layers`` decoder layers (more weight bytes than a last-level cache, as a forward streams them) under each
+of 128, MLP 8960; ``--dtype``, random weights: the cost does not depend on the values) and number of rows, times the
+layers of ``--layers`` decoder layers (more weight bytes than a last-level cache, as a forward streams them) under each
 route of `linear_routes.multiply`: ``linear`` (``x @ W.T``), ``left`` (``W @ x.T``), ``stream`` (the few-rows kernel);
 the routes alternate within each setting; the least of ``--repeats`` (the machine is shared; the minimum is the stable
 figure). Each row also gives the weight bytes read per second by the kernel and its largest error against float64 as
 a fraction of its error bound (`few_rows_linear.error_bound`).
 
-    python benchmarks/few_rows_linear_cost.py --threads 2 --json out.json
+    python benchmarks/few_rows_linear_cost.py --threads 2 --dtype bfloat16 --json out.json
 """
 
 from __future__ import annotations
@@ -35,19 +35,22 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 3, 4, 6, 8, 11])
     parser.add_argument("--layers", type=int, nargs="+", default=[24, 4], help="decoder layers per model, in order")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
+                        help="the rows' and weights' dtype (default float32)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    dtype = getattr(torch, args.dtype)
     if not few_rows_linear.available():
         raise SystemExit(f"the few-rows kernel does not run here: {few_rows_linear.status()}")
     results = []
     print("| shapes | weight MB | rows | linear ms | left ms | stream ms | stream GB/s | stream error / bound |")
     print("|---|---|---|---|---|---|---|---|")
     for (name, shapes), layers in zip(SHAPES.items(), args.layers):
-        weights = [torch.randn(out, width) for _ in range(layers) for out, width in shapes]
+        weights = [torch.randn(out, width, dtype=dtype) for _ in range(layers) for out, width in shapes]
         nbytes = sum(weight.nbytes for weight in weights)
         for rows in args.rows:
-            inputs = {width: torch.randn(rows, width) for _, width in shapes}
+            inputs = {width: torch.randn(rows, width, dtype=dtype) for _, width in shapes}
             best = dict.fromkeys(linear_routes.ROUTES, float("inf"))
             for _ in range(args.repeats):
                 for route in linear_routes.ROUTES:
@@ -67,7 +70,7 @@ def main() -> None:
                   f"{ratio:.1e} |", flush=True)
     if args.json:
         with open(args.json, "w") as handle:
-            json.dump({"threads": args.threads, "results": results}, handle, indent=1)
+            json.dump({"threads": args.threads, "dtype": args.dtype, "results": results}, handle, indent=1)
 
 
 if __name__ == "__main__":

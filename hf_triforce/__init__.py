@@ -4,6 +4,7 @@
 """
 
 from .caches import RetrievalCache, SinkWindowCache
+from .caches.saved_prefill import load_prefill, save_prefill
 from .candidates import TriForceCandidateGenerator
 from .config import TriForceConfig
 from .integration import TriForceGenerateOutput, disable, enable, triforce_generate
@@ -19,6 +20,8 @@ __all__ = [
     "TriForceStats",
     "disable",
     "enable",
+    "load_prefill",
+    "save_prefill",
     "triforce_generate",
 ]
 

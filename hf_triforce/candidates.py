@@ -45,7 +45,7 @@ from .decoding.preflight import check_model
 from .decoding.resolved import ResolvedConfig, resolve
 from .forwards.clock import device_clock
 from .forwards.forward import run_inline
-from .kernels import cpu_attention
+from .kernels import attention_routes
 from .kernels.attention import QueryRecorder
 from .request import check_request, recording_attention
 from .stats import TriForceStats
@@ -163,7 +163,11 @@ class TriForceCandidateGenerator(compat.CandidateGenerator):
         # is transformers' assisted loop's forward of the model
         tiers = {f"force1 {config.draft_name}"} | ({"force2"} if config.levels == 3 else set())
         self.stats.tier_forwards = self.hierarchy.tier_forwards(tiers, "eager")
-        self.stats.attention_kernel = cpu_attention.describe(model)
+        # where hf_triforce's own loop set the call up, its timed routes; where transformers built this generator, none
+        # are installed and every call takes ATen's route (`attention_routes.takes_kernel`)
+        routes = attention_routes.active()
+        self.stats.attention_kernel = attention_routes.describe(model) if routes is not None else \
+            attention_routes.NOT_SET_UP if attention_routes.cpu_dtype(model) is not None else ""
         self.queries: dict[int, torch.Tensor] | None = None  # per layer, the query of the last cached token
         self.proposed, self.ran, self.length, self.handed_at = 0, False, 0, 0.0
 

@@ -380,3 +380,34 @@ def assisted_decoding(model, candidate_generator: CandidateGenerator, input_ids:
         return model._assisted_decoding(input_ids, logits_processor=logits_processor,
                                         stopping_criteria=stopping_criteria, generation_config=generation_config,
                                         synced_gpus=False, streamer=streamer, **model_kwargs)
+
+
+class ServeRequestHandling:
+    """`transformers serve`'s request handling (``transformers.cli.serving``, 5.24-5.25), run without its model
+    manager, for `hf_triforce.serving.requests`: its chat and text completion handlers' request validation
+    (``_validate_request``: a field outside the OpenAI schema is an HTTP 422), chat-template rendering
+    (``render_messages``, on a text-only engine) and OpenAI-fields-to-``generate`` mapping
+    (``_build_generation_kwargs``). Imported on first use: the serving extra brings fastapi and openai."""
+
+    def __init__(self, tokenizer) -> None:
+        from transformers.cli.serving.chat_completion import ChatCompletionHandler
+        from transformers.cli.serving.completion import CompletionHandler
+        from transformers.cli.serving.utils import GenerationState, Modality
+
+        state = GenerationState()
+        self.handlers = {"chat": ChatCompletionHandler(None, state), "text": CompletionHandler(None, state)}
+        # what the chat rendering reads of an engine
+        self.engine = type("TextEngine", (), {"processor": tokenizer, "modality": Modality.LLM, "use_cb": False})()
+
+    def validate(self, endpoint: str, body: dict) -> None:
+        """``endpoint``: ``"chat"`` or ``"text"``; raises fastapi's ``HTTPException`` (422) for a foreign field."""
+        self.handlers[endpoint]._validate_request(body)
+
+    def render_chat(self, body: dict) -> dict:
+        """``body["messages"]`` through the chat template with ``add_generation_prompt=True``: ``input_ids`` [1, n]."""
+        return self.handlers["chat"].render_messages(self.engine, body["messages"], body)
+
+    def generation_kwargs(self, endpoint: str, body: dict, generation_config) -> dict:
+        """``generate`` arguments of the request over ``generation_config`` (``max_new_tokens``, ``do_sample``,
+        ``temperature``, ``top_p``, ``top_k``, ``eos_token_id``, ``seed``, ``stop_strings``, penalties)."""
+        return self.handlers[endpoint]._build_generation_kwargs(body, generation_config)

@@ -38,10 +38,20 @@ class TriForceStats:
     # "auto" would have run it at fixed shapes but could not, or "<mode> (native)" ("graph (native)": the target's own
     # weights in a CUDA graph per row count), with "; candidate trees: eager" where trees may run
     tier_forwards: dict = field(default_factory=dict)
-    # the long-cache attention of a CPU fp32 target's forwards (`kernels.cpu_attention.describe`): "cpu kernel" where
-    # the library's compiled kernel takes its decoding steps and few-row verifications, "sdpa (cpu kernel <why not>)"
-    # where it does not run; "" elsewhere (other devices and dtypes take ATen's and the fused routes)
+    # the long-cache attention of a CPU fp32 / bf16 / fp16 target's forwards (`kernels.attention_routes.describe`): "cpu
+    # kernel" where the library's compiled kernel took every class timed for the target's shape (decoding steps and
+    # few-row verifications over 1024 cached entries or more), "cpu kernel where faster (k of n timed classes, sdpa
+    # elsewhere)", or "sdpa (<why not>)": slower at every timed class, not built, a head dim it has no code for, no
+    # cache long enough; "" elsewhere (other devices and dtypes take ATen's and the fused routes)
     attention_kernel: str = ""
+    # the route each class took ("kernel" or "aten"), timed at set-up on this CPU: {shape class: {new rows: {cached
+    # entries: route}}} (`kernels.attention_routes`), and this call's seconds timing them (once per model and process)
+    attention_routes: dict = field(default_factory=dict)
+    attention_calibration_seconds: float = 0.0
+    # the CPU kernels of a CPU target (`kernels.cpu_kernels.describe`): {"target": the -march they were built for
+    # (HF_TRIFORCE_CPU_MARCH), "attention": "on" or why not, "linear": "on" or why not}; {} for other devices
+    cpu_kernels: dict = field(default_factory=dict)
+    kernel_build_seconds: float = 0.0  # compiling and checking the kernels at this call's set-up (first call only)
     # TriForceConfig.tier_compile other than "off": {"mode", "forwards" (fixed-shape forwards run), "compiles" (graphs
     # compiled in this call: 0 once a model's first call has compiled), "compile_seconds"} (`kernels.fixed_shape`);
     # where Force 3 ran at fixed shapes, "force3": the same four for its verification forward
@@ -55,6 +65,9 @@ class TriForceStats:
     # and this call's seconds timing routes (once per model, row count and process)
     linear_routes: dict = field(default_factory=dict)
     linear_calibration_seconds: float = 0.0
+    # calls of routed layers that took F.linear instead of their route, by why (CPU autocast, rows of another dtype
+    # than the weight: `kernels.linear_routes.bypass`)
+    linear_bypassed: dict = field(default_factory=dict)
     prefill_seconds: float = 0.0  # the prompt's prefill (a cache= prefix's adoption included)
     # adopting a cache= prefix (batch 1): allocating the full cache and copying the prefix in; static-cache
     # `generate` pays the same copy where its StaticCache is filled from a prefix (`hf-triforce bench` times neither)

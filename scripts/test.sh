@@ -6,7 +6,7 @@
 #   bash scripts/test.sh --extended   the default tier and the extended tier (@pytest.mark.extended: long
 #                                     enumerations and statistical runs)
 # Every other argument goes to pytest (e.g. -n 0 for one process, -k NAME, a test file).
-HF_TRIFORCE_EXTRAS="test,deploy,assets,bench" source "$(dirname "$0")/env.sh"
+HF_TRIFORCE_EXTRAS="test,deploy,assets,bench,serve" source "$(dirname "$0")/env.sh"
 ARGS=()
 for arg in "$@"; do
     if [ "$arg" = "--extended" ]; then

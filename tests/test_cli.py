@@ -276,3 +276,19 @@ def test_bench_times_no_methods_prefix_copy(monkeypatch):
     bench.measure(model, prompt, prefix, "default", 3, 64, run)
     wall = time.perf_counter() - began
     assert 0.05 <= run.seconds[0] <= wall - 0.25
+
+
+def test_bench_saves_a_prefill_and_reads_it_back_in_a_later_run(tmp_path, capsys):
+    model, tokenizer = make_model("llama-gqa"), word_tokenizer()
+    model.save_pretrained(tmp_path / "m")
+    tokenizer.save_pretrained(tmp_path / "m")
+    argv = ["bench", "--model", str(tmp_path / "m"), "--prompt", "continue", "--contexts", "120", "--new-tokens", "4",
+            "--repeats", "1", "--methods", "plain", "--modes", "greedy", "--out", str(tmp_path / "bench"),
+            "--prefill-dir", str(tmp_path / "prefills")]
+    outputs = []
+    for source in ("computed, saved to", "loaded"):
+        assert main(argv) == 0
+        assert f"prefill of essays at 120 tokens: {source}" in capsys.readouterr().out
+        outputs.append(json.loads((tmp_path / "bench" / "results.json").read_text())[0]["methods"]["plain"])
+    assert outputs[0]["new_token_ids"] == outputs[1]["new_token_ids"]
+    assert len(list((tmp_path / "prefills").glob("prefill-119-*.safetensors"))) == 1

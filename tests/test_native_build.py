@@ -1,13 +1,20 @@
 """The CPU kernels' shared build and load (`kernels.native_build`): each kernel's environment switch turns it off, and
-a build that fails leaves the kernel off with the reason in its `status`, for every kernel built this way."""
+a build that fails leaves the kernel off with the reason in its `status`, for every kernel built this way; a kept
+library that is damaged is rebuilt (or refused with the reason where no compiler is there) and never loaded; a kept
+one loads without a compiler; a compiler that hangs is stopped; a long compile shows progress; the build target
+(``HF_TRIFORCE_CPU_MARCH``) enters the flags and the cache key, and one the CPU cannot run is refused; the code each
+target builds (AVX2's 8 lanes, AVX-512's 16 without AVX512-BF16) computes within the kernels' bounds in every dtype."""
 
 from __future__ import annotations
 
+import json
 import shutil
+import time
 
 import pytest
+import torch
 
-from hf_triforce.kernels import cpu_attention, few_rows_linear
+from hf_triforce.kernels import cpu_attention, few_rows_linear, native_build
 
 from .test_cpu_attention import needs_kernel
 
@@ -28,3 +35,186 @@ def test_failed_build_says_why(monkeypatch, tmp_path, kernel_module):
     monkeypatch.setenv("CC", shutil.which("false") or "/bin/false")
     kernel, why = kernel_module._load.__wrapped__()
     assert kernel is None and why.startswith("unavailable (") and "false" in why
+
+
+def _fresh(monkeypatch, tmp_path):
+    """An empty kernel cache under ``tmp_path``."""
+    monkeypatch.setenv("HF_TRIFORCE_CACHE", str(tmp_path / "cache"))
+
+
+def _no_compiler(monkeypatch, tmp_path):
+    """No C compiler to be found: no ``$CC``, a PATH of an empty folder."""
+    empty = tmp_path / "empty-bin"
+    empty.mkdir(exist_ok=True)
+    monkeypatch.delenv("CC", raising=False)
+    monkeypatch.setenv("PATH", str(empty))
+    assert native_build.compiler() is None
+
+
+@needs_kernel
+def test_a_damaged_kept_library_is_rebuilt(monkeypatch, tmp_path):
+    """A kept library truncated to 1,000 bytes (loading it would end the process with a bus error) is found damaged
+    by its record and rebuilt, with a warning saying why."""
+    _fresh(monkeypatch, tmp_path)
+    built = native_build.build("few_rows_linear", few_rows_linear.SOURCES)
+    size = built.stat().st_size
+    with open(built, "r+b") as handle:
+        handle.truncate(1000)
+    assert native_build.damage(built) == f"damaged (1000 bytes, built {size})"
+    with pytest.warns(RuntimeWarning, match="damaged"):
+        again = native_build.build("few_rows_linear", few_rows_linear.SOURCES)
+    assert again == built and again.stat().st_size == size and native_build.damage(again) is None
+    kernel, why = few_rows_linear._load.__wrapped__()
+    assert why == "on" and kernel is not None
+
+
+@needs_kernel
+def test_a_changed_byte_is_found_by_the_digest(monkeypatch, tmp_path):
+    _fresh(monkeypatch, tmp_path)
+    built = native_build.build("few_rows_linear", few_rows_linear.SOURCES)
+    data = bytearray(built.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    built.write_bytes(bytes(data))
+    assert native_build.damage(built) == "damaged (its SHA-256 differs from its record's)"
+
+
+@needs_kernel
+@KERNELS
+def test_a_kept_library_loads_without_a_compiler(monkeypatch, tmp_path, kernel_module):
+    """A cache prepared where a compiler is (an image's build stage) serves where there is none."""
+    _fresh(monkeypatch, tmp_path)
+    assert kernel_module._load.__wrapped__()[1] == "on"
+    _no_compiler(monkeypatch, tmp_path)
+    kernel, why = kernel_module._load.__wrapped__()
+    assert why == "on" and kernel is not None
+
+
+@needs_kernel
+def test_a_damaged_library_without_a_compiler_is_refused_with_the_reason(monkeypatch, tmp_path):
+    _fresh(monkeypatch, tmp_path)
+    built = native_build.build("few_rows_linear", few_rows_linear.SOURCES)
+    with open(built, "r+b") as handle:
+        handle.truncate(1000)
+    _no_compiler(monkeypatch, tmp_path)
+    kernel, why = few_rows_linear._load.__wrapped__()
+    assert kernel is None
+    assert why.startswith("unavailable (RuntimeError: no C compiler") and "damaged (1000 bytes" in why
+    built.with_suffix(".json").unlink()  # a library without its record is not loaded either
+    assert "without a valid record" in few_rows_linear._load.__wrapped__()[1]
+
+
+def _slow_compiler(tmp_path, seconds: float) -> str:
+    """A ``cc`` that answers ``--version`` at once and compiles after ``seconds``."""
+    script = tmp_path / "slow-cc"
+    script.write_text(f"#!/bin/sh\n[ \"$1\" = --version ] && exec cc --version\nsleep {seconds}\nexec cc \"$@\"\n")
+    script.chmod(0o755)
+    return str(script)
+
+
+@needs_kernel
+def test_a_compiler_that_hangs_is_stopped(monkeypatch, tmp_path):
+    _fresh(monkeypatch, tmp_path)
+    monkeypatch.setenv("CC", _slow_compiler(tmp_path, 30))
+    monkeypatch.setattr(native_build, "COMPILE_TIMEOUT_S", 0.5)
+    began = time.perf_counter()
+    kernel, why = few_rows_linear._load.__wrapped__()
+    assert kernel is None and why == "unavailable (the compiler ran past 0.5 s)"
+    assert time.perf_counter() - began < 10
+
+
+@needs_kernel
+def test_a_compile_longer_than_a_second_shows_progress(monkeypatch, tmp_path, capsys):
+    _fresh(monkeypatch, tmp_path)
+    monkeypatch.setenv("CC", _slow_compiler(tmp_path, 1.6))
+    assert few_rows_linear._load.__wrapped__()[1] == "on"
+    assert "compiling few_rows_linear" in capsys.readouterr().err
+
+
+def test_build_target_switch(monkeypatch):
+    """``HF_TRIFORCE_CPU_MARCH`` picks the ``-march`` (and the vector width with it) and enters the cache key; any
+    other value is an error naming the allowed ones."""
+    monkeypatch.setattr(native_build, "cpu_features", lambda: frozenset(native_build.MARCHES["x86-64-v4"]))
+    paths = {}
+    for march, wide in (("native", True), ("x86-64-v4", True), ("x86-64-v3", False)):
+        monkeypatch.setenv(native_build.MARCH_ENV, march)
+        flags = native_build.compile_flags()
+        assert f"-march={march}" in flags and ("-mprefer-vector-width=512" in flags) == wide
+        assert native_build.unsupported_target() is None
+        paths[march] = native_build.kept_path("few_rows_linear", few_rows_linear.SOURCES)
+    assert len(set(paths.values())) == 3
+    monkeypatch.setenv(native_build.MARCH_ENV, "skylake")
+    with pytest.raises(ValueError, match="HF_TRIFORCE_CPU_MARCH='skylake' .* native, x86-64-v3, x86-64-v4"):
+        native_build.compile_flags()
+    with pytest.raises(ValueError, match="HF_TRIFORCE_CPU_MARCH"):
+        few_rows_linear._load.__wrapped__()
+
+
+def test_a_target_the_cpu_cannot_run_is_refused(monkeypatch):
+    """x86-64-v4 on an AVX2 CPU would stop the process at the first AVX-512 instruction: refused, naming what the
+    CPU lacks."""
+    monkeypatch.setattr(native_build, "cpu_features", lambda: frozenset(native_build.MARCHES["x86-64-v3"]))
+    monkeypatch.setattr(native_build, "unsupported_platform", lambda: None)
+    monkeypatch.setenv(native_build.MARCH_ENV, "x86-64-v4")
+    assert native_build.unsupported_target() == \
+        "HF_TRIFORCE_CPU_MARCH=x86-64-v4: this CPU lacks avx512f, avx512bw, avx512cd, avx512dq, avx512vl"
+    kernel, why = few_rows_linear._load.__wrapped__()
+    assert kernel is None and why == f"unavailable ({native_build.unsupported_target()})"
+    monkeypatch.setenv(native_build.MARCH_ENV, "x86-64-v3")
+    assert native_build.unsupported_target() is None
+    assert "-mprefer-vector-width=512" not in native_build.compile_flags()  # native on an AVX2 CPU: 256-bit
+    monkeypatch.setenv(native_build.MARCH_ENV, "native")
+    assert "-mprefer-vector-width=512" not in native_build.compile_flags()
+
+
+def test_without_cpuinfo_the_key_carries_torchs_isa_level(monkeypatch):
+    """Where /proc/cpuinfo cannot be read, ``native`` builds for the ISA level torch detects, and that level enters
+    the cache key: a build for an AVX-512 CPU is not loaded on an AVX2 one."""
+    monkeypatch.setattr(native_build, "cpu_features", lambda: None)
+    monkeypatch.delenv(native_build.MARCH_ENV, raising=False)
+    paths = {}
+    for capability, march in (("AVX512", "x86-64-v4"), ("AVX2", "x86-64-v3")):
+        monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda c=capability: c)
+        assert native_build.build_target() == march and f"-march={march}" in native_build.compile_flags()
+        assert capability in native_build.cpu_signature()
+        paths[capability] = native_build.kept_path("few_rows_linear", few_rows_linear.SOURCES)
+    assert paths["AVX512"] != paths["AVX2"]
+    monkeypatch.setenv(native_build.MARCH_ENV, "x86-64-v4")  # a forced level above torch's: refused
+    assert "ISA level is AVX2" in native_build.unsupported_target()
+
+
+@needs_kernel
+@KERNELS
+@pytest.mark.parametrize("march", ["x86-64-v3", "x86-64-v4"])
+def test_each_build_target_builds_and_passes_its_check(monkeypatch, tmp_path, kernel_module, march):
+    """The AVX2 build (what an AVX2-only CPU runs: 8-lane vectors) is built and checked against float64 on any newer
+    CPU; the AVX-512 one (16 lanes, bf16 widened in registers where AVX512-BF16 is not assumed) where the CPU has
+    AVX-512, else refused with what it lacks (the whole suite runs on either target under ``HF_TRIFORCE_CPU_MARCH``).
+    A built one also keeps a ragged call per dtype within the bounds the native build's tests hold."""
+    _fresh(monkeypatch, tmp_path)
+    monkeypatch.setenv(native_build.MARCH_ENV, march)
+    kernel, why = kernel_module._load.__wrapped__()
+    lacking = native_build.unsupported_target()
+    assert (kernel is not None and why == "on") if lacking is None else why == f"unavailable ({lacking})"
+    assert march == "x86-64-v4" or lacking is None  # every x86-64 Linux CPU this suite runs on has AVX2
+    if kernel is not None:
+        records = list(native_build.cache_dir().glob("*.json"))
+        assert len(records) == 1 and f"-march={march}" in json.loads(records[0].read_text())["flags"]
+        _within_bounds(kernel_module, kernel)
+
+
+def _within_bounds(kernel_module, kernel) -> None:
+    """``kernel`` (of ``kernel_module``) on a ragged call per dtype, against float64 within the module's bound."""
+    generator = torch.Generator().manual_seed(4)
+    for dtype in kernel_module.DTYPES:
+        if kernel_module is few_rows_linear:
+            x, weight = (torch.randn(n, 77, generator=generator).to(dtype) for n in (11, 43))
+            error = (few_rows_linear._multiply_with(kernel, x, weight).double() - x.double() @ weight.double().T).abs()
+            assert bool((error <= few_rows_linear.error_bound(x, weight)).all()), (dtype, error.max().item())
+            continue
+        for dim, kv_heads, groups, new in ((64, 3, 3, 5), (128, 2, 3, 1)):
+            buffers = torch.randn(2, 1, kv_heads, 1150, dim, generator=generator).to(dtype)
+            key, value = buffers[0, :, :, :1111], buffers[1, :, :, :1111]
+            query = torch.randn(1, kv_heads * groups, new, dim, generator=generator).to(dtype)
+            expected = cpu_attention.reference(query, key, value, None)
+            error = (cpu_attention._attend_with(kernel, query, key, value).double() - expected).abs()
+            assert bool((error <= cpu_attention.tolerance(expected, dtype)).all()), (dtype, dim, error.max().item())

@@ -36,7 +36,9 @@ from ..drafters import DRAFTERS
 from ..drafters.model import ModelDrafter
 from ..drafters.registry import MODEL_DRAFTER, drafting_sequence, spec_of
 from ..forwards.clock import Clock, device_clock
-from ..kernels import cpu_attention
+from ..kernels import cpu_kernels
+from ..kernels.attention_routes import attention_routes
+from ..kernels.attention_routes import describe as describe_attention
 from ..kernels.linear_routes import linear_routes
 from ..kernels.row_mixing import RowsApart
 from ..stats import TriForceStats
@@ -182,12 +184,19 @@ class Decoder:
         lean_forward = self.force3.lean_forward
         fixed_shapes += [lean_forward.fixed_shape] if lean_forward is not None else []
         before = [(f.calls, f.compiles, f.compile_seconds) for f in fixed_shapes]
-        # the models' CPU linear layers multiply few rows by the route timed fastest on this CPU (`linear_routes`)
-        routes = [linear_routes(model) for model in (self.model, self.config.draft) if not isinstance(model, str)]
+        models = [model for model in (self.model, self.config.draft) if not isinstance(model, str)]
+        build_seconds = cpu_kernels.prepare(models)  # compiled here, if at all: not inside a timed forward
+        # the models' CPU linear layers multiply few rows by the route timed fastest on this CPU (`linear_routes`), and
+        # attention over a long cache takes the kernel where it was timed cheaper (`attention_routes`)
+        routes = [linear_routes(model) for model in models]
         calibrated = [r.calibration_seconds for r in routes]
+        bypassed = dict(routes[0].bypassed)
+        attention = attention_routes(self.model)
+        attention_calibrated = attention.calibration_seconds
         with ExitStack() as stack:
             for model_routes in routes:
                 stack.enter_context(model_routes.installed())
+            stack.enter_context(attention.installed(self.model, max(self.max_lengths)))
             rows_apart = stack.enter_context(RowsApart(self.model))
             stack.enter_context(deferred_nan_checks())  # NaN checks read with the verifications' readbacks
             rows = self._start(prompts, prefix_cache, streamer, keep_scores, keep_logits, rows_apart)
@@ -198,6 +207,13 @@ class Decoder:
         for stats in {id(s): s for s in [*result.row_stats, result.stats]}.values():
             stats.linear_routes = routes[0].used()
             stats.linear_calibration_seconds = sum(r.calibration_seconds - c for r, c in zip(routes, calibrated))
+            stats.linear_bypassed = {why: calls - bypassed.get(why, 0) for why, calls in routes[0].bypassed.items()
+                                     if calls > bypassed.get(why, 0)}
+            stats.attention_routes = attention.used()
+            stats.attention_calibration_seconds = attention.calibration_seconds - attention_calibrated
+            stats.attention_kernel = describe_attention(self.model)
+            stats.cpu_kernels = cpu_kernels.describe(self.model)
+            stats.kernel_build_seconds = build_seconds
             stats.tier_compile = dict(compiled)
             stats.draft_copy_seconds = copy_seconds
         return result
@@ -363,12 +379,10 @@ class Decoder:
         for row in rows:
             row.out.end()
         forwards, (three, drafters) = self.tier_forwards(), self.drafting_tiers()
-        attention = cpu_attention.describe(self.model)
         hierarchy = self.hierarchy
         for b, stats in enumerate(self.stats):
             stats.draft_caches.update(hierarchy.draft_caches())
             stats.tier_forwards = dict(forwards)
-            stats.attention_kernel = attention
             stats.draft_precision = self.config.draft_precision if three or drafters else "none"
             stats.force1_seconds = hierarchy.force1_seconds(b)
             stats.new_tokens = rows[b].out.sequence.shape[1] - prompts[b].shape[1]

@@ -9,9 +9,10 @@ chunked prefill) stay GQA-native: on CUDA they take a mask-free fused kernel whe
 else `native_attention.flex_verify`); on CPU a few query rows over a long cache take `split_kv_sdpa` (the
 cache split across threads, partial results merged by log-sum-exp); other masked SDPA calls on GQA models
 take `gqa_sdpa`, which does not expand K/V. One-row calls (decoding steps of every tier) take
-`one_row_sdpa`: no mask, GQA-native. In fp32 on the CPU, decoding steps and verifications of up to
+`one_row_sdpa`: no mask, GQA-native. On the CPU (fp32, bf16 or fp16), decoding steps and verifications of up to
 `cpu_attention.MAX_NEW_TOKENS` tokens over at least `cpu_attention.MIN_CACHED` cached entries take the library's
-compiled kernel (`cpu_attention.attend`) where it built. Everything else is ``<base>``.
+compiled kernel (`cpu_attention.attend`) where it built and was timed cheaper than ATen's route for the call's class
+(`attention_routes`). Everything else is ``<base>``.
 
 Invariant relied upon (TriForce's caches guarantee it): batch size 1, no padding, and every new token is
 appended after all cached entries, so the mask of a multi-token call of a full-attention layer is "all cached
@@ -32,7 +33,7 @@ import functools
 import torch
 
 from .. import compat
-from . import cpu_attention, native_attention, split_kv
+from . import attention_routes, cpu_attention, native_attention, split_kv
 from .tree_attention import active_tree, tree_attention
 
 PREFIX = "triforce_"
@@ -311,15 +312,33 @@ def _wants_split_kv(query, key, value, dropout, module) -> bool:
 
 def _wants_cpu_kernel(query, key, value, attention_mask, kwargs, module) -> bool:
     """A call `cpu_attention.attend` takes: a decoding step or a few-row verification of a full-attention layer over a
-    long fp32 cache on the CPU (batch 1, bottom-right causal: the mask, boolean or None, is not read), nothing but
-    plain scaled attention."""
+    long CPU cache of a dtype the kernel reads (batch 1, bottom-right causal: the mask, boolean or None, is not read),
+    nothing but plain scaled attention, of a class the kernel was timed cheaper for
+    (`attention_routes.takes_kernel`)."""
     return (
         query.device.type == "cpu"
         and _plain_masked(attention_mask, kwargs)
         and kwargs.get("s_aux") is None
         and not (kwargs.get("dropout") and module.training)
-        and cpu_attention.supports(query, key, value)
+        and attention_routes.takes_kernel(query, key, value)
     )
+
+
+_INFERENCE = torch.nn.Module().eval()  # a module in eval mode: the routes below read ``module.training``
+
+
+def aten_attention(query, key, value, scaling=None) -> torch.Tensor:
+    """ATen's route for a bottom-right causal call of a few new rows of a full-attention layer, batch 1: what the
+    wrapper runs where the CPU kernel does not take the call. ``query`` ``[1, heads, new, dim]``, ``key``/``value``
+    ``[1, kv_heads, kv_len, dim]`` (the last ``new`` entries the new tokens); returns ``[1, new, heads, dim]``.
+    `one_row_sdpa` for one row; else `split_kv_sdpa` where it pays (`_wants_split_kv`), else `gqa_sdpa`."""
+    new, kv_len = query.shape[2], key.shape[2]
+    if new == 1:
+        return one_row_sdpa(_INFERENCE, query, key, value, None, scaling=scaling)[0]
+    if _wants_split_kv(query, key, value, 0.0, _INFERENCE):
+        return split_kv_sdpa(_INFERENCE, query, key, value, None, scaling=scaling)[0]
+    mask = torch.ones(1, 1, new, kv_len, dtype=torch.bool, device=query.device).tril(kv_len - new)
+    return gqa_sdpa(_INFERENCE, query, key, value, mask, scaling=scaling)[0]
 
 
 def _make_wrapper(base: str):

@@ -1,4 +1,5 @@
-"""A CPU kernel for attention of a few query rows over a long KV cache: decoding steps and verifications in fp32.
+"""A CPU kernel for attention of a few query rows over a long KV cache: decoding steps and verifications in fp32, bf16
+or fp16.
 
 ATen's CPU attention runs a decoding step or a few-row verification over a long cache as many small matrix products per
 block of keys: SmolLM2's shapes at 32k entries, 2 threads, one new token 4.3 ms a layer, four 6.2 ms, where reading
@@ -9,11 +10,15 @@ by their softmax maxima and sums.
 
 It is compiled on first use for the CPU it runs on and kept (`native_build`). Before first use it is checked against
 a float64 reference; a build, load or check that fails leaves `status` saying why,
-and the attention functions take ATen's paths (`TriForceStats.attention_kernel` reports which ran).
+and the attention functions take ATen's paths; where it runs, each class of calls takes it only where it was timed
+cheaper than ATen's route on this CPU (`attention_routes`; `TriForceStats.attention_kernel` reports which ran).
 ``HF_TRIFORCE_CPU_ATTENTION=off`` turns it off.
 
-Numerics: every score and output in fp32; the softmax's order of summation differs from ATen's, so outputs differ
-from SDPA's by rounding (3-6e-8 against the float64 result at 1k-32k entries, ATen's own 0.5-6e-8).
+Numerics: every score, weight and sum in fp32; the softmax's order of summation differs from ATen's, so outputs differ
+from SDPA's by rounding (fp32: 3-6e-8 against the float64 result at 1k-32k entries, ATen's own 0.5-6e-8). A bf16 or
+fp16 cache is read as it is (half the bytes) and widened in registers (with AVX512-BF16, bf16 keys' dot products are
+taken in pairs by ``vdpbf16ps``); each product of two such values is exact in fp32, and the output is rounded once to
+the cache's dtype (`tolerance`).
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ import torch
 
 from .native_build import CSRC, load_checked
 
-SOURCES = (CSRC / "decode_attention.c", CSRC / "decode_attention_span.h")  # compiled, included
+SOURCES = (CSRC / "decode_attention.c", CSRC / "decode_attention_span.h", CSRC / "vectors.h")  # compiled, included
 HEAD_DIMS = (64, 128)
 # New tokens per call it takes: a decoding step, and verifications up to the longest chain the policy runs (a lookup's
 # 10 tokens + 1). Against ATen's route (one-row SDPA; else the cheaper of one masked call and split-KV), an AVX-512
@@ -36,6 +41,11 @@ MAX_NEW_TOKENS = 11
 # Cached entries from which the kernel runs a call (it is cheaper from 1024 on, the shortest measured)
 MIN_CACHED = 1024
 ENV = "HF_TRIFORCE_CPU_ATTENTION"
+ELEMENTS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # the kernel's element codes (csrc/vectors.h)
+DTYPES = tuple(ELEMENTS)  # what the kernel reads and writes: query, keys and values of one of these, the output alike
+FP32_TOLERANCE = 1e-5  # the fp32 result's error against float64 on random inputs of unit scale (measured: below 1e-6)
+# half an ulp of an output rounded to bf16 / fp16, relative to the value
+OUTPUT_ROUNDING = {torch.float32: 0.0, torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11}
 
 
 class _Kernel:
@@ -43,7 +53,7 @@ class _Kernel:
         self.library = library
         pointer, long, integer = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
         self.attend = self.library.triforce_attend
-        self.attend.argtypes = [integer, pointer, pointer, pointer, long, long, long, long, integer, integer,
+        self.attend.argtypes = [integer, integer, pointer, pointer, pointer, long, long, long, long, integer, integer,
                                 integer, long, ctypes.c_float, integer, integer, pointer, pointer]
         self.attend.restype = integer
         self.workspace = self.library.triforce_attend_workspace
@@ -66,24 +76,17 @@ def available() -> bool:
     return _load()[0] is not None
 
 
-def describe(model) -> str:
-    """`TriForceStats.attention_kernel` for ``model``'s calls: "cpu kernel" where `attend` serves its fp32 CPU
-    attention, "sdpa (cpu kernel <why not>)" where it would but cannot, "" for other devices and dtypes."""
-    parameter = next(model.parameters(), None)
-    if parameter is None or parameter.device.type != "cpu" or parameter.dtype != torch.float32:
-        return ""
-    return "cpu kernel" if available() else f"sdpa (cpu kernel {status()})"
-
-
 def supports(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
-    """Whether `attend` takes this call: CPU fp32, batch 1, equal head dims of 64 or 128, contiguous head rows,
-    at most `MAX_NEW_TOKENS` new tokens, at least `MIN_CACHED` cached entries."""
+    """Whether `attend` takes this call: CPU, one dtype of `DTYPES`, batch 1, equal head dims of 64 or 128, contiguous
+    head rows, at most `MAX_NEW_TOKENS` new tokens, at least `MIN_CACHED` cached entries."""
     batch, heads, new, dim = query.shape
     kv_heads, kv_len = key.shape[1], key.shape[2]
     return (
-        query.device.type == "cpu"
-        and query.dtype == key.dtype == value.dtype == torch.float32
+        query.device.type == key.device.type == value.device.type == "cpu"
+        and query.dtype == key.dtype == value.dtype
+        and query.dtype in DTYPES
         and batch == 1
+        and key.shape == value.shape
         and dim in HEAD_DIMS
         and key.shape[-1] == value.shape[-1] == dim
         and key.stride(-1) == 1
@@ -98,24 +101,64 @@ def supports(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> boo
 def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float | None) -> torch.Tensor:
     """Attention of ``query`` ``[1, heads, new, dim]`` over ``key``/``value`` ``[1, kv_heads, kv_len, dim]`` whose
     last ``new`` entries are the new tokens (bottom-right causal); returns ``[1, new, heads, dim]`` (transformers'
-    layout). The caller checks `supports`."""
-    return _attend_with(_load()[0], query, key, value, scaling)
+    layout), in their dtype. ValueError for inputs the kernel does not take (`check_inputs`); the kernel must be built
+    (`available`). Which calls should take it is `supports`'s and the routes' choice (`attention_routes`)."""
+    kernel = _load()[0]
+    if kernel is None:
+        raise RuntimeError(f"cpu_attention.attend: the kernel is {status()}")
+    return _attend_with(kernel, query, key, value, scaling)
+
+
+def check_inputs(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
+    """ValueError naming the argument unless ``query`` ``[1, heads, new, dim]`` and ``key``/``value`` ``[1, kv_heads,
+    kv_len, dim]`` are CPU tensors of one dtype of `DTYPES`, ``dim`` one of `HEAD_DIMS`, ``heads`` a multiple of
+    ``kv_heads``, ``1 <= new <= kv_len``, and ``key``/``value`` read with unit stride along ``dim`` (their other
+    strides are passed to the kernel; ``query`` may be any layout: the kernel reads a contiguous copy)."""
+    allowed = ", ".join(str(dtype) for dtype in DTYPES)
+    for label, tensor in (("query", query), ("key", key), ("value", value)):
+        if tensor.device.type != "cpu":
+            raise ValueError(f"cpu_attention.attend: {label} must be on the CPU, got {tensor.device}")
+        if tensor.dtype not in DTYPES:
+            raise ValueError(f"cpu_attention.attend: {label} dtype must be one of {allowed}, got {tensor.dtype}")
+        if tensor.dim() != 4 or tensor.shape[0] != 1:
+            raise ValueError(f"cpu_attention.attend: {label} must be [1, heads, length, dim], got "
+                             f"{tuple(tensor.shape)}")
+    if not query.dtype == key.dtype == value.dtype:
+        raise ValueError(f"cpu_attention.attend: query, key and value must share a dtype, got {query.dtype}, "
+                         f"{key.dtype}, {value.dtype}")
+    _, heads, new, dim = query.shape
+    if dim not in HEAD_DIMS:
+        raise ValueError(f"cpu_attention.attend: head dim must be one of {HEAD_DIMS}, got {dim}")
+    if key.shape != value.shape or key.shape[-1] != dim:
+        raise ValueError(f"cpu_attention.attend: key {tuple(key.shape)} and value {tuple(value.shape)} must be "
+                         f"[1, kv_heads, kv_len, {dim}] alike")
+    kv_heads, kv_len = key.shape[1], key.shape[2]
+    if heads % kv_heads:
+        raise ValueError(f"cpu_attention.attend: query's {heads} heads are not a multiple of {kv_heads} KV heads")
+    if not 1 <= new <= kv_len:
+        raise ValueError(f"cpu_attention.attend: query's {new} new rows must be 1 to key's {kv_len} entries")
+    if key.stride(-1) != 1 or value.stride(-1) != 1:
+        raise ValueError(f"cpu_attention.attend: key and value need unit stride along the head dim, got "
+                         f"{key.stride()} and {value.stride()}")
 
 
 def _attend_with(kernel: _Kernel, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                  scaling: float | None = None) -> torch.Tensor:
+    check_inputs(query, key, value)
     _, heads, new, dim = query.shape
     kv_heads, kv_len = key.shape[1], key.shape[2]
     rows = heads // kv_heads * new
     threads = torch.get_num_threads()
     parts = max(threads, 1)
     q = query.reshape(kv_heads, rows, dim).contiguous()
-    out = torch.empty(kv_heads, rows, dim)
-    workspace = torch.empty(kernel.workspace(dim, kv_heads, rows, parts, threads))
+    out = torch.empty(kv_heads, rows, dim, dtype=query.dtype, device=query.device)
+    # the kernel's scratch: fp32 partial sums and maxima whatever the inputs' dtype
+    workspace = torch.empty(kernel.workspace(dim, kv_heads, rows, parts, threads), dtype=torch.float32,
+                            device=query.device)
     scale = dim ** -0.5 if scaling is None else float(scaling)
-    code = kernel.attend(dim, q.data_ptr(), key.data_ptr(), value.data_ptr(), key.stride(1), key.stride(2),
-                         value.stride(1), value.stride(2), kv_heads, rows, new, kv_len, scale, parts, threads,
-                         workspace.data_ptr(), out.data_ptr())
+    code = kernel.attend(ELEMENTS[query.dtype], dim, q.data_ptr(), key.data_ptr(), value.data_ptr(), key.stride(1),
+                         key.stride(2), value.stride(1), value.stride(2), kv_heads, rows, new, kv_len, scale, parts,
+                         threads, workspace.data_ptr(), out.data_ptr())
     if code:
         raise ValueError(f"cpu_attention.attend: head dim {dim} is not one of {HEAD_DIMS}")
     return out.view(1, heads, new, dim).transpose(1, 2).contiguous()
@@ -134,16 +177,23 @@ def reference(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scali
     return (weights @ values).transpose(1, 2)
 
 
+def tolerance(expected: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Per output, how far the kernel's output in ``dtype`` may be from the float64 result ``expected`` (inputs of
+    unit scale): `FP32_TOLERANCE`, plus the rounding to bf16 / fp16, half an ulp of the value (`OUTPUT_ROUNDING`)."""
+    return FP32_TOLERANCE + OUTPUT_ROUNDING[dtype] * (expected.abs() + FP32_TOLERANCE)
+
+
 def _self_check(kernel: _Kernel) -> str | None:
     """Run the kernel on random shapes it takes (a span shorter than a block, several spans, both head dims, strided
-    cache views) against `reference`; the first mismatch, or None."""
+    cache views), in each of `DTYPES`, against `reference`; the first output outside `tolerance`, or None."""
     generator = torch.Generator().manual_seed(0)
-    for dim, kv_heads, groups, new, kv_len in ((64, 3, 3, 1, 1100), (64, 3, 3, 5, 1537), (128, 2, 6, 3, 1200)):
-        buffer = torch.randn(2, 1, kv_heads, kv_len + 40, dim, generator=generator)
-        key, value = buffer[0, :, :, :kv_len], buffer[1, :, :, :kv_len]
-        query = torch.randn(1, kv_heads * groups, new, dim, generator=generator)
-        got = _attend_with(kernel, query, key, value)
-        error = (got.double() - reference(query, key, value, None)).abs().max().item()
-        if not error < 1e-5:
-            return f"head dim {dim}, {new} new of {kv_len}: max error {error:.2e}"
+    for dtype in DTYPES:
+        for dim, kv_heads, groups, new, kv_len in ((64, 3, 3, 1, 1100), (64, 3, 3, 5, 1537), (128, 2, 6, 3, 1200)):
+            buffer = torch.randn(2, 1, kv_heads, kv_len + 40, dim, generator=generator).to(dtype)
+            key, value = buffer[0, :, :, :kv_len], buffer[1, :, :, :kv_len]
+            query = torch.randn(1, kv_heads * groups, new, dim, generator=generator).to(dtype)
+            expected = reference(query, key, value, None)
+            error = (_attend_with(kernel, query, key, value).double() - expected).abs()
+            if not bool((error <= tolerance(expected, dtype)).all()):
+                return f"{dtype}, head dim {dim}, {new} new of {kv_len}: max error {error.max().item():.2e}"
     return None

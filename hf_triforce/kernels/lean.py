@@ -18,10 +18,11 @@ target's (or a draft model's) weights copied once, run by a forward with little 
   attention and the cache run in the model's dtype (fp32; bf16 for a bf16 model's int8/int4 copy);
 * RMSNorm as one ``F.rms_norm``, the rotary's cos/sin computed once per forward by the model's own rotary
   module (scaled RoPE types included), attention by SDPA over the cache's buffers (GQA-native: a KV head's
-  query heads are extra rows; in fp32 on the CPU over at least 1024 entries, the library's kernel,
-  `cpu_attention`), written through the same cache objects the eager forward uses
-  (``cache.layers[i].update``: `SinkWindowCache`, `RetrievalCache`, the batch's `RaggedBufferCache`); at fixed
-  shapes over a long buffer, split-KV attention (`split_kv`: the buffer in spans merged by log-sum-exp) where it pays.
+  query heads are extra rows; on the CPU over at least 1024 entries, the library's kernel,
+  `cpu_attention`, where it was timed cheaper: `attention_routes`), written through the same cache objects the eager
+  forward uses (``cache.layers[i].update``: `SinkWindowCache`, `RetrievalCache`, the batch's `RaggedBufferCache`);
+  at fixed shapes over a long buffer, split-KV attention (`split_kv`: the buffer in spans merged by log-sum-exp)
+  where it pays.
 
 Row independence (exactness): every product is weight-only (activations are never quantized with a scale
 shared across rows), the norms act per row, and attention is causal (bottom-right; the tree mask inside a
@@ -45,7 +46,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from .. import compat
-from . import cpu_attention
+from . import attention_routes, cpu_attention
 from .attention import _ACTIVE_RECORDER, RECORDER_KWARG
 from .split_kv import split_kv_attention, split_kv_mask, split_parts
 from .tree_attention import active_tree
@@ -360,8 +361,8 @@ class LeanModel:
             batch, heads, n, _ = query.shape
             keys, values = layers[index].update(new_keys.to(self.cache_dtype), new_values.to(self.cache_dtype))
             query = query.to(keys.dtype)  # a bf16 model's caches are bf16
-            if (mask is None or isinstance(mask, int)) and cpu_attention.supports(query, keys, values):
-                return cpu_attention.attend(query, keys, values, self.scaling).reshape(n, heads * dim)
+            if (mask is None or isinstance(mask, int)) and attention_routes.takes_kernel(query, keys, values):
+                return cpu_attention.attend(query, keys, values, self.scaling).reshape(n, heads * dim).float()
             if mask is None:  # one row per batch row seeing all its entries
                 out = F.scaled_dot_product_attention(query.reshape(batch, kv_heads, groups, dim), keys, values,
                                                      scale=self.scaling)

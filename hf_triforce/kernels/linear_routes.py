@@ -1,12 +1,13 @@
 """How the model's CPU `nn.Linear` layers multiply the few rows of a decoding forward, chosen by timing on this CPU.
 
-Three routes compute the same dot products in other summation orders (fp32 rounding, like any change of GEMM kernel):
+Three routes compute the same dot products in other summation orders (fp32 rounding, and for bf16 / fp16 weights one
+rounding of each output to their dtype, like any change of GEMM kernel):
 
 - ``"linear"``: ``F.linear(x, W)``, i.e. ``x @ W.T`` (what the model does);
 - ``"left"``: weight on the left, ``(W @ x.T).T``; one row goes in as two identical columns and the first is kept
   (MKL's one-column product takes a slower kernel than its two-column one on some CPUs);
-- ``"stream"``: the library's kernel (`few_rows_linear`: each weight row read once for all the rows), fp32 only,
-  where it is built.
+- ``"stream"``: the library's kernel (`few_rows_linear`: each weight row read once for all the rows), fp32, bf16 or
+  fp16 weights, where it is built.
 
 Which is faster depends on the CPU, the shapes and the row count. Qwen2.5-Coder-1.5B's decoder shapes, fp32, 2 threads,
 an AVX-512 EPYC, ms for 1 / 2 / 4 / 8 rows: ``"linear"`` 32 / 66 / 62 / 56, ``"left"`` 21 / 22 / 27 / 60,
@@ -16,7 +17,9 @@ forward on an AVX2 EPYC: ``F.linear`` 92-110 ms for one row, 152-160 for two, we
 layer) at 1, 2, 4 and 8 rows (`CALIBRATED_ROWS`; a call of ``n`` rows takes the route of the largest of them not above
 ``n``), on a working set of the group's own weights larger than a last-level cache, before the call decodes (so that no
 timed forward of the adaptive policy includes it), and keeps them for the model's later calls; calls of more than
-`MAX_ROUTED_ROWS` rows, the prefill's chunks, keep ``F.linear``. The timings take ~1 s once per model and process
+`MAX_ROUTED_ROWS` rows, the prefill's chunks, keep ``F.linear``, and so do calls under CPU autocast or of rows in
+another dtype than the weight (`bypass`: ``F.linear`` casts or raises as the model's own forward does; counted in
+`LinearRoutes.bypassed`, `TriForceStats.linear_bypassed`). The timings take ~1 s once per model and process
 (`TriForceStats.linear_calibration_seconds`).
 
 Exactness: each row's outputs are its own dot products under every route (the columns of ``W @ x.T`` never mix; the
@@ -67,6 +70,17 @@ def multiply(route: str, rows: torch.Tensor, weight: torch.Tensor) -> torch.Tens
     return (weight @ columns.T).T[: rows.shape[0]]
 
 
+def bypass(hidden: torch.Tensor, weight: torch.Tensor) -> str | None:
+    """Why a call of ``hidden`` rows through ``weight`` takes ``F.linear`` whatever its route, or None: under CPU
+    autocast (``F.linear`` casts as the model's own forward does; a route would not), or rows of another dtype than
+    the weight (``F.linear`` raises or casts as the model's forward would)."""
+    if torch.is_autocast_enabled(hidden.device.type):
+        return f"autocast ({torch.get_autocast_dtype(hidden.device.type)})"
+    if hidden.dtype != weight.dtype:
+        return f"{hidden.dtype} rows, {weight.dtype} weight"
+    return None
+
+
 def routes_for(layers: list[nn.Linear]) -> tuple[str, ...]:
     """The routes ``layers`` can take: ``"stream"`` only where the kernel takes every one of their weights."""
     stream = bool(layers) and all(few_rows_linear.supports(layer.weight) for layer in layers)
@@ -82,6 +96,8 @@ class LinearRoutes:
         self.groups: dict[str, list[nn.Linear]] = {}  # the eligible layers by group, found on each `installed`
         self.routes: dict[tuple[str, int], str] = {}
         self.calibration_seconds = 0.0
+        # calls a route other than "linear" was chosen for that took F.linear instead, by why (`bypass`)
+        self.bypassed: dict[str, int] = {}
 
     def find_groups(self) -> dict[str, list[nn.Linear]]:
         """The model's eligible layers: ``"head"`` (the output layer) and ``"decoder"`` (every other one)."""
@@ -145,6 +161,10 @@ class LinearRoutes:
         def forward(hidden: torch.Tensor) -> torch.Tensor:
             rows = hidden.reshape(-1, hidden.shape[-1])
             route = self.route(group, rows.shape[0])
+            why = bypass(hidden, layer.weight) if route != "linear" else None
+            if why is not None:
+                self.bypassed[why] = self.bypassed.get(why, 0) + 1
+                route = "linear"
             if route == "linear":
                 return F.linear(hidden, layer.weight, layer.bias)
             out = multiply(route, rows, layer.weight)

@@ -1,29 +1,63 @@
 """Building and loading the library's C kernels (`csrc/`): compiled on first use, kept, loaded into torch's OpenMP.
 
-Each kernel is compiled with the system's C compiler for the CPU it runs on (``-march=native``; 512-bit vectors where
-the CPU has AVX-512, gcc's default for ``-march=native`` often being 256), kept under ``$HF_TRIFORCE_CACHE/kernels``
-(default ``~/.cache/hf_triforce/kernels``) by source, compiler and CPU flags, and loaded with ctypes into torch's
-OpenMP runtime (the library names ``libgomp.so.1``, already loaded by torch). x86-64 Linux only; elsewhere
-`unsupported_platform` says why not, and each kernel's module keeps ATen's paths.
+Build target: ``HF_TRIFORCE_CPU_MARCH`` (`MARCHES`): ``native`` (the default: ``-march=native``, 512-bit vectors where
+the CPU has AVX-512, gcc's default for ``-march=native`` often being 256), ``x86-64-v4`` (AVX-512, 512-bit vectors) or
+``x86-64-v3`` (AVX2 and FMA, 256-bit vectors: the code an AVX2-only CPU runs, built and checked on any newer one). A
+forced target the CPU cannot run is refused with the features it lacks (`unsupported_target`). Where
+``/proc/cpuinfo`` cannot be read, ``native`` builds for the ISA level torch detects (`torch.backends.cpu`: AVX512 ->
+x86-64-v4, AVX2 -> x86-64-v3), so the cache key always names the instructions the build may use.
+
+Each kernel is kept under ``$HF_TRIFORCE_CACHE/kernels`` (default ``~/.cache/hf_triforce/kernels``) as
+``<name>-<key>.so``, the key a digest of its sources, flags and the CPU's features, beside ``<name>-<key>.json``: the
+library's size and SHA-256, and the compiler that built it. A kept library is loaded only where its size and digest
+match its record (a truncated or damaged file is rebuilt, or refused with the reason where no compiler is there), and
+no compiler is needed to load it (a cache prepared in an image and used where there is none). The compiler runs
+under `COMPILE_TIMEOUT_S`, with a progress line after a second; callers build at a call's set-up (`prepare`), not
+inside a timed step.
+
+The library is loaded with ctypes into torch's OpenMP runtime (it names ``libgomp.so.1``, already loaded by torch).
+x86-64 Linux only; elsewhere `unsupported_platform` says why not, and each kernel's module keeps ATen's paths.
+
+Public functions the kernels' modules call: `load_checked`, `switched_off`, `build_target`, `build`, `load`,
+`CSRC`.
 """
 
 from __future__ import annotations
 
 import ctypes
 import hashlib
+import json
 import os
 import platform
 import shutil
+import signal
 import subprocess
 import tempfile
+import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
+import torch
+from tqdm.auto import tqdm
+
 CSRC = Path(__file__).with_name("csrc")
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC")
+FLAGS = ("-O3", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC")
 LIBRARIES = ("-lmvec", "-lm")
 OFF_VALUES = ("0", "off", "false", "no")  # an environment switch's values that turn a kernel off
+MARCH_ENV = "HF_TRIFORCE_CPU_MARCH"
+X86_64_V3 = ("avx", "avx2", "fma", "bmi1", "bmi2", "f16c", "movbe", "abm")  # /proc/cpuinfo's names of the level
+# the build targets HF_TRIFORCE_CPU_MARCH takes, and the CPU features (as /proc/cpuinfo names them) each needs
+MARCHES = {
+    "native": (),
+    "x86-64-v3": X86_64_V3,
+    "x86-64-v4": (*X86_64_V3, "avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"),
+}
+# torch's ISA level (`torch.backends.cpu.get_cpu_capability`) -> the target ``native`` means without /proc/cpuinfo
+CAPABILITY_TARGETS = {"AVX512": "x86-64-v4", "AVX2": "x86-64-v3"}
+COMPILE_TIMEOUT_S = 300.0  # a compile of one kernel takes 1-5 s; a compiler that hangs is stopped, the kernel off
+PROGRESS_AFTER_S = 1.0  # a compile longer than this shows a progress line
 Kernel = TypeVar("Kernel")
 
 
@@ -33,19 +67,64 @@ def cache_dir() -> Path:
     return cache_root() / "kernels"
 
 
-def cpu_flags() -> str:
+def cpu_features() -> frozenset[str] | None:
+    """The CPU's feature flags as ``/proc/cpuinfo`` lists them, or None where it cannot be read."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("flags"):
-                return line
+                return frozenset(line.partition(":")[2].split())
     except OSError:
         pass
-    return platform.processor()
+    return None
 
 
-def vector_flags() -> tuple[str, ...]:
-    """512-bit vectors where the CPU has AVX-512."""
-    return ("-mprefer-vector-width=512",) if " avx512f" in cpu_flags() else ()
+def requested_march() -> str:
+    """``HF_TRIFORCE_CPU_MARCH`` (default ``native``); ValueError naming the allowed values for any other."""
+    value = os.environ.get(MARCH_ENV, "native") or "native"
+    if value not in MARCHES:
+        raise ValueError(f"{MARCH_ENV}={value!r} is not a build target: one of {', '.join(MARCHES)}")
+    return value
+
+
+def build_target() -> str:
+    """The ``-march`` the kernels are built for: `requested_march`, ``native`` resolved to torch's ISA level where
+    ``/proc/cpuinfo`` cannot be read (`CAPABILITY_TARGETS`; ``native`` kept where torch names no such level)."""
+    march = requested_march()
+    if march == "native" and cpu_features() is None:
+        return CAPABILITY_TARGETS.get(torch.backends.cpu.get_cpu_capability(), march)
+    return march
+
+
+def unsupported_target() -> str | None:
+    """Why this CPU cannot run the `build_target`'s instructions (the features it lacks), or None."""
+    march = build_target()
+    features = cpu_features()
+    if march == "native":
+        return None if features is not None else "no CPU features known (no /proc/cpuinfo, no ISA level from torch)"
+    if features is None:  # the level torch detected: what the target needs, or a lower one
+        capability = torch.backends.cpu.get_cpu_capability()
+        levels = list(CAPABILITY_TARGETS.values())
+        have = CAPABILITY_TARGETS.get(capability)
+        if have is None or levels.index(have) > levels.index(march):
+            return f"{MARCH_ENV}={march}: this CPU's ISA level is {capability} (torch)"
+        return None
+    missing = [feature for feature in MARCHES[march] if feature not in features]
+    return f"{MARCH_ENV}={march}: this CPU lacks {', '.join(missing)}" if missing else None
+
+
+def compile_flags() -> tuple[str, ...]:
+    """The compiler's flags for the `build_target`: 512-bit vectors where it has AVX-512."""
+    march = build_target()
+    wide = march == "x86-64-v4" or (march == "native" and "avx512f" in (cpu_features() or ()))
+    return (*FLAGS, f"-march={march}", *(("-mprefer-vector-width=512",) if wide else ()))
+
+
+def cpu_signature() -> str:
+    """What the CPU contributes to the cache key: its feature flags, or torch's ISA level where they are unknown."""
+    features = cpu_features()
+    if features is not None:
+        return " ".join(sorted(features))
+    return f"capability {torch.backends.cpu.get_cpu_capability()}"
 
 
 def unsupported_platform() -> str | None:
@@ -55,27 +134,96 @@ def unsupported_platform() -> str | None:
     return None
 
 
+def compiler() -> str | None:
+    """``$CC``, else ``cc`` or ``gcc`` on PATH; None where there is none."""
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
+def kept_path(name: str, sources: tuple[Path, ...]) -> Path:
+    """Where ``name``'s library built from ``sources`` for this CPU and target is kept (whether or not it is there)."""
+    parts = (*(path.read_text() for path in sources), *compile_flags(), *LIBRARIES, cpu_signature())
+    key = hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
+    return cache_dir() / f"{name}-{key}.so"
+
+
+def _digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def damage(library: Path) -> str | None:
+    """Why the kept ``library`` cannot be loaded: absent, no record beside it, or its size or SHA-256 other than its
+    record's; None where it is intact."""
+    record_path = library.with_suffix(".json")
+    if not library.exists():
+        return "absent"
+    try:
+        record = json.loads(record_path.read_text())
+        size, digest = int(record["size"]), str(record["sha256"])
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        return f"without a valid record ({record_path.name}: {type(exc).__name__})"
+    actual = library.stat().st_size
+    if actual != size:
+        return f"damaged ({actual} bytes, built {size})"
+    if _digest(library) != digest:
+        return "damaged (its SHA-256 differs from its record's)"
+    return None
+
+
+def _run_compiler(command: list[str], label: str) -> subprocess.CompletedProcess:
+    """Run ``command`` under `COMPILE_TIMEOUT_S`, a progress line once it has taken `PROGRESS_AFTER_S`; interruptible
+    (the compiler is stopped). TimeoutExpired past the limit."""
+    began = time.perf_counter()
+    # its own process group: a stop reaches the compiler's children (cc1, as, ld), which hold its output pipes
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               start_new_session=True)
+    try:
+        with tqdm(desc=f"compiling {label}", unit="s", delay=PROGRESS_AFTER_S, leave=False,
+                  bar_format="{desc}: {elapsed}") as bar:
+            while True:
+                try:
+                    stdout, stderr = process.communicate(timeout=0.2)
+                    break
+                except subprocess.TimeoutExpired:
+                    if time.perf_counter() - began > COMPILE_TIMEOUT_S:
+                        raise subprocess.TimeoutExpired(command, COMPILE_TIMEOUT_S) from None
+                    bar.update(0)
+    finally:
+        if process.poll() is None:  # timed out or interrupted
+            os.killpg(process.pid, signal.SIGKILL)
+            process.communicate()
+    return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
+
+
 def build(name: str, sources: tuple[Path, ...]) -> Path:
-    """The shared library of ``sources`` (the first compiled, the rest included by it), built now if not kept yet.
-    Raises RuntimeError with the compiler's error."""
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        raise RuntimeError("no C compiler (cc or gcc) on PATH")
-    flags = (*FLAGS, *vector_flags())
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
-    parts = (*(path.read_text() for path in sources), compiler, version, *flags, cpu_flags())
-    key = hashlib.sha256("\0".join(parts).encode())
-    target = cache_dir() / f"{name}-{key.hexdigest()[:16]}.so"
-    if target.exists():
+    """The shared library of ``sources`` (the first compiled, the rest included by it): the kept one where intact
+    (`damage`), else built now. Raises RuntimeError with the compiler's error, or where there is no compiler to build
+    it (saying what became of the kept one), and subprocess.TimeoutExpired past `COMPILE_TIMEOUT_S`."""
+    target = kept_path(name, sources)
+    problem = damage(target)
+    if problem is None:
         return target
+    cc = compiler()
+    if cc is None:
+        kept = "" if problem == "absent" else f"; the kept {target.name} is {problem}"
+        raise RuntimeError(f"no C compiler (cc or gcc) on PATH to build {name}{kept}")
+    if problem != "absent":
+        warnings.warn(f"rebuilding the CPU kernel {name}: the kept {target} is {problem}", RuntimeWarning,
+                      stacklevel=2)
+    flags = compile_flags()
+    version = _run_compiler([cc, "--version"], f"{name} ({cc} --version)").stdout.strip()
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         built = Path(tmp) / target.name
-        run = subprocess.run([compiler, *flags, str(sources[0]), "-o", str(built), *LIBRARIES], capture_output=True,
-                             text=True)
+        run = _run_compiler([cc, *flags, str(sources[0]), "-o", str(built), *LIBRARIES],
+                            f"{name} ({cc} {' '.join(flags)})")
         if run.returncode:
-            raise RuntimeError(f"{compiler} failed: {run.stderr.strip()[-400:]}")
-        os.replace(built, target)
+            raise RuntimeError(f"{cc} failed: {run.stderr.strip()[-400:]}")
+        record = Path(tmp) / "record.json"
+        record.write_text(json.dumps({"size": built.stat().st_size, "sha256": _digest(built), "compiler": cc,
+                                      "compiler_version": version.splitlines()[0] if version else "",
+                                      "flags": list(flags)}, indent=1))
+        os.replace(built, target)  # the library first: a record names an intact file once it is in place
+        os.replace(record, target.with_suffix(".json"))
     return target
 
 
@@ -94,13 +242,19 @@ def switched_off(env: str) -> str | None:
 def load_checked(env: str, name: str, sources: tuple[Path, ...], wrap: Callable[[ctypes.CDLL], Kernel],
                  self_check: Callable[[Kernel], str | None]) -> tuple[Kernel | None, str]:
     """The kernel ``name`` built, loaded, wrapped and checked, and "on"; or None and why not: switched off by ``env``,
-    an unsupported platform, a failed build or load, or ``self_check``'s complaint (a message; None: passed)."""
+    an unsupported platform or build target, a failed build or load, or ``self_check``'s complaint (a message; None:
+    passed). ValueError where ``HF_TRIFORCE_CPU_MARCH`` names no build target."""
     why = switched_off(env) or unsupported_platform()
     if why is not None:
         return None, why
+    target = unsupported_target()
+    if target is not None:
+        return None, f"unavailable ({target})"
     try:
         kernel = wrap(load(name, sources))
         error = self_check(kernel)
+    except subprocess.TimeoutExpired as exc:
+        return None, f"unavailable (the compiler ran past {exc.timeout:g} s)"
     except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
         return None, f"unavailable ({type(exc).__name__}: {exc})"
     if error is not None:

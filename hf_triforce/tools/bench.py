@@ -21,6 +21,7 @@ crashed in its row while every other method runs on.
 from __future__ import annotations
 
 import copy
+import hashlib
 import json
 import statistics
 import time
@@ -31,6 +32,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import DynamicCache, StaticCache
 
+from ..caches.saved_prefill import load_prefill, save_prefill
 from ..compat import compile_everywhere
 from ..forwards.forward import prefill
 from ..stats import TriForceStats
@@ -94,6 +96,29 @@ def prefill_prefix(model, ids: torch.Tensor, chunk_size: int = 1024) -> DynamicC
     with torch.no_grad():
         prefill(model, ids[:, :-1], cache, chunk_size, show_progress=True)
     return cache
+
+
+def saved_prefix(model, ids: torch.Tensor, directory: Path) -> tuple[DynamicCache, float, str]:
+    """`prefill_prefix` kept in ``directory`` (one safetensors file per prompt, named by its tokens' hash): read back
+    where a file of this prompt was saved for this model, else computed and saved. Returns the cache, the seconds it
+    took and what was done (``"loaded <file>"``, ``"computed, saved to <file>"``, or why a file was refused)."""
+    digest = hashlib.sha256(ids[:, :-1].contiguous().numpy().tobytes()).hexdigest()[:16]
+    path = Path(directory) / f"prefill-{ids.shape[1] - 1}-{digest}.safetensors"
+    start = time.perf_counter()
+    refused = ""
+    if path.exists():
+        try:
+            stored_ids, cache = load_prefill(path, model)
+        except ValueError as error:
+            refused = f"{error}; "
+        else:
+            if torch.equal(stored_ids, ids[:, :-1]):
+                return cache, time.perf_counter() - start, f"loaded {path}"
+            refused = f"{path} holds other tokens; "
+    cache = prefill_prefix(model, ids)
+    seconds = time.perf_counter() - start
+    save_prefill(path, model, ids[:, :-1], cache)
+    return cache, seconds, f"{refused}computed, saved to {path}"
 
 
 def static_copy(model, prefix: DynamicCache, max_len: int) -> StaticCache:
@@ -253,6 +278,21 @@ def table(runs: list[Run], sampled: bool = False) -> str:
                      f"{run.tokens_per_second / base.tokens_per_second:.2f}x | {vs_best} | "
                      + " | ".join(cells) + f" | {same} |")
     return "\n".join(lines)
+
+
+def kernels_note(runs: list[Run]) -> str:
+    """What a TriForce run among ``runs`` ran on the CPU, for a table's heading: the kernels' build target and
+    status, the attention route (`TriForceStats.attention_kernel`), the linear routes by group and row count, and
+    the calls that left their route (`TriForceStats.linear_bypassed`); "" where no TriForce run served a CPU model."""
+    stats = next((run.stats for run in runs if run.stats is not None and run.stats.cpu_kernels), None)
+    if stats is None:
+        return ""
+    kernels = stats.cpu_kernels
+    routes = "; ".join(f"{group} " + " ".join(f"{rows}:{route}" for rows, route in by_rows.items())
+                       for group, by_rows in stats.linear_routes.items() if by_rows) or "none timed"
+    bypassed = "".join(f", {calls} calls by F.linear ({why})" for why, calls in stats.linear_bypassed.items())
+    return (f"TriForce CPU kernels built for {kernels['target']}: attention {stats.attention_kernel}, linear kernel "
+            f"{kernels['linear']}, linear routes {routes}{bypassed}")
 
 
 def identity(run: Run, base: Run) -> str:

@@ -1,4 +1,4 @@
-"""`hf-triforce demo | bench | needle | generate | project` (also `python -m hf_triforce ...`)."""
+"""`hf-triforce demo | bench | needle | generate | project | serve` (also `python -m hf_triforce ...`)."""
 
 from __future__ import annotations
 
@@ -26,6 +26,20 @@ def _probability(value: str) -> float:
     if not 0.0 < number <= 1.0:
         raise argparse.ArgumentTypeError(f"must be in (0, 1], got {value}")
     return number
+
+
+def _bytes(value: str) -> int:
+    units = {"": 1, "b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "kb": 10**3, "mb": 10**6, "gb": 10**9}
+    text = value.strip().lower()
+    digits = text.rstrip("abcdefghijklmnopqrstuvwxyz")
+    unit = text[len(digits):]
+    try:
+        number = float(digits)
+    except ValueError:
+        number = -1.0
+    if unit not in units or number < 0:
+        raise argparse.ArgumentTypeError(f"must be a size in bytes such as 4GiB, 512MiB or 1000000, got {value}")
+    return int(number * units[unit])
 
 
 def _temperature(value: str) -> float:
@@ -90,10 +104,13 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--rope-factor", type=_positive_float, default=None,
                        help="extend SmolLM2's RoPE by this YaRN factor (needed beyond 8192 tokens)")
     bench.add_argument("--threads", type=_positive, default=None)
-    bench.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
-                       help="dtype of the target and the draft model (default float32; bfloat16 is faster where the "
-                            "CPU has AMX or AVX512-BF16, and the lean drafting copies cover float32 models only)")
+    bench.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
+                       help="dtype of the target and the draft model (default float32; bfloat16 and float16 halve the "
+                            "bytes each forward reads, and the CPU kernels read them as they are)")
     bench.add_argument("--out", type=Path, default=Path("bench-results"), help="folder for JSON and markdown")
+    bench.add_argument("--prefill-dir", type=Path, default=None,
+                       help="folder of saved prefills (safetensors): each prompt's prefill is read from it where "
+                            "saved for this model, dtype and RoPE, else computed and saved there")
     add_triforce_arguments(bench, _positive)
 
     needle = commands.add_parser("needle", help="Force-2 acceptance: retrieval vs StreamingLLM cache on a needle")
@@ -113,6 +130,31 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--int8", action="store_true", help="run Force 1 and Force 2 on int8 copies (CPU, fp32 model)")
     gen.add_argument("--stats", action="store_true", help="print the per-tier statistics at the end")
     add_triforce_arguments(gen, _positive)
+
+    serve = commands.add_parser("serve", help="an OpenAI-compatible server (chat and text completions, streamed or "
+                                "not) answering with TriForce, with a store of prefilled prompt prefixes; Ray Serve "
+                                "replicas on this machine or a Ray cluster (docs/serving.md)")
+    serve.add_argument("model", help=f"{model_help} (present on every node of a cluster)")
+    serve.add_argument("--host", default="127.0.0.1", help="HTTP address (default 127.0.0.1; 0.0.0.0 for all)")
+    serve.add_argument("--port", type=_positive, default=8000, help="HTTP port (default 8000)")
+    serve.add_argument("--triforce-config", default="{}",
+                       help="TriForceConfig fields as a JSON object (default '{}': TriForceConfig()), or 'off' for "
+                       "plain decoding; a request's 'triforce' field overrides fields")
+    serve.add_argument("--served-model-name", default=None, help="the name requests give as 'model' (default MODEL)")
+    serve.add_argument("--replicas", type=_positive, default=1, help="replicas, each the model and its prefix store "
+                       "(default 1)")
+    serve.add_argument("--autoscaling", default=None, help="Ray Serve autoscaling_config as JSON, e.g. "
+                       "'{\"min_replicas\": 1, \"max_replicas\": 4}' (replaces --replicas)")
+    serve.add_argument("--threads", type=_positive, default=None,
+                       help="torch threads (and Ray CPUs reserved) per replica (default: this machine's cores "
+                       "divided by --replicas)")
+    serve.add_argument("--prefix-store-bytes", type=_bytes, default=4 << 30,
+                       help="per replica, the bytes of prefilled caches kept (default 4GiB; 0 turns the store off)")
+    serve.add_argument("--prefix-min-tokens", type=_positive, default=256,
+                       help="the shortest prompt prefix stored and reused (default 256)")
+    serve.add_argument("--address", default=None, help="join a running Ray cluster ('auto' or HEAD_IP:6379) "
+                       "instead of starting one on this machine")
+    serve.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
 
     project = commands.add_parser("project", help="PROJECTED (not measured) seconds per forward of each tier and "
                                   "tokens/s of each plan for a model, device, context and acceptance (a roofline "
@@ -162,9 +204,8 @@ def _bench(args) -> int:
 
     import torch
 
-    from ..kernels import cpu_attention
     from . import assets
-    from .bench import compare, prefill_prefix, table, to_json, write_results
+    from .bench import compare, kernels_note, prefill_prefix, saved_prefix, table, to_json, write_results
     from .methods import DEFAULT_EXCLUDED, METHODS, describe_gammas, knobs_from_args
     from .prompts import document_prompt
 
@@ -212,8 +253,13 @@ def _bench(args) -> int:
     results, tables = [], []
     for text, context in prompts:
         ids = prompts[text, context]
-        start = time.perf_counter()
-        prefilled = prefill_prefix(model, ids), time.perf_counter() - start
+        if args.prefill_dir is None:
+            start = time.perf_counter()
+            prefilled = prefill_prefix(model, ids), time.perf_counter() - start
+        else:
+            cache, seconds, source = saved_prefix(model, ids, args.prefill_dir)
+            print(f"prefill of {text} at {context} tokens: {source} ({seconds:.1f} s)", flush=True)
+            prefilled = cache, seconds
         engines = _llama_cpp_engines(args, engine_methods, ids)
         for mode in modes:
             sampling = sampled if mode == "sampled" else None
@@ -221,8 +267,9 @@ def _bench(args) -> int:
             runs, prefill_seconds = compare(model, ids, methods, args.new_tokens, args.repeats, args.budget,
                                             draft_model, sampling, gammas, knobs_from_args(args), prefilled,
                                             engines)
-            attention = cpu_attention.describe(model)  # TriForce's; plain and static run transformers' own
-            attention_note = f", TriForce attention: {attention}" if attention else ""
+            kernels = kernels_note(runs)  # TriForce's; plain and static run transformers' own
+            attention_note = f", {kernels}" if kernels else ""
+            attention = next((run.stats.attention_kernel for run in runs if run.stats is not None), "")
             engine_prefill = "".join(f", {m} crashed" if e.crashed else f", {m} prefill {e.prefill_seconds:.1f} s"
                                      for m, e in engines.items())
             rendered = (f"### context {context} tokens, {text}, prompt '{args.prompt}', {described} "
@@ -293,6 +340,46 @@ def _needle(args) -> int:
     return 0
 
 
+def _serve(args) -> int:
+    import os
+    import signal
+    import time
+
+    from ..serving.deployment import ServerSettings, triforce_setting
+    from .assets import MODELS
+
+    if args.model not in MODELS and not Path(args.model).is_dir() and args.address is None:
+        raise SystemExit(f"hf-triforce serve: model must be one of {sorted(MODELS)} or a local model folder, "
+                         f"got {args.model!r}")
+    try:
+        triforce_setting(args.triforce_config)
+    except ValueError as error:
+        raise SystemExit(f"hf-triforce serve: --triforce-config: {error}") from error
+    threads = args.threads or (None if args.address else max(1, (os.cpu_count() or 1) // args.replicas))
+    model = args.model if args.model in MODELS else str(Path(args.model).resolve())
+    settings = ServerSettings(model=model, served_name=args.served_model_name or args.model,
+                              triforce=args.triforce_config, store_bytes=args.prefix_store_bytes,
+                              min_prefix_tokens=args.prefix_min_tokens, threads=threads, dtype=args.dtype)
+    from ..serving.launch import launch, shutdown
+
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # leaves through `shutdown`, which stops a local cluster
+    try:
+        try:
+            launch(settings, host=args.host, port=args.port, replicas=args.replicas, autoscaling=args.autoscaling,
+                   address=args.address)
+        except ValueError as error:
+            raise SystemExit(f"hf-triforce serve: {error}") from error
+        print(f"hf-triforce serve: {settings.served_name} at http://{args.host}:{args.port}/v1 (Ctrl-C stops)",
+              flush=True)
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        shutdown()
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "demo":
@@ -308,6 +395,8 @@ def main(argv: list[str] | None = None) -> int:
         return _generate(args)
     if args.command == "needle":
         return _needle(args)
+    if args.command == "serve":
+        return _serve(args)
     if args.command == "project":
         from .project import run
 

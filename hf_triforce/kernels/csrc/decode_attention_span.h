@@ -1,41 +1,62 @@
-/* One task of decode_attention.c for head dim HEAD_DIM (defined by the includer, with SPAN_ATTENTION the function's
- * name): `rows` query rows [rows, HEAD_DIM] against keys [lo, hi); writes each row's max `m`, sum `l` and unnormalised
+/* One task of decode_attention.c for head dim HEAD_DIM over keys and values of type ELEMENT, widened to fp32 by
+ * LOAD_KV (all defined by the includer, with SPAN_ATTENTION the function's name; undefined again at the end):
+ * `rows` fp32 query rows [rows, HEAD_DIM] against keys [lo, hi); writes each row's max `m`, sum `l` and unnormalised
  * output `acc` [rows, HEAD_DIM]. `scores` holds rows * BLOCK floats. Rows go in pairs, so that each key and value
  * loaded serves two rows. */
 #define NV (HEAD_DIM / LANES)
+/* value columns per pass: two rows' accumulators of VALUE_NV vectors each, 16 of AVX-512's 32 registers or 8 of
+ * AVX2's 16 */
+#define VALUE_NV (NV < LANES / 2 ? NV : LANES / 2)
 
-/* lane-wise sums of x[0..16) */
-static inline void REDUCE(vec *x) {
-    for (int i = 0; i < 8; i++) x[i] = SHUFFLE(x[2 * i], x[2 * i + 1], LO8) + SHUFFLE(x[2 * i], x[2 * i + 1], HI8);
-    for (int i = 0; i < 4; i++) x[i] = SHUFFLE(x[2 * i], x[2 * i + 1], LO4) + SHUFFLE(x[2 * i], x[2 * i + 1], HI4);
-    for (int i = 0; i < 2; i++) x[i] = SHUFFLE(x[2 * i], x[2 * i + 1], LO2) + SHUFFLE(x[2 * i], x[2 * i + 1], HI2);
-    x[0] = SHUFFLE(x[0], x[1], LO1) + SHUFFLE(x[0], x[1], HI1);
-}
+/* a key's dot products with the query rows: QUERY_NV vectors a row. bf16 keys where the target has AVX512-BF16
+ * (SCORE_PAIRS, defined by the includer): pairs of bf16 by vdpbf16ps (vectors.h), the rows packed back to bf16
+ * (exactly: they are bf16 values); else the keys widened to fp32 and multiplied lane by lane */
+#ifdef SCORE_PAIRS
+#define QUERY_NV (NV / 2)
+#define QUERY_VECTOR(row, c) pack_pairs((row) + 2 * (c) * LANES)
+#define KEY_VECTOR(key, c) load_pairs((key) + 2 * (c) * LANES)
+#define KEY_PRODUCT(sum, a, kc) dot_pairs(sum, a, kc)
+#else
+#define QUERY_NV NV
+#define QUERY_VECTOR(row, c) load_f32((row) + (c) * LANES)
+#define KEY_VECTOR(key, c) LOAD_KV((key) + (c) * LANES)
+#define KEY_PRODUCT(sum, a, kc) ((sum) + (a) * (kc))
+#endif
 
-static void SPAN_ATTENTION(const float *restrict q, const float *restrict k, const float *restrict v, long k_row,
+static void SPAN_ATTENTION(const float *restrict q, const void *restrict k_, const void *restrict v_, long k_row,
                            long v_row, int rows, int new_rows, long kv_len, float scale, long lo, long hi,
                            float *restrict m, float *restrict l, float *restrict acc, float *restrict scores) {
+    const ELEMENT *restrict k = k_, *restrict v = v_;
     float rescale[rows];
     for (int r = 0; r < rows; r++) { m[r] = -INFINITY; l[r] = 0.f; }
     memset(acc, 0, sizeof(float) * rows * HEAD_DIM);
     for (long start = lo; start < hi; start += BLOCK) {
         int block = (int)(hi - start < BLOCK ? hi - start : BLOCK);
-        /* scores: two rows' partial products with 8 keys (one row's with 16), reduced lane-wise into one vector */
+        /* scores: two rows' partial products with LANES / 2 keys (one row's with LANES), reduced lane-wise into one
+         * vector. With AVX-512 the two rows' query vectors stay in registers (8 or 16 of 32) and each key's dot
+         * products run to their end; with AVX2 they do not fit (16 or 32 of 16), so the LANES partial sums stay in
+         * registers instead and are advanced one column vector at a time, each query vector loaded once for the
+         * group of keys. */
+#if LANES == 16
         for (int r = 0; r < rows; r += 2) {
-            vec a[NV], b[NV], x[LANES];
-            for (int c = 0; c < NV; c++) a[c] = load(q + (long)r * HEAD_DIM + c * LANES);
+            vec a[QUERY_NV], b[QUERY_NV], x[LANES];
+            for (int c = 0; c < QUERY_NV; c++) a[c] = QUERY_VECTOR(q + (long)r * HEAD_DIM, c);
             if (r + 1 < rows) {
-                for (int c = 0; c < NV; c++) b[c] = load(q + (long)(r + 1) * HEAD_DIM + c * LANES);
+                for (int c = 0; c < QUERY_NV; c++) b[c] = QUERY_VECTOR(q + (long)(r + 1) * HEAD_DIM, c);
                 for (int j = 0; j < block; j += LANES / 2) {
                     int count = block - j < LANES / 2 ? block - j : LANES / 2;
                     for (int i = 0; i < LANES / 2; i++) {
-                        const float *key = k + (start + j + (i < count ? i : 0)) * k_row;
-                        vec kc = load(key), da = a[0] * kc, db = b[0] * kc;
-                        for (int c = 1; c < NV; c++) { kc = load(key + c * LANES); da += a[c] * kc; db += b[c] * kc; }
+                        const ELEMENT *key = k + (start + j + (i < count ? i : 0)) * k_row;
+                        vec da = {0}, db = {0};
+                        for (int c = 0; c < QUERY_NV; c++) {
+                            vec kc = KEY_VECTOR(key, c);
+                            da = KEY_PRODUCT(da, a[c], kc);
+                            db = KEY_PRODUCT(db, b[c], kc);
+                        }
                         x[i] = da;
                         x[i + LANES / 2] = db;
                     }
-                    REDUCE(x);
+                    reduce(x);
                     for (int i = 0; i < count; i++) {
                         scores[r * BLOCK + j + i] = x[0][i];
                         scores[(r + 1) * BLOCK + j + i] = x[0][i + LANES / 2];
@@ -45,17 +66,57 @@ static void SPAN_ATTENTION(const float *restrict q, const float *restrict k, con
                 for (int j = 0; j < block; j += LANES) {
                     int count = block - j < LANES ? block - j : LANES;
                     for (int i = 0; i < LANES; i++) {
-                        const float *key = k + (start + j + (i < count ? i : 0)) * k_row;
-                        vec da = a[0] * load(key);
-                        for (int c = 1; c < NV; c++) da += a[c] * load(key + c * LANES);
+                        const ELEMENT *key = k + (start + j + (i < count ? i : 0)) * k_row;
+                        vec da = {0};
+                        for (int c = 0; c < QUERY_NV; c++) da = KEY_PRODUCT(da, a[c], KEY_VECTOR(key, c));
                         x[i] = da;
                     }
-                    REDUCE(x);
-                    if (count == LANES) store(scores + r * BLOCK + j, x[0]);
+                    reduce(x);
+                    if (count == LANES) store_f32(scores + r * BLOCK + j, x[0]);
                     else for (int i = 0; i < count; i++) scores[r * BLOCK + j + i] = x[0][i];
                 }
             }
         }
+#else
+        for (int r = 0; r < rows; r += 2) {
+            const float *qa = q + (long)r * HEAD_DIM, *qb = qa + HEAD_DIM;
+            vec x[LANES];
+            if (r + 1 < rows) {
+                for (int j = 0; j < block; j += LANES / 2) {
+                    int count = block - j < LANES / 2 ? block - j : LANES / 2;
+                    const ELEMENT *key = k + (start + j) * k_row;
+                    for (int i = 0; i < LANES; i++) x[i] = (vec){0};
+                    for (int c = 0; c < NV; c++) {
+                        vec a = load_f32(qa + c * LANES), b = load_f32(qb + c * LANES);
+                        for (int i = 0; i < LANES / 2; i++) {
+                            vec kc = LOAD_KV(key + (i < count ? i : 0) * k_row + c * LANES);
+                            x[i] += a * kc;
+                            x[i + LANES / 2] += b * kc;
+                        }
+                    }
+                    reduce(x);
+                    for (int i = 0; i < count; i++) {
+                        scores[r * BLOCK + j + i] = x[0][i];
+                        scores[(r + 1) * BLOCK + j + i] = x[0][i + LANES / 2];
+                    }
+                }
+            } else {
+                for (int j = 0; j < block; j += LANES) {
+                    int count = block - j < LANES ? block - j : LANES;
+                    const ELEMENT *key = k + (start + j) * k_row;
+                    for (int i = 0; i < LANES; i++) x[i] = (vec){0};
+                    for (int c = 0; c < NV; c++) {
+                        vec a = load_f32(qa + c * LANES);
+                        for (int i = 0; i < LANES; i++)
+                            x[i] += a * LOAD_KV(key + (i < count ? i : 0) * k_row + c * LANES);
+                    }
+                    reduce(x);
+                    if (count == LANES) store_f32(scores + r * BLOCK + j, x[0]);
+                    else for (int i = 0; i < count; i++) scores[r * BLOCK + j + i] = x[0][i];
+                }
+            }
+        }
+#endif
         /* online softmax, row by row: weights in `scores`, the factor the row's output is rescaled by in `rescale` */
         for (int r = 0; r < rows; r++) {
             long visible = kv_len - new_rows + 1 + r % new_rows; /* keys [0, visible) */
@@ -79,24 +140,40 @@ static void SPAN_ATTENTION(const float *restrict q, const float *restrict k, con
             m[r] = top;
             rescale[r] = alpha;
         }
-        /* the values, two rows at a time */
+        /* the values, two rows at a time, VALUE_NV vectors of columns a pass */
         for (int r = 0; r < rows; r += 2) {
             int other = r + 1 < rows ? r + 1 : r;
-            float *out0 = acc + (long)r * HEAD_DIM, *out1 = acc + (long)other * HEAD_DIM;
             const float *s0 = scores + r * BLOCK, *s1 = scores + other * BLOCK;
-            vec o0[NV], o1[NV];
-            for (int c = 0; c < NV; c++) {
-                o0[c] = load(out0 + c * LANES) * rescale[r];
-                o1[c] = load(out1 + c * LANES) * rescale[other];
+            for (int c0 = 0; c0 < NV; c0 += VALUE_NV) {
+                float *out0 = acc + (long)r * HEAD_DIM + c0 * LANES, *out1 = acc + (long)other * HEAD_DIM + c0 * LANES;
+                vec o0[VALUE_NV], o1[VALUE_NV];
+                for (int c = 0; c < VALUE_NV; c++) {
+                    o0[c] = load_f32(out0 + c * LANES) * rescale[r];
+                    o1[c] = load_f32(out1 + c * LANES) * rescale[other];
+                }
+                for (int j = 0; j < block; j++) {
+                    const ELEMENT *value = v + (start + j) * v_row + c0 * LANES;
+                    float p0 = s0[j], p1 = s1[j];
+                    for (int c = 0; c < VALUE_NV; c++) {
+                        vec vc = LOAD_KV(value + c * LANES);
+                        o0[c] += p0 * vc;
+                        o1[c] += p1 * vc;
+                    }
+                }
+                for (int c = 0; c < VALUE_NV; c++) store_f32(out0 + c * LANES, o0[c]);
+                if (other != r) for (int c = 0; c < VALUE_NV; c++) store_f32(out1 + c * LANES, o1[c]);
             }
-            for (int j = 0; j < block; j++) {
-                const float *value = v + (start + j) * v_row;
-                float p0 = s0[j], p1 = s1[j];
-                for (int c = 0; c < NV; c++) { vec vc = load(value + c * LANES); o0[c] += p0 * vc; o1[c] += p1 * vc; }
-            }
-            for (int c = 0; c < NV; c++) store(out0 + c * LANES, o0[c]);
-            if (other != r) for (int c = 0; c < NV; c++) store(out1 + c * LANES, o1[c]);
         }
     }
 }
+#undef VALUE_NV
+#undef QUERY_NV
+#undef QUERY_VECTOR
+#undef KEY_VECTOR
+#undef KEY_PRODUCT
+#undef SCORE_PAIRS
 #undef NV
+#undef SPAN_ATTENTION
+#undef LOAD_KV
+#undef ELEMENT
+#undef HEAD_DIM

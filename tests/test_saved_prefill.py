@@ -1,0 +1,85 @@
+"""A prefill saved to disk and read back: the same bytes, the same answers, and refused for another model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from hf_triforce import TriForceConfig, load_prefill, save_prefill
+
+from .conftest import make_model, random_prompt
+
+CONFIG = TriForceConfig(draft="ngram", retrieval_budget=32, chunk_size=4, gamma1=2, gamma2=4, policy="fixed")
+
+
+def _prefill(model, ids):
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(ids, cache=cache)
+    return cache
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    model = make_model("llama-gqa")
+    document = random_prompt(120, period=23)
+    path = save_prefill(tmp_path_factory.mktemp("prefill") / "doc.safetensors", model, document,
+                        _prefill(model, document))
+    return model, document, path
+
+
+def test_a_loaded_prefill_holds_the_same_bytes_and_ids(saved):
+    model, document, path = saved
+    ids, cache = load_prefill(path, model)
+    fresh = _prefill(model, document)
+    assert torch.equal(ids, document)
+    assert cache.get_seq_length() == fresh.get_seq_length() == document.shape[1]
+    for loaded, computed in zip(cache.layers, fresh.layers):
+        assert torch.equal(loaded.keys, computed.keys) and torch.equal(loaded.values, computed.values)
+
+
+@pytest.mark.parametrize("config", [CONFIG, None], ids=["triforce", "plain"])
+def test_generate_from_a_loaded_prefill_is_identical_to_a_fresh_call(saved, config):
+    model, document, path = saved
+    question = random_prompt(9, seed=5)
+    prompt = torch.cat([document, question], dim=1)
+    kwargs = dict(max_new_tokens=24, do_sample=False)
+    if config is not None:
+        kwargs["triforce_config"] = config
+    _, cache = load_prefill(path, model)
+    from_file = model.generate(prompt, cache=cache, **kwargs)
+    fresh = model.generate(prompt, **kwargs)
+    plain = model.generate(prompt, max_new_tokens=24, do_sample=False)
+    assert torch.equal(from_file, fresh) and torch.equal(fresh, plain)
+
+
+def test_a_prefill_is_refused_for_other_weights_dtype_or_rope(saved):
+    model, _, path = saved
+    with pytest.raises(ValueError, match="another model"):
+        load_prefill(path, make_model("llama-gqa", seed=1))
+    with pytest.raises(ValueError, match="another dtype"):
+        load_prefill(path, make_model("llama-gqa").to(torch.bfloat16))
+    with pytest.raises(ValueError, match="another rope"):
+        load_prefill(path, make_model("llama-gqa", rope_parameters={"rope_type": "linear", "factor": 2.0,
+                                                                     "rope_theta": 10000.0}))
+
+
+def test_a_damaged_file_is_refused(saved, tmp_path):
+    model, _, path = saved
+    data = bytearray(path.read_bytes())
+    flipped = tmp_path / "flipped.safetensors"
+    data[-3] ^= 0xFF  # a byte of the last tensor
+    flipped.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match="checksum"):
+        load_prefill(flipped, model)
+    truncated = tmp_path / "truncated.safetensors"
+    truncated.write_bytes(path.read_bytes()[:1000])
+    with pytest.raises(ValueError, match="not a readable safetensors file"):
+        load_prefill(truncated, model)
+
+
+def test_saving_checks_the_ids_against_the_cache(saved, tmp_path):
+    model, document, _ = saved
+    with pytest.raises(ValueError, match="input_ids must be"):
+        save_prefill(tmp_path / "x.safetensors", model, document[:, :-1], _prefill(model, document))
