@@ -21,8 +21,7 @@ import time
 import torch
 from transformers import DynamicCache
 
-from hf_triforce import TriForceConfig
-from hf_triforce.tools import assets
+from hf_triforce import TriForceConfig, assets
 from hf_triforce.tools.prompts import document_prompt
 
 SAMPLED = dict(do_sample=True, temperature=0.6, top_p=0.9)

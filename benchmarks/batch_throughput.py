@@ -29,8 +29,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import DynamicCache, StaticCache
 
-from hf_triforce import TriForceConfig
-from hf_triforce.tools import assets
+from hf_triforce import TriForceConfig, assets
 from hf_triforce.tools.prompts import document_prompt
 
 ROW_SHIFT, TEXT_SHIFT = 96, 40000

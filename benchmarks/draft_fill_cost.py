@@ -18,10 +18,10 @@ import time
 import torch
 from transformers import LogitsProcessorList
 
+from hf_triforce import assets
 from hf_triforce.config import TriForceConfig
 from hf_triforce.decoding.tiers import resolve_draft_precision, tier_model
 from hf_triforce.drafters.model import ModelDrafter
-from hf_triforce.tools import assets
 
 
 @torch.no_grad()

@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from hf_triforce.tools import assets
+from hf_triforce import assets
 from hf_triforce.tools.bench import Run, measure, prefill_prefix
 
 

@@ -25,8 +25,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from hf_triforce import TriForceConfig
-from hf_triforce.tools import assets
+from hf_triforce import TriForceConfig, assets
 from hf_triforce.tools.prompts import PROMPTS, document_prompt
 
 TEXTS = {**assets.TEXTS, "hamlet": lambda: assets.shakespeare("hamlet")}  # Hamlet: tests/test_smollm2.py's text

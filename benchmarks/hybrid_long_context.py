@@ -17,8 +17,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from hf_triforce import TriForceConfig
+from hf_triforce.assets import sha256_of
 from hf_triforce.compat import layer_windows, remove_quantization_config
-from hf_triforce.tools.assets import sha256_of
 
 SHA256 = "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"
 

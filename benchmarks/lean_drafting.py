@@ -40,7 +40,7 @@ from pathlib import Path
 import torch
 from transformers import DynamicCache, LogitsProcessorList, TemperatureLogitsWarper, TopPLogitsWarper
 
-from hf_triforce import TriForceConfig
+from hf_triforce import TriForceConfig, assets
 from hf_triforce.caches.buffer import BufferCache
 from hf_triforce.decoding import hierarchy, tiers
 from hf_triforce.drafters.model import ModelDrafter
@@ -48,7 +48,6 @@ from hf_triforce.forwards.forward import forward_logits
 from hf_triforce.integration import recording_attention
 from hf_triforce.kernels import lean
 from hf_triforce.kernels.quantized import int8_copy
-from hf_triforce.tools import assets
 from hf_triforce.tools.bench import prefill_prefix, static_copy
 from hf_triforce.tools.prompts import document_prompt
 from hf_triforce.verification.sampling import TorchSampler

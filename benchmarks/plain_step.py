@@ -22,9 +22,8 @@ from unittest import mock
 
 import torch
 
-from hf_triforce import TriForceConfig
+from hf_triforce import TriForceConfig, assets
 from hf_triforce.decoding.policy import AdaptivePolicy, Plan
-from hf_triforce.tools import assets
 from hf_triforce.tools.bench import prefill_prefix, static_copy
 from hf_triforce.tools.prompts import document_prompt
 

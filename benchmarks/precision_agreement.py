@@ -17,8 +17,7 @@ from pathlib import Path
 
 import torch
 
-from hf_triforce import TriForceConfig
-from hf_triforce.tools import assets
+from hf_triforce import TriForceConfig, assets
 
 
 def agreement(a: torch.Tensor, b: torch.Tensor, start: int) -> int:

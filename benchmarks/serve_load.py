@@ -44,7 +44,7 @@ QUESTIONS = [
 
 def documents(tokenizer, count: int, tokens: int) -> list[str]:
     """``count`` different stretches of Shakespeare's tragedies of about ``tokens`` tokens each."""
-    from hf_triforce.tools.assets import tragedies
+    from hf_triforce.assets import tragedies
 
     ids = tokenizer(tragedies(), add_special_tokens=False).input_ids
     if len(ids) < count * tokens:
@@ -182,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--request-timeout", type=float, default=7200)
     parser.add_argument("--out", type=Path, default=Path("serve-load.json"))
     args = parser.parse_args(argv)
-    from hf_triforce.tools.assets import load_model
+    from hf_triforce.assets import load_model
 
     _, tokenizer = load_model(args.model)  # also puts a bundled model's checkpoint on disk before the servers start
     # per mode: its own distinct documents, shared documents and second-question document (no store hit across

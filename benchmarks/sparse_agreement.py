@@ -36,13 +36,13 @@ import time
 import torch
 from transformers import LogitsProcessorList
 
+from hf_triforce import assets
 from hf_triforce.caches import BufferCache, RetrievalCache
 from hf_triforce.decoding.tiers import tier_model
 from hf_triforce.drafters.model import ModelDrafter
 from hf_triforce.forwards.forward import forward_logits, prefill, run_inline
 from hf_triforce.integration import recording_attention
 from hf_triforce.kernels.attention import QueryRecorder
-from hf_triforce.tools import assets
 from hf_triforce.tools.prompts import document_prompt
 
 FORCE1_VARIANTS = {"forward-slots": (False, "slots"), "copy-slots": (True, "slots"),

@@ -25,13 +25,12 @@ import time
 
 import torch
 
-from hf_triforce import TriForceConfig
+from hf_triforce import TriForceConfig, assets
 from hf_triforce.drafters.model import ModelDrafter
 from hf_triforce.drafters.registry import register_drafter
 from hf_triforce.forwards.forward import run_inline
 from hf_triforce.kernels.quantized import drafting_model
 from hf_triforce.stats import TriForceStats
-from hf_triforce.tools import assets
 from hf_triforce.tools.bench import prefill_prefix
 from hf_triforce.tools.prompts import document_prompt
 from hf_triforce.verification.draft_tree import DraftTree, TreeBuilder

@@ -18,11 +18,11 @@ import time
 
 import torch
 
+from hf_triforce import assets
 from hf_triforce.caches import BufferCache
 from hf_triforce.decoding.tree_forward import tree_logits
 from hf_triforce.forwards.forward import forward_logits
 from hf_triforce.integration import recording_attention
-from hf_triforce.tools import assets
 from hf_triforce.verification.draft_tree import DraftTree
 
 

@@ -18,9 +18,8 @@ import time
 
 import torch
 
-from hf_triforce import TriForceConfig
+from hf_triforce import TriForceConfig, assets
 from hf_triforce.stats import TriForceStats
-from hf_triforce.tools import assets
 from hf_triforce.tools.bench import Run, measure, prefill_prefix
 from hf_triforce.tools.prompts import document_prompt
 

@@ -18,10 +18,10 @@ from unittest.mock import patch
 
 import torch
 
+from hf_triforce import assets
 from hf_triforce.caches import BufferCache
 from hf_triforce.integration import recording_attention
 from hf_triforce.kernels import attention
-from hf_triforce.tools import assets
 
 
 def fill(model, cache: BufferCache, length: int) -> None:

@@ -3,8 +3,7 @@
 import torch
 
 import hf_triforce  # noqa: F401
-from hf_triforce import TriForceConfig
-from hf_triforce.tools import assets
+from hf_triforce import TriForceConfig, assets
 
 model, tokenizer = assets.load_smollm2()
 ids = tokenizer(assets.shakespeare("hamlet"), return_tensors="pt").input_ids[:, :4096]

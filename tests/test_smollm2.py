@@ -9,9 +9,8 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
-from hf_triforce import TriForceConfig
+from hf_triforce import TriForceConfig, assets
 from hf_triforce.decoding import force3
-from hf_triforce.tools import assets
 
 CONTEXT, NEW = 4096, 48
 OWN_PREFILL = CONTEXT // 2  # the prompt tokens the first case prefills itself

@@ -62,7 +62,7 @@ Kernel = TypeVar("Kernel")
 
 
 def cache_dir() -> Path:
-    from ..tools.assets import cache_root  # the library's one cache folder ($HF_TRIFORCE_CACHE)
+    from ..assets import cache_root  # the library's one cache folder ($HF_TRIFORCE_CACHE)
 
     return cache_root() / "kernels"
 

@@ -43,7 +43,7 @@ async def _bad_request(_request: Request, error: BadRequest) -> JSONResponse:
 class ServerSettings:
     """What each replica loads and how it serves (the ``hf-triforce serve`` options).
 
-    model: a bundled model name (`hf_triforce.tools.assets.MODELS`) or a model folder present on every node.
+    model: a bundled model name (`hf_triforce.assets.MODELS`) or a model folder present on every node.
     served_name: the name requests give as ``model`` (default: ``model``).
     triforce: the server's `TriForceConfig` fields as a JSON object, or ``"off"`` for plain decoding.
     store_bytes / min_prefix_tokens: the prefix store's budget and shortest reused prefix (`PrefixStore`).
@@ -99,11 +99,11 @@ class TriForceServer:
     def __init__(self, settings: ServerSettings) -> None:
         import torch
 
-        import hf_triforce  # noqa: F401  (installs triforce_config= on generate)
-
-        from ..tools.assets import load_model
+        from ..assets import load_model
+        from ..integration import enable
         from .prefix_store import PrefixStore
 
+        enable()  # triforce_config= on generate, in this replica's process
         if settings.threads:
             torch.set_num_threads(settings.threads)
         model, tokenizer = load_model(settings.model, getattr(torch, settings.dtype))

@@ -50,8 +50,8 @@ def _temperature(value: str) -> float:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from ..assets import MODELS, TEXTS
     from ..drafters import drafter_names
-    from .assets import MODELS, TEXTS
     from .methods import METHODS, add_triforce_arguments
     from .project import add_arguments as add_project_arguments
     from .prompts import PROMPTS
@@ -191,7 +191,7 @@ def _generate(args) -> int:
 def _load(command: str, option: str, name_or_path: str | None, dtype: str = "float32", **config_overrides):
     import torch
 
-    from .assets import load_model
+    from ..assets import load_model
 
     try:
         return load_model(name_or_path, getattr(torch, dtype), **config_overrides)
@@ -204,7 +204,7 @@ def _bench(args) -> int:
 
     import torch
 
-    from . import assets
+    from .. import assets
     from .bench import compare, kernels_note, prefill_prefix, saved_prefix, table, to_json, write_results
     from .methods import DEFAULT_EXCLUDED, METHODS, describe_gammas, knobs_from_args
     from .prompts import document_prompt
@@ -296,7 +296,7 @@ def _llama_cpp_engines(args, methods: list[str], ids) -> dict:
     process (`peer_process.PeerProcess`): one that crashes, here or in `compare`, is reported in the table."""
     import torch
 
-    from . import assets
+    from .. import assets
     from .llama_cpp_engine import LlamaCppEngine
     from .peer_process import PeerCrashed, PeerProcess
 
@@ -322,7 +322,7 @@ def _check_contexts(args, limit: int) -> None:
 
 
 def _needle(args) -> int:
-    from . import assets
+    from .. import assets
     from .needle import needle_prompt, tier_acceptance
 
     if args.context > 8192:
@@ -345,8 +345,8 @@ def _serve(args) -> int:
     import signal
     import time
 
+    from ..assets import MODELS
     from ..serving.deployment import ServerSettings, triforce_setting
-    from .assets import MODELS
 
     if args.model not in MODELS and not Path(args.model).is_dir() and args.address is None:
         raise SystemExit(f"hf-triforce serve: model must be one of {sorted(MODELS)} or a local model folder, "
@@ -383,7 +383,7 @@ def _serve(args) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "demo":
-        from .assets import SHAKESPEARE_PLAYS
+        from ..assets import SHAKESPEARE_PLAYS
         from .demo import run_demo
 
         if args.play not in SHAKESPEARE_PLAYS:

@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from . import assets
+from .. import assets
 from .bench import compare, prefill_prefix, table
 from .methods import describe_gammas, knobs_from_args
 from .prompts import document_prompt

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from ..compat import remove_quantization_config
+from .compat import remove_quantization_config
 
 SHAKESPEARE_PLAYS = ("hamlet", "king-lear", "macbeth", "othello", "romeo-and-juliet")
 
