@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import socket
 import statistics
 import subprocess
@@ -28,6 +27,8 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+
+from hf_triforce.serving.process import start_server, stop_server
 
 ROOT = Path(__file__).resolve().parent.parent
 QUESTIONS = [
@@ -53,36 +54,17 @@ def documents(tokenizer, count: int, tokens: int) -> list[str]:
 
 
 def start(args, triforce: str, port: int, log: Path) -> subprocess.Popen:
-    import httpx
-
-    command = [sys.executable, "-m", "hf_triforce", "serve", args.model, "--port", str(port), "--replicas", "1",
-               "--triforce-config", triforce]
+    command = [args.model, "--replicas", "1", "--triforce-config", triforce]
     if args.threads:
         command += ["--threads", str(args.threads)]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "RAY_USAGE_STATS_ENABLED": "0"}
-    process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT,
-                               start_new_session=True)
-    deadline = time.monotonic() + args.start_timeout
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise SystemExit(f"serve_load: the server exited:\n{log.read_text()[-3000:]}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200:
-                return process
-        except httpx.HTTPError:
-            pass
-        time.sleep(2)
-    stop(process)
-    raise SystemExit(f"serve_load: the server did not start within {args.start_timeout} s (log: {log})")
+    try:
+        return start_server(command, port, log, args.start_timeout, cwd=ROOT)
+    except RuntimeError as error:
+        raise SystemExit(f"serve_load: {error}") from error
 
 
 def stop(process: subprocess.Popen) -> None:
-    if process.poll() is None:
-        process.terminate()
-        try:
-            process.wait(timeout=120)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, 9)
+    stop_server(process, timeout=120)
 
 
 def ask(client, model: str, document: str, question: str, new_tokens: int) -> dict:
