@@ -98,16 +98,8 @@ def save_prefill(path: str | Path, model, input_ids: torch.LongTensor, cache) ->
     return path
 
 
-def load_prefill(path: str | Path, model) -> tuple[torch.LongTensor, DynamicCache]:
-    """The token ids ``[batch, length]`` and a `DynamicCache` of their prefill by ``model``, read from ``path``.
-    Raises ValueError naming the field (``format``, ``model``, ``dtype``, ``rope``, ``checksum``) where the file was
-    saved for another model or is damaged."""
-    try:
-        with safe_open(str(path), framework="pt") as handle:
-            metadata = handle.metadata() or {}
-            tensors = {name: handle.get_tensor(name) for name in handle.keys()}
-    except (SafetensorError, OSError) as exc:
-        raise ValueError(f"load_prefill: {path} is not a readable safetensors file ({exc})") from exc
+def _check_metadata(path, metadata: dict[str, str], model) -> None:
+    """ValueError naming the first field of a file's ``metadata`` that does not fit ``model``."""
     if metadata.get("format") != FORMAT:
         raise ValueError(f"load_prefill: {path}: format is {metadata.get('format')!r}, expected {FORMAT!r}")
     expected = {"dtype": _model_dtype(model), "rope": rope_description(model), "model": model_fingerprint(model)}
@@ -115,6 +107,19 @@ def load_prefill(path: str | Path, model) -> tuple[torch.LongTensor, DynamicCach
         if metadata.get(field) != value:
             raise ValueError(f"load_prefill: {path} was saved for another {field} ({field}: file "
                              f"{metadata.get(field)!r}, this model {value!r})")
+
+
+def load_prefill(path: str | Path, model) -> tuple[torch.LongTensor, DynamicCache]:
+    """The token ids ``[batch, length]`` and a `DynamicCache` of their prefill by ``model``, read from ``path``.
+    Raises ValueError naming the field (``format``, ``model``, ``dtype``, ``rope``, ``checksum``) where the file was
+    saved for another model or is damaged."""
+    try:
+        with safe_open(str(path), framework="pt") as handle:
+            metadata = handle.metadata() or {}
+            _check_metadata(path, metadata, model)  # before reading the (large) tensors
+            tensors = {name: handle.get_tensor(name) for name in handle.keys()}
+    except (SafetensorError, OSError) as exc:
+        raise ValueError(f"load_prefill: {path} is not a readable safetensors file ({exc})") from exc
     if _checksum(tensors) != metadata.get("checksum"):
         raise ValueError(f"load_prefill: {path}: checksum does not match its contents (a damaged file)")
     device = next(model.parameters()).device
