@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import copy
 import time
-from contextlib import ExitStack
 
 import torch
 from transformers import LogitsProcessorList, StoppingCriteriaList
@@ -32,12 +31,8 @@ from .decoding.preflight import check_model
 from .decoding.resolved import resolve
 from .decoding.tiers import drafting_models
 from .forwards.forward import prefill
-from .kernels import cpu_kernels
 from .kernels.attention import recording
-from .kernels.attention_routes import attention_routes
-from .kernels.attention_routes import describe as describe_attention
-from .kernels.linear_routes import linear_routes
-from .kernels.row_mixing import RowsApart
+from .kernels.call_kernels import CallKernels
 from .request import TriForceGenerateOutput, prefix_cache, recording_attention, strip_padding
 from .verification.sampling import Sampler
 
@@ -110,19 +105,11 @@ def run_assisted(model, ids: torch.LongTensor, processors, criteria, generation_
     ``stats``). ``sampler``: the tiers' random draws (default: torch's global RNG, as transformers' loop)."""
     resolved = resolve(config, model, driver="assisted")
     cache = full_cache(model, resolved, [generation_config.max_length])
-    # compiled here, if at all: not inside a timed forward
-    build_seconds = cpu_kernels.prepare([model, *([config.draft] if isinstance(config.draft, torch.nn.Module) else [])])
-    attention = attention_routes(model)
-    attention_calibrated = attention.calibration_seconds
-    with recording_attention(model), ExitStack() as stack:
-        stack.enter_context(attention.installed(model, generation_config.max_length))
+    models = [model, *([config.draft] if isinstance(config.draft, torch.nn.Module) else [])]
+    with recording_attention(model), CallKernels(model, models, generation_config.max_length) as kernels:
         generator = TriForceCandidateGenerator(model, generation_config, processors, triforce_config=resolved,
                                                stopping_criteria=criteria, full_cache=cache, sampler=sampler)
-        linear = [linear_routes(m) for m in drafting_models(generator.config, model)]
-        bypassed = dict(linear[0].bypassed) if linear else {}
-        for model_routes in linear:
-            stack.enter_context(model_routes.installed())
-        rows_apart = stack.enter_context(RowsApart(model))
+        rows_apart = kernels.switch_linear(drafting_models(generator.config, model))
         began = time.perf_counter()
         cached = copy_prefix(prefix, cache) if prefix is not None else 0
         with torch.no_grad():
@@ -134,13 +121,5 @@ def run_assisted(model, ids: torch.LongTensor, processors, criteria, generation_
         with recording(generator.recorder):
             out = compat.assisted_decoding(model, generator, ids, processors, criteria, generation_config, streamer,
                                            cache=cache, use_cache=True, logits_to_keep=1)
-    stats = generator.stats
-    stats.attention_routes = attention.used()
-    stats.attention_calibration_seconds = attention.calibration_seconds - attention_calibrated
-    stats.attention_kernel = describe_attention(model)
-    stats.cpu_kernels = cpu_kernels.describe(model)
-    stats.kernel_build_seconds = build_seconds
-    if linear:
-        stats.linear_bypassed = {why: calls - bypassed.get(why, 0) for why, calls in linear[0].bypassed.items()
-                                 if calls > bypassed.get(why, 0)}
+    kernels.fill(generator.stats)
     return out, generator

@@ -22,7 +22,7 @@ from transformers import (
 from . import compat
 from .config import TriForceConfig
 from .decoding.tiers import check_lean_eligible, drafting_models
-from .kernels.attention import wrapped_name
+from .kernels.attention_function import wrapped_name
 from .kernels.lean import LEAN_PRECISIONS
 from .kernels.quantized import check_int8_eligible
 from .kernels.row_mixing import ROW_INDEPENDENT_MAX_ROWS, row_mixing_layers

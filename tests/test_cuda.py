@@ -12,7 +12,7 @@ from hf_triforce.kernels import attention, native_attention
 from .conftest import make_model, random_prompt
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-flash = pytest.mark.skipif(attention._flash_attn_varlen_func() is None, reason="needs flash-attn (pip install .[cuda])")
+flash = pytest.mark.skipif(attention.flash_varlen() is None, reason="needs flash-attn (pip install .[cuda])")
 
 
 class _Module(torch.nn.Module):
@@ -274,7 +274,7 @@ def test_tree_in_one_flex_call_matches_the_split(dtype):
 @pytest.mark.gpu
 def test_automatic_routes_on_cuda():
     """Without flash-attn: fp16/bf16 take varlen_attn where this torch has it, fp32 FlexAttention (with Triton)."""
-    if attention._flash_attn_varlen_func() is not None:
+    if attention.flash_varlen() is not None:
         pytest.skip("flash-attn installed: it is preferred")
     key = torch.zeros(1, 2, 300, 64, device="cuda")
     for dtype in (torch.float16, torch.bfloat16, torch.float32):

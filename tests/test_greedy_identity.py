@@ -128,7 +128,7 @@ def test_flash_attention_glue_keeps_greedy_identity(monkeypatch):
 
     _reference_flash_attn_varlen_func.calls = 0
     monkeypatch.setattr(attention, "_flash_device", lambda query: True)
-    monkeypatch.setattr(attention, "_flash_attn_varlen_func", lambda: _reference_flash_attn_varlen_func)
+    monkeypatch.setattr(attention, "flash_varlen", lambda: _reference_flash_attn_varlen_func)
     _assert_identical_with_self_and_ngram_drafts()
     assert _reference_flash_attn_varlen_func.calls > 0
 

@@ -252,7 +252,8 @@ def _force2_block_and_rows(model, new=5):
     from hf_triforce.caches.buffer import BufferCache
     from hf_triforce.caches.retrieval import RetrievalCache
     from hf_triforce.forwards.forward import forward_logits
-    from hf_triforce.kernels.attention import QueryRecorder, wrapped_name
+    from hf_triforce.kernels.attention import QueryRecorder
+    from hf_triforce.kernels.attention_function import wrapped_name
 
     ids = random_prompt(PROMPT + new, VOCAB, period=37)
     windows = layer_windows(model.config)

@@ -15,7 +15,8 @@ from transformers.masking_utils import _preprocess_mask_arguments
 
 import hf_triforce
 from hf_triforce import compat
-from hf_triforce.kernels.attention import QueryRecorder, wrapped_name
+from hf_triforce.kernels.attention import QueryRecorder
+from hf_triforce.kernels.attention_function import wrapped_name
 
 from .conftest import FAMILIES, make_model
 

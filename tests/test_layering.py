@@ -1,7 +1,7 @@
 """The package is layered, and kernels only compute.
 
 * `LAYERS`, top to bottom: a module imports only from its own layer's package or from layers below it, at the top,
-  inside a function or under ``TYPE_CHECKING``; no import circle anywhere (`KNOWN_EDGES` lists the exceptions);
+  inside a function or under ``TYPE_CHECKING``; no import circle anywhere;
 * no module of `hf_triforce.kernels` imports what decides which model and forward each tier runs (the decoding
   package, the configuration, the drafters);
 * each decision has one home: no function of `decoding.tiers` is also reachable from `kernels.lean`.
@@ -42,13 +42,6 @@ LAYERS = (
     ("hf_triforce.assets",),  # the bundled models and texts, the library's cache folder
     ("hf_triforce.compat", "hf_triforce.stats", "hf_triforce.tokens"),
 )
-# Imports outside the layering (each an edge importer -> imported): two circles inside kernels
-KNOWN_EDGES = {
-    ("hf_triforce.kernels.attention", "hf_triforce.kernels.tree_attention"),  # a circle inside kernels
-    ("hf_triforce.kernels.tree_attention", "hf_triforce.kernels.attention"),
-    ("hf_triforce.kernels.attention", "hf_triforce.kernels.attention_routes"),  # the wrapper asks the timed routes,
-    ("hf_triforce.kernels.attention_routes", "hf_triforce.kernels.attention"),  # which time the wrapper's ATen route
-}
 
 
 def imported_modules(source: str, package: str) -> set[str]:
@@ -137,8 +130,6 @@ def upward_imports(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
     """Imports of a module from a higher layer, or from another package of its own layer."""
     wrong = []
     for importer, imported in sorted((a, b) for a, targets in graph.items() for b in targets):
-        if (importer, imported) in KNOWN_EDGES:
-            continue
         here, there = layer_of(importer), layer_of(imported)
         sibling = here == there and _top(importer, here) != _top(imported, there)
         if there < here or sibling:
@@ -151,7 +142,7 @@ def _top(name: str, layer: int) -> str:
 
 
 def circles(graph: dict[str, set[str]]) -> list[list[str]]:
-    """The strongly connected components of more than one module (Tarjan), `KNOWN_EDGES` left out."""
+    """The strongly connected components of more than one module (Tarjan)."""
     index, low, stack, on_stack, found = {}, {}, [], set(), []
 
     def visit(node: str) -> None:
@@ -159,8 +150,6 @@ def circles(graph: dict[str, set[str]]) -> list[list[str]]:
         stack.append(node)
         on_stack.add(node)
         for target in graph[node]:
-            if (node, target) in KNOWN_EDGES:
-                continue
             if target not in index:
                 visit(target)
                 low[node] = min(low[node], low[target])

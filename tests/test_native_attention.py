@@ -308,7 +308,7 @@ def test_dispatch_order_and_forced_routes(monkeypatch):
     assert attention.fused_route(torch.zeros(1, 9, 7, 12), keys[..., :12], keys[..., :12]) == "flex"  # 12 % 8
     assert attention.fused_route(query, keys, keys, dropout=True) is None  # only flash-attn applies dropout
     monkeypatch.setattr(attention, "_flash_device", lambda q: True)
-    monkeypatch.setattr(attention, "_flash_attn_varlen_func", lambda: object())
+    monkeypatch.setattr(attention, "flash_varlen", lambda: object())
     assert attention.fused_route(query, keys, keys) == "flash_attn"
     assert attention.fused_route(query, keys, keys, dropout=True) == "flash_attn"
     assert attention.fused_route(query, keys, narrow) is None  # values narrower than keys: SDPA / matmul

@@ -153,7 +153,7 @@ def test_flash_prefix_path_reads_the_kernel_layout(monkeypatch, family, lse_layo
         expected = tree_logits(model, filled_cache(model, sequence[:, :-1]), 199, sequence, TREE)
         calls = []
         stand_in = varlen_stand_in(lse_layout)
-        monkeypatch.setattr(attention, "_flash_attn_varlen_func", lambda: lambda *a, **k: calls.append(
+        monkeypatch.setattr(attention, "flash_varlen", lambda: lambda *a, **k: calls.append(
             k.get("return_attn_probs", False)) or stand_in(*a, **k))
         monkeypatch.setattr(attention, "_flash_device", lambda query: True)
         got = tree_logits(model, filled_cache(model, sequence[:, :-1]), 199, sequence, TREE)
@@ -175,7 +175,7 @@ def test_flash_routes_leave_values_narrower_than_keys_to_sdpa(monkeypatch):
         expected = tree_logits(model, filled_cache(model, sequence[:, :-1]), 199, sequence, TREE)
         calls = []
         stand_in = varlen_stand_in("unpadded")
-        monkeypatch.setattr(attention, "_flash_attn_varlen_func", lambda: lambda *a, **k: calls.append(1) or stand_in(
+        monkeypatch.setattr(attention, "flash_varlen", lambda: lambda *a, **k: calls.append(1) or stand_in(
             *a, **k))
         monkeypatch.setattr(attention, "_flash_device", lambda query: True)
         got = tree_logits(model, filled_cache(model, sequence[:, :-1]), 199, sequence, TREE)

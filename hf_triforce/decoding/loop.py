@@ -36,10 +36,7 @@ from ..drafters import DRAFTERS
 from ..drafters.model import ModelDrafter
 from ..drafters.registry import MODEL_DRAFTER, drafting_sequence, spec_of
 from ..forwards.clock import Clock, device_clock
-from ..kernels import cpu_kernels
-from ..kernels.attention_routes import attention_routes
-from ..kernels.attention_routes import describe as describe_attention
-from ..kernels.linear_routes import linear_routes
+from ..kernels.call_kernels import CallKernels
 from ..kernels.row_mixing import RowsApart
 from ..stats import TriForceStats
 from ..verification.sampling import ChainVerifier, Sampler, TorchSampler, scores_to_probs
@@ -177,27 +174,18 @@ class Decoder:
             keep_logits: bool = False) -> DecodeResult:
         """Decode ``prompts`` (per row ``[1, n_b]``, without padding); ``streamer``, ``keep_scores`` and
         ``keep_logits``: batch size 1."""
-        began = time.perf_counter()
-        tier_models = self._tier_models()  # a lean or int8 copy is made on a model's first call, then kept
-        copy_seconds = time.perf_counter() - began
-        fixed_shapes = list({id(f): f for f in (getattr(m, "fixed_shape", None) for m in tier_models) if f}.values())
-        lean_forward = self.force3.lean_forward
-        fixed_shapes += [lean_forward.fixed_shape] if lean_forward is not None else []
-        before = [(f.calls, f.compiles, f.compile_seconds) for f in fixed_shapes]
         models = [model for model in (self.model, self.config.draft) if not isinstance(model, str)]
-        build_seconds = cpu_kernels.prepare(models)  # compiled here, if at all: not inside a timed forward
-        # the models' CPU linear layers multiply few rows by the route timed fastest on this CPU (`linear_routes`), and
-        # attention over a long cache takes the kernel where it was timed cheaper (`attention_routes`)
-        routes = [linear_routes(model) for model in models]
-        calibrated = [r.calibration_seconds for r in routes]
-        bypassed = dict(routes[0].bypassed)
-        attention = attention_routes(self.model)
-        attention_calibrated = attention.calibration_seconds
-        with ExitStack() as stack:
-            for model_routes in routes:
-                stack.enter_context(model_routes.installed())
-            stack.enter_context(attention.installed(self.model, max(self.max_lengths)))
-            rows_apart = stack.enter_context(RowsApart(self.model))
+        # the kernels built, the attention routes installed; the tiers' copies made before the linear layers switch
+        with CallKernels(self.model, models, max(self.max_lengths)) as kernels, ExitStack() as stack:
+            began = time.perf_counter()
+            tier_models = self._tier_models()  # a lean or int8 copy is made on a model's first call, then kept
+            copy_seconds = time.perf_counter() - began
+            fixed_shapes = list({id(f): f for f in (getattr(m, "fixed_shape", None) for m in tier_models)
+                                 if f}.values())
+            lean_forward = self.force3.lean_forward
+            fixed_shapes += [lean_forward.fixed_shape] if lean_forward is not None else []
+            before = [(f.calls, f.compiles, f.compile_seconds) for f in fixed_shapes]
+            rows_apart = kernels.switch_linear(models)
             stack.enter_context(deferred_nan_checks())  # NaN checks read with the verifications' readbacks
             rows = self._start(prompts, prefix_cache, streamer, keep_scores, keep_logits, rows_apart)
             while active := [row for row in rows if not row.done]:
@@ -205,15 +193,7 @@ class Decoder:
             result = self._result(prompts, rows)
         compiled = fixed_shape_counts(fixed_shapes, before, self.config.tier_compile, lean_forward)
         for stats in {id(s): s for s in [*result.row_stats, result.stats]}.values():
-            stats.linear_routes = routes[0].used()
-            stats.linear_calibration_seconds = sum(r.calibration_seconds - c for r, c in zip(routes, calibrated))
-            stats.linear_bypassed = {why: calls - bypassed.get(why, 0) for why, calls in routes[0].bypassed.items()
-                                     if calls > bypassed.get(why, 0)}
-            stats.attention_routes = attention.used()
-            stats.attention_calibration_seconds = attention.calibration_seconds - attention_calibrated
-            stats.attention_kernel = describe_attention(self.model)
-            stats.cpu_kernels = cpu_kernels.describe(self.model)
-            stats.kernel_build_seconds = build_seconds
+            kernels.fill(stats)
             stats.tier_compile = dict(compiled)
             stats.draft_copy_seconds = copy_seconds
         return result

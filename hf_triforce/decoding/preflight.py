@@ -38,7 +38,8 @@ from ..compat import CacheLayerMixin
 from ..config import TriForceConfig
 from ..drafters.registry import spec_of
 from ..forwards.forward import forward_logits
-from ..kernels.attention import PREFIX, QueryRecorder, mask_adds_bias
+from ..kernels.attention import QueryRecorder, mask_adds_bias
+from ..kernels.attention_function import PREFIX
 from ..kernels.row_mixing import row_mixing_layers
 
 PROBE_CAPACITY = 256

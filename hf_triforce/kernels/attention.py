@@ -1,27 +1,24 @@
-"""An attention function registered with transformers that records queries for retrieval.
+"""The paths a TriForce attention call may take, and the recorder of its queries.
 
-`Cache.update` never sees the query, so Force 2's chunk selection gets it here: ``triforce_<base>`` wraps
-the model's own attention implementation ``<base>`` (sdpa, eager, ...) and records the post-RoPE query of
-each layer into the `QueryRecorder` passed to the model's forward as ``triforce_recorder=`` (forward kwargs
-reach the attention function; one recorder per call, no shared state). Multi-token calls (verification,
-chunked prefill) stay GQA-native: on CUDA they take a mask-free fused kernel where `fused_route` finds one
-(flash-attn's `flash_verify` where installed, else torch's own `native_attention.varlen_verify` in fp16/bf16,
-else `native_attention.flex_verify`); on CPU a few query rows over a long cache take `split_kv_sdpa` (the
-cache split across threads, partial results merged by log-sum-exp); other masked SDPA calls on GQA models
-take `gqa_sdpa`, which does not expand K/V. One-row calls (decoding steps of every tier) take
-`one_row_sdpa`: no mask, GQA-native. On the CPU (fp32, bf16 or fp16), decoding steps and verifications of up to
-`cpu_attention.MAX_NEW_TOKENS` tokens over at least `cpu_attention.MIN_CACHED` cached entries take the library's
-compiled kernel (`cpu_attention.attend`) where it built and was timed cheaper than ATen's route for the call's class
-(`attention_routes`). Everything else is ``<base>``.
+`Cache.update` never sees the query, so Force 2's chunk selection gets it from the attention function
+(`attention_function`): it records the post-RoPE query of each layer into the `QueryRecorder` passed to the model's
+forward as ``triforce_recorder=`` (forward kwargs reach the attention function; one recorder per call, no shared
+state), or set for the context (`recording`).
+
+The paths, each GQA-native (K/V read once per KV head): `gqa_sdpa` (masked multi-token SDPA, the query heads of a
+group as extra query rows), `split_kv_sdpa` (a few query rows over a long CPU cache, the cache split across threads and
+merged by log-sum-exp), `one_row_sdpa` (a decoding step: no mask), and on CUDA the mask-free fused kernels
+`fused_route` picks for a multi-token call (flash-attn's `flash_verify` where installed, else torch's own
+`native_attention.varlen_verify` in fp16/bf16, else `native_attention.flex_verify`). `aten_attention` is ATen's route
+for a bottom-right causal call, which `attention_routes` times against the library's CPU kernel. The ``_wants_*``
+predicates say which calls a path may take.
 
 Invariant relied upon (TriForce's caches guarantee it): batch size 1, no padding, and every new token is
 appended after all cached entries, so the mask of a multi-token call of a full-attention layer is "all cached
 entries, then causal among the new tokens" — bottom-right-aligned causal attention. Batches
 (`hf_triforce.decoding.force3.RaggedForce3`) break it — rows of different lengths under a per-row 4-D mask — so
 every path that skips the mask (`one_row_sdpa`, `split_kv_sdpa`, `cpu_attention.attend`, the fused routes) requires
-batch size 1, and a batch takes `gqa_sdpa` or ``<base>``. Sliding-window layers
-(`compat.module_window`) take only the paths that apply the mask transformers built for them (each row cut at
-its own window): `gqa_sdpa` or ``<base>``, and `one_row_sdpa` only when that mask is None (nothing cut).
+batch size 1, and a batch takes `gqa_sdpa` or the model's own attention.
 """
 
 from __future__ import annotations
@@ -32,11 +29,8 @@ import functools
 
 import torch
 
-from .. import compat
-from . import attention_routes, cpu_attention, native_attention, split_kv
-from .tree_attention import active_tree, tree_attention
+from . import native_attention, split_kv
 
-PREFIX = "triforce_"
 RECORDER_KWARG = "triforce_recorder"
 # the recorder of the forward running in this context: reaches the attention function also in models whose
 # decoder layers do not pass forward kwargs on to their attention (StableLM)
@@ -61,9 +55,9 @@ class QueryRecorder:
         if self.masks is not None:
             self.masks[layer_idx] = attention_mask
 
-    def at(self, row: int) -> dict[int, torch.Tensor]:
-        """Query of one row of the recorded block per layer: ``[batch, heads, head_dim]``."""
-        return {layer: q[:, :, row] for layer, q in self.queries.items()}
+    def at(self, position: int) -> dict[int, torch.Tensor]:
+        """Query at one position of the recorded forward per layer: ``[batch, heads, head_dim]``."""
+        return {layer: q[:, :, position] for layer, q in self.queries.items()}
 
 
 @contextlib.contextmanager
@@ -147,7 +141,7 @@ def one_row_sdpa(module, query, key, value, attention_mask, scaling=None, dropou
 
 
 @functools.cache
-def _flash_attn_varlen_func():
+def flash_varlen():
     """flash-attn's ``flash_attn_varlen_func``, or None where it is not installed (CPU installs never need it)."""
     try:
         from flash_attn import flash_attn_varlen_func
@@ -166,7 +160,7 @@ def flash_verify(module, query, key, value, attention_mask, scaling=None, dropou
     """
     q_len, kv_len = query.shape[2], key.shape[2]
     bounds = torch.tensor([[0, q_len], [0, kv_len]], dtype=torch.int32, device=query.device)
-    out = _flash_attn_varlen_func()(
+    out = flash_varlen()(
         query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1),
         cu_seqlens_q=bounds[0], cu_seqlens_k=bounds[1], max_seqlen_q=q_len, max_seqlen_k=kv_len,
         dropout_p=dropout if module.training else 0.0, softmax_scale=scaling, causal=True,
@@ -227,7 +221,7 @@ def fused_route(query, key, value, dropout: bool = False) -> str | None:
     if forced is not None:
         if forced == "sdpa" or not same_head_dims(key, value):
             return None
-        runs = {"flash_attn": lambda: _flash_device(query) and _flash_attn_varlen_func() is not None,
+        runs = {"flash_attn": lambda: _flash_device(query) and flash_varlen() is not None,
                 "varlen": lambda: native_attention.varlen_runs(query, key, value),
                 "flex": lambda: native_attention.flex_device(query),
                 "flex_tree": lambda: native_attention.flex_device(query)}[forced]
@@ -239,7 +233,7 @@ def fused_route(query, key, value, dropout: bool = False) -> str | None:
         return forced
     if not same_head_dims(key, value):
         return None
-    if _flash_device(query) and _flash_attn_varlen_func() is not None:
+    if _flash_device(query) and flash_varlen() is not None:
         return "flash_attn"
     if dropout:
         return None
@@ -310,20 +304,6 @@ def _wants_split_kv(query, key, value, dropout, module) -> bool:
     )
 
 
-def _wants_cpu_kernel(query, key, value, attention_mask, kwargs, module) -> bool:
-    """A call `cpu_attention.attend` takes: a decoding step or a few-row verification of a full-attention layer over a
-    long CPU cache of a dtype the kernel reads (batch 1, bottom-right causal: the mask, boolean or None, is not read),
-    nothing but plain scaled attention, of a class the kernel was timed cheaper for
-    (`attention_routes.takes_kernel`)."""
-    return (
-        query.device.type == "cpu"
-        and _plain_masked(attention_mask, kwargs)
-        and kwargs.get("s_aux") is None
-        and not (kwargs.get("dropout") and module.training)
-        and attention_routes.takes_kernel(query, key, value)
-    )
-
-
 _INFERENCE = torch.nn.Module().eval()  # a module in eval mode: the routes below read ``module.training``
 
 
@@ -339,52 +319,3 @@ def aten_attention(query, key, value, scaling=None) -> torch.Tensor:
         return split_kv_sdpa(_INFERENCE, query, key, value, None, scaling=scaling)[0]
     mask = torch.ones(1, 1, new, kv_len, dtype=torch.bool, device=query.device).tril(kv_len - new)
     return gqa_sdpa(_INFERENCE, query, key, value, mask, scaling=scaling)[0]
-
-
-def _make_wrapper(base: str):
-    def triforce_attention(module, query, key, value, attention_mask, **kwargs):
-        recorder = kwargs.pop(RECORDER_KWARG, None) or _ACTIVE_RECORDER.get()
-        if recorder is not None:
-            recorder.record(module.layer_idx, query, attention_mask)
-        # a sliding-window layer's mask cuts each row at its own window: only paths that read the mask
-        windowed = compat.module_window(module, kwargs) is not None
-        tree = active_tree()
-        if tree is not None:  # a candidate tree's forward (tree_attention.py): the tree mask replaces the causal one
-            # refused before the prefill (preflight.check_model probes every layer); checked again on the first layer
-            # only: an eager float mask is [rows, cached] and read whole, per call
-            if getattr(module, "layer_idx", 0) == 0 and mask_adds_bias(attention_mask):
-                raise ValueError(f"candidate trees are not supported on a model that adds a bias to its attention mask "
-                                 f"(layer {getattr(module, 'layer_idx', '?')}; ALiBi): use chains (tree_nodes=0, "
-                                 "force2_tree_nodes=0)")
-            return tree_attention(module, query, key, value, tree, windowed, **kwargs)
-        if base == "sdpa" and not windowed and _wants_fused(query, attention_mask, kwargs):
-            fused = fused_verify(module, query, key, value, attention_mask, **kwargs)
-            if fused is not None:
-                return fused
-        if base == "sdpa" and not windowed and _wants_cpu_kernel(query, key, value, attention_mask, kwargs, module):
-            return cpu_attention.attend(query, key, value, kwargs.get("scaling")), None
-        if _wants_one_row(base, query, attention_mask, kwargs) and (attention_mask is None or not windowed):
-            return one_row_sdpa(module, query, key, value, attention_mask, **kwargs)
-        if _wants_gqa_sdpa(base, query, key, attention_mask, kwargs):
-            if not windowed and _wants_split_kv(query, key, value, kwargs.get("dropout", 0.0), module):
-                return split_kv_sdpa(module, query, key, value, attention_mask, **kwargs)
-            return gqa_sdpa(module, query, key, value, attention_mask, **kwargs)
-        return compat.attention_function(base, module)(module, query, key, value, attention_mask, **kwargs)
-
-    triforce_attention.__name__ = f"{PREFIX}{base}"
-    return triforce_attention
-
-
-def wrapped_name(base: str) -> str:
-    """Register (once) and return the recording wrapper's name for attention implementation ``base``."""
-    if base.startswith(PREFIX):
-        return base
-    if not compat.is_registered_attention(base) and base != "eager":
-        raise ValueError(
-            f"TriForce cannot wrap attention implementation {base!r}; supported: eager, "
-            f"{', '.join(k for k in compat.attention_names() if not k.startswith(PREFIX))}"
-        )
-    name = f"{PREFIX}{base}"
-    if not compat.is_registered_attention(name):
-        compat.register_attention(name, _make_wrapper(base), masks_like=base)
-    return name

@@ -32,7 +32,7 @@ import contextvars
 import torch
 
 from ..verification.draft_tree import DraftTree
-from . import native_attention
+from . import attention, native_attention
 from .split_kv import merge_by_lse, sdpa_with_lse
 
 _ACTIVE_TREE: contextvars.ContextVar[torch.Tensor | None] = contextvars.ContextVar("triforce_tree", default=None)
@@ -82,12 +82,10 @@ def flash_prefix_attention(query: torch.Tensor, keys: torch.Tensor, values: torc
     ``[1, kv, groups * m, dv]`` and the fp32 log-sum-exp ``[1, kv, groups * m]``
     (flash-attn 2 documents its ``softmax_lse`` as ``[heads, total_q]``; older releases pad it to ``[batch,
     heads, max_seqlen_q]``: with one sequence of ``m`` rows both read as ``[heads, m]``)."""
-    from .attention import _flash_attn_varlen_func  # attention.py imports this module
-
     heads, m, _ = query.shape
     kv_heads, cached = keys.shape[0], keys.shape[1]
     bounds = torch.tensor([[0, m], [0, cached]], dtype=torch.int32, device=query.device)
-    out, lse, _ = _flash_attn_varlen_func()(
+    out, lse, _ = attention.flash_varlen()(
         query.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1), cu_seqlens_q=bounds[0],
         cu_seqlens_k=bounds[1], max_seqlen_q=m, max_seqlen_k=cached, softmax_scale=scale, causal=False,
         return_attn_probs=True,
@@ -103,9 +101,7 @@ def prefix_attention(rows: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
     ``(out, lse)`` as ``[parts, kv, r, dv]`` and ``[parts, kv, r]`` partial results (fp32 lse), to be merged by
     log-sum-exp. ATen's CPU kernel needs values as wide as keys; narrower ones (multi-head latent attention)
     take the matmul."""
-    from .attention import same_head_dims  # attention.py imports this module
-
-    attend = sdpa_with_lse() if rows.device.type == "cpu" and same_head_dims(keys, values) else None
+    attend = sdpa_with_lse() if rows.device.type == "cpu" and attention.same_head_dims(keys, values) else None
     if attend is None:
         scores = torch.matmul(rows.float(), keys.float().transpose(-1, -2)) * scale
         lse = torch.logsumexp(scores, -1)
@@ -133,9 +129,7 @@ def prefix_attention(rows: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
 
 def _prefix_route(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> str | None:
     """`attention.fused_route` for a tree's prefix (no dropout: `tree_attention` refuses it)."""
-    from .attention import fused_route  # attention.py imports this module
-
-    return fused_route(query, key, value)
+    return attention.fused_route(query, key, value)
 
 
 def tree_sdpa(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, visible: torch.Tensor,
