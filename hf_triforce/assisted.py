@@ -26,7 +26,7 @@ from .caches.buffer import copy_prefix
 from .candidates import TriForceCandidateGenerator
 from .config import TriForceConfig
 from .decoding.force3 import full_cache
-from .decoding.output import PaddedView
+from .decoding.loop import PaddedView
 from .decoding.preflight import check_model
 from .decoding.resolved import resolve
 from .decoding.tiers import drafting_models

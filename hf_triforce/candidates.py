@@ -225,7 +225,7 @@ class TriForceCandidateGenerator(compat.CandidateGenerator):
             found = run_inline(self.level.candidate_steps(input_ids, limit))
         self.level.take_report().add_to(self.stats)
         self.ran = True
-        # a drafter may keep its tokens on the device (`proposal_steps`); transformers' loop takes them as ids
+        # a drafter may keep its tokens on the device (`levels.proposal_steps`); transformers' loop takes them as ids
         drafted = found.tokens.tolist() if isinstance(found.tokens, torch.Tensor) else found.tokens
         tokens = self._before_stop(input_ids, drafted)
         self.proposed = len(tokens)

@@ -175,7 +175,7 @@ def test_the_enumeration_catches_logits_one_row_off(small, monkeypatch):
     def one_row_off(verifier, cache, extended, prefix, processors):
         logits, _, queries = right(verifier, cache, extended, prefix, processors)
         shifted = torch.cat((logits[:1], logits[:-1]))
-        return shifted, force3.process_rows(processors, extended, shifted, prefix), queries
+        return shifted, force3.process_positions(processors, extended, shifted, prefix), queries
 
     monkeypatch.setattr(force3, "score_fixed_shape", one_row_off)
     config = TriForceConfig(draft="self", **{**ENUMERATED, "levels": 2})

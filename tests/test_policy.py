@@ -184,7 +184,7 @@ def test_a_draft_model_config_also_drafts_with_the_target_s_lean_copy(monkeypatc
     weights), two- and three-level; not where Force 1 would run the target's eager forward, nor where the draft's
     tokens sit in slots (re-rotation, checked before the prefill for the configured drafter only). Plans switching
     between the draft model, the self drafter and the n-gram lookup keep greedy identity, each drafter catching up."""
-    from hf_triforce.decoding.loop import adaptive_policy
+    from hf_triforce.decoding.hierarchy import adaptive_policy
     from hf_triforce.decoding.resolved import resolve
 
     target, draft = make_model("llama-gqa"), make_model("llama-gqa", seed=4, num_hidden_layers=1)
@@ -260,7 +260,7 @@ def test_lookup_chains_may_be_longer_than_gamma2(monkeypatch):
     gamma2); on a repeating prompt it runs such chains, greedy-identically, and Force 3 keeps room for their rows. The
     policy chooses from assumed costs (`assumed_timings`): on a loaded machine measured ones may keep it on plain
     steps."""
-    from hf_triforce.decoding.loop import adaptive_policy
+    from hf_triforce.decoding.hierarchy import adaptive_policy
     from hf_triforce.decoding.resolved import resolve
     from hf_triforce.decoding.sizing import LOOKUP_GAMMA2, force3_rows
 
@@ -383,7 +383,7 @@ def test_tier_costs_learn_a_tier_s_row_slope_once_its_timings_span_enough_rows()
 
 
 def test_row_cost_prior_follows_the_device():
-    from hf_triforce.decoding.loop import row_cost_slope
+    from hf_triforce.decoding.hierarchy import row_cost_slope
 
     assert row_cost_slope(torch.nn.Linear(1, 1)) == ROW_COST_SLOPES["cpu"]
     assert row_cost_slope(types.SimpleNamespace(device=torch.device("cuda", 0))) == ROW_COST_SLOPES["cuda"]
@@ -501,7 +501,7 @@ def test_the_decoder_prices_a_draft_model_by_its_bytes_and_its_fill_by_its_rows(
     decoder = Decoder(target, config, None, None, [prompt.shape[1] + 4], False)
     with torch.no_grad(), recording_attention(target):
         decoder.run([prompt])
-    fractions = decoder.tier_fractions(prompt.shape[1])
+    fractions = decoder.hierarchy.tier_fractions(prompt.shape[1])
     assert 0 < fractions["draft:model"] < fractions["draft:self"] < 1  # one layer of two: fewer bytes
     rows = decoder.policy.setup_rows["model"]
     assert rows == pytest.approx((config.sink_tokens + config.window) * weight_bytes(draft) / weight_bytes(target))
@@ -523,7 +523,7 @@ def test_the_decoder_prices_the_target_s_tiers_by_the_bytes_they_read():
         decoder = Decoder(model, config, None, None, [prompt.shape[1] + 4], False)
         with torch.no_grad(), recording_attention(model):
             decoder.run([prompt])  # the prefill allocates the full cache
-        fractions[precision] = decoder.tier_fractions(prompt.shape[1])
+        fractions[precision] = decoder.hierarchy.tier_fractions(prompt.shape[1])
     model_f, lean_f = fractions["model"], fractions["lean-int4"]
     assert 0 < lean_f["draft:self"] < model_f["draft:self"] < model_f["force2"] < 1  # smaller cache, fewer bytes
     assert lean_f["draft:self"] < lean_f["force2"] < model_f["force2"]

@@ -14,7 +14,7 @@ Two layouts of the full cache, one interface (`Decoder` drives either):
 
 Both prefill (returning each row's last logits and last queries), ``score`` a step (raw logits and processed
 scores per row, row ``0`` predicting the token after the committed sequence), keep a row's accepted entries
-(``set_length``: rollback is a length), and give the queries at a row of the last forward (Force-2 selection).
+(``set_length``: rollback is a length), and give the queries at a position of the last forward (Force-2 selection).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from ..forwards.clock import Clock
 from ..forwards.forward import prefill, ragged_forward, score_continuation, score_fixed_shape
 from ..kernels.attention import QueryRecorder
 from ..tokens import append_tokens
-from ..verification.scoring import process_rows
+from ..verification.scoring import process_positions
 from .levels import Candidates
 from .resolved import ResolvedConfig
 from .tiers import force3_forward
@@ -71,11 +71,11 @@ class Force3:
     def row(self, b: int) -> BufferCache:
         return self.cache
 
-    def prefill(self, rows: list[torch.Tensor], prefix, stats: list) -> tuple[list, list, float | None]:
-        """Prefill the prompt after what ``prefix`` (``cache=``) holds. Returns the last row's logits and queries
+    def prefill(self, prompts: list[torch.Tensor], prefix, stats: list) -> tuple[list, list, float | None]:
+        """Prefill the prompt after what ``prefix`` (``cache=``) holds. Returns the last position's logits and queries
         (one each), and the prefill's seconds per token where its first chunk says (None: unknown). On a CUDA device
         reading the prefill's seconds waits for it (outside any decoding step)."""
-        config, (input_ids,), clock = self.config, rows, self.clock
+        config, (input_ids,), clock = self.config, prompts, self.clock
         cached = 0
         if prefix is not None:
             start = clock.start()
@@ -90,8 +90,8 @@ class Force3:
 
     def score(self, sequences: dict[int, torch.Tensor], candidates: dict[int, Candidates],
               processors: list) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
-        """The step's forward: ``{0: (logits, processed scores)}``, row ``i`` of a chain after its ``i``-th
-        candidate; of a tree, row ``i + 1`` after node ``i``."""
+        """The step's forward: ``{0: (logits, processed scores)}``, position ``i`` of a chain after its ``i``-th
+        candidate; of a tree, position ``i + 1`` after node ``i``."""
         ((b, sequence),) = sequences.items()
         cache, found = self.cache, candidates[b]
         self.uncached = sequence.shape[1] - cache.length
@@ -116,11 +116,12 @@ class Force3:
     def set_length(self, b: int, length: int) -> None:
         self.cache.rollback(length)
 
-    def queries(self, b: int, row: int) -> dict[int, torch.Tensor]:
-        """Per layer, the query at row ``row`` of the last `score` (``0``: the committed sequence's last token)."""
+    def queries(self, b: int, position: int) -> dict[int, torch.Tensor]:
+        """Per layer, the query at ``position`` of the last `score` (``0``: the committed sequence's last token)."""
         if self.stacked is not None:
-            return {layer: self.stacked[layer, :, :, self.uncached - 1 + row] for layer in range(len(self.stacked))}
-        return self.recorder.at(self.uncached - 1 + row)
+            return {layer: self.stacked[layer, :, :, self.uncached - 1 + position]
+                    for layer in range(len(self.stacked))}
+        return self.recorder.at(self.uncached - 1 + position)
 
     def nbytes(self) -> int:
         return self.cache.nbytes()
@@ -144,19 +145,20 @@ class RaggedForce3:
     def row(self, b: int) -> BufferCache:
         return self.cache.row(b)
 
-    def prefill(self, rows: list[torch.Tensor], prefix, stats: list) -> tuple[list, list, float | None]:
+    def prefill(self, prompts: list[torch.Tensor], prefix, stats: list) -> tuple[list, list, float | None]:
         """Each distinct prompt prefilled once on its first row; identical rows copy that row's entries.
         ``prefix`` (``cache=``): a transformers cache of the first ``c`` columns of the left-padded batch (what
         a forward of ``input_ids[:, :c]`` with its attention mask left): row ``b``'s entries, past its padding,
-        are copied into its row and only the rest of its prompt is run. Returns per row the last prompt row's
+        are copied into its row and only the rest of its prompt is run. Returns per row the last prompt position's
         logits and queries, and None (rows prefill apart: a draft cache's fill is priced by the policy)."""
-        done, logits, queries = {}, [None] * len(rows), [None] * len(rows)
+        done, logits, queries = {}, [None] * len(prompts), [None] * len(prompts)
         cached = int(prefix.get_seq_length()) if prefix is not None else 0
-        widths = [ids.shape[1] + padding.shape[1] for ids, padding in zip(rows, self.paddings)]
-        if prefix is not None and (cached >= max(widths) or prefix.layers[0].keys.shape[0] != len(rows)):
+        widths = [ids.shape[1] + padding.shape[1] for ids, padding in zip(prompts, self.paddings)]
+        if prefix is not None and (cached >= max(widths) or prefix.layers[0].keys.shape[0] != len(prompts)):
             raise ValueError(f"cache= holds {cached} columns of a batch of {prefix.layers[0].keys.shape[0]}; the "
-                             f"batch has {len(rows)} rows of {max(widths)} columns and must extend it by at least one")
-        for b, ids in enumerate(rows):
+                             f"batch has {len(prompts)} rows of {max(widths)} columns and must extend it by at least "
+                             "one")
+        for b, ids in enumerate(prompts):
             padding = self.paddings[b]
             key = (tuple(ids[0].tolist()), tuple(padding[0].tolist()))
             if key in done:
@@ -184,8 +186,8 @@ class RaggedForce3:
         scored = {}
         for b, sequence in sequences.items():
             extended = torch.cat((sequence, fed[b][:, 1:]), dim=1)
-            rows = logits[b, : fed[b].shape[1]]
-            scored[b] = (rows, process_rows(processors[b], extended, rows, sequence.shape[1]))
+            own = logits[b, : fed[b].shape[1]]  # row b's positions
+            scored[b] = (own, process_positions(processors[b], extended, own, sequence.shape[1]))
         return scored
 
     def keep_tree_path(self, b: int, length: int, path: list[int]) -> None:
@@ -194,8 +196,8 @@ class RaggedForce3:
     def set_length(self, b: int, length: int) -> None:
         self.cache.set_length(b, length)
 
-    def queries(self, b: int, row: int) -> dict[int, torch.Tensor]:
-        return {layer: q[b : b + 1, :, row] for layer, q in self.recorder.queries.items()}
+    def queries(self, b: int, position: int) -> dict[int, torch.Tensor]:
+        return {layer: q[b : b + 1, :, position] for layer, q in self.recorder.queries.items()}
 
     def nbytes(self) -> int:
         return self.cache.nbytes()

@@ -8,14 +8,18 @@ library's loop (`loop.Decoder`) or transformers' (`candidates.TriForceCandidateG
     levels     per plan, one per row: `levels.Force1Level` (two levels) over the plan's drafter, or
                `levels.Force2Level` (three levels: Force 2's retrieval cache over the full cache) with the plan's
                drafter as its Force 1; built on the plan's first use
+    policy     the library's loop's plans: the configured one (`Hierarchy.fixed_plan`), or under ``policy="auto"``
+               the call's `AdaptivePolicy` over the drafters it weighs (`adaptive_policy`), seeded after the prefill
+               with the tiers' prices by the bytes they read (`Hierarchy.seed_policy`)
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..drafters import DraftContext, build_drafter
+from ..drafters import DRAFTERS, DraftContext, build_drafter
 from ..drafters.model import ModelDrafter
+from ..drafters.registry import MODEL_DRAFTER, spec_of
 from ..forwards.clock import Clock
 from ..forwards.forward import Steps, run_inline
 from ..verification.sampling import ChainVerifier, Sampler
@@ -23,9 +27,40 @@ from ..verification.tree import TreeVerifier
 from .force3 import Force3, RaggedForce3
 from .levels import Force1Level, Force2Level, NoDrafter
 from .lockstep import Lockstep
-from .policy import Plan
+from .policy import ROW_COST_SLOPE, ROW_COST_SLOPES, AdaptivePolicy, Plan
 from .resolved import ResolvedConfig
-from .tiers import tier_forwards, tier_model
+from .tiers import kv_bytes_per_token, lean_self_drafting, tier_forwards, tier_model, weight_bytes
+
+
+def adaptive_policy(config: ResolvedConfig, max_length: int, target=None) -> AdaptivePolicy | None:
+    """``policy="auto"``: the configured drafter plus the free n-gram lookup (and, beside a draft model, the target's
+    own lean copy where it drafts lean: the ``"self"`` drafter; `lean_self_drafting`), each as Force 1 of three levels
+    too if ``levels=3`` and the request (``max_length`` tokens) is longer than the retrieval budget, with
+    tree plans beside the chain plans where the config sets ``tree_nodes`` (drafters that propose trees) or
+    ``force2_tree_nodes`` (three levels); ``"fixed"``: None (every step runs the configured plan).
+    """
+    if config.policy == "fixed":
+        return None
+    kinds = {config.draft_name: spec_of(config.draft).kind}
+    if target is not None and lean_self_drafting(config, target):
+        kinds["self"] = DRAFTERS["self"].kind
+    kinds.setdefault("ngram", DRAFTERS["ngram"].kind)  # the free lookup, scored on every step
+    # three levels only where Force 2 can see less than Force 3: a retrieval budget covering the whole
+    # request makes Force 2 a copy of Force 3 at the same cost
+    sparse = max_length > config.retrieval_budget
+    three = tuple(kinds) if config.levels == 3 and sparse else ()
+    trees = tuple(name for name in kinds if DRAFTERS[name].trees) if config.tree_nodes else ()
+    return AdaptivePolicy(kinds, three, config.gamma1, config.gamma2, config.explore_every,
+                          tree_drafters=trees, tree_nodes=config.tree_nodes if trees else 0,
+                          force2_tree_nodes=config.force2_tree_nodes, tree_branch=config.tree_branch,
+                          max_lookup_gamma2=config.lookup_gamma2, row_cost_slope=row_cost_slope(target),
+                          refresh_every=config.refresh_interval)
+
+
+def row_cost_slope(target) -> float:
+    """The per-row cost prior of ``target``'s device type (`policy.ROW_COST_SLOPES`; a CPU's for any other)."""
+    device = getattr(target, "device", None)
+    return ROW_COST_SLOPES.get(getattr(device, "type", "cpu"), ROW_COST_SLOPE)
 
 
 class Hierarchy:
@@ -54,6 +89,11 @@ class Hierarchy:
         self.lockstep = Lockstep(self.batch)
         self.drafters: dict[str, list] = {}  # name -> per row
         self.levels: dict[tuple[int, str], list] = {}  # (2, drafter) or (3, "") -> per row
+        self.max_lengths = max_lengths
+        self.fixed_plan = Plan(config.levels, config.draft_name, config.gamma1, config.gamma2,
+                               force1_tree=bool(config.tree_nodes), force2_tree=bool(config.force2_tree_nodes))
+        # the library's loop chooses each step's plan (policy="auto"); transformers' loop runs the configured one
+        self.policy = adaptive_policy(config, max(max_lengths), model) if full_cache is None else None
 
     def full(self, b: int):
         """Row ``b`` of Force 3's full cache."""
@@ -106,6 +146,64 @@ class Hierarchy:
         if self.batch == 1:
             return {b: run_inline(row_steps) for b, row_steps in steps.items()}
         return self.lockstep.drive(steps)
+
+    def seed_policy(self, seconds_per_token, context: int) -> None:
+        """The adaptive policy's priors, from what the prefill measured (``seconds_per_token``: `Force3.prefill`'s)
+        and the tiers' bytes at ``context`` tokens (`tier_fractions`); nothing under ``policy="fixed"``."""
+        if self.policy is None:
+            return
+        # a draft cache's fill is a short-context prefill, priced at the prefill's speed
+        window = self.config.sink_tokens + self.config.window
+        fill_rows = {name: window * weight_bytes(drafter.fill_model) / weight_bytes(self.model)
+                     for name, drafter in self.filled_drafters().items()}  # a copy: ~free
+        self.policy.set_up(fill_rows, seconds_per_token, self.tier_fractions(context))
+
+    def tier_fractions(self, context: int) -> dict[str, float]:
+        """The target's own tiers' one-row forwards as fractions of Force 3's at ``context`` tokens, by bytes read
+        (a one-row forward is memory-bound): Force 1 self-drafting (``"draft:self"``: its tier weights and a
+        sink+window cache) and Force 2 (``"force2"``: its tier weights and the retrieval budget), against the
+        target's weights and the full cache (the policy's priors until each tier is timed)."""
+        per_token = self.force3.nbytes() / max(self.max_lengths)  # the full cache's bytes per position
+        force3 = weight_bytes(self.model) + context * per_token
+        window = self.config.sink_tokens + self.config.window
+        fractions = {}  # the tiers the policy may run (pricing one makes its copy)
+        if "self" in self.policy.drafters:
+            force1 = weight_bytes(tier_model(self.model, self.config.draft_precision, 1)) + window * per_token
+            fractions["draft:self"] = force1 / force3
+        if self.policy.three_level:
+            force2 = weight_bytes(tier_model(self.model, self.config.draft_precision, 2)) + \
+                min(self.config.retrieval_budget, context) * per_token
+            fractions["force2"] = force2 / force3
+        for name, drafter in self.filled_drafters().items():  # a draft model: its drafting copy and its own cache
+            own = weight_bytes(drafter.model) + window * kv_bytes_per_token(drafter.fill_model)
+            fractions[f"draft:{name}"] = own / force3
+        return fractions
+
+    def filled_drafters(self) -> dict[str, ModelDrafter]:
+        """The policy's model drafters that fill their caches by a forward (a draft model; the self drafter copies
+        the full cache's entries), row 0's, by name."""
+        models = [name for name, kind in self.policy.drafters.items() if kind == "model"] if self.policy else []
+        return {name: drafter for name in models if (drafter := self.drafter(0, name)).source is None}
+
+    def drafting_tiers(self) -> tuple[bool, set[str]]:
+        """What the plans this call may choose can run: whether Force 2 (a three-level plan), and which drafters
+        that run a model (`DrafterSpec.kind` ``"model"``)."""
+        if self.policy is None:
+            three, drafters = self.fixed_plan.levels == 3, {self.fixed_plan.drafter}
+        else:
+            three, drafters = bool(self.policy.three_level), set(self.policy.drafters)
+        return three, {name for name in drafters if name and DRAFTERS[name].kind == "model"}
+
+    def tier_copies(self) -> list:
+        """The models Force 1 and Force 2 run for the config's drafting precision in the plans this call may choose
+        (`tiers.tier_model`: the models themselves for ``"model"``): Force 2's where a plan has three levels, the self
+        drafter's and a draft model's where they may draft. A lookup drafter verified by Force 3 alone runs none, so
+        no copy is made."""
+        three, drafters = self.drafting_tiers()
+        tiers = [(self.model, 2)] if three else []
+        tiers += [(model, 1) for name, model in (("self", self.model), (MODEL_DRAFTER, self.config.draft))
+                  if name in drafters]
+        return [self.tier_model(model, tier) for model, tier in tiers]
 
     def draft_caches(self) -> dict[str, str]:
         """`TriForceStats.draft_caches`: per model drafter built, its cache's positions and how it is filled."""

@@ -30,17 +30,29 @@ from ..caches.retrieval import RetrievalCache
 from ..compat import layer_devices
 from ..drafters import Drafter
 from ..drafters.branching import branched_chain
-from ..drafters.registry import drafting_sequence, proposal_steps
+from ..drafters.registry import drafting_sequence
 from ..forwards.clock import Clock
 from ..forwards.forward import ForwardRequest, Steps, run_inline
 from ..tokens import agreement, append_tokens
 from ..verification.draft_tree import DraftTree
 from ..verification.sampling import ChainVerifier, scores_to_probs
-from ..verification.scoring import process_rows
+from ..verification.scoring import process_positions
 from ..verification.tree import TreeVerifier
 from .report import LevelReport
 from .resolved import ResolvedConfig
 from .tree_forward import score_tree
+
+
+def proposal_steps(drafter: Drafter, sequence: torch.Tensor, n: int,
+                   host: np.ndarray | None = None) -> Steps[tuple[list[int] | torch.Tensor, torch.Tensor | None]]:
+    """``drafter.propose(sequence, n)`` as a generator of forward requests (none for a drafter without
+    ``propose_steps``: it proposes directly; ``host``: the sequence's host copy, `drafting_sequence`). The tokens
+    are ids, or a ``[n]`` tensor on the device where a drafter's ``propose_steps`` keeps them there (verification
+    reads them back with its acceptance)."""
+    steps = getattr(drafter, "propose_steps", None)
+    if steps is None:
+        return drafter.propose(drafting_sequence(drafter, sequence, host), n)
+    return (yield from steps(sequence, n))
 
 
 @dataclass
@@ -147,19 +159,19 @@ class Force2Level(Reporting):
     def score_steps(self, sequence: torch.Tensor, proposals: list[int] | torch.Tensor) -> Steps[torch.Tensor]:
         """`scores` as a generator of its forward (`hf_triforce.forwards.forward`)."""
         extended = append_tokens(sequence, proposals) if len(proposals) else sequence
-        rows = extended.shape[1] - self.seen  # the forward's rows (`seen` counts them in once it has run)
+        positions = extended.shape[1] - self.seen  # the forward's (`seen` counts them in once it has run)
         request = ForwardRequest(self.model, self.cache, extended[:, self.seen :], self.seen, len(proposals) + 1,
                                  self.clock)
         logits = yield request
         self.report.force2_seconds += request.seconds
-        self.report.timings.append(("force2", rows, request.seconds))
-        return process_rows(self.processors, extended, logits, sequence.shape[1])
+        self.report.timings.append(("force2", positions, request.seconds))
+        return process_positions(self.processors, extended, logits, sequence.shape[1])
 
     def verify_tree(self, sequence: torch.Tensor, depth: int, host: np.ndarray | None = None):
         """Force 1's tree of depth ``depth`` verified in one tree forward on the retrieval cache; its accepted
         path's entries are compacted into place. Returns what the chain branch of `candidate_steps` has: the
         accepted path as ``proposals``, ``None`` (their laws: unused past verification), ``accepted``, the next
-        token, the q rows of the root and path, and the tree's depth."""
+        token, q at the root's and the path's positions, and the tree's depth."""
         config = self.config
         tree = self.drafter.propose_tree(drafting_sequence(self.drafter, sequence, host), depth, config.tree_nodes,
                                          config.tree_branch) if depth > 0 \
@@ -172,23 +184,23 @@ class Force2Level(Reporting):
             self.report.tree_nodes += len(tree)
             return proposals, proposal_probs, accepted, next_token, q_scores[: accepted + 1], len(proposals)
         first = self.cache.length + sequence.shape[1] - self.seen  # cache coordinates of the first node
-        rows = sequence.shape[1] - self.seen + len(tree)  # the tree forward's rows (`seen` counts them in after it)
+        positions = sequence.shape[1] - self.seen + len(tree)  # the tree forward's (`seen` counts them in after it)
         start = self.clock.start()
         _, q_scores = score_tree(self.model, self.cache, self.seen, sequence, tree, self.processors)
         seconds = self.clock.stop(start)
         self.report.force2_seconds += seconds
-        self.report.timings.append(("force2-tree", rows, seconds))
+        self.report.timings.append(("force2-tree", positions, seconds))
         path, next_token = self.tree_verifier.verify(tree, q_scores)
         self.cache.keep_rows(first, path)
         self.report.tree_nodes += len(tree)
         self.report.tree_side_accepts += tree.side_nodes(path)
-        rows = [0] + [node + 1 for node in path]
+        kept = [0] + [node + 1 for node in path]  # the root's position, then the accepted path's
         depth = max(tree.depths(), default=0)
-        return [tree.tokens[node] for node in path], None, len(path), next_token, q_scores[rows], depth
+        return [tree.tokens[node] for node in path], None, len(path), next_token, q_scores[kept], depth
 
     def handed_up(self, q_scores: torch.Tensor, proposals: list[int], proposal_probs: torch.Tensor | None,
                   accepted: int) -> torch.Tensor:
-        """The scores of the ``accepted + 1`` tokens one Force-2 verification emits: q at each row (an accepted
+        """The scores of the ``accepted + 1`` tokens one Force-2 verification emits: q at each position (an accepted
         draft and a residual resample are both distributed exactly as q, whatever Force 1 drew from)."""
         return q_scores[: accepted + 1]
 
@@ -205,7 +217,7 @@ class Force2Level(Reporting):
         wanted = min(self.config.gamma2 if gamma2 is None else gamma2, limit)
         if wanted <= 0:
             return Candidates([], None)
-        prompt_length, rows, tokens = sequence.shape[1], [], []  # tokens: what this level emitted, on the host
+        prompt_length, handed_scores, tokens = sequence.shape[1], [], []  # tokens: what this level emitted (host)
         drafting_before = self.drafter.seconds
         while len(tokens) < wanted:
             still_wanted = wanted - len(tokens)
@@ -229,7 +241,7 @@ class Force2Level(Reporting):
             sequence = append_tokens(sequence, emitted)
             host = None if host is None else np.concatenate((host, [emitted]), axis=1)
             tokens += emitted
-            rows.append(self.handed_up(q_scores, proposals, proposal_probs, accepted))
+            handed_scores.append(self.handed_up(q_scores, proposals, proposal_probs, accepted))
             self.cache.rollback_to_sequence(sequence.shape[1] - 1)
             self.drafter.rollback(sequence.shape[1] - 1)
         end = prompt_length + wanted
@@ -237,7 +249,7 @@ class Force2Level(Reporting):
         self.drafter.rollback(end)
         self.report.handed += wanted
         self.report.force1_seconds += self.drafter.seconds - drafting_before
-        q_scores = torch.cat(rows)[:wanted]
+        q_scores = torch.cat(handed_scores)[:wanted]
         probs = scores_to_probs(q_scores) if self.verifier.do_sample else None
         tokens = tokens[:wanted]
         self.handed = (prompt_length, tokens)

@@ -8,8 +8,9 @@
         3. Force 3 scores every active row's candidates in one forward (`force3.Force3`, `force3.RaggedForce3`)
         4. per active row, in row order: exact verification against its own p (min(1, p/q), residual
            resampling; a tree's SpecInfer rule), its cache kept to what it accepted, commit token by token
-           (stop criteria, streamer), its level told (rollback / refresh)
+           (its `Output`: stop criteria, streamer, scores), its level told (rollback / refresh)
         5. the policy told what the step cost and how each level did
+    -> each row's sequence and statistics, the call's (`DecodeResult`)
 
 The committed sequence, the scores handed to stopping criteria and processors, and the streamer see each row
 as ``generate`` built it (left padding included, `PaddedView`); the model and the caches see the row without
@@ -25,66 +26,111 @@ from __future__ import annotations
 
 import time
 from contextlib import ExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from transformers import LogitsProcessorList, StoppingCriteriaList
 
 from .. import compat
+from ..caches.buffer import BufferCache
 from ..config import TriForceConfig
-from ..drafters import DRAFTERS
-from ..drafters.model import ModelDrafter
-from ..drafters.registry import MODEL_DRAFTER, drafting_sequence, spec_of
+from ..drafters.registry import drafting_sequence
 from ..forwards.clock import Clock, device_clock
 from ..kernels.call_kernels import CallKernels
 from ..kernels.row_mixing import RowsApart
 from ..stats import TriForceStats
+from ..tokens import append_tokens
 from ..verification.sampling import ChainVerifier, Sampler, TorchSampler, scores_to_probs
-from ..verification.scoring import deferred_nan_checks, process_rows, row_processors
+from ..verification.scoring import deferred_nan_checks, process_positions, read_back, row_processors
 from ..verification.tree import TreeVerifier
 from .hierarchy import Hierarchy
 from .levels import Candidates
-from .output import DecodeResult, Output, PaddedView
-from .policy import ROW_COST_SLOPE, ROW_COST_SLOPES, AdaptivePolicy, Plan
+from .policy import Plan
 from .report import StepRecorder, aggregate, proposed_of
 from .resolved import ResolvedConfig, resolve
-from .tiers import (
-    kv_bytes_per_token,
-    lean_self_drafting,
-    tier_model,
-    weight_bytes,
-)
 
 
-def adaptive_policy(config: ResolvedConfig, max_length: int, target=None) -> AdaptivePolicy | None:
-    """``policy="auto"``: the configured drafter plus the free n-gram lookup (and, beside a draft model, the target's
-    own lean copy where it drafts lean: the ``"self"`` drafter; `lean_self_drafting`), each as Force 1 of three levels
-    too if ``levels=3`` and the request (``max_length`` tokens) is longer than the retrieval budget, with
-    tree plans beside the chain plans where the config sets ``tree_nodes`` (drafters that propose trees) or
-    ``force2_tree_nodes`` (three levels); ``"fixed"``: None (every step runs the configured plan).
-    """
-    if config.policy == "fixed":
-        return None
-    kinds = {config.draft_name: spec_of(config.draft).kind}
-    if target is not None and lean_self_drafting(config, target):
-        kinds["self"] = DRAFTERS["self"].kind
-    kinds.setdefault("ngram", DRAFTERS["ngram"].kind)  # the free lookup, scored on every step
-    # three levels only where Force 2 can see less than Force 3: a retrieval budget covering the whole
-    # request makes Force 2 a copy of Force 3 at the same cost
-    sparse = max_length > config.retrieval_budget
-    three = tuple(kinds) if config.levels == 3 and sparse else ()
-    trees = tuple(name for name in kinds if DRAFTERS[name].trees) if config.tree_nodes else ()
-    return AdaptivePolicy(kinds, three, config.gamma1, config.gamma2, config.explore_every,
-                          tree_drafters=trees, tree_nodes=config.tree_nodes if trees else 0,
-                          force2_tree_nodes=config.force2_tree_nodes, tree_branch=config.tree_branch,
-                          max_lookup_gamma2=config.lookup_gamma2, row_cost_slope=row_cost_slope(target),
-                          refresh_every=config.refresh_interval)
+@dataclass
+class DecodeResult:
+    """One call's output. ``stats`` is the call's: batch size 1, the row's own; a batch, counts summed over rows and
+    each shared forward's seconds counted once (`report.aggregate`). ``scores``/``logits``/``cache``: batch size 1
+    only."""
+
+    sequences: list[torch.LongTensor]  # per row [1, n_b], without its left padding
+    row_stats: list[TriForceStats]
+    stats: TriForceStats
+    scores: list[torch.Tensor] = field(default_factory=list)  # per new token [1, vocab] (output_scores)
+    logits: list[torch.Tensor] = field(default_factory=list)  # per new token [1, vocab] (output_logits)
+    cache: BufferCache | None = None  # the committed sequence but its last token (cache=, batch size 1)
 
 
-def row_cost_slope(target) -> float:
-    """The per-row cost prior of ``target``'s device type (`policy.ROW_COST_SLOPES`; a CPU's for any other)."""
-    device = getattr(target, "device", None)
-    return ROW_COST_SLOPES.get(getattr(device, "type", "cpu"), ROW_COST_SLOPE)
+class PaddedView:
+    """Shows processors and stopping criteria the sequence as ``generate`` built them: padding first."""
+
+    def __init__(self, padding: torch.Tensor) -> None:
+        self.padding = padding  # [1, pad] token ids, possibly empty
+
+    def __call__(self, sequence: torch.Tensor) -> torch.Tensor:
+        return torch.cat((self.padding, sequence), dim=1) if self.padding.shape[1] else sequence
+
+    def processors(self, processors: LogitsProcessorList) -> LogitsProcessorList:
+        if not self.padding.shape[1] or not processors:
+            return processors
+        view = self
+
+        class Padded(LogitsProcessorList):
+            def __call__(self, input_ids, scores, **kwargs):
+                return processors(view(input_ids), scores, **kwargs)
+
+        return Padded(processors)
+
+
+class Output:
+    """One row's committed sequence, with what ``generate`` does per token: scores/logits, streamer, stop check."""
+
+    def __init__(self, input_ids: torch.LongTensor, view: PaddedView, criteria: StoppingCriteriaList | None,
+                 max_length: int, streamer=None, keep_scores: bool = False, keep_logits: bool = False) -> None:
+        self.sequence = input_ids  # [1, n] without the left padding
+        self.host = input_ids.cpu().numpy()  # the same on the host: lookups read it, not the device's
+        self.scores: list[torch.Tensor] = []
+        self.logits: list[torch.Tensor] = []
+        self.view, self.criteria, self.max_length, self.streamer = view, criteria, max_length, streamer
+        self.keep_scores, self.keep_logits = keep_scores, keep_logits
+        if streamer is not None:
+            streamer.put(view(input_ids).cpu())
+
+    def commit(self, token: int, scores: torch.Tensor, logits: torch.Tensor) -> bool:
+        """Append one token; True when generation must stop."""
+        return self.commit_verified([token], scores[None], logits[None])[1]
+
+    def commit_verified(self, tokens: list[int], scores: torch.Tensor, logits: torch.Tensor) -> tuple[int, bool]:
+        """Commit the tokens one verification emitted (token ``i`` with position ``i`` of ``scores``/``logits``) until a
+        stop; returns how many were committed and whether generation must stop. The stopping criteria of every
+        token up to ``max_length`` are evaluated first and read back at once (one host read, not one per token):
+        a criterion may so be asked about a token after the one it stops at, which is then not committed."""
+        start = self.sequence.shape[1]
+        extended = append_tokens(self.sequence, tokens)
+        n = min(len(tokens), self.max_length - start)
+        stops = [False] * n
+        if self.criteria and n:
+            stops = read_back(torch.stack([self.criteria(self.view(extended[:, : start + i + 1]), scores[i][None]).all()
+                                           for i in range(n)]))
+        committed = next((i + 1 for i, stop in enumerate(stops) if stop), n)
+        self.sequence = extended[:, : start + committed]
+        self.host = np.concatenate((self.host, [tokens[:committed]]), axis=1)
+        for index, token in enumerate(tokens[:committed]):
+            if self.keep_scores:
+                self.scores.append(scores[index][None])
+            if self.keep_logits:
+                self.logits.append(logits[index][None].float())
+            if self.streamer is not None:
+                self.streamer.put(torch.tensor([token]))
+        return committed, any(stops) or start + committed >= self.max_length
+
+    def end(self) -> None:
+        if self.streamer is not None:
+            self.streamer.end()
 
 
 def fixed_shape_counts(fixed_shapes: list, before: list[tuple], tier_mode: str, lean_forward) -> dict:
@@ -150,10 +196,7 @@ class Decoder:
         self.hierarchy = Hierarchy(model, config, self.processors, do_sample, self.sampler, self.clock, max_lengths,
                                    paddings)
         self.force3 = self.hierarchy.force3
-        self.draft_name = config.draft_name
-        self.policy = adaptive_policy(config, max(max_lengths), model)
-        self.fixed_plan = Plan(config.levels, self.draft_name, config.gamma1, config.gamma2,
-                               force1_tree=bool(config.tree_nodes), force2_tree=bool(config.force2_tree_nodes))
+        self.policy, self.fixed_plan = self.hierarchy.policy, self.hierarchy.fixed_plan
         # timing and accounting: each row's statistics, the call's Force-3 seconds, the policy's observations
         self.recorder = StepRecorder(self.stats, self.policy, self.clock, self.hierarchy.lockstep, do_sample)
         self.prefill_seconds = 0.0
@@ -178,7 +221,7 @@ class Decoder:
         # the kernels built, the attention routes installed; the tiers' copies made before the linear layers switch
         with CallKernels(self.model, models, max(self.max_lengths)) as kernels, ExitStack() as stack:
             began = time.perf_counter()
-            tier_models = self._tier_models()  # a lean or int8 copy is made on a model's first call, then kept
+            tier_models = self.hierarchy.tier_copies()  # a lean or int8 copy is made on a model's first call, then kept
             copy_seconds = time.perf_counter() - began
             fixed_shapes = list({id(f): f for f in (getattr(m, "fixed_shape", None) for m in tier_models)
                                  if f}.values())
@@ -198,57 +241,10 @@ class Decoder:
             stats.draft_copy_seconds = copy_seconds
         return result
 
-    def tier_fractions(self, context: int) -> dict[str, float]:
-        """The target's own tiers' one-row forwards as fractions of Force 3's at ``context`` tokens, by bytes read
-        (a one-row forward is memory-bound): Force 1 self-drafting (``"draft:self"``: its tier weights and a
-        sink+window cache) and Force 2 (``"force2"``: its tier weights and the retrieval budget), against the
-        target's weights and the full cache (the policy's priors until each tier is timed)."""
-        per_token = self.force3.nbytes() / max(self.max_lengths)  # the full cache's bytes per position
-        force3 = weight_bytes(self.model) + context * per_token
-        window = self.config.sink_tokens + self.config.window
-        fractions = {}  # the tiers the policy may run (pricing one makes its copy)
-        if "self" in self.policy.drafters:
-            force1 = weight_bytes(tier_model(self.model, self.config.draft_precision, 1)) + window * per_token
-            fractions["draft:self"] = force1 / force3
-        if self.policy.three_level:
-            force2 = weight_bytes(tier_model(self.model, self.config.draft_precision, 2)) + \
-                min(self.config.retrieval_budget, context) * per_token
-            fractions["force2"] = force2 / force3
-        for name, drafter in self.filled_drafters().items():  # a draft model: its drafting copy and its own cache
-            own = weight_bytes(drafter.model) + window * kv_bytes_per_token(drafter.fill_model)
-            fractions[f"draft:{name}"] = own / force3
-        return fractions
-
-    def filled_drafters(self) -> dict[str, ModelDrafter]:
-        """The policy's model drafters that fill their caches by a forward (a draft model; the self drafter copies
-        the full cache's entries), row 0's, by name."""
-        models = [name for name, kind in self.policy.drafters.items() if kind == "model"] if self.policy else []
-        return {name: drafter for name in models if (drafter := self.hierarchy.drafter(0, name)).source is None}
-
-    def drafting_tiers(self) -> tuple[bool, set[str]]:
-        """What the plans this call may choose can run: whether Force 2 (a three-level plan), and which drafters
-        that run a model (`DrafterSpec.kind` ``"model"``)."""
-        if self.policy is None:
-            three, drafters = self.fixed_plan.levels == 3, {self.fixed_plan.drafter}
-        else:
-            three, drafters = bool(self.policy.three_level), set(self.policy.drafters)
-        return three, {name for name in drafters if name and DRAFTERS[name].kind == "model"}
-
-    def _tier_models(self) -> list:
-        """The models Force 1 and Force 2 run for the config's drafting precision in the plans this call may choose
-        (`tiers.tier_model`: the models themselves for ``"model"``): Force 2's where a plan has three levels, the self
-        drafter's and a draft model's where they may draft. A lookup drafter verified by Force 3 alone runs none, so
-        no copy is made."""
-        three, drafters = self.drafting_tiers()
-        tiers = [(self.model, 2)] if three else []
-        tiers += [(model, 1) for name, model in (("self", self.model), (MODEL_DRAFTER, self.config.draft))
-                  if name in drafters]
-        return [self.hierarchy.tier_model(model, tier) for model, tier in tiers]
-
     def _start(self, prompts, prefix_cache, streamer, keep_scores: bool, keep_logits: bool,
                rows_apart: RowsApart) -> list[Row]:
-        """Prefill every row's full cache and commit each row's first token (sampled from the prefill's last row: no
-        Force-3 step); the policy set up with what the prefill measured."""
+        """Prefill every row's full cache and commit each row's first token (sampled from the prefill's last position:
+        no Force-3 step); the policy seeded with what the prefill measured (`Hierarchy.seed_policy`)."""
         began = time.perf_counter()
         first_logits, queries, seconds_per_token = self.force3.prefill(prompts, prefix_cache, self.stats)
         self.prefill_seconds = time.perf_counter() - began
@@ -257,15 +253,11 @@ class Decoder:
         for b, ids in enumerate(prompts):
             row = Row(b, Output(ids, self.views[b], self.criteria, self.max_lengths[b], streamer, keep_scores,
                                 keep_logits), queries[b])
-            scores = process_rows(self.processors[b], ids, first_logits[b], ids.shape[1])
+            scores = process_positions(self.processors[b], ids, first_logits[b], ids.shape[1])
             first = self.sampler.categorical(scores_to_probs(scores)[0]) if self.do_sample else int(scores[0].argmax())
             row.done = row.out.commit(first, scores[0], first_logits[b][0])
             rows.append(row)
-        if self.policy is not None:  # a draft cache's fill is a short-context prefill, priced at the prefill's speed
-            window = self.config.sink_tokens + self.config.window
-            fill_rows = {name: window * weight_bytes(drafter.fill_model) / weight_bytes(self.model)
-                         for name, drafter in self.filled_drafters().items()}  # a copy: ~free
-            self.policy.set_up(fill_rows, seconds_per_token, self.tier_fractions(max(ids.shape[1] for ids in prompts)))
+        self.hierarchy.seed_policy(seconds_per_token, max(ids.shape[1] for ids in prompts))
         return rows
 
     def _step(self, active: list[Row]) -> None:
@@ -321,30 +313,30 @@ class Decoder:
 
     def _verify_row(self, row: Row, plan: Plan, level, candidates: Candidates, logits: torch.Tensor,
                     p_scores: torch.Tensor) -> tuple[int, int]:
-        """Verify ``row``'s candidates against its own p (``p_scores`` ``[n + 1, vocab]``, ``logits`` the same rows
-        unprocessed), keep its accepted entries, commit, tell its level. Returns ``(accepted, committed)``; the row's
-        queries become those at its last cached token."""
+        """Verify ``row``'s candidates against its own p (``p_scores`` ``[n + 1, vocab]``, ``logits`` the same
+        positions unprocessed), keep its accepted entries, commit, tell its level. Returns ``(accepted, committed)``;
+        the row's queries become those at its last cached token."""
         b, out, stats = row.index, row.out, self.stats[row.index]
         length, tree = out.sequence.shape[1], candidates.tree
         if tree is not None:  # the accepted path's entries compacted into place
             path, next_token = self.force3_tree_verifier.verify(tree, p_scores)
             self.force3.keep_tree_path(b, length, path)
             stats.tree_side_accepts += tree.side_nodes(path)
-            proposals, accepted, last_row = [tree.tokens[node] for node in path], len(path), path[-1] + 1 if path else 0
-            rows = [0] + [node + 1 for node in path]
-            logits, p_scores = logits[rows], p_scores[rows]
+            proposals, accepted, last = [tree.tokens[node] for node in path], len(path), path[-1] + 1 if path else 0
+            positions = [0] + [node + 1 for node in path]  # the root's, then the accepted path's
+            logits, p_scores = logits[positions], p_scores[positions]
             emitted = proposals + [next_token]
         else:
             accepted, next_token = self.force3_verifier.verify(candidates.tokens, candidates.probs, p_scores)
             emitted = self.force3_verifier.emitted(candidates.tokens, accepted, next_token)
-            last_row = accepted
+            last = accepted
         stats.force3_steps += 1
         stats.force3_accepted += accepted
         stats.plan_steps[plan.levels] = stats.plan_steps.get(plan.levels, 0) + 1
         committed, row.done = out.commit_verified(emitted, p_scores, logits)
         stats.force3_tokens += committed
         self.force3.set_length(b, out.sequence.shape[1] - 1)  # the committed sequence but its last token
-        row.queries = self.force3.queries(b, last_row)
+        row.queries = self.force3.queries(b, last)  # the position of its last cached token
         if not row.done and level is not None:
             level.commit(out.sequence, accepted, proposed_of(candidates), row.queries, emitted[:committed])
         return accepted, committed
@@ -358,7 +350,7 @@ class Decoder:
         self.recorder.finish()
         for row in rows:
             row.out.end()
-        forwards, (three, drafters) = self.tier_forwards(), self.drafting_tiers()
+        forwards, (three, drafters) = self.tier_forwards(), self.hierarchy.drafting_tiers()
         hierarchy = self.hierarchy
         for b, stats in enumerate(self.stats):
             stats.draft_caches.update(hierarchy.draft_caches())

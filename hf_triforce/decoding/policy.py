@@ -81,7 +81,7 @@ EXPLORE_BUDGET = 0.05
 FILL_ROW_FRACTION = 0.05
 # A one-row forward of a tier not timed yet, as a fraction of Force 3's, where the decoder gives no fraction of its
 # own (a draft model): the eager SmolLM2 on its 272-entry cache cost ~0.5 of a Force-3 step at 4-8k on 2 CPU threads.
-# For the target's own tiers the decoder gives the fraction of bytes they read (`Decoder.tier_fractions`): without
+# For the target's own tiers the hierarchy gives the fraction of bytes they read (`Hierarchy.tier_fractions`): without
 # it the lean-int4 self drafter (0.12 of a step at 8k) would be priced at 0.5 and never run.
 UNMEASURED_FRACTION = 0.5
 # A plan kind's predicted step seconds are scaled by the moving average of its steps' measured / predicted seconds
@@ -262,7 +262,7 @@ class AdaptivePolicy:
         self.max_lookup_gamma2 = max(max_gamma2, max_lookup_gamma2 or 0)
         self.costs = TierCosts(row_cost_slope)
         # a one-row forward of a tier not timed yet ("draft:<name>", "force2"), as a fraction of Force 3's one-row
-        # forward (`UNMEASURED_FRACTION` where not given; the decoder gives the bytes each reads, `tier_fractions`)
+        # forward (`UNMEASURED_FRACTION` where not given; the bytes each reads: `Hierarchy.tier_fractions`)
         self.prior_fractions: dict[str, float] = dict(prior_fractions or {})
         self.overhead: dict[int, float] = {}  # seconds per step outside the forwards, by plan levels
         # acceptance priors: hopeful enough that each plan is tried once, then measured

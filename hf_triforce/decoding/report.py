@@ -51,7 +51,7 @@ class LevelReport:
     force2_seconds: float | Seconds = 0.0
     selections: int = 0
     selection_seconds: float | Seconds = 0.0
-    # (tier, rows, seconds) of each forward timed for the policy's cost model ("force2", "force2-tree", "select")
+    # (tier, positions, seconds) of each forward timed for the policy's cost model ("force2", "force2-tree", "select")
     timings: list[tuple[str, int, float | Seconds]] = field(default_factory=list)
 
     @property
@@ -64,7 +64,7 @@ class LevelReport:
         that reading waits for nothing). Returns itself."""
         self.force1_seconds, self.force2_seconds = float(self.force1_seconds), float(self.force2_seconds)
         self.selection_seconds = float(self.selection_seconds)
-        self.timings = [(tier, rows, float(seconds)) for tier, rows, seconds in self.timings]
+        self.timings = [(tier, positions, float(seconds)) for tier, positions, seconds in self.timings]
         return self
 
     def add_to(self, stats: TriForceStats) -> None:

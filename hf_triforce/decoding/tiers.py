@@ -6,7 +6,7 @@ One call decides its tiers along one path, all in this module:
    (`check_lean_eligible` over `drafting_models`, the models Force 1 and Force 2 may run).
 2. `resolved.resolve` resolves the config once per call, before anything is built, by `resolve_draft_precision`:
    ``"auto"`` by `lean_support` and `lean_refusal`, ``tier_compile="auto"`` by the device; every later step reads
-   that `resolved.ResolvedConfig`, and `loop.adaptive_policy` asks `lean_self_drafting` whether the target drafts.
+   that `resolved.ResolvedConfig`, and `hierarchy.adaptive_policy` asks `lean_self_drafting` whether the target drafts.
 3. A plan's first use builds each tier's model by `tier_model` (`hierarchy.Hierarchy`: Force 2 for its levels, and
    through `drafters.DraftContext.force1_model` Force 1 for `drafters.model`):
    a cached `LeanModel` (`lean_model`) or its compiled view, or `kernels.quantized.drafting_model`.

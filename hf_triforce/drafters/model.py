@@ -13,7 +13,7 @@ from ..kernels.lean import LeanModel
 from ..tokens import agreement, append_tokens
 from ..verification.draft_tree import DraftTree
 from ..verification.sampling import Sampler, scores_to_probs
-from ..verification.scoring import process_rows
+from ..verification.scoring import process_positions
 from .branching import branched_chain
 from .registry import MODEL_DRAFTER, DraftContext, register_drafter
 
@@ -129,13 +129,13 @@ class ModelDrafter:
         if sequence.shape[1] - self.seen > behind:  # far behind (steps ran without it)
             self._fill(sequence)
         tokens: list[torch.Tensor] = []
-        rows, probs = [], []
+        drafted_scores, probs = [], []  # per drafted token, its processed scores and (sampling) its law
         pending = sequence[:, self.seen :]
         while len(tokens) < n:
             logits = yield from self._forward_steps(pending)
             current = sequence if not tokens or not self.processors else append_tokens(sequence, tokens)
-            scores = process_rows(self.processors, current, logits, sequence.shape[1] + len(tokens))
-            rows.append(scores[0])
+            scores = process_positions(self.processors, current, logits, sequence.shape[1] + len(tokens))
+            drafted_scores.append(scores[0])
             # the token stays on the device: verification reads it with its own readback (no read per drafted token)
             if self.do_sample:
                 law = scores_to_probs(scores)[0]
@@ -145,7 +145,7 @@ class ModelDrafter:
                 token = scores[0].argmax()
             pending = token.view(1, 1)
             tokens.append(token)
-        return (torch.stack(tokens) if tokens else tokens), rows, probs
+        return (torch.stack(tokens) if tokens else tokens), drafted_scores, probs
 
     def propose_tree(self, sequence: torch.Tensor, depth: int, nodes: int, branch: int) -> DraftTree:
         """The drafted chain (as `propose`), plus alternatives where the chain is least certain: the remaining
@@ -157,11 +157,11 @@ class ModelDrafter:
         token without replacement (`tree.draw_siblings`), each carrying the law it was drawn with. Exact for
         sampled verification either way: an alternative is a function of (or a fresh draw given) the path and
         the siblings before it; how many there are depends on the chain only."""
-        tokens, rows, probs = run_inline(self._draft_steps(sequence, min(depth, nodes)))
+        tokens, drafted_scores, probs = run_inline(self._draft_steps(sequence, min(depth, nodes)))
         tokens = tokens.tolist() if isinstance(tokens, torch.Tensor) else tokens
         # the cache holds the chain's entries; the committed path may leave it at a side node (checked next time)
         self.drafted = (sequence.shape[1], tokens)
-        laws = probs if self.do_sample else [scores_to_probs(row) for row in rows]
+        laws = probs if self.do_sample else [scores_to_probs(scores) for scores in drafted_scores]
         chain_laws = probs if self.do_sample else [None] * len(tokens)
         sampler = self.sampler if self.do_sample and self.sampled_siblings else None
         return branched_chain(tokens, laws, chain_laws, nodes, branch, sampler)

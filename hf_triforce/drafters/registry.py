@@ -7,9 +7,9 @@ proposal. ``seconds`` accumulates the time spent proposing. A ``"lookup"`` draft
 side effects and draw no random numbers: the adaptive policy asks it every step what it would propose
 (counterfactual scoring), whether or not the step uses it. A drafter that runs a model may also offer
 ``propose_steps(sequence, n)``, `propose` as a generator of its forwards (`hf_triforce.forwards.forward`), so that a
-batch drafts all its rows in one forward per token. A drafter that reads token values (the lookups) sets
-``host_sequence = True`` and is then given the sequence's host copy, an int64 NumPy array ``[1, n]``, where the
-decoder has one (`drafting_sequence`).
+batch drafts all its rows in one forward per token (`decoding.levels.proposal_steps` asks for either). A drafter that
+reads token values (the lookups) sets ``host_sequence = True`` and is then given the sequence's host copy, an int64
+NumPy array ``[1, n]``, where the decoder has one (`drafting_sequence`).
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ import torch
 from transformers import LogitsProcessorList
 
 from ..forwards.clock import Clock, HostClock
-from ..forwards.forward import Steps
 from ..verification.sampling import Sampler
 
 
@@ -37,18 +36,6 @@ class Drafter(Protocol):
     def rollback(self, length: int) -> None: ...
 
     def nbytes(self) -> int: ...
-
-
-def proposal_steps(drafter: Drafter, sequence: torch.Tensor, n: int,
-                   host: np.ndarray | None = None) -> Steps[tuple[list[int] | torch.Tensor, torch.Tensor | None]]:
-    """``drafter.propose(sequence, n)`` as a generator of forward requests (none for a drafter without
-    ``propose_steps``: it proposes directly; ``host``: the sequence's host copy, `drafting_sequence`). The tokens
-    are ids, or a ``[n]`` tensor on the device where a drafter's ``propose_steps`` keeps them there (verification
-    reads them back with its acceptance)."""
-    steps = getattr(drafter, "propose_steps", None)
-    if steps is None:
-        return drafter.propose(drafting_sequence(drafter, sequence, host), n)
-    return (yield from steps(sequence, n))
 
 
 def drafting_sequence(drafter: Drafter, sequence: torch.Tensor, host: np.ndarray | None) -> torch.Tensor | np.ndarray:

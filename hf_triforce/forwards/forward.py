@@ -26,18 +26,18 @@ from transformers import LogitsProcessorList
 from .. import compat
 from ..caches.ragged import RaggedBufferCache, ragged_causal_mask
 from ..kernels.attention import RECORDER_KWARG, QueryRecorder, recording
-from ..verification.scoring import process_rows
+from ..verification.scoring import process_positions
 from .clock import Clock, HostClock, Seconds
 
 
 def forward_logits(model, tokens: torch.Tensor, cache, start: int, keep: int,
                    recorder: QueryRecorder | None = None) -> torch.Tensor:
-    """Logits ``[keep, vocab]`` of the last ``keep`` rows of ``tokens`` placed at absolute ``start``."""
+    """Logits ``[keep, vocab]`` of the last ``keep`` positions of ``tokens`` placed at absolute ``start``."""
     positions = torch.arange(start, start + tokens.shape[1], device=tokens.device).unsqueeze(0)
     extra = {RECORDER_KWARG: recorder} if recorder is not None else {}
     with recording(recorder):
         out = model(input_ids=tokens, cache=cache, position_ids=positions, use_cache=True, logits_to_keep=keep, **extra)
-    return out.logits[0, -keep:]  # the last rows also where a model ignores logits_to_keep (Whisper's decoder)
+    return out.logits[0, -keep:]  # the last positions also where a model ignores logits_to_keep (Whisper's)
 
 
 def ragged_forward(model, cache: RaggedBufferCache, rows: dict[int, torch.Tensor], starts: dict[int, int],
@@ -78,7 +78,7 @@ def score_continuation(model, cache, cached: int, extended: torch.Tensor, prefix
     ``cache`` holds the first ``cached`` tokens of ``extended``; the rest is fed in one forward.
     """
     logits = forward_logits(model, extended[:, cached:], cache, cached, extended.shape[1] - prefix + 1, recorder)
-    return logits, process_rows(processors, extended, logits, prefix)
+    return logits, process_positions(processors, extended, logits, prefix)
 
 
 def score_fixed_shape(verifier, cache, extended: torch.Tensor, prefix: int,
@@ -91,7 +91,7 @@ def score_fixed_shape(verifier, cache, extended: torch.Tensor, prefix: int,
     positions = torch.arange(cached, extended.shape[1], device=tokens.device).unsqueeze(0)
     logits, queries = verifier.verify(tokens, positions, cache)
     logits = logits[-(extended.shape[1] - prefix + 1) :]  # the rows predicting the tokens after extended[:, :prefix]
-    return logits, process_rows(processors, extended, logits, prefix), queries
+    return logits, process_positions(processors, extended, logits, prefix), queries
 
 
 def prefill(model, tokens: torch.Tensor, cache, chunk_size: int, show_progress: bool = False,

@@ -115,14 +115,14 @@ class ChainVerifier:
 
     def verify(self, proposals: list[int] | torch.Tensor, proposal_probs: torch.Tensor | None,
                target_scores: torch.Tensor) -> tuple[int, int]:
-        """Verify ``proposals`` against ``len(proposals) + 1`` rows of processed target scores.
+        """Verify ``proposals`` against the processed target scores of ``len(proposals) + 1`` positions.
 
         Returns ``(n_accepted, next_token)``: the first ``n_accepted`` proposals stand, followed by
-        ``next_token`` (a residual resample at the first rejection, or a bonus token from the last row).
+        ``next_token`` (a residual resample at the first rejection, or a bonus token from the last position).
         ``proposal_probs[i]`` is the distribution proposal ``i`` was drawn from (``None``: point masses).
         ``proposals``: token ids, or a ``[n]`` tensor on the scores' device (a drafter's greedy tokens, compared
         there; `emitted` then has their values). The host reads one transfer (`scoring.read_back`: greedy, the
-        argmax of every row and how many agree; sampling, the proposals, how many the sampler's coins accepted and
+        argmax at every position and how many agree; sampling, the proposals, how many the sampler's coins accepted and
         the token drawn after them, every draw made on the device).
         """
         n = len(proposals)
@@ -141,14 +141,14 @@ class ChainVerifier:
         p = scores_to_probs(target_scores)
         chosen = proposals.to(p.device) if isinstance(proposals, torch.Tensor) else \
             torch.tensor(list(proposals), dtype=torch.long, device=p.device)
-        rows = torch.arange(n, device=p.device)
-        q_chosen = torch.ones(n, device=p.device) if proposal_probs is None else proposal_probs[rows, chosen]
-        accepted = self.sampler.leading_successes(acceptance_probability(p[rows, chosen], q_chosen))
+        positions = torch.arange(n, device=p.device)
+        q_chosen = torch.ones(n, device=p.device) if proposal_probs is None else proposal_probs[positions, chosen]
+        accepted = self.sampler.leading_successes(acceptance_probability(p[positions, chosen], q_chosen))
         # the law of the token after the accepted ones: the residual at the first rejection, p after the last
         at = accepted.reshape(1)
         law = p.index_select(0, at)[0]
         if n:
-            last = at.clamp(max=n - 1)  # the rejected proposal's row (where none was rejected: unused)
+            last = at.clamp(max=n - 1)  # the rejected proposal's position (where none was rejected: unused)
             q = torch.zeros_like(law).index_fill_(0, chosen.index_select(0, last), 1.0) if proposal_probs is None \
                 else proposal_probs.index_select(0, last.to(proposal_probs.device))[0].to(p.device)
             law = torch.where(accepted < n, self.resample(law, q), law)

@@ -83,7 +83,7 @@ def row_processors(processors: LogitsProcessorList, row: int, batch: int) -> Log
     batch's rows advance at different rates): each returns what it returns for that row in plain batched
     ``generate`` (``ROW_WISE`` ones on the row alone, ``prefix_allowed_tokens_fn`` bound to the row's batch id,
     any other in a batch of the call's size, `InBatch`). The row is the expanded row of ``num_return_sequences``,
-    shown in its own padded view (`decoding.output.PaddedView`, applied outside this), as ``generate`` shows it."""
+    shown in its own padded view (`decoding.loop.PaddedView`, applied outside this), as ``generate`` shows it."""
     if batch == 1 or not processors:
         return processors
     return LogitsProcessorList(
@@ -96,9 +96,9 @@ def row_processors(processors: LogitsProcessorList, row: int, batch: int) -> Log
 
 def process_each(processors: LogitsProcessorList, context_of: Callable[[int], torch.Tensor],
                  logits: torch.Tensor) -> torch.Tensor:
-    """Processed fp32 scores ``[n, vocab]`` for ``n`` logit rows, row ``i`` processed with the sequence
-    ``context_of(i)`` it predicts the next token of (asked only where there are processors); the one NaN guard of
-    every tier's scores."""
+    """Processed fp32 scores ``[n, vocab]`` for the logits of ``n`` positions, position ``i`` processed with the
+    sequence ``context_of(i)`` it predicts the next token of (asked only where there are processors); the one NaN guard
+    of every tier's scores."""
     scores = logits.float()
     if processors:
         scores = torch.stack([processors(context_of(i), scores[i : i + 1].clone())[0] for i in range(scores.shape[0])])
@@ -213,12 +213,12 @@ def _from_int64(read: list[int], dtype: torch.dtype) -> list:
     return read
 
 
-def process_rows(
+def process_positions(
     processors: LogitsProcessorList, sequence: torch.Tensor, logits: torch.Tensor, first_prefix: int
 ) -> torch.Tensor:
-    """Processed fp32 scores ``[n, vocab]`` for ``n`` logit rows.
+    """Processed fp32 scores ``[n, vocab]`` for the logits of ``n`` positions of one forward.
 
-    Row ``i`` predicts the token after ``sequence[:, :first_prefix + i]`` and is processed with exactly that
+    Position ``i`` predicts the token after ``sequence[:, :first_prefix + i]`` and is processed with exactly that
     prefix, as `generate` would process it when decoding one token at a time.
     """
     return process_each(processors, lambda i: sequence[:, : first_prefix + i], logits)
