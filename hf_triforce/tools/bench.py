@@ -146,7 +146,7 @@ def method_kwargs(method: str, model, prefix: DynamicCache, max_len: int, budget
         return {"prompt_lookup_num_tokens": 10}
     if method == "assisted":  # from scratch, like lookup
         return {"assistant_model": draft_model}
-    config = spec.config(budget, gammas, draft_model=draft_model, **(knobs or {}))
+    config = spec.config(budget, gammas, sequence_length=max_len, draft_model=draft_model, **(knobs or {}))
     return {"cache": prefix, "triforce_config": config, "return_dict_in_generate": True}
 
 
@@ -186,8 +186,9 @@ def measure(model, ids, prefix, method: str, new_tokens: int, budget: int, run: 
         seconds = time.perf_counter() - clock.first
         run.decoded = clock.after_first
     run.stats = getattr(out, "triforce_stats", None)
-    if run.stats is not None:  # adopting the shared prefix: the static and plain methods copy it before the clock
-        seconds -= run.stats.prefix_copy_seconds
+    if run.stats is not None:  # adopting the shared prefix: the static and plain methods copy it before the clock;
+        # a draft model's pass over the prompt: prompt processing, as assisted generation's draft prefill (not timed)
+        seconds -= run.stats.prefix_copy_seconds + run.stats.draft_prefill_seconds
     run.seconds.append(seconds)
     sequences = out.sequences if hasattr(out, "sequences") else out
     run.new_tokens = sequences.shape[1] - ids.shape[1]
