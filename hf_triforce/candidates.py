@@ -283,6 +283,7 @@ class TriForceCandidateGenerator(compat.CandidateGenerator):
         stats = self.stats
         stats.new_tokens = new_tokens
         stats.force1_seconds = float(self.drafter.seconds)
+        stats.draft_prefill_seconds = self.hierarchy.draft_prefill_seconds(0)
         stats.force2_sees_whole_cache = self.hierarchy.force2_sees_whole_cache(0)
         stats.draft_cache_bytes = self.hierarchy.draft_cache_bytes(0)
         stats.retrieval_cache_bytes = self.hierarchy.retrieval_cache_bytes(0)

@@ -73,6 +73,10 @@ class TriForceStats:
     # `generate` pays the same copy where its StaticCache is filled from a prefix (`hf-triforce bench` times neither)
     prefix_copy_seconds: float = 0.0
     force1_seconds: float = 0.0
+    # of force1_seconds, a draft model's first fill of its cache from the prompt (a forward over up to sink_tokens +
+    # window prompt tokens: prompt processing, which `hf-triforce bench` does not time, as for assisted generation's
+    # draft prefill); 0 for drafters that copy the target's entries or look tokens up
+    draft_prefill_seconds: float = 0.0
     force2_seconds: float = 0.0
     force3_seconds: float = 0.0
     retrieval_seconds: float = 0.0

@@ -57,8 +57,11 @@ def test_bench_names_what_is_missing(tmp_path):
         main(["bench", "--budget", "512", "512"])
     with pytest.raises(SystemExit, match="--model: model must be one of .*smollm2-135m"):
         main(["bench", "--model", str(tmp_path / "missing")])
-    with pytest.raises(SystemExit, match="--rope-factor applies to the bundled SmolLM2 only"):
-        main(["bench", "--model", "qwen2.5-coder-1.5b", "--rope-factor", "2"])
+    # a bundled model's trained positions (the Qwen pair's 32768, SmolLM2's 8192) bound the contexts, before the load
+    with pytest.raises(SystemExit, match=r"contexts \[40000\] \+ new tokens exceed 32768 positions"):
+        main(["bench", "--model", "qwen2.5-coder-1.5b", "--contexts", "40000"])
+    with pytest.raises(SystemExit, match=r"contexts \[70000\] \+ new tokens exceed 65536 positions"):
+        main(["bench", "--model", "qwen2.5-coder-1.5b", "--contexts", "70000", "--rope-factor", "2"])
 
 
 def test_generate_streams_on_a_tiny_local_model(tmp_path, capsys):
@@ -97,13 +100,17 @@ def test_bench_with_a_draft_model_and_sampling(tmp_path, capsys):
     argv = ["bench", "--model", str(tmp_path / "target"), "--draft-model", str(tmp_path / "draft"), "--prompt",
             "continue", "--contexts",
             "120", "--new-tokens", "4", "--repeats", "2", "--budget", "32", "--out", str(out_dir)]
-    assert main(argv + ["--methods", "plain", "assisted", "triforce-draft", "--modes", "greedy"]) == 0
+    assert main(argv + ["--methods", "plain", "assisted", "triforce-draft", "vanilla", "--modes", "greedy"]) == 0
     greedy = json.loads((out_dir / "results.json").read_text())[0]
-    assert greedy["sampling"] is None and set(greedy["methods"]) == {"plain", "assisted", "triforce-draft"}
+    assert greedy["sampling"] is None and set(greedy["methods"]) == {"plain", "assisted", "triforce-draft", "vanilla"}
     rows = [line for line in (out_dir / "results.md").read_text().splitlines() if line.startswith("| ")]
     assert all(line.endswith("| yes |") for line in rows[1:]), rows  # greedy: every method equals plain
     stats = greedy["methods"]["triforce-draft"]["stats"]
     assert stats["force1_proposed"] > 0 and len(greedy["methods"]["assisted"]["seconds"]) == 2
+    # vanilla speculative decoding: the draft on a cache holding the whole sequence, two levels; its pass over the
+    # prompt is prompt processing, reported and not timed
+    vanilla = greedy["methods"]["vanilla"]["stats"]
+    assert vanilla["plan_steps"] == {"2": vanilla["force3_steps"]} and vanilla["draft_prefill_seconds"] > 0
     # default methods with a draft model: all of them; sampling: seeded, no identity claim
     assert main(argv + ["--sample", "--temperature", "0.7", "--top-p", "0.9"]) == 0
     sampled = json.loads((out_dir / "results.json").read_text())[0]

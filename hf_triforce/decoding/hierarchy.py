@@ -225,6 +225,11 @@ class Hierarchy:
         """Seconds row ``b``'s drafters spent (in a batch, the shared forwards it took part in)."""
         return float(sum(drafters[b].seconds for drafters in self.drafters.values()))
 
+    def draft_prefill_seconds(self, b: int) -> float:
+        """Of `force1_seconds`, the seconds row ``b``'s model drafters spent filling their caches from the prompt."""
+        return float(sum(drafters[b].prefill_seconds for drafters in self.drafters.values()
+                         if isinstance(drafters[b], ModelDrafter)))
+
     def shared_force1_seconds(self) -> float:
         """Seconds every row's drafters spent, each shared forward once (lookups: rows one by one)."""
         shared = self.lockstep.seconds

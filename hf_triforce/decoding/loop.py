@@ -357,6 +357,7 @@ class Decoder:
             stats.tier_forwards = dict(forwards)
             stats.draft_precision = self.config.draft_precision if three or drafters else "none"
             stats.force1_seconds = hierarchy.force1_seconds(b)
+            stats.draft_prefill_seconds = hierarchy.draft_prefill_seconds(b)
             stats.new_tokens = rows[b].out.sequence.shape[1] - prompts[b].shape[1]
             stats.force2_sees_whole_cache = hierarchy.force2_sees_whole_cache(b)
             stats.retrieval_cache_bytes = hierarchy.retrieval_cache_bytes(b)

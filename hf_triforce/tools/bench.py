@@ -54,7 +54,7 @@ class Run:
     stats: TriForceStats | None = None
     compile_seconds: float | None = None  # the warm-up call of a compiled method (compile + a few tokens)
     copy_seconds: float | None = None  # a TriForce method's drafting weight copies, made by its warm-up call
-    decoded: int = 0  # lookup / assisted: tokens timed after their first new token (`DecodeClock`)
+    decoded: int | None = None  # lookup / assisted: tokens timed after their first new token (`DecodeClock`)
     crashed: str | None = None  # a peer engine whose process died: how and when (no speed is reported)
 
     @property
@@ -67,7 +67,10 @@ class Run:
         the seconds after it, `DecodeClock`); NaN for a crashed peer."""
         if self.crashed is not None:
             return float("nan")
-        return (self.decoded or self.new_tokens) / statistics.median(self.seconds) if self.seconds else 0.0
+        if not self.seconds:
+            return 0.0
+        # a call whose new tokens all came in its first chunk timed none of them: no speed, not new_tokens over ~0 s
+        return (self.new_tokens if self.decoded is None else self.decoded) / statistics.median(self.seconds)
 
 
 class DecodeClock:
@@ -146,7 +149,7 @@ def method_kwargs(method: str, model, prefix: DynamicCache, max_len: int, budget
         return {"prompt_lookup_num_tokens": 10}
     if method == "assisted":  # from scratch, like lookup
         return {"assistant_model": draft_model}
-    config = spec.config(budget, gammas, draft_model=draft_model, **(knobs or {}))
+    config = spec.config(budget, gammas, sequence_length=max_len, draft_model=draft_model, **(knobs or {}))
     return {"cache": prefix, "triforce_config": config, "return_dict_in_generate": True}
 
 
@@ -186,8 +189,9 @@ def measure(model, ids, prefix, method: str, new_tokens: int, budget: int, run: 
         seconds = time.perf_counter() - clock.first
         run.decoded = clock.after_first
     run.stats = getattr(out, "triforce_stats", None)
-    if run.stats is not None:  # adopting the shared prefix: the static and plain methods copy it before the clock
-        seconds -= run.stats.prefix_copy_seconds
+    if run.stats is not None:  # adopting the shared prefix: the static and plain methods copy it before the clock;
+        # a draft model's pass over the prompt: prompt processing, as assisted generation's draft prefill (not timed)
+        seconds -= run.stats.prefix_copy_seconds + run.stats.draft_prefill_seconds
     run.seconds.append(seconds)
     sequences = out.sequences if hasattr(out, "sequences") else out
     run.new_tokens = sequences.shape[1] - ids.shape[1]
@@ -326,7 +330,7 @@ def to_json(context: int, runs: list[Run], prefill_seconds: float, sampling: dic
                 "stats": run.stats.to_dict() if run.stats else None,
                 "compile_seconds": run.compile_seconds,
                 "copy_seconds": run.copy_seconds,
-                "decoded_tokens": run.decoded or run.new_tokens,
+                "decoded_tokens": run.new_tokens if run.decoded is None else run.decoded,
                 # the last round's new tokens (row 0): greedy continuations compared across runs and versions
                 "new_token_ids": [] if run.sequences is None or not run.new_tokens
                 else run.sequences[0, -run.new_tokens:].tolist(),

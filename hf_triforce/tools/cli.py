@@ -102,7 +102,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--new-tokens", type=_positive, default=128)
     bench.add_argument("--repeats", type=_positive, default=3, help="rounds per method; the median is reported")
     bench.add_argument("--rope-factor", type=_positive_float, default=None,
-                       help="extend SmolLM2's RoPE by this YaRN factor (needed beyond 8192 tokens)")
+                       help="extend a bundled model's RoPE (and its draft's) by this YaRN factor (needed beyond its "
+                            "trained positions: SmolLM2's 8192, the Qwen pair's 32768)")
     bench.add_argument("--threads", type=_positive, default=None)
     bench.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
                        help="dtype of the target and the draft model (default float32; bfloat16 and float16 halve the "
@@ -216,16 +217,17 @@ def _bench(args) -> int:
     needs_draft = [m for m in methods if METHODS[m].needs_draft_model]
     if needs_draft and args.draft_model is None:
         raise SystemExit(f"hf-triforce bench: methods {needs_draft} need --draft-model")
-    bundled = args.model in (None, "smollm2-135m")
-    if args.rope_factor is not None and not bundled:
-        raise SystemExit("hf-triforce bench: --rope-factor applies to the bundled SmolLM2 only; set "
-                         "rope_parameters in your model's config instead")
+    bundled = args.model is None or args.model in assets.MODELS
+    draft_bundled = args.draft_model is None or args.draft_model in assets.MODELS
+    if args.rope_factor is not None and not (bundled and draft_bundled):
+        raise SystemExit(f"hf-triforce bench: --rope-factor applies to the bundled models {sorted(assets.MODELS)} "
+                         "only; set rope_parameters in your model's config instead")
     if args.threads:
         torch.set_num_threads(args.threads)
-    overrides = assets.yarn_rope(args.rope_factor) if args.rope_factor else {}
+    asset = assets.MODELS[args.model or "smollm2-135m"] if bundled else None
+    overrides = assets.yarn_rope(args.rope_factor, asset) if args.rope_factor else {}
     if bundled:  # checked before the (slow) load
-        limit = 8192 if args.rope_factor is None else int(8192 * args.rope_factor)
-        _check_contexts(args, limit)
+        _check_contexts(args, int(asset.positions * (args.rope_factor or 1)))
     engine_methods = [m for m in methods if METHODS[m].other_engine]
     if engine_methods:
         from .llama_cpp_engine import llama_cpp_available
@@ -238,7 +240,10 @@ def _bench(args) -> int:
                              "(pip install llama-cpp-python; it compiles llama.cpp)")
     model, tokenizer = _load("bench", "--model", args.model, args.dtype, **overrides)
     _check_contexts(args, getattr(model.config, "max_position_embeddings", None) or 1 << 30)
-    draft_model = _load("bench", "--draft-model", args.draft_model, args.dtype)[0] if args.draft_model else None
+    draft_overrides = assets.yarn_rope(args.rope_factor, assets.MODELS[args.draft_model]) \
+        if args.rope_factor and args.draft_model else {}
+    draft_model = _load("bench", "--draft-model", args.draft_model, args.dtype, **draft_overrides)[0] \
+        if args.draft_model else None
     prompts = {}
     for text in dict.fromkeys(args.text):
         document = assets.TEXTS[text]()
@@ -305,7 +310,8 @@ def _llama_cpp_engines(args, methods: list[str], ids) -> dict:
         engine = PeerProcess(method, LlamaCppEngine, dict(
             gguf=assets.gguf_path(assets.MODELS[args.model or "smollm2-135m"]),
             context=ids.shape[1] + args.new_tokens + 16, threads=torch.get_num_threads(),
-            lookup=method.endswith("-lookup"), rope_factor=args.rope_factor))
+            lookup=method.endswith("-lookup"), rope_factor=args.rope_factor,
+            original_positions=assets.MODELS[args.model or "smollm2-135m"].positions))
         try:
             engine.prefill(ids)
         except PeerCrashed as crash:  # every run of it is reported as crashed

@@ -5,7 +5,9 @@ A TriForce method is a drafter from the registry (``hf_triforce.drafters.DRAFTER
 ``triforce-<drafter>[-int8|-lean-int4]`` and the two-level ``streaming-self[-int8|-lean-int4]``; or the adaptive policy:
 ``triforce-auto[-int8|-lean-int4]`` (self drafts, free n-gram lookups, three levels, the bench's knobs), ``default``
 (``TriForceConfig()`` with no argument: what a user gets) and ``default-draft`` (``TriForceConfig(draft=<the draft
-model>)``, nothing else set). Baselines: ``plain`` (DynamicCache), ``static``
+model>)``, nothing else set). ``vanilla``: vanilla speculative decoding on the library's loop and kernels: the draft
+model on its own full cache (a window that holds the whole sequence), two levels, `STREAMING_GAMMA` tokens per
+verification, verified by the target on its full cache. Baselines: ``plain`` (DynamicCache), ``static``
 (StaticCache, eager) and ``static-compiled`` (StaticCache with ``generate``'s own ``torch.compile`` of the decoding
 forward, told to compile on every device): the faster of these two is "the best plain decoding" that every table
 compares with; ``lookup`` (HF prompt lookup), ``assisted`` (HF assisted generation with the draft model);
@@ -42,6 +44,7 @@ class Method:
     policy: str = "fixed"
     library_default: bool = False  # TriForceConfig() exactly, whatever the bench's knobs
     engine: str = "transformers"  # "llama.cpp": another engine on the same GGUF (a baseline)
+    full_draft_cache: bool = False  # Force 1's window holds the whole sequence (vanilla speculative decoding)
 
     @property
     def compiled(self) -> bool:
@@ -62,8 +65,10 @@ class Method:
         """The drafter's kind ("model" or "lookup"), which picks the tuned gammas."""
         return DRAFTERS[MODEL_DRAFTER if self.drafter == "draft" else self.drafter].kind
 
-    def config(self, budget: int, gammas: tuple[int | None, int | None] = (None, None), **overrides) -> TriForceConfig:
-        """The `TriForceConfig` of this method (None gammas: `TUNED_GAMMAS` for its kind)."""
+    def config(self, budget: int, gammas: tuple[int | None, int | None] = (None, None), sequence_length: int = 0,
+               **overrides) -> TriForceConfig:
+        """The `TriForceConfig` of this method (None gammas: `TUNED_GAMMAS` for its kind). ``sequence_length``: the
+        prompt and new tokens, the window of a method with a full draft cache (required there)."""
         if self.baseline:
             raise ValueError(f"method {self.name!r} is a transformers baseline, not a TriForce method")
         if self.library_default:  # what a user gets: TriForceConfig() (with the draft model, if the method has one)
@@ -75,6 +80,11 @@ class Method:
                         gamma1=gamma1, gamma2=gamma2 if self.levels == 3 else STREAMING_GAMMA, levels=self.levels,
                         draft_precision=self.precision, policy=self.policy)
         settings.update(overrides)
+        if self.full_draft_cache:
+            if sequence_length < 1:
+                raise ValueError(f"method {self.name!r} sizes the draft's cache to the sequence: pass sequence_length "
+                                 f"(prompt + new tokens), got {sequence_length}")
+            settings.update(sink_tokens=0, window=sequence_length)
         return TriForceConfig(**settings)
 
 
@@ -85,6 +95,7 @@ def _all_methods() -> dict[str, Method]:
                Method("llama.cpp-lookup", baseline=True, engine="llama.cpp")]
     methods.append(Method("default", drafter="self", policy="auto", library_default=True))
     methods.append(Method("default-draft", drafter="draft", policy="auto", library_default=True))
+    methods.append(Method("vanilla", drafter="draft", levels=2, precision="auto", full_draft_cache=True))
     methods += [Method(f"triforce-auto{s}", drafter="self", policy="auto", precision=p)
                 for p, s in (("model", ""), ("int8", "-int8"), ("lean-int4", "-lean-int4"))]
     drafters = [name if name != MODEL_DRAFTER else "draft" for name in DRAFTERS]
