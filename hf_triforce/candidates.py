@@ -43,8 +43,7 @@ from .decoding.hierarchy import Hierarchy
 from .decoding.policy import Plan
 from .decoding.preflight import check_model
 from .decoding.resolved import ResolvedConfig, resolve
-from .forwards.clock import device_clock
-from .forwards.forward import run_inline
+from .forwards.forward import device_clock, run_inline
 from .kernels import attention_routes
 from .kernels.attention import QueryRecorder
 from .request import check_request, recording_attention

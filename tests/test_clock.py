@@ -1,4 +1,4 @@
-"""The tiers' timings on a device clock (`forwards.clock`): read after the readbacks, not by a synchronisation.
+"""The tiers' timings on a device clock (`forwards.forward`): read after the readbacks, not by a synchronisation.
 
 On CUDA a region's seconds come from events recorded on the stream and are read later; reading an event the device
 has not passed yet waits for it (a synchronisation). A fake device clock stands in on the CPU: its region has
@@ -20,7 +20,7 @@ from hf_triforce import TriForceConfig
 from hf_triforce.decoding import loop, report
 from hf_triforce.decoding.policy import AdaptivePolicy, Plan
 from hf_triforce.drafters import ngram
-from hf_triforce.forwards.clock import HostClock, Seconds, device_clock
+from hf_triforce.forwards.forward import HostClock, Seconds, device_clock
 
 from .conftest import make_model, random_prompt
 from .test_host_reads import HostReads

@@ -388,7 +388,7 @@ from .test_offloaded_cache import test_cuda_offloaded_cache_streams_from_pinned_
 def test_the_event_clock_times_without_a_synchronisation():
     """`clock.EventClock`: recording the events synchronises nothing (sync debug mode "error" raises on a
     synchronising call); after a readback the end event is passed, so reading the seconds waits for nothing."""
-    from hf_triforce.forwards.clock import EventClock, device_clock
+    from hf_triforce.forwards.forward import EventClock, device_clock
 
     model = make_model("llama-gqa").to("cuda")
     clock = device_clock(model)

@@ -26,8 +26,7 @@ from hf_triforce.decoding import force3, tiers
 from hf_triforce.decoding.levels import Candidates
 from hf_triforce.decoding.resolved import resolve
 from hf_triforce.decoding.tiers import force3_forward, lean_model, resolve_draft_precision
-from hf_triforce.forwards.clock import HostClock
-from hf_triforce.forwards.forward import forward_logits
+from hf_triforce.forwards.forward import HostClock, forward_logits
 from hf_triforce.integration import recording_attention
 from hf_triforce.kernels.attention import QueryRecorder
 from hf_triforce.stats import TriForceStats

@@ -26,8 +26,7 @@ from ..caches.buffer import BufferCache, copy_prefix
 from ..caches.offloaded import OffloadedBufferCache
 from ..caches.ragged import RaggedBufferCache
 from ..compat import layer_devices
-from ..forwards.clock import Clock
-from ..forwards.forward import prefill, ragged_forward, score_continuation, score_fixed_shape
+from ..forwards.forward import Clock, prefill, ragged_forward, score_continuation, score_fixed_shape
 from ..kernels.attention import QueryRecorder
 from ..tokens import append_tokens
 from ..verification.scoring import process_positions

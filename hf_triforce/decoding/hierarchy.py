@@ -20,8 +20,7 @@ import torch
 from ..drafters import DRAFTERS, DraftContext, build_drafter
 from ..drafters.model import ModelDrafter
 from ..drafters.registry import MODEL_DRAFTER, spec_of
-from ..forwards.clock import Clock
-from ..forwards.forward import Steps, run_inline
+from ..forwards.forward import Clock, Steps, run_inline
 from ..verification.sampling import ChainVerifier, Sampler
 from ..verification.tree import TreeVerifier
 from .force3 import Force3, RaggedForce3

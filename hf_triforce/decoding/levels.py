@@ -31,8 +31,7 @@ from ..compat import layer_devices
 from ..drafters import Drafter
 from ..drafters.branching import branched_chain
 from ..drafters.registry import drafting_sequence
-from ..forwards.clock import Clock
-from ..forwards.forward import ForwardRequest, Steps, run_inline
+from ..forwards.forward import Clock, ForwardRequest, Steps, run_inline
 from ..tokens import agreement, append_tokens
 from ..verification.draft_tree import DraftTree
 from ..verification.sampling import ChainVerifier, scores_to_probs

@@ -23,8 +23,7 @@ import torch
 
 from ..caches.buffer import BufferCache, BufferLayer
 from ..caches.ragged import RaggedBufferCache, RowLayer
-from ..forwards.clock import Seconds
-from ..forwards.forward import ForwardRequest, Steps, ragged_forward
+from ..forwards.forward import ForwardRequest, Seconds, Steps, ragged_forward
 
 
 class Lockstep:

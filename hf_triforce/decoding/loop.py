@@ -36,7 +36,7 @@ from .. import compat
 from ..caches.buffer import BufferCache
 from ..config import TriForceConfig
 from ..drafters.registry import drafting_sequence
-from ..forwards.clock import Clock, device_clock
+from ..forwards.forward import Clock, device_clock
 from ..kernels.call_kernels import CallKernels
 from ..kernels.row_mixing import RowsApart
 from ..stats import TriForceStats

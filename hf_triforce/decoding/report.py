@@ -15,7 +15,7 @@ happen (its plan, its levels' catch-ups, Force 3's forward, each row's outcome);
 `TriForceStats`, sums the call's Force-3 seconds, notes which tiers ran, and tells the adaptive policy what each step
 cost and how each level did (`StepRecord`).
 
-On a device's clock (`forwards.clock`) a step's timings are read at the end of the next step (or of the call), after
+On a device's clock (`forwards.forward`) a step's timings are read at the end of the next step (or of the call), after
 that step's readbacks have waited for the device: the work a step launched after its own last readback (a level's
 commit: a re-selection) has then finished, so reading its events waits for nothing, and the policy learns each step's
 costs one step late. On an immediate clock they are counted when the step ends.
@@ -28,7 +28,7 @@ from dataclasses import dataclass, field, fields
 
 import torch
 
-from ..forwards.clock import Clock, Seconds
+from ..forwards.forward import Clock, Seconds
 from ..stats import TriForceStats
 from ..tokens import device_tokens
 from ..verification.sampling import scores_to_probs

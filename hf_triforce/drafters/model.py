@@ -7,8 +7,7 @@ import torch
 from ..caches.buffer import BufferCache
 from ..caches.sink_window import SinkWindowCache, copy_refusal, make_layer_rerotations
 from ..compat import layer_devices, num_layers
-from ..forwards.clock import Clock, HostClock, Seconds
-from ..forwards.forward import ForwardRequest, Steps, run_inline
+from ..forwards.forward import Clock, ForwardRequest, HostClock, Seconds, Steps, run_inline
 from ..kernels.lean import LeanModel
 from ..tokens import agreement, append_tokens
 from ..verification.draft_tree import DraftTree
@@ -43,7 +42,7 @@ class ModelDrafter:
         (`SinkWindowCache`): ``"slots"`` (in-cache) or ``"absolute"`` (the tokens' own). ``fill_model``: the
         model whose forward fills the cache where it is not copied (default ``model``): a draft model's own weights
         when ``model`` is its lean copy, whose int4 CPU kernels are built for a few rows (the note above the class).
-        ``clock``: the call's, timing its forwards (`forwards.clock`; default the host's)."""
+        ``clock``: the call's, timing its forwards (`forwards.forward`; default the host's)."""
         self.model = model
         self.fill_model = model if fill_model is None else fill_model
         layers = num_layers(model.config)

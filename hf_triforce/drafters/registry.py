@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from transformers import LogitsProcessorList
 
-from ..forwards.clock import Clock, HostClock
+from ..forwards.forward import Clock, HostClock
 from ..verification.sampling import Sampler
 
 
@@ -56,7 +56,7 @@ def host_row(sequence: torch.Tensor | np.ndarray) -> np.ndarray:
 class DraftContext:
     """What a drafter may use: the target, the config, the call's processors, sampling mode and sampler, and the
     target's full cache (its row of it, in a batch; None where there is none): a drafter running the target's own
-    weights may copy entries from it; the call's clock, which times a drafter's forwards (`forwards.clock`); and
+    weights may copy entries from it; the call's clock, which times a drafter's forwards (`forwards.forward`); and
     ``force1_model``, the model Force 1 runs for a drafting model (its lean or int8 copy for the configured
     ``draft_precision``: the hierarchy hands `decoding.tiers.tier_model`'s; default: the model as given)."""
 
