@@ -512,8 +512,9 @@ def fit(points: list[Point], params: dict, free: list[str]) -> dict:
     columns = []
     for j in range(len(free)):
         z = z0.copy()
-        z[j] *= 2.0
-        columns.append((np.array([p.seconds(at(z)) for p in subset]) - base) / z0[j])
+        step = z0[j] or 1.0  # any step gives the coefficient of a linear term; a start at 0 needs one of its own
+        z[j] += step
+        columns.append((np.array([p.seconds(at(z)) for p in subset]) - base) / step)
     a = np.stack(columns, axis=1)
     intercept = base - a @ z0
     target = np.array([p.measured_seconds() for p in subset])
