@@ -111,3 +111,29 @@ def test_a_fitted_device_reads_back_through_project_devices(calibration, tmp_pat
     for cached, rows in GRID:
         assert forward_seconds(model, dev, cached, rows) == pytest.approx(
             forward_seconds(model, calibration.device_of(TRUE), cached, rows), rel=1e-6)
+
+
+def same(computed, published, where: str = "") -> list[str]:
+    """Where two JSON values differ: numbers beyond float rounding (relative 1e-9), anything else at all."""
+    if isinstance(published, dict) and isinstance(computed, dict):
+        keys = sorted(set(computed) | set(published))
+        return [d for k in keys for d in same(computed.get(k), published.get(k), f"{where}/{k}")]
+    if isinstance(published, list) and isinstance(computed, list) and len(published) == len(computed):
+        return [d for i, (c, p) in enumerate(zip(computed, published)) for d in same(c, p, f"{where}[{i}]")]
+    numbers = (int, float)
+    if isinstance(published, numbers) and isinstance(computed, numbers) and not isinstance(published, bool):
+        close = computed == pytest.approx(published, rel=1e-9, abs=1e-300)
+        return [] if close else [f"{where}: {computed} != {published}"]
+    return [] if computed == published else [f"{where}: {computed!r} != {published!r}"]
+
+
+def test_the_published_calibration_is_what_the_script_computes(calibration, tmp_path):
+    """docs/results.md and `hf-triforce project --devices` quote these files: the tree's script must give them."""
+    calibration.main(["--out", str(tmp_path)])
+    published = ROOT / "docs" / "bench" / "calibration"
+    for name in ("calibration.json", "projections.json", "devices.json"):
+        differences = same(json.loads((tmp_path / name).read_text()), json.loads((published / name).read_text()))
+        assert not differences, (f"{name} differs from what `python benchmarks/project_calibration.py` writes "
+                                 f"({len(differences)}: {differences[:3]}): rerun it and update the figures "
+                                 "docs/results.md quotes")
+    assert (tmp_path / "projections.md").read_text() == (published / "projections.md").read_text()
