@@ -251,6 +251,8 @@ def main() -> None:
                         help="folder where the prompt's prefilled cache is saved and read back (skips the prefill)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
+    if args.repeats < 2:
+        parser.error(f"--repeats must be at least 2 (the first round of timings is a warm-up), got {args.repeats}")
     torch.set_num_threads(args.threads)
     model, tokenizer = assets.load_smollm2()
     ids = document_prompt(tokenizer, assets.essays(), args.context, "question")

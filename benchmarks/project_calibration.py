@@ -5,7 +5,8 @@ under ``docs/bench/calibration/<host>/``, the runs only this calibration reads; 
 below), fits each machine's device numbers on the per-forward measurements and reports predicted vs measured for
 every point, fitted on or predicted. Writes ``docs/bench/calibration/calibration.{json,md}``, the fitted devices
 ``devices.json`` (``hf-triforce project --devices docs/bench/calibration/devices.json --device <name>``) and the
-published projections ``projections.{json,md}``.
+published projections ``projections.{json,md}`` (``--out``: to another folder; tests/test_project_calibration.py
+checks that the published files are what this writes).
 
 Machines ("hosts", named by CPU and date): the recorded CPU runs come from different machines or loads (the same
 static-cache ``generate`` of SmolLM2 at 16k measured 3.3-3.9 tok/s on 2026-11-29, 5.8-6.7 on 2026-11-30, 10.4-10.9 on
@@ -51,6 +52,7 @@ plans; their plain steps are scored where there are at least 5).
 
 from __future__ import annotations
 
+import argparse
 import itertools
 import json
 import math
@@ -512,8 +514,9 @@ def fit(points: list[Point], params: dict, free: list[str]) -> dict:
     columns = []
     for j in range(len(free)):
         z = z0.copy()
-        z[j] *= 2.0
-        columns.append((np.array([p.seconds(at(z)) for p in subset]) - base) / z0[j])
+        step = z0[j] or 1.0  # any step gives the coefficient of a linear term; a start at 0 needs one of its own
+        z[j] += step
+        columns.append((np.array([p.seconds(at(z)) for p in subset]) - base) / step)
     a = np.stack(columns, axis=1)
     intercept = base - a @ z0
     target = np.array([p.measured_seconds() for p in subset])
@@ -709,7 +712,10 @@ def overhead_check(hosts: dict) -> list[str]:
     return [f"- GPU_LAYER_OVERHEAD: {GPU_LAYER_OVERHEAD:.3g}, fit {fitted:.3g}{'' if agree else ' -- UPDATE IT'}"]
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=OUT, help=f"folder of the written files (default {OUT})")
+    args = parser.parse_args(argv)
     out = {"hosts": {}, "skipped": {}, "missing": {}}
     extra = cpu_listed_points()
     # the kernel hosts first (they lend rates), the predicted hosts last (after the hosts they are predicted by)
@@ -787,8 +793,8 @@ def main() -> None:
                   for r in result["rows"]]
         lines += ["", f"Not modelled ({len(out['skipped'][host])}): " + "; ".join(out["skipped"][host])]
     lines += ["", "## The GPU presets' per-layer overhead against this fit", ""] + overhead_check(out["hosts"])
-    folder = OUT
-    folder.mkdir(exist_ok=True)
+    folder = args.out
+    folder.mkdir(parents=True, exist_ok=True)
     devices = {"about": "CPU devices fitted by benchmarks/project_calibration.py on the runs of docs/bench "
                "(calibration.md); hf-triforce project --devices <this file> --device <name>",
                "devices": fitted_devices(out["hosts"])}

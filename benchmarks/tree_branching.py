@@ -50,6 +50,7 @@ class ShallowestFirst(ModelDrafter):
 
     def propose_tree(self, sequence: torch.Tensor, depth: int, nodes: int, branch: int) -> DraftTree:
         tokens, rows, probs = run_inline(self._draft_steps(sequence, min(depth, nodes)))
+        tokens = tokens.tolist() if isinstance(tokens, torch.Tensor) else tokens  # a tree holds ints, as the library's
         self.drafted = (sequence.shape[1], tokens)
         builder = TreeBuilder(nodes, branch)
         parent, chain = -1, []
