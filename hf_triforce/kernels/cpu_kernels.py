@@ -1,9 +1,9 @@
 """The CPU kernels a TriForce call may run, built at the call's set-up and described for its stats.
 
 A kernel is compiled on its first use in a process (`native_build`: seconds). `prepare` builds the kernels before
-the call's prefill for any model on the CPU (the GGUF one where a model has GGUF blocks attached: `gguf_weights`), so that no compile lands inside a timed forward (the adaptive policy's
-timings, a linear route's calibration); `describe` says which build target they were built for and whether each runs
-(`TriForceStats.cpu_kernels`).
+the call's prefill for any model on the CPU (the GGUF one where a model has GGUF blocks attached: `gguf_weights`), so
+that no compile lands inside a timed forward (the adaptive policy's timings, a linear route's calibration);
+`describe` says which build target they were built for and whether each runs (`TriForceStats.cpu_kernels`).
 """
 
 from __future__ import annotations

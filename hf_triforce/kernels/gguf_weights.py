@@ -30,6 +30,7 @@ from torch import nn
 from . import gguf_linear
 from .gguf_linear import TYPES, BlockMatrix
 
+
 @dataclass(frozen=True)
 class _Attached:
     matrix: BlockMatrix
