@@ -1,0 +1,103 @@
+"""A GGUF model's linear layers read at their stored width (`hf_triforce.kernels.gguf_weights`, the ``"gguf"`` route).
+
+* `load_gguf` attaches every linear weight of a GGUF file of Q4_0, Q4_1 and Q8_0 tensors (llama.cpp's permuted query
+  and key rows put back in the model's order, the tied output layer included), each checked bit for bit against the
+  fp32 weight transformers loaded;
+* TriForce with every linear layer on that route keeps its greedy output identical to plain ``generate`` on the
+  same (dequantized) model, and its stats and the bench's heading say what the target read;
+* a model of other values, another dtype, a missing file, a weight written in place after attaching, and
+  ``load_gguf`` in another dtype are refused with an error naming the argument.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hf_triforce import attach_gguf, detach_gguf, load_gguf
+from hf_triforce.kernels import gguf_linear, gguf_weights, linear_routes
+from hf_triforce.tools import bench
+
+from .conftest import make_model, random_prompt
+from .gguf_util import TYPES, VOCAB, write_tiny_llama
+from .test_cpu_attention import needs_kernel
+from .test_greedy_identity import _config, assert_identical
+
+pytest.importorskip("gguf")
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory):
+    return write_tiny_llama(tmp_path_factory.mktemp("gguf") / "tiny.gguf")
+
+
+@pytest.fixture
+def gguf_model(tiny_gguf):
+    return load_gguf(tiny_gguf)[0]
+
+
+@needs_kernel
+def test_every_linear_weight_is_attached_bit_for_bit(gguf_model):
+    layers = [module for module in gguf_model.modules() if isinstance(module, torch.nn.Linear)]
+    assert gguf_model.lm_head.weight is gguf_model.model.embed_tokens.weight  # tied: the Q8_0 embedding
+    for layer in layers:
+        matrix = gguf_weights.matrix_of(layer.weight)
+        assert matrix is not None and matrix.out_features == layer.out_features
+        assert torch.equal(gguf_linear.dequantize(matrix).view(torch.int32), layer.weight.detach().view(torch.int32))
+    expected = {kind: 2 * list(TYPES.values()).count(kind) for kind in set(TYPES.values())}
+    expected["Q8_0"] += 1  # the output layer
+    assert gguf_weights.describe(gguf_model) == dict(sorted(expected.items()))
+    assert gguf_weights.matrix_of(gguf_model.lm_head.weight).kind == "Q8_0"
+    detach_gguf(gguf_model)
+    assert gguf_weights.describe(gguf_model) == {} and gguf_weights.matrix_of(layers[0].weight) is None
+
+
+@needs_kernel
+def test_triforce_at_stored_width_keeps_greedy_identity(monkeypatch, gguf_model):
+    """Every linear layer of the target (the head included) on the ``"gguf"`` route: the greedy output is plain
+    ``generate``'s on the dequantized model, and the stats and the bench's heading name the route and the types."""
+    monkeypatch.setattr(linear_routes.LinearRoutes, "calibrate", lambda self, group, rows: "gguf")
+    prompt = random_prompt(150, vocab_size=VOCAB, period=37)
+    stats = assert_identical(gguf_model, prompt, _config("self"))
+    assert stats.force3_steps > 0
+    assert {route for by_rows in stats.linear_routes.values() for route in by_rows.values()} == {"gguf"}
+    assert set(stats.linear_routes) == {"head", "decoder"}
+    assert stats.cpu_kernels["gguf"] == {"kernel": "on", "layers": gguf_weights.describe(gguf_model)}
+    note = bench.kernels_note([bench.Run("triforce", stats=stats)])
+    assert "target weights at GGUF stored width (Q4_0 4 layers, Q4_1 8 layers, Q8_0 3 layers; kernel on)" in note
+    assert "decoder 1:gguf" in note
+
+
+@needs_kernel
+def test_the_route_is_offered_only_where_every_layer_has_blocks(gguf_model):
+    routes = linear_routes.LinearRoutes(gguf_model)
+    groups = routes.find_groups()
+    assert "gguf" in linear_routes.routes_for(groups["decoder"]) and "gguf" in linear_routes.routes_for(groups["head"])
+    plain = make_model("llama-gqa")
+    assert "gguf" not in linear_routes.routes_for(linear_routes.LinearRoutes(plain).find_groups()["decoder"])
+
+
+@needs_kernel
+def test_bad_inputs_are_refused(tiny_gguf, tmp_path, gguf_model):
+    with pytest.raises(ValueError, match="attach_gguf: path .*missing.gguf' is not a file"):
+        attach_gguf(gguf_model, tmp_path / "missing.gguf")
+    other = write_tiny_llama(tmp_path / "other.gguf", seed=1)
+    with pytest.raises(ValueError, match="model weight .* differs from the values of .* in other.gguf: model is not "
+                                         "the model of this file"):
+        attach_gguf(gguf_model, other)
+    bf16 = load_gguf(tiny_gguf)[0].bfloat16()
+    with pytest.raises(ValueError, match="model weight .* is torch.bfloat16 .*load the model in float32"):
+        attach_gguf(bf16, tiny_gguf)
+    with pytest.raises(ValueError, match="load_gguf: dtype must be torch.float32"):
+        load_gguf(tiny_gguf, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="load_gguf: path"):
+        load_gguf(tmp_path / "missing.gguf")
+    weight = gguf_model.model.layers[0].mlp.down_proj.weight
+    with torch.no_grad():
+        weight.mul_(1.0)  # the same values, but written: the blocks cannot know
+    with pytest.raises(RuntimeError, match="blk.0.ffn_down.weight was changed in place after attach_gguf"):
+        gguf_weights.matrix_of(weight)
+    with pytest.raises(RuntimeError, match="changed in place after attach_gguf"):
+        linear_routes.routes_for([gguf_model.model.layers[0].mlp.down_proj])
+    attach_gguf(gguf_model, tiny_gguf)  # attached again: offered again
+    assert gguf_weights.matrix_of(weight) is not None
