@@ -11,6 +11,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 VOCAB = 96
+INIT = 0.2  # weights large enough that the greedy output varies (at 0.02 it repeats one token)
 HEADS, KV_HEADS = 4, 2
 # each layer's linear weights and the type written; up to the kernel's three types across the layers
 TYPES = {"attn_q": "Q4_1", "attn_k": "Q4_0", "attn_v": "Q8_0", "attn_output": "Q4_1", "ffn_gate": "Q4_1",
@@ -31,7 +32,8 @@ def write_tiny_llama(path: Path, seed: int = 0) -> Path:
     torch.manual_seed(seed)
     config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                          num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, max_position_embeddings=512,
-                         tie_word_embeddings=True, rms_norm_eps=1e-5, rope_theta=10000.0)
+                         tie_word_embeddings=True, rms_norm_eps=1e-5, rope_theta=10000.0,
+                         initializer_range=INIT)
     model = LlamaForCausalLM(config).eval()
     writer = gguf.GGUFWriter(str(path), "llama")
     writer.add_context_length(512)
