@@ -73,7 +73,8 @@ def test_the_route_is_offered_only_where_every_layer_has_blocks(gguf_model):
     routes = linear_routes.LinearRoutes(gguf_model)
     groups = routes.find_groups()
     assert "gguf" in linear_routes.routes_for(groups["decoder"]) and "gguf" in linear_routes.routes_for(groups["head"])
-    plain = linear_routes.LinearRoutes(make_model("llama-gqa")).find_groups()["decoder"]
+    other = make_model("llama-gqa")  # held: LinearRoutes keeps a weak reference
+    plain = linear_routes.LinearRoutes(other).find_groups()["decoder"]
     assert "gguf" not in linear_routes.routes_for(plain)
     assert "gguf" not in linear_routes.routes_for([*groups["decoder"], plain[0]])  # one layer without blocks
 
