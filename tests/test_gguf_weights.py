@@ -1,8 +1,8 @@
 """A GGUF model's linear layers read at their stored width (`hf_triforce.kernels.gguf_weights`, the ``"gguf"`` route).
 
-* `load_gguf` attaches every linear weight of a GGUF file of Q4_0, Q4_1 and Q8_0 tensors (llama.cpp's permuted query
-  and key rows put back in the model's order, the tied output layer included), each checked bit for bit against the
-  fp32 weight transformers loaded;
+* `load_gguf` attaches every linear weight of a GGUF file of Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K and Q6_K tensors
+  (llama.cpp's permuted query and key rows put back in the model's order, the tied output layer included), each
+  checked bit for bit against the fp32 weight transformers loaded;
 * TriForce with every linear layer on that route keeps its greedy output identical to plain ``generate`` on the
   same (dequantized) model, and its stats and the bench's heading say what the target read;
 * a model of other values, another dtype, a missing file, a weight written in place after attaching, and
@@ -10,6 +10,8 @@
 """
 
 from __future__ import annotations
+
+from collections import Counter
 
 import pytest
 import torch
@@ -44,8 +46,7 @@ def test_every_linear_weight_is_attached_bit_for_bit(gguf_model):
         matrix = gguf_weights.matrix_of(layer.weight)
         assert matrix is not None and matrix.out_features == layer.out_features
         assert torch.equal(gguf_linear.dequantize(matrix).view(torch.int32), layer.weight.detach().view(torch.int32))
-    expected = {kind: 2 * list(TYPES.values()).count(kind) for kind in set(TYPES.values())}
-    expected["Q8_0"] += 1  # the output layer
+    expected = Counter(kind for kind in TYPES.values() for _ in range(2)) + Counter(["Q8_0"])  # 2 layers, the head
     assert gguf_weights.describe(gguf_model) == dict(sorted(expected.items()))
     assert gguf_weights.matrix_of(gguf_model.lm_head.weight).kind == "Q8_0"
     detach_gguf(gguf_model)
@@ -64,7 +65,8 @@ def test_triforce_at_stored_width_keeps_greedy_identity(monkeypatch, gguf_model)
     assert set(stats.linear_routes) == {"head", "decoder"}
     assert stats.cpu_kernels["gguf"] == {"kernel": "on", "layers": gguf_weights.describe(gguf_model)}
     note = bench.kernels_note([bench.Run("triforce", stats=stats)])
-    assert "target weights at GGUF stored width (Q4_0 4 layers, Q4_1 8 layers, Q8_0 3 layers; kernel on)" in note
+    assert ("target weights at GGUF stored width (Q4_0 2 layers, Q4_1 2 layers, Q4_K 4 layers, Q5_0 2 layers, "
+            "Q5_1 2 layers, Q6_K 2 layers, Q8_0 1 layers; kernel on)") in note
     assert "decoder 1:gguf" in note
 
 

@@ -1,14 +1,17 @@
-"""A CPU kernel for a few fp32 rows times a weight matrix kept in GGUF's quantized blocks (Q4_0, Q4_1, Q8_0): the
-linear layers of a GGUF model's decoding and verification forwards, read at their stored width.
+"""A CPU kernel for a few fp32 rows times a weight matrix kept in GGUF's quantized blocks (Q4_0, Q4_1, Q5_0, Q5_1,
+Q8_0, Q4_K, Q6_K): the linear layers of a GGUF model's decoding and verification forwards, read at their stored
+width.
 
 A model loaded from a GGUF file holds weights that are 4 or 8 bits by construction; transformers dequantizes them to
 fp32 when it loads the file, and a one-row forward then reads 6.4x (Q4_1) the bytes the file holds. This kernel reads
-the blocks as the file stores them (`BlockMatrix`: 32 values a block, fp16 scale, and for Q4_1 an fp16 minimum) and
-widens each block to fp32 in registers (`csrc/gguf_rows_linear.c`), up to 8 rows a pass over the weights, the output
+the blocks as the file stores them (`BlockMatrix`: 32 values a block with an fp16 scale, and for Q4_1 / Q5_1 an fp16
+minimum; the K-quants 256 values a block in sub-blocks with 6- or 8-bit scales) and widens each 32 values to fp32 in
+registers (`csrc/gguf_rows_linear.c`), up to 8 rows a pass over the weights, the output
 columns split among torch's threads, like `few_rows_linear`.
 
 Exactness: the values it multiplies by are exactly the dequantized fp32 matrix's, bit for bit (what
-``gguf.dequantize`` computes and transformers loads: ``d * q`` exact in fp32, Q4_1's ``+ m`` its one rounding;
+``gguf.dequantize`` computes and transformers loads: the products of scales and quantized values are exact in fp32
+but Q6_K's last one, and the one rounding gguf makes, ``+ m``, ``- dmin * mn`` or Q6_K's product, is made once here;
 `reference_dequantize`, and `dequantize` reads them back from the kernel's own code). Each output is an fp32 dot
 product of one row with one weight row (rows never mix), in another summation order than ``F.linear``'s: the same
 model, other rounding, as with any change of GEMM kernel (`error_bound`).
@@ -30,15 +33,16 @@ from .native_build import CSRC, load_checked
 
 SOURCES = (CSRC / "gguf_rows_linear.c", CSRC / "vectors.h")  # compiled, included
 ENV = "HF_TRIFORCE_CPU_GGUF"
-BLOCK = 32  # values per block, every type
-# GGMLQuantizationType name -> (its code, bytes per block of 32 values)
-TYPES = {"Q4_0": (2, 18), "Q4_1": (3, 20), "Q8_0": (8, 34)}
+# GGMLQuantizationType name -> (its code, bytes per block, values per block, offsets of the block's fp16 scales)
+TYPES = {"Q4_0": (2, 18, 32, (0,)), "Q4_1": (3, 20, 32, (0, 2)), "Q5_0": (6, 22, 32, (0,)),
+         "Q5_1": (7, 24, 32, (0, 2)), "Q8_0": (8, 34, 32, (0,)), "Q4_K": (12, 144, 256, (0, 2)),
+         "Q6_K": (14, 210, 256, (208,))}
 
 
 @dataclass(frozen=True)
 class BlockMatrix:
-    """A weight matrix ``[out, in]`` as GGUF stores it: ``blocks`` uint8 ``[out, in / 32 * bytes per block]``, each
-    row its ``in / 32`` blocks of type ``kind`` (one of `TYPES`) in order, contiguous."""
+    """A weight matrix ``[out, in]`` as GGUF stores it: ``blocks`` uint8 ``[out, in / values * bytes]`` (`TYPES`: values
+    and bytes per block), each row its blocks of type ``kind`` in order, contiguous."""
 
     kind: str
     blocks: torch.Tensor
@@ -47,10 +51,11 @@ class BlockMatrix:
     def __post_init__(self) -> None:
         if self.kind not in TYPES:
             raise ValueError(f"BlockMatrix: kind must be one of {', '.join(TYPES)}, got {self.kind!r}")
-        if self.in_features < BLOCK or self.in_features % BLOCK:
-            raise ValueError(f"BlockMatrix: in_features must be a positive multiple of {BLOCK}, got "
+        _, size, values, _ = TYPES[self.kind]
+        if self.in_features < values or self.in_features % values:
+            raise ValueError(f"BlockMatrix: in_features must be a positive multiple of {values} for {self.kind}, got "
                              f"{self.in_features}")
-        width = self.in_features // BLOCK * TYPES[self.kind][1]
+        width = self.in_features // values * size
         blocks = self.blocks
         if (blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.shape[1] != width
                 or blocks.device.type != "cpu" or not blocks.is_contiguous()):
@@ -149,22 +154,51 @@ def _dequantize_with(kernel: _Kernel, matrix: BlockMatrix) -> torch.Tensor:
     return out
 
 
+def _halves(blocks: torch.Tensor, offset: int) -> torch.Tensor:
+    """The fp16 values at byte ``offset`` of each block (``blocks`` ``[..., bytes]``), widened to fp32 ``[..., 1]``."""
+    return blocks[..., offset : offset + 2].contiguous().view(torch.float16).float()
+
+
+def _nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """``[..., 2n]``: the low nibbles of ``packed`` ``[..., n]`` then its high ones."""
+    return torch.cat([packed & 15, packed >> 4], dim=-1)
+
+
+def _high_bits(packed: torch.Tensor) -> torch.Tensor:
+    """``[..., 32]``: bit ``i`` of the little-endian 32 bits ``packed`` ``[..., 4]``, times 16."""
+    bits = torch.stack([(packed >> shift) & 1 for shift in range(8)], dim=-1)  # [..., byte, bit]
+    return bits.reshape(*packed.shape[:-1], 32) << 4
+
+
 def reference_dequantize(matrix: BlockMatrix) -> torch.Tensor:
-    """``[out, in]`` fp32 computed in torch as gguf's dequantization computes it (fp16 scale and minimum widened to
-    fp32; Q4_0 ``d * (q - 8)``, Q4_1 ``d * q + m``, Q8_0 ``d * q``; byte ``i`` of a 4-bit block holding value ``i``
-    in its low nibble and ``i + 16`` in its high one)."""
-    blocks = matrix.blocks.reshape(matrix.out_features, matrix.in_features // BLOCK, -1)
-    d = blocks[..., :2].contiguous().view(torch.float16).float()
-    if matrix.kind == "Q8_0":
-        values = blocks[..., 2:].contiguous().view(torch.int8).float() * d
-    else:
-        packed = blocks[..., 4:] if matrix.kind == "Q4_1" else blocks[..., 2:]
-        q = torch.cat([packed & 15, packed >> 4], dim=-1).float()
-        if matrix.kind == "Q4_1":
-            values = d * q + blocks[..., 2:4].contiguous().view(torch.float16).float()
-        else:
-            values = d * (q - 8)
-    return values.reshape(matrix.out_features, matrix.in_features)
+    """``[out, in]`` fp32 computed in torch as gguf's dequantization computes it (``gguf.quants``): fp16 scales and
+    minimums widened to fp32, each product of scales and values in fp32, then the one sum or product gguf makes."""
+    _, _, values, _ = TYPES[matrix.kind]
+    blocks = matrix.blocks.reshape(matrix.out_features, matrix.in_features // values, -1)
+    kind, lead = matrix.kind, blocks.shape[:-1]
+    if kind == "Q8_0":
+        out = blocks[..., 2:].contiguous().view(torch.int8).float() * _halves(blocks, 0)
+    elif kind in ("Q4_0", "Q4_1"):
+        q = _nibbles(blocks[..., 4:] if kind == "Q4_1" else blocks[..., 2:]).float()
+        out = _halves(blocks, 0) * q + _halves(blocks, 2) if kind == "Q4_1" else _halves(blocks, 0) * (q - 8)
+    elif kind in ("Q5_0", "Q5_1"):
+        start = 4 if kind == "Q5_1" else 2
+        q = (_nibbles(blocks[..., start + 4 :]) | _high_bits(blocks[..., start : start + 4])).float()
+        out = _halves(blocks, 0) * q + _halves(blocks, 2) if kind == "Q5_1" else _halves(blocks, 0) * (q - 16)
+    elif kind == "Q4_K":
+        s = blocks[..., 4:16]
+        scale = torch.cat([s[..., 0:4] & 63, (s[..., 8:12] & 15) | ((s[..., 0:4] >> 6) << 4)], dim=-1).float()
+        low = torch.cat([s[..., 4:8] & 63, (s[..., 8:12] >> 4) | ((s[..., 4:8] >> 6) << 4)], dim=-1).float()
+        chunks = blocks[..., 16:].reshape(*lead, 4, 32)
+        q = torch.stack([chunks & 15, chunks >> 4], dim=-2).reshape(*lead, 8, 32).float()
+        out = (_halves(blocks, 0) * scale)[..., None] * q - (_halves(blocks, 2) * low)[..., None]
+    else:  # Q6_K
+        low = blocks[..., :128].reshape(*lead, 2, 1, 64) >> torch.tensor([0, 4], dtype=torch.uint8)[:, None]
+        high = blocks[..., 128:192].reshape(*lead, 2, 1, 32) >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8)[:, None]
+        q = (low & 15).reshape(*lead, 8, 32) | ((high & 3).reshape(*lead, 8, 32) << 4)
+        scales = blocks[..., 192:208].contiguous().view(torch.int8).float()
+        out = (_halves(blocks, 208) * scales)[..., None] * (q.float() - 32).reshape(*lead, 16, 16)
+    return out.reshape(matrix.out_features, matrix.in_features)
 
 
 def error_bound(rows: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
@@ -175,22 +209,24 @@ def error_bound(rows: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
 
 
 def random_matrix(kind: str, out_features: int, in_features: int, generator: torch.Generator) -> BlockMatrix:
-    """A `BlockMatrix` of random quantized values and random fp16 scales (and minimums) of either sign, finite."""
-    blocks = torch.randint(0, 256, (out_features, in_features // BLOCK, TYPES[kind][1]), dtype=torch.uint8,
+    """A `BlockMatrix` of random bytes but for finite random fp16 scales (and minimums) of either sign."""
+    _, size, values, halves = TYPES[kind]
+    blocks = torch.randint(0, 256, (out_features, in_features // values, size), dtype=torch.uint8,
                            generator=generator)
-    halves = 2 if kind == "Q4_1" else 1
-    scales = (torch.randn(out_features, in_features // BLOCK, halves, generator=generator) * 0.05).half()
-    blocks[..., : 2 * halves] = scales.view(torch.uint8).reshape(out_features, in_features // BLOCK, 2 * halves)
+    for offset in halves:
+        scales = (torch.randn(out_features, in_features // values, 1, generator=generator) * 0.05).half()
+        blocks[..., offset : offset + 2] = scales.view(torch.uint8)
     return BlockMatrix(kind, blocks.reshape(out_features, -1).contiguous(), in_features)
 
 
 def _self_check(kernel: _Kernel) -> str | None:
-    """Each type on shapes it takes (1-11 rows: one pass and two; outputs not a multiple of its blocks of rows): the
-    values equal `reference_dequantize`'s bit for bit, and the products are within `error_bound` of float64; the
-    first failure, or None."""
+    """Each type on shapes it takes (1-11 rows: one pass and two; 1-5 blocks a row; outputs not a multiple of its
+    blocks of rows): the values equal `reference_dequantize`'s bit for bit, and the products are within `error_bound`
+    of float64; the first failure, or None."""
     generator = torch.Generator().manual_seed(0)
     for kind in TYPES:
-        for rows, out_features, in_features in ((1, 37, 64), (3, 50, 1024), (8, 29, 576), (11, 101, 160)):
+        for rows, out_features, blocks in ((1, 37, 2), (3, 50, 5), (8, 29, 3), (11, 101, 1)):
+            in_features = blocks * TYPES[kind][2]
             matrix = random_matrix(kind, out_features, in_features, generator)
             values = reference_dequantize(matrix)
             if not torch.equal(_dequantize_with(kernel, matrix).view(torch.int32), values.view(torch.int32)):
