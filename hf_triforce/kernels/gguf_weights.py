@@ -3,9 +3,9 @@ are, for `linear_routes`' ``"gguf"`` route (`gguf_linear`'s kernel).
 
 transformers loads a GGUF file (``from_pretrained(folder, gguf_file=...)``) by dequantizing every tensor to fp32, so
 a one-row forward of a 4-bit model reads 6-8x the bytes its file holds. `attach_gguf` reads the file's tensors of the
-types the kernel takes (`gguf_linear.TYPES`: Q4_0, Q4_1, Q8_0), puts their rows in the model's order (transformers'
-own tensor processor for the architecture: Llama's query and key rows are stored permuted) and keeps each beside the
-weight of the model's `nn.Linear` it was loaded into (a tied output layer included) -- after checking that the
+types the kernel takes (`gguf_linear.TYPES`: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q6_K), puts their rows in the model's
+order (transformers' own tensor processor for the architecture: Llama's query and key rows are stored permuted) and
+keeps each beside the weight of the model's `nn.Linear` it was loaded into (a tied output layer included) -- after checking that the
 kernel's values are that weight's, bit for bit. So the model is exactly those values: the route multiplies by them
 with fp32 sums (another summation order than ``F.linear``'s), and the greedy output and the sampled law are the
 model's, as with any CPU kernel of the library (docs/deployment.md, "The CPU kernels").
@@ -13,7 +13,8 @@ model's, as with any CPU kernel of the library (docs/deployment.md, "The CPU ker
 Opt-in: `load_gguf` (a GGUF file loaded and attached) or `attach_gguf` (a model loaded otherwise from the same
 values, e.g. the dequantized checkpoint `hf_triforce.assets` keeps). The attached blocks stay with the weight tensor
 while it is unchanged: a weight written in place afterwards is refused by `matrix_of` (attach again, or `detach_gguf`).
-Tensors of other types (F32, Q4_K, Q6_K, ...) stay on the fp32 routes; `describe` counts what is attached.
+Tensors of other types (F32, F16, Q2_K, Q3_K, Q5_K, the I-quants, ...) stay on the fp32 routes; `describe` counts
+what is attached.
 """
 
 from __future__ import annotations

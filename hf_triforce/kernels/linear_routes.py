@@ -8,9 +8,9 @@ rounding of each output to their dtype, like any change of GEMM kernel):
   (MKL's one-column product takes a slower kernel than its two-column one on some CPUs);
 - ``"stream"``: the library's kernel (`few_rows_linear`: each weight row read once for all the rows), fp32, bf16 or
   fp16 weights, where it is built;
-- ``"gguf"``: the weights' GGUF blocks read at their stored width (`gguf_linear`), where a GGUF file's Q4_0 / Q4_1 /
-  Q8_0 blocks were attached to every layer of the group (`gguf_weights.attach_gguf`): exactly the fp32 weight's values,
-  bit for bit, so the same dot products again.
+- ``"gguf"``: the weights' GGUF blocks read at their stored width (`gguf_linear`), where a GGUF file's blocks (Q4_0,
+  Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q6_K) were attached to every layer of the group (`gguf_weights.attach_gguf`):
+  exactly the fp32 weight's values, bit for bit, so the same dot products again.
 
 Which is faster depends on the CPU, the shapes and the row count. Qwen2.5-Coder-1.5B's decoder shapes, fp32, 2 threads,
 an AVX-512 EPYC, ms for 1 / 2 / 4 / 8 rows: ``"linear"`` 32 / 66 / 62 / 56, ``"left"`` 21 / 22 / 27 / 60,

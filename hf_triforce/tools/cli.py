@@ -112,7 +112,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="folder of saved prefills (safetensors): each prompt's prefill is read from it where "
                             "saved for this model, dtype and RoPE, else computed and saved there")
     bench.add_argument("--gguf-stored-width", nargs="?", const="", default=None, metavar="GGUF",
-                       help="TriForce's target reads its linear layers' Q4_0/Q4_1/Q8_0 blocks at their stored width "
+                       help="TriForce's target reads its linear layers' GGUF blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, "
+                            "Q4_K, Q6_K) at their stored width "
                             "from this GGUF file (without a file: the bundled --model's own; the model must hold its "
                             "values in float32); plain and static generate run transformers' fp32 forward of the "
                             "same values (hf_triforce.kernels.gguf_weights)")
