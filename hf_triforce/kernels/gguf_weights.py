@@ -1,14 +1,14 @@
 """A GGUF model's linear layers read at their stored width: the file's quantized blocks attached to the weights they
 are, for `linear_routes`' ``"gguf"`` route (`gguf_linear`'s kernel).
 
-transformers loads a GGUF file (``from_pretrained(folder, gguf_file=...)``) by dequantizing every tensor to fp32, so
-a one-row forward of a 4-bit model reads 6-8x the bytes its file holds. `attach_gguf` reads the file's tensors of the
+transformers loads a GGUF file (``from_pretrained(folder, gguf_file=...)``) by dequantizing every tensor to fp32, so a
+one-row forward of a 4-bit model reads 6-8x the bytes its file holds. `attach_gguf` reads the file's tensors of the
 types the kernel takes (`gguf_linear.TYPES`: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q6_K), puts their rows in the model's
 order (transformers' own tensor processor for the architecture: Llama's query and key rows are stored permuted) and
-keeps each beside the weight of the model's `nn.Linear` it was loaded into (a tied output layer included) -- after checking that the
-kernel's values are that weight's, bit for bit. So the model is exactly those values: the route multiplies by them
-with fp32 sums (another summation order than ``F.linear``'s), and the greedy output and the sampled law are the
-model's, as with any CPU kernel of the library (docs/deployment.md, "The CPU kernels").
+keeps each beside the weight of the model's `nn.Linear` it was loaded into (a tied output layer included) -- after
+checking that the kernel's values are that weight's, bit for bit. So the model is exactly those values: the route
+multiplies by them with fp32 sums (another summation order than ``F.linear``'s), and the greedy output and the sampled
+law are the model's, as with any CPU kernel of the library (docs/deployment.md, "The CPU kernels").
 
 Opt-in: `load_gguf` (a GGUF file loaded and attached) or `attach_gguf` (a model loaded otherwise from the same
 values, e.g. the dequantized checkpoint `hf_triforce.assets` keeps). The attached blocks stay with the weight tensor
