@@ -71,6 +71,30 @@ def test_triforce_at_stored_width_keeps_greedy_identity(monkeypatch, gguf_model)
 
 
 @needs_kernel
+def test_the_route_gives_each_row_its_own_products_and_is_restored(gguf_model):
+    """Under the ``"gguf"`` route each layer (the tied head included) computes each row's own dot products with the
+    weight's values (within the fp32 bound of the plain layer's), a row's output the same whatever the other rows
+    hold; the layers are restored after the block."""
+    routes = linear_routes.LinearRoutes(gguf_model)
+    routes.calibrate = lambda group, rows: "gguf"
+    layers = [gguf_model.model.layers[0].mlp.down_proj, gguf_model.lm_head]
+    inputs = {(i, n): torch.randn(1, n, layer.in_features) for i, layer in enumerate(layers) for n in (1, 2, 7)}
+    expected = {(i, n): layers[i](x) for (i, n), x in inputs.items()}
+    with routes.installed():
+        assert all("forward" in vars(layer) for layer in layers)
+        got = {(i, n): layers[i](x) for (i, n), x in inputs.items()}
+        for i, layer in enumerate(layers):
+            other = inputs[i, 7].clone()
+            other[:, 1:] = torch.randn_like(other[:, 1:])
+            assert torch.equal(layer(other)[:, 0], got[i, 7][:, 0])
+    assert not any("forward" in vars(layer) for layer in layers)
+    for (i, n), out in got.items():
+        bound = gguf_linear.error_bound(inputs[i, n][0], layers[i].weight.detach()) * 2  # both sides' rounding
+        assert out.shape == expected[i, n].shape
+        assert bool(((out[0].double() - expected[i, n][0].double()).abs() <= bound).all())
+
+
+@needs_kernel
 def test_the_route_is_offered_only_where_every_layer_has_blocks(gguf_model):
     routes = linear_routes.LinearRoutes(gguf_model)
     groups = routes.find_groups()
