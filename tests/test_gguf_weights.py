@@ -99,6 +99,8 @@ def test_the_route_is_offered_only_where_every_layer_has_blocks(gguf_model):
     routes = linear_routes.LinearRoutes(gguf_model)
     groups = routes.find_groups()
     assert "gguf" in linear_routes.routes_for(groups["decoder"]) and "gguf" in linear_routes.routes_for(groups["head"])
+    routes.groups = groups
+    assert routes.calibrate("decoder", 2) in linear_routes.ROUTES  # the timing runs every route, "gguf" included
     other = make_model("llama-gqa")  # held: LinearRoutes keeps a weak reference
     plain = linear_routes.LinearRoutes(other).find_groups()["decoder"]
     assert "gguf" not in linear_routes.routes_for(plain)
