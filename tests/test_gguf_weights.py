@@ -131,3 +131,19 @@ def test_bad_inputs_are_refused(tiny_gguf, tmp_path, gguf_model):
         linear_routes.routes_for([gguf_model.model.layers[0].mlp.down_proj])
     attach_gguf(gguf_model, tiny_gguf)  # attached again: offered again
     assert gguf_weights.matrix_of(weight) is not None
+
+
+@needs_kernel
+def test_the_timing_reads_its_working_set_at_the_packed_width(monkeypatch, gguf_model):
+    """The route timing takes layers until `CALIBRATION_BYTES` counted at the blocks' width: counted in fp32 the
+    blocks would be timed on a working set a sixth as large, read from the cache where a forward reads memory."""
+    routes = linear_routes.LinearRoutes(gguf_model)
+    routes.groups = routes.find_groups()
+    packed = [gguf_weights.matrix_of(layer.weight).nbytes for layer in routes.groups["decoder"]]
+    monkeypatch.setattr(linear_routes, "CALIBRATION_BYTES", sum(packed[:5]))
+    seen = set()
+    real = linear_routes.multiply
+    monkeypatch.setattr(linear_routes, "multiply",
+                        lambda route, rows, weight: seen.add(id(weight)) or real(route, rows, weight))
+    routes.calibrate("decoder", 1)
+    assert len(seen) == 5

@@ -138,12 +138,14 @@ class LinearRoutes:
     @torch.no_grad()
     def calibrate(self, group: str, rows: int) -> str:
         """Times each route the group can take (`routes_for`) over its first layers holding `CALIBRATION_BYTES` of
-        weights (all of them if fewer), `CALIBRATION_ROUNDS` rounds alternating the routes; returns the fastest (ties:
-        ``"linear"``)."""
+        weights (all of them if fewer; counted at the narrowest width a route reads them, a GGUF matrix's blocks where
+        attached, so that no route's timing reads from the cache), `CALIBRATION_ROUNDS` rounds alternating the routes;
+        returns the fastest (ties: ``"linear"``)."""
         working, held = [], 0
         for layer in self.groups[group]:
             working.append(layer.weight)
-            held += layer.weight.nbytes
+            matrix = gguf_weights.matrix_of(layer.weight)
+            held += layer.weight.nbytes if matrix is None else min(layer.weight.nbytes, matrix.nbytes)
             if held >= CALIBRATION_BYTES:
                 break
         # timing inputs from a private generator: the caller's global RNG (a seeded sampled call) is left untouched
