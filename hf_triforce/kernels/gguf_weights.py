@@ -28,6 +28,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from .. import compat
 from . import gguf_linear
 from .gguf_linear import TYPES, BlockMatrix
 
@@ -79,11 +80,6 @@ def attach_gguf(model: nn.Module, path: str | Path) -> dict[str, int]:
     the model of this file); no tensor of a type the kernel reads."""
     try:
         from gguf import GGUFReader
-        from transformers.modeling_gguf_pytorch_utils import (
-            TENSOR_PROCESSORS,
-            TensorProcessor,
-            get_gguf_hf_weights_map,
-        )
     except ImportError as error:
         raise ImportError(f"attach_gguf reads GGUF files with the gguf package: pip install gguf ({error})") from error
     path = Path(path)
@@ -92,8 +88,7 @@ def attach_gguf(model: nn.Module, path: str | Path) -> dict[str, int]:
     reader = GGUFReader(path)
     field = reader.fields.get("general.architecture")
     architecture = field.contents() if field is not None else None
-    processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=model.config.to_dict())
-    mapping = get_gguf_hf_weights_map(model, processor)
+    processor, mapping = compat.gguf_tensor_map(model, architecture)
     weights = _linear_weights(model)
     check = gguf_linear.dequantize if gguf_linear.available() else gguf_linear.reference_dequantize
     found: list[tuple[torch.Tensor, _Attached]] = []
@@ -121,7 +116,7 @@ def attach_gguf(model: nn.Module, path: str | Path) -> dict[str, int]:
         if not torch.equal(check(matrix).view(torch.int32), weight.detach().view(torch.int32)):
             raise ValueError(f"attach_gguf: model weight {hf_name} differs from the values of {tensor.name} in "
                              f"{path.name}: model is not the model of this file")
-        found.append((weight, _Attached(matrix, weight._version, tensor.name)))
+        found.append((weight, _Attached(matrix, compat.version_counter(weight), tensor.name)))
     if not found:
         raise ValueError(f"attach_gguf: {path.name} holds no linear weight of {', '.join(TYPES)} for this model")
     for weight, attached in found:
@@ -160,7 +155,7 @@ def matrix_of(weight: torch.Tensor) -> BlockMatrix | None:
     attached = _attached(weight)
     if attached is None:
         return None
-    if weight._version != attached.version:
+    if compat.version_counter(weight) != attached.version:
         raise RuntimeError(f"the weight loaded from GGUF tensor {attached.source} was changed in place after "
                            "attach_gguf: its attached blocks no longer hold its values (attach_gguf again, or "
                            "detach_gguf)")
