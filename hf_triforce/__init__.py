@@ -8,6 +8,7 @@ from .caches.saved_prefill import load_prefill, save_prefill
 from .candidates import TriForceCandidateGenerator
 from .config import TriForceConfig
 from .integration import TriForceGenerateOutput, disable, enable, triforce_generate
+from .kernels.gguf_weights import attach_gguf, detach_gguf, load_gguf
 from .stats import TriForceStats
 
 __version__ = "0.1.0"
@@ -18,8 +19,11 @@ __all__ = [
     "TriForceConfig",
     "TriForceGenerateOutput",
     "TriForceStats",
+    "attach_gguf",
+    "detach_gguf",
     "disable",
     "enable",
+    "load_gguf",
     "load_prefill",
     "save_prefill",
     "triforce_generate",

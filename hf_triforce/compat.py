@@ -21,6 +21,9 @@ and reach anything else through the functions below:
   from a cache's ``is_sliding`` layers, ``get_mask_sizes`` and ``get_seq_length``;
 - ``GenerateDecoderOnlyOutput`` (the output class TriForce's output extends);
 - ``hf_quantizer.remove_quantization_config`` (a GGUF-loaded model is marked quantized until it is removed);
+- GGUF loading's tensor processors and name map (``modeling_gguf_pytorch_utils``: ``TENSOR_PROCESSORS``,
+  ``TensorProcessor``, ``get_gguf_hf_weights_map``), with which ``from_pretrained(gguf_file=...)`` puts a file's
+  tensors into the model (``gguf_tensor_map``: Llama's query and key rows unpermuted);
 - ``PrefixConstrainedLogitsProcessor``'s callback and rows per batch id (``prefix_constraint``);
 - ``CompileConfig._compile_all_devices``: ``generate`` compiles its decoding forward on CUDA-like devices only
   unless it is set (``compile_everywhere``; the bench's compiled static-cache baseline on the CPU);
@@ -33,6 +36,8 @@ and reach anything else through the functions below:
   (``q = candidate_logits.softmax``, ``p = new_logits.softmax``, residual ``max(p - q, 0)``).
 
 Other libraries' attributes read here, with the same contract tests:
+
+- torch's ``Tensor._version`` (``version_counter``: every in-place write bumps it; no public name in torch 2.13);
 
 - bitsandbytes ``Linear8bitLt.state.threshold`` (the LLM.int8 outlier threshold; > 0 mixes rows);
 - accelerate's dispatch hooks (``device_map=`` / ``offload_folder=``): ``_hf_hook`` with its
@@ -233,6 +238,23 @@ def remove_quantization_config(model) -> None:
     """Drop the quantization marker a GGUF load leaves (weights are already dequantized)."""
     if getattr(model, "hf_quantizer", None) is not None:
         model.hf_quantizer.remove_quantization_config(model)
+
+
+def gguf_tensor_map(model, architecture: str | None) -> tuple[object, dict[str, str]]:
+    """``(processor, names)``: transformers' tensor processor for a GGUF file of ``architecture`` (its
+    ``general.architecture``; the default processor where transformers has none for it), made on ``model``'s config,
+    and the map from the file's tensor names to ``model``'s parameter names -- what ``from_pretrained(gguf_file=...)``
+    loads with. ``processor.process(weights=, name=, tensor_key_mapping=, parsed_parameters=)`` returns the tensor as
+    loaded (``.weights``, a numpy array) and its name (``.name``)."""
+    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map
+
+    processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=model.config.to_dict())
+    return processor, get_gguf_hf_weights_map(model, processor)
+
+
+def version_counter(tensor: torch.Tensor) -> int:
+    """``tensor``'s version counter: every in-place write to it (or a view of it) bumps it."""
+    return tensor._version
 
 
 def prefix_constraint(processor) -> tuple[Callable, int]:

@@ -49,7 +49,9 @@ class TriForceStats:
     attention_routes: dict = field(default_factory=dict)
     attention_calibration_seconds: float = 0.0
     # the CPU kernels of a CPU target (`kernels.cpu_kernels.describe`): {"target": the -march they were built for
-    # (HF_TRIFORCE_CPU_MARCH), "attention": "on" or why not, "linear": "on" or why not}; {} for other devices
+    # (HF_TRIFORCE_CPU_MARCH), "attention": "on" or why not, "linear": "on" or why not, and where GGUF blocks are
+    # attached to its layers (`kernels.gguf_weights`) "gguf": {"kernel": "on" or why not, "layers": {type: count}}};
+    # {} for other devices
     cpu_kernels: dict = field(default_factory=dict)
     kernel_build_seconds: float = 0.0  # compiling and checking the kernels at this call's set-up (first call only)
     # TriForceConfig.tier_compile other than "off": {"mode", "forwards" (fixed-shape forwards run), "compiles" (graphs
@@ -61,8 +63,9 @@ class TriForceStats:
     draft_caches: dict = field(default_factory=dict)
     draft_copy_seconds: float = 0.0  # making the drafting tiers' weight copies (lean, int8): on a model's first call
     # the target's CPU linear layers: per group ("head", "decoder"), per row count multiplied so far, the route timed
-    # fastest on this CPU ("linear": x @ W.T, "left": W @ x.T, "stream": the few-rows kernel; `kernels.linear_routes`),
-    # and this call's seconds timing routes (once per model, row count and process)
+    # fastest on this CPU ("linear": x @ W.T, "left": W @ x.T, "stream": the few-rows kernel, "gguf": the GGUF blocks
+    # read at their stored width, `cpu_kernels["gguf"]`; `kernels.linear_routes`), and this call's seconds timing
+    # routes (once per model, row count and process)
     linear_routes: dict = field(default_factory=dict)
     linear_calibration_seconds: float = 0.0
     # calls of routed layers that took F.linear instead of their route, by why (CPU autocast, rows of another dtype

@@ -299,3 +299,10 @@ def test_bench_saves_a_prefill_and_reads_it_back_in_a_later_run(tmp_path, capsys
         outputs.append(json.loads((tmp_path / "bench" / "results.json").read_text())[0]["methods"]["plain"])
     assert outputs[0]["new_token_ids"] == outputs[1]["new_token_ids"]
     assert len(list((tmp_path / "prefills").glob("prefill-119-*.safetensors"))) == 1
+
+
+def test_bench_gguf_stored_width_names_what_it_needs(tmp_path):
+    with pytest.raises(SystemExit, match="--gguf-stored-width without a file reads a bundled model's GGUF: --model"):
+        main(["bench", "--model", str(tmp_path), "--gguf-stored-width"])
+    with pytest.raises(SystemExit, match="--gguf-stored-width needs --dtype float32 .*got bfloat16"):
+        main(["bench", "--gguf-stored-width", "--dtype", "bfloat16"])

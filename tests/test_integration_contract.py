@@ -335,3 +335,28 @@ def test_assisted_loop_runs_a_generator_over_a_prefilled_cache():
     assert updates and all(length == cached + 1 for _, length, cached, _, _ in updates)
     assert any(matches > 0 for *_, matches in updates)  # several tokens per verification: the cache was cropped
     assert seen[0] == ("get", 30, 29)
+
+
+def test_gguf_tensor_map_and_version_counter_contract():
+    """transformers' GGUF loading maps a Llama file's tensor names to the model's parameters (the tied output layer
+    to the token embedding) and its processor puts llama.cpp's permuted query and key rows back in the model's order
+    (a permutation, nothing else); an in-place write bumps a tensor's version counter."""
+    import numpy as np
+
+    model = make_model("llama-gqa", tie_word_embeddings=True)
+    processor, names = compat.gguf_tensor_map(model, "llama")
+    assert names["blk.0.attn_q.weight"] == "model.layers.0.self_attn.q_proj.weight"
+    assert names["blk.1.ffn_down.weight"] == "model.layers.1.mlp.down_proj.weight"
+    assert names["token_embd.weight"] == "model.embed_tokens.weight"
+    rows = model.config.hidden_size
+    index = np.arange(rows, dtype=np.float64).reshape(rows, 1)
+    for part in ("attn_q", "attn_v"):
+        result = processor.process(weights=index, name=f"blk.0.{part}.weight", tensor_key_mapping=names,
+                                   parsed_parameters={})
+        assert result.name == f"blk.0.{part}.weight" and sorted(result.weights[:, 0]) == list(index[:, 0])
+        assert (part == "attn_v") == bool((result.weights == index).all())  # only the query rows move
+    weight = model.lm_head.weight
+    before = compat.version_counter(weight)
+    with torch.no_grad():
+        weight.mul_(1.0)
+    assert compat.version_counter(weight) == before + 1

@@ -7,7 +7,10 @@ rounding of each output to their dtype, like any change of GEMM kernel):
 - ``"left"``: weight on the left, ``(W @ x.T).T``; one row goes in as two identical columns and the first is kept
   (MKL's one-column product takes a slower kernel than its two-column one on some CPUs);
 - ``"stream"``: the library's kernel (`few_rows_linear`: each weight row read once for all the rows), fp32, bf16 or
-  fp16 weights, where it is built.
+  fp16 weights, where it is built;
+- ``"gguf"``: the weights' GGUF blocks read at their stored width (`gguf_linear`), where a GGUF file's blocks (Q4_0,
+  Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q6_K) were attached to every layer of the group (`gguf_weights.attach_gguf`):
+  exactly the fp32 weight's values, bit for bit, so the same dot products again.
 
 Which is faster depends on the CPU, the shapes and the row count. Qwen2.5-Coder-1.5B's decoder shapes, fp32, 2 threads,
 an AVX-512 EPYC, ms for 1 / 2 / 4 / 8 rows: ``"linear"`` 32 / 66 / 62 / 56, ``"left"`` 21 / 22 / 27 / 60,
@@ -38,9 +41,9 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from . import few_rows_linear
+from . import few_rows_linear, gguf_linear, gguf_weights
 
-ROUTES = ("linear", "left", "stream")
+ROUTES = ("linear", "left", "stream", "gguf")
 MAX_ROUTED_ROWS = 16  # more rows (a prefill chunk): F.linear, a compute-bound product either way
 CALIBRATED_ROWS = (1, 2, 4, 8)  # the row counts timed; n rows take the route of the largest of these <= n
 # the weights one timing streams: more than a last-level cache (32 MB per AMD CCX), else the timing measures
@@ -65,6 +68,8 @@ def multiply(route: str, rows: torch.Tensor, weight: torch.Tensor) -> torch.Tens
         return F.linear(rows, weight)
     if route == "stream":
         return few_rows_linear.multiply(rows, weight)
+    if route == "gguf":
+        return gguf_linear.multiply(rows, gguf_weights.matrix_of(weight))
     # a contiguous copy: MKL takes a slow path for a stride-0 column (4x dearer than two real ones on the EPYC)
     columns = rows if rows.shape[0] > 1 else rows.expand(2, -1).contiguous()
     return (weight @ columns.T).T[: rows.shape[0]]
@@ -82,9 +87,14 @@ def bypass(hidden: torch.Tensor, weight: torch.Tensor) -> str | None:
 
 
 def routes_for(layers: list[nn.Linear]) -> tuple[str, ...]:
-    """The routes ``layers`` can take: ``"stream"`` only where the kernel takes every one of their weights."""
-    stream = bool(layers) and all(few_rows_linear.supports(layer.weight) for layer in layers)
-    return tuple(route for route in ROUTES if route != "stream" or stream)
+    """The routes ``layers`` can take: ``"stream"`` only where the kernel takes every one of their weights, ``"gguf"``
+    only where every one has GGUF blocks attached (`gguf_weights.matrix_of`) and that kernel is built."""
+    offered = {
+        "stream": bool(layers) and all(few_rows_linear.supports(layer.weight) for layer in layers),
+        "gguf": bool(layers) and all(gguf_weights.matrix_of(layer.weight) is not None for layer in layers)
+        and gguf_linear.available(),
+    }
+    return tuple(route for route in ROUTES if offered.get(route, True))
 
 
 class LinearRoutes:
@@ -128,12 +138,14 @@ class LinearRoutes:
     @torch.no_grad()
     def calibrate(self, group: str, rows: int) -> str:
         """Times each route the group can take (`routes_for`) over its first layers holding `CALIBRATION_BYTES` of
-        weights (all of them if fewer), `CALIBRATION_ROUNDS` rounds alternating the routes; returns the fastest (ties:
-        ``"linear"``)."""
+        weights (all of them if fewer; counted at the narrowest width a route reads them, a GGUF matrix's blocks where
+        attached, so that no route's timing reads from the cache), `CALIBRATION_ROUNDS` rounds alternating the routes;
+        returns the fastest (ties: ``"linear"``)."""
         working, held = [], 0
         for layer in self.groups[group]:
             working.append(layer.weight)
-            held += layer.weight.nbytes
+            matrix = gguf_weights.matrix_of(layer.weight)
+            held += layer.weight.nbytes if matrix is None else min(layer.weight.nbytes, matrix.nbytes)
             if held >= CALIBRATION_BYTES:
                 break
         # timing inputs from a private generator: the caller's global RNG (a seeded sampled call) is left untouched

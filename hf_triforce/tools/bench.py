@@ -286,8 +286,10 @@ def table(runs: list[Run], sampled: bool = False) -> str:
 
 def kernels_note(runs: list[Run]) -> str:
     """What a TriForce run among ``runs`` ran on the CPU, for a table's heading: the kernels' build target and
-    status, the attention route (`TriForceStats.attention_kernel`), the linear routes by group and row count, and
-    the calls that left their route (`TriForceStats.linear_bypassed`); "" where no TriForce run served a CPU model."""
+    status, the target's weights (as the model holds them, or the layers with GGUF blocks for the ``"gguf"`` route:
+    `cpu_kernels["gguf"]`), the attention route (`TriForceStats.attention_kernel`), the linear routes by group and row
+    count, and the calls that left their route (`TriForceStats.linear_bypassed`); "" where no TriForce run served a
+    CPU model."""
     stats = next((run.stats for run in runs if run.stats is not None and run.stats.cpu_kernels), None)
     if stats is None:
         return ""
@@ -295,8 +297,12 @@ def kernels_note(runs: list[Run]) -> str:
     routes = "; ".join(f"{group} " + " ".join(f"{rows}:{route}" for rows, route in by_rows.items())
                        for group, by_rows in stats.linear_routes.items() if by_rows) or "none timed"
     bypassed = "".join(f", {calls} calls by F.linear ({why})" for why, calls in stats.linear_bypassed.items())
-    return (f"TriForce CPU kernels built for {kernels['target']}: attention {stats.attention_kernel}, linear kernel "
-            f"{kernels['linear']}, linear routes {routes}{bypassed}")
+    gguf = kernels.get("gguf")
+    weights = ("target weights as the model holds them" if gguf is None else "target weights at GGUF stored width ("
+               + ", ".join(f"{kind} {count} layers" for kind, count in gguf["layers"].items())
+               + f"; kernel {gguf['kernel']})")
+    return (f"TriForce CPU kernels built for {kernels['target']}: {weights}, attention {stats.attention_kernel}, "
+            f"linear kernel {kernels['linear']}, linear routes {routes}{bypassed}")
 
 
 def identity(run: Run, base: Run) -> str:

@@ -112,6 +112,12 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--prefill-dir", type=Path, default=None,
                        help="folder of saved prefills (safetensors): each prompt's prefill is read from it where "
                             "saved for this model, dtype and RoPE, else computed and saved there")
+    bench.add_argument("--gguf-stored-width", nargs="?", const="", default=None, metavar="GGUF",
+                       help="TriForce's target reads its linear layers' GGUF blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, "
+                            "Q4_K, Q6_K) at their stored width "
+                            "from this GGUF file (without a file: the bundled --model's own; the model must hold its "
+                            "values in float32); plain and static generate run transformers' fp32 forward of the "
+                            "same values (hf_triforce.kernels.gguf_weights)")
     add_triforce_arguments(bench, _positive)
 
     needle = commands.add_parser("needle", help="Force-2 acceptance: retrieval vs StreamingLLM cache on a needle")
@@ -238,7 +244,22 @@ def _bench(args) -> int:
         if not llama_cpp_available():
             raise SystemExit(f"hf-triforce bench: methods {engine_methods} need llama-cpp-python "
                              "(pip install llama-cpp-python; it compiles llama.cpp)")
+    if args.gguf_stored_width == "" and not bundled and args.model not in assets.MODELS:
+        raise SystemExit(f"hf-triforce bench: --gguf-stored-width without a file reads a bundled model's GGUF: --model "
+                         f"must be one of {sorted(assets.MODELS)}, or name the file")
+    if args.gguf_stored_width is not None and args.dtype != "float32":
+        raise SystemExit(f"hf-triforce bench: --gguf-stored-width needs --dtype float32 (the file's values exactly), "
+                         f"got {args.dtype}")
     model, tokenizer = _load("bench", "--model", args.model, args.dtype, **overrides)
+    if args.gguf_stored_width is not None:
+        from ..kernels.gguf_weights import attach_gguf
+
+        gguf = args.gguf_stored_width or assets.gguf_path(assets.MODELS[args.model or "smollm2-135m"])
+        try:
+            attached = attach_gguf(model, gguf)
+        except ValueError as error:
+            raise SystemExit(f"hf-triforce bench: --gguf-stored-width: {error}") from error
+        print(f"target linear layers at GGUF stored width: {attached}", flush=True)
     _check_contexts(args, getattr(model.config, "max_position_embeddings", None) or 1 << 30)
     draft_overrides = assets.yarn_rope(args.rope_factor, assets.MODELS[args.draft_model]) \
         if args.rope_factor and args.draft_model else {}
