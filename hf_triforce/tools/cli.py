@@ -244,7 +244,7 @@ def _bench(args) -> int:
         if not llama_cpp_available():
             raise SystemExit(f"hf-triforce bench: methods {engine_methods} need llama-cpp-python "
                              "(pip install llama-cpp-python; it compiles llama.cpp)")
-    if args.gguf_stored_width == "" and not bundled and args.model not in assets.MODELS:
+    if args.gguf_stored_width == "" and not bundled:
         raise SystemExit(f"hf-triforce bench: --gguf-stored-width without a file reads a bundled model's GGUF: --model "
                          f"must be one of {sorted(assets.MODELS)}, or name the file")
     if args.gguf_stored_width is not None and args.dtype != "float32":
@@ -254,7 +254,7 @@ def _bench(args) -> int:
     if args.gguf_stored_width is not None:
         from ..kernels.gguf_weights import attach_gguf
 
-        gguf = args.gguf_stored_width or assets.gguf_path(assets.MODELS[args.model or "smollm2-135m"])
+        gguf = args.gguf_stored_width or assets.gguf_path(asset)
         try:
             attached = attach_gguf(model, gguf)
         except ValueError as error:
@@ -327,12 +327,13 @@ def _llama_cpp_engines(args, methods: list[str], ids) -> dict:
     from .peer_process import PeerCrashed, PeerProcess
 
     engines = {}
-    for method in methods:
+    for method in methods:  # a bundled GGUF: `_bench` has checked the model where methods are given
+        asset = assets.MODELS[args.model or "smollm2-135m"]
         engine = PeerProcess(method, LlamaCppEngine, dict(
-            gguf=assets.gguf_path(assets.MODELS[args.model or "smollm2-135m"]),
+            gguf=assets.gguf_path(asset),
             context=ids.shape[1] + args.new_tokens + 16, threads=torch.get_num_threads(),
             lookup=method.endswith("-lookup"), rope_factor=args.rope_factor,
-            original_positions=assets.MODELS[args.model or "smollm2-135m"].positions))
+            original_positions=asset.positions))
         try:
             engine.prefill(ids)
         except PeerCrashed as crash:  # every run of it is reported as crashed
