@@ -65,6 +65,18 @@ def test_a_prefill_is_refused_for_other_weights_dtype_or_rope(saved):
                                                                      "rope_theta": 10000.0}))
 
 
+def test_a_rope_given_as_integers_or_floats_is_the_same_rope(tmp_path):
+    def model(factor):
+        return make_model("llama-gqa", rope_parameters={"rope_type": "linear", "factor": factor, "rope_theta": 10000.0})
+
+    document = random_prompt(20, period=7)
+    path = save_prefill(tmp_path / "doc.safetensors", model(2.0), document, _prefill(model(2.0), document))
+    ids, _ = load_prefill(path, model(2))
+    assert torch.equal(ids, document)
+    with pytest.raises(ValueError, match="another rope"):
+        load_prefill(path, model(3))
+
+
 def test_a_damaged_file_is_refused(saved, tmp_path):
     model, _, path = saved
     data = bytearray(path.read_bytes())

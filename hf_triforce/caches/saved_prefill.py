@@ -98,13 +98,23 @@ def save_prefill(path: str | Path, model, input_ids: torch.LongTensor, cache) ->
     return path
 
 
+def _same(field: str, stored: str | None, expected: str) -> bool:
+    """The RoPE description compares by value (a YaRN factor of 2 is one of 2.0), the other fields as strings."""
+    if field != "rope" or stored is None:
+        return stored == expected
+    try:
+        return json.loads(stored) == json.loads(expected)
+    except json.JSONDecodeError:
+        return False
+
+
 def _check_metadata(path, metadata: dict[str, str], model) -> None:
     """ValueError naming the first field of a file's ``metadata`` that does not fit ``model``."""
     if metadata.get("format") != FORMAT:
         raise ValueError(f"load_prefill: {path}: format is {metadata.get('format')!r}, expected {FORMAT!r}")
     expected = {"dtype": _model_dtype(model), "rope": rope_description(model), "model": model_fingerprint(model)}
     for field, value in expected.items():
-        if metadata.get(field) != value:
+        if not _same(field, metadata.get(field), value):
             raise ValueError(f"load_prefill: {path} was saved for another {field} ({field}: file "
                              f"{metadata.get(field)!r}, this model {value!r})")
 
