@@ -53,12 +53,20 @@ def bench_command(args: argparse.Namespace, context: int, out: Path) -> list[str
     return command + (["--rope-factor", str(factor)] if factor else [])
 
 
+def acceptance(stats: dict, level: str) -> str:
+    """A level's acceptance and, where its rejections were counted, its acceptance per position in brackets."""
+    per_position = stats.get(f"{level}_position_acceptance")
+    return f"{stats[f'{level}_acceptance']:.2f}" + ("" if per_position is None else f" ({per_position:.2f})")
+
+
 def breakdown(results: list[dict]) -> str:
     """Per TriForce method, context and mode: seconds per new token in each tier (Force 1's without a draft model's
     pass over the prompt), acceptance per level, tokens proposed to and committed by each Force-3 verification, and the
     plans' step counts (last round's call)."""
     lines = ["| context | mode | method | tok/s | vs best plain | F1 / F2 / F3 / retrieval s per token | "
-             "F2 acc. | F3 acc. | proposed / committed per F3 step | steps plain/2/3 levels |", "|" + "---|" * 10]
+             "F2 acc. (per position) | F3 acc. (per position) | proposed / committed per F3 step | "
+             "steps plain/2/3 levels |",
+             "|" + "---|" * 10]
     for result in results:
         mode = "sampled" if result.get("sampling") else "greedy"
         ratios = speedups(result)
@@ -73,8 +81,8 @@ def breakdown(results: list[dict]) -> str:
             steps = "/".join(str(stats["plan_steps"].get(str(levels), stats["plan_steps"].get(levels, 0)))
                              for levels in (1, 2, 3))
             lines.append(f"| {result['context']} | {mode} | {name} | {method['decode_tokens_per_second']:.2f} | "
-                         f"{ratios[name]:.2f}x | {seconds} | {stats['force2_acceptance']:.2f} | "
-                         f"{stats['force3_acceptance']:.2f} | {stats['force2_proposed'] / stats['force3_steps']:.2f} / "
+                         f"{ratios[name]:.2f}x | {seconds} | {acceptance(stats, 'force2')} | "
+                         f"{acceptance(stats, 'force3')} | {stats['force2_proposed'] / stats['force3_steps']:.2f} / "
                          f"{stats['tokens_per_force3_step']:.2f} | {steps} |")
     return "\n".join(lines)
 

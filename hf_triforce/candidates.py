@@ -257,6 +257,7 @@ class TriForceCandidateGenerator(compat.CandidateGenerator):
         stats.force3_seconds += time.perf_counter() - self.handed_at
         stats.force3_steps += 1
         stats.force3_accepted += num_matches
+        stats.force3_rejections += num_matches < self.proposed
         stats.force3_tokens += input_ids.shape[1] - self.length
         plan = self.config.levels if self.proposed else 1
         stats.plan_steps[plan] = stats.plan_steps.get(plan, 0) + 1

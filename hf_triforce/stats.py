@@ -15,9 +15,11 @@ class TriForceStats:
     force2_verified: int = 0  # Force-1 drafts Force 2 verified (three-level steps only)
     force2_accepted: int = 0  # of those, accepted by Force 2
     force2_steps: int = 0  # Force-2 verifications
+    force2_rejections: int = 0  # of those, the ones that rejected a draft
     force2_proposed: int = 0  # tokens proposed to Force 3 (by Force 2 in three-level steps, by Force 1 in two-level)
     force3_accepted: int = 0  # of those, accepted by Force 3
     force3_steps: int = 0  # Force-3 verifications
+    force3_rejections: int = 0  # of those, the ones that rejected a proposed token (a plain step proposes none)
     retrieval_selections: int = 0
     tree_nodes: int = 0  # nodes of candidate trees verified (TriForceConfig.tree_nodes; proposals count depths)
     tree_side_accepts: int = 0  # accepted tree nodes that were not their parent's first child (beyond the chain)
@@ -104,6 +106,21 @@ class TriForceStats:
         return self.force3_accepted / self.force2_proposed if self.force2_proposed else 0.0
 
     @property
+    def force2_position_acceptance(self) -> float:
+        """Force 2's acceptance per position: accepted / (accepted + rejections), the chance that a draft is accepted
+        where the drafts before it in its chain were (each verification stops at its first rejection). Unlike
+        `force2_acceptance`, which the chain length lowers, it compares with a teacher-forced agreement
+        (``benchmarks/sparse_agreement.py``)."""
+        seen = self.force2_accepted + self.force2_rejections
+        return self.force2_accepted / seen if seen else 0.0
+
+    @property
+    def force3_position_acceptance(self) -> float:
+        """Force 3's acceptance per position: accepted / (accepted + rejections) (`force2_position_acceptance`)."""
+        seen = self.force3_accepted + self.force3_rejections
+        return self.force3_accepted / seen if seen else 0.0
+
+    @property
     def draft_forward(self) -> dict:
         """`tier_forwards`, read-only under its alternative name (CHANGELOG.md, 2026-12-04)."""
         return self.tier_forwards
@@ -118,6 +135,8 @@ class TriForceStats:
         out.update(
             force2_acceptance=self.force2_acceptance,
             force3_acceptance=self.force3_acceptance,
+            force2_position_acceptance=self.force2_position_acceptance,
+            force3_position_acceptance=self.force3_position_acceptance,
             tokens_per_force3_step=self.tokens_per_force3_step,
         )
         return out

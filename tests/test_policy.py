@@ -205,13 +205,26 @@ def test_a_draft_model_config_also_drafts_with_the_target_s_lean_copy(monkeypatc
 
 def test_stats_count_and_name_per_tier_what_ran(monkeypatch):
     """Plans mixing two and three levels beside a Gemma draft the lean forward does not cover: Force 2's acceptance
-    counts only the drafts Force 2 verified (Force 1's drafts of two-level steps went to Force 3), and each tier names
-    the forward it ran (the draft's eager forward, the target's lean copy for the self drafter and Force 2)."""
+    counts only the drafts Force 2 verified (Force 1's drafts of two-level steps went to Force 3), each level's
+    rejections are its verifications that rejected a token, and each tier names the forward it ran (the draft's
+    eager forward, the target's lean copy for the self drafter and Force 2)."""
     from hf_triforce.decoding.levels import Force2Level
+    from hf_triforce.verification.sampling import ChainVerifier
+
+    chains = []  # every chain verification: (verifier, proposed, accepted)
+    chain_verify = ChainVerifier.verify
+
+    def recording_verify(self, proposals, probs, scores):
+        accepted, token = chain_verify(self, proposals, probs, scores)
+        chains.append((self, len(proposals), accepted))
+        return accepted, token
+
+    monkeypatch.setattr(ChainVerifier, "verify", recording_verify)
 
     class Counting:  # Force 2's verifier, counting what it verified
         def __init__(self, inner):
             self.inner = inner
+            force2_verifiers.append(inner)
 
         def __getattr__(self, name):
             return getattr(self.inner, name)
@@ -221,7 +234,7 @@ def test_stats_count_and_name_per_tier_what_ran(monkeypatch):
             verified.append((len(proposals), accepted))
             return accepted, token
 
-    verified = []
+    verified, force2_verifiers = [], []
     init = Force2Level.__init__
 
     def counting_init(self, *args, **kwargs):
@@ -237,6 +250,14 @@ def test_stats_count_and_name_per_tier_what_ran(monkeypatch):
     assert stats.force2_verified == sum(n for n, _ in verified) and stats.force2_accepted == sum(a for _, a in verified)
     assert 0 < stats.force2_verified < stats.force1_proposed  # two-level drafts are Force 1's, not Force 2's to verify
     assert stats.force2_acceptance == stats.force2_accepted / stats.force2_verified
+    assert stats.force2_rejections == sum(a < n for n, a in verified) > 0
+    force2 = [(n, a) for verifier, n, a in chains if any(verifier is v for v in force2_verifiers)]
+    assert force2 == verified  # Force 2's verifications are told apart from Force 3's
+    force3 = [(n, a) for verifier, n, a in chains if not any(verifier is v for v in force2_verifiers)]
+    assert stats.force3_rejections == sum(a < n for n, a in force3) > 0
+    assert stats.force3_accepted == sum(a for _, a in force3)
+    assert stats.force3_position_acceptance == stats.force3_accepted / (stats.force3_accepted
+                                                                        + stats.force3_rejections)
     assert stats.draft_precision == "lean-int4"
     assert set(stats.tier_forwards) == {"force1 model", "force1 self", "force2", "force3"}
     assert stats.tier_forwards["force1 model"].startswith("eager (GemmaForCausalLM is not one of")

@@ -47,3 +47,14 @@ def test_tables_give_ratios_to_the_best_plain_decoding_and_tier_seconds_without_
     # Force 1's seconds per token leave out the draft's pass over the prompt: (5 - 4) / 10
     assert "| 64000 | greedy | vanilla | 3.00 | 1.50x | 0.100 / 0.000 / 0.100 / 0.000 | 0.00 | 0.50 | 4.00 / 2.50 " \
            "| 0/4/0 |" in seed_table.breakdown(results)
+
+
+def test_the_breakdown_gives_each_levels_acceptance_per_position_where_counted(seed_table):
+    stats = _stats(1.0, 0.0, 4, 16, 10)
+    results = [{"context": 8000, "sampling": None, "best_plain": "static", "identical": True,
+                "methods": {"static": _method(2.0, [1, 2]),
+                            "default": _method(3.0, [1, 2], {**stats, "force2_position_acceptance": 0.75,
+                                                             "force3_position_acceptance": 0.8})}}]
+    assert "| 0.00 (0.75) | 0.50 (0.80) | 4.00 / 2.50 |" in seed_table.breakdown(results)
+    results[0]["methods"]["default"]["stats"] = stats  # statistics without per-position acceptance
+    assert "| 0.00 | 0.50 | 4.00 / 2.50 |" in seed_table.breakdown(results)

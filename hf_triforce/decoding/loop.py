@@ -332,6 +332,7 @@ class Decoder:
             last = accepted
         stats.force3_steps += 1
         stats.force3_accepted += accepted
+        stats.force3_rejections += accepted < proposed_of(candidates)
         stats.plan_steps[plan.levels] = stats.plan_steps.get(plan.levels, 0) + 1
         committed, row.done = out.commit_verified(emitted, p_scores, logits)
         stats.force3_tokens += committed

@@ -76,6 +76,7 @@ class LevelReport:
         stats.force2_steps += self.force2_steps
         stats.force2_verified += self.force2_verified
         stats.force2_accepted += self.force2_accepted
+        stats.force2_rejections += self.force2_rejections
         stats.tree_nodes += self.tree_nodes
         stats.tree_side_accepts += self.tree_side_accepts
         stats.force2_seconds += self.force2_seconds

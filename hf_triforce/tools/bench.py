@@ -262,14 +262,16 @@ def table(runs: list[Run], sampled: bool = False) -> str:
     by_name = {run.label: run for run in runs}
     base, best = by_name.get("plain", runs[0]), best_plain(runs)
     best_name = f"vs best plain ({best.method})" if best else "vs best plain"
-    lines = [f"| method | decode tok/s | vs plain | {best_name} | F2 acc. | F3 acc. | tok/F3 step | "
+    lines = [f"| method | decode tok/s | vs plain | {best_name} | F2 acc. (per position) | "
+             "F3 acc. (per position) | tok/F3 step | "
              "cache MB full/retr./draft | steps plain/2/3 levels | identical |", "|" + "---|" * 10]
     for run in runs:
         if run.crashed is not None:
             lines.append(f"| {run.label} | crashed: {run.crashed} |" + " - |" * 8)
             continue
         s = run.stats
-        cells = [f"{s.force2_acceptance:.2f}", f"{s.force3_acceptance:.2f}", f"{s.tokens_per_force3_step:.2f}",
+        cells = [f"{s.force2_acceptance:.2f} ({s.force2_position_acceptance:.2f})",
+                 f"{s.force3_acceptance:.2f} ({s.force3_position_acceptance:.2f})", f"{s.tokens_per_force3_step:.2f}",
                  f"{s.full_cache_bytes / 2**20:.0f}/{s.retrieval_cache_bytes / 2**20:.1f}/"
                  f"{s.draft_cache_bytes / 2**20:.1f}",
                  "/".join(str(s.plan_steps.get(levels, 0)) for levels in (1, 2, 3))] if s else ["-"] * 5
