@@ -25,6 +25,8 @@ caps every tier's acceptance. ``--json`` writes every row.
         --chunks 8
     python benchmarks/sparse_agreement.py --text shakespeare --context 16000 --rope-factor 2 --budgets 4096 \
         --chunks 8 16 32 --recents 1024 2048 3072 --scorings sum mass --selections every --json out.json
+    python benchmarks/sparse_agreement.py --context 64000 --rope-factor 8 --budgets 4096 8192 --chunks 8 \
+        --selections every every4 once --prefill-dir prefills
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from pathlib import Path
 
 import torch
 from transformers import LogitsProcessorList
@@ -43,6 +46,7 @@ from hf_triforce.drafters.model import ModelDrafter
 from hf_triforce.forwards.forward import forward_logits, prefill, run_inline
 from hf_triforce.integration import recording_attention
 from hf_triforce.kernels.attention import QueryRecorder
+from hf_triforce.tools.bench import saved_prefix
 from hf_triforce.tools.prompts import document_prompt
 
 FORCE1_VARIANTS = {"forward-slots": (False, "slots"), "copy-slots": (True, "slots"),
@@ -81,13 +85,23 @@ def agreement(p_logits: torch.Tensor, q_logits: torch.Tensor) -> dict[str, float
     return out
 
 
-def greedy_reference(model, ids: torch.Tensor, k: int, full: BufferCache):
+def greedy_reference(model, ids: torch.Tensor, k: int, full: BufferCache, prefill_dir: str | None = None):
     """Prefill ``ids`` but its last token into ``full``, then decode ``k`` greedy tokens on it. Returns the tokens
     fed at positions ``n-1 .. n+k-2`` ``[1, k]``, ``p`` ``[k, vocab]`` and, per position, the query of the last
-    cached token when it is predicted (what a Force-2 selection there is made with)."""
+    cached token when it is predicted (what a Force-2 selection there is made with). ``prefill_dir``: the prefill is
+    read from (or computed and saved to) a folder of saved prefills (`hf_triforce.tools.bench.saved_prefix`), all but
+    its last entry copied into ``full`` and the last recomputed to record its query."""
     n = ids.shape[1]
     at_prompt_end = QueryRecorder()
-    prefill(model, ids[:, :-1], full, chunk_size=2048, show_progress=True, recorder=at_prompt_end)
+    if prefill_dir is None:
+        prefill(model, ids[:, :-1], full, chunk_size=2048, show_progress=True, recorder=at_prompt_end)
+    else:
+        saved, _, source = saved_prefix(model, ids, Path(prefill_dir))
+        print(f"prefill: {source}", flush=True)
+        for layer, entries in zip(full.layers, saved.layers):
+            layer.write(entries.keys[:, :, : n - 2], entries.values[:, :, : n - 2])
+        del saved
+        forward_logits(model, ids[:, n - 2 : n - 1], full, n - 2, 1, at_prompt_end)
     fed, rows, queries = [ids[:, -1:]], [], [at_prompt_end.at(-1)]
     for i in range(k):
         recorder = QueryRecorder()
@@ -141,6 +155,8 @@ def main() -> None:
     parser.add_argument("--force1-variants", nargs="+", default=list(FORCE1_VARIANTS), choices=list(FORCE1_VARIANTS),
                         help="how Force 1's cache is filled (a forward over the sinks and window, or a copy of the "
                              "full cache's entries) and which positions it uses (in-cache slots or absolute)")
+    parser.add_argument("--prefill-dir", default=None,
+                        help="folder of saved prefills (as hf-triforce bench --prefill-dir): read back where saved")
     parser.add_argument("--json", default=None, help="write the run's settings and every row here")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -153,7 +169,7 @@ def main() -> None:
     start = time.perf_counter()
     results = []
     with recording_attention(model):
-        forced, p, selection_queries = greedy_reference(model, ids, k, full)  # the full cache holds n + k - 1
+        forced, p, selection_queries = greedy_reference(model, ids, k, full, args.prefill_dir)  # the full cache holds n + k - 1
         print(f"prefill + reference {time.perf_counter() - start:.0f} s; text {args.text}, context {n}, {k} "
               f"teacher-forced positions of the greedy answer; rope factor {args.rope_factor}", flush=True)
         law = torch.softmax(p.float(), -1)

@@ -287,6 +287,7 @@ class TriForceCandidateGenerator(compat.CandidateGenerator):
         stats.force2_sees_whole_cache = self.hierarchy.force2_sees_whole_cache(0)
         stats.draft_cache_bytes = self.hierarchy.draft_cache_bytes(0)
         stats.retrieval_cache_bytes = self.hierarchy.retrieval_cache_bytes(0)
+        stats.retrieval_dtype = self.hierarchy.retrieval_dtype(0)
         stats.retrieval_summary_bytes = self.hierarchy.retrieval_summary_bytes(0)
         if hasattr(self.full, "nbytes"):
             stats.full_cache_bytes = self.full.nbytes()

@@ -16,6 +16,7 @@ TIER_COMPILE = ("auto", "off", *TIER_COMPILE_MODES)
 FORCE3_COMPILE = TIER_COMPILE
 FULL_CACHE_DEVICES = (None, "cpu")
 POLICIES = ("auto", "fixed")
+RETRIEVAL_DTYPES = ("auto", "model", "bfloat16")
 DRAFT_POSITIONS = ("auto", "absolute", "slots")
 LOOPS = ("triforce", "assisted")
 # Force 1's window: where a self drafter agrees with Force 3 at little more cost than a smaller one
@@ -112,6 +113,13 @@ class TriForceConfig:
     retrieval_recent: ``None`` (default: a quarter of ``retrieval_budget``, rounded down to whole chunks) or a
         multiple of ``chunk_size`` from 0 to ``retrieval_budget - chunk_size``: the most recent tokens Force 2's
         cache always keeps.
+    retrieval_dtype: ``"auto"`` (default), ``"model"`` or ``"bfloat16"``: the dtype Force 2's retrieval cache keeps
+        its entries in. ``"model"``: the model's (copies of the full cache's entries). ``"bfloat16"``: rounded to bf16
+        as they are copied in or computed, so that a Force-2 forward reads half the cache bytes of an fp32 model's;
+        Force 2 only proposes, so every output stays exact. It needs Force 2's lean forward (a lean
+        ``draft_precision``, or ``"auto"`` where it resolves to one). ``"auto"``: ``"bfloat16"`` where Force 2 runs
+        the lean forward on the CPU over an fp32 model, else ``"model"`` (`TriForceStats.retrieval_dtype` says which
+        ran).
     refresh_every: ``None`` (default) or an integer >= 1: re-select the retrieval chunks every this many Force-3 steps
         (between re-selections the committed tokens' exact entries are copied in after every step). ``None``: every
         `REFRESH_EVERY_LARGE` steps with a ``retrieval_budget`` of at least `LARGE_BUDGET`, else every step: a smaller
@@ -171,8 +179,8 @@ class TriForceConfig:
         "draft", "levels", "policy", "gamma1", "gamma2", "retrieval_budget", "window", "draft_precision",
         "tier_compile", "full_cache_device", "loop", "show_progress")
     TUNING_FIELDS: ClassVar[tuple[str, ...]] = (
-        "chunk_size", "retrieval_recent", "refresh_every", "refresh_below", "sink_tokens", "draft_positions",
-        "ngram_max", "ngram_min", "prefill_chunk_size", "explore_every", "force3_compile")
+        "chunk_size", "retrieval_recent", "retrieval_dtype", "refresh_every", "refresh_below", "sink_tokens",
+        "draft_positions", "ngram_max", "ngram_min", "prefill_chunk_size", "explore_every", "force3_compile")
     EXPERIMENTAL_FIELDS: ClassVar[tuple[str, ...]] = ("tree_nodes", "tree_branch", "force2_tree_nodes")
 
     # user settings
@@ -191,6 +199,7 @@ class TriForceConfig:
     # tuning
     chunk_size: int = 8
     retrieval_recent: int | None = None
+    retrieval_dtype: str = "auto"
     refresh_every: int | None = None
     refresh_below: float | None = None
     sink_tokens: int = 16
@@ -273,6 +282,14 @@ class TriForceConfig:
             raise ValueError(
                 f"TriForceConfig.draft_precision must be one of {DRAFT_PRECISIONS}, got {self.draft_precision!r}"
             )
+        if self.retrieval_dtype not in RETRIEVAL_DTYPES:
+            raise ValueError(
+                f"TriForceConfig.retrieval_dtype must be one of {RETRIEVAL_DTYPES}, got {self.retrieval_dtype!r}"
+            )
+        if self.retrieval_dtype == "bfloat16" and self.draft_precision in ("model", "int8"):
+            raise ValueError(f"TriForceConfig.retrieval_dtype='bfloat16' needs Force 2's lean forward: set "
+                             f"draft_precision to one of {('auto', *LEAN_PRECISIONS)} (got {self.draft_precision!r}), "
+                             "or retrieval_dtype='model'")
         if self.draft_positions not in DRAFT_POSITIONS:
             raise ValueError(
                 f"TriForceConfig.draft_positions must be one of {DRAFT_POSITIONS}, got {self.draft_positions!r}"

@@ -85,6 +85,9 @@ class TriForceStats:
     force2_seconds: float = 0.0
     force3_seconds: float = 0.0
     retrieval_seconds: float = 0.0
+    # the dtype Force 2's retrieval cache kept its entries in (TriForceConfig.retrieval_dtype: "bfloat16", or the
+    # model's: "float32", ...); "" where no Force-2 cache was built
+    retrieval_dtype: str = ""
     full_cache_bytes: int = 0
     retrieval_cache_bytes: int = 0
     draft_cache_bytes: int = 0

@@ -539,16 +539,25 @@ def test_the_decoder_prices_the_target_s_tiers_by_the_bytes_they_read():
     model = make_model("llama-gqa")
     prompt = random_prompt(300, period=37)
     fractions = {}
-    for precision in ("model", "int8", "lean-int4"):
-        config = TriForceConfig(draft="self", draft_precision=precision, retrieval_budget=64, window=24)
+    for precision, retrieval in (("model", "model"), ("int8", "model"), ("lean-int4", "model"),
+                                 ("lean-int4", "bfloat16")):
+        config = TriForceConfig(draft="self", draft_precision=precision, retrieval_budget=64, window=24,
+                                retrieval_dtype=retrieval)
         decoder = Decoder(model, config, None, None, [prompt.shape[1] + 4], False)
         with torch.no_grad(), recording_attention(model):
             decoder.run([prompt])  # the prefill allocates the full cache
-        fractions[precision] = decoder.hierarchy.tier_fractions(prompt.shape[1])
-    model_f, lean_f = fractions["model"], fractions["lean-int4"]
+        fractions[precision, retrieval] = decoder.hierarchy.tier_fractions(prompt.shape[1])
+    model_f, lean_f = fractions["model", "model"], fractions["lean-int4", "model"]
     assert 0 < lean_f["draft:self"] < model_f["draft:self"] < model_f["force2"] < 1  # smaller cache, fewer bytes
     assert lean_f["draft:self"] < lean_f["force2"] < model_f["force2"]
-    assert lean_f["draft:self"] < fractions["int8"]["draft:self"] < model_f["draft:self"]  # int8 buffers counted
+    assert lean_f["draft:self"] < fractions["int8", "model"]["draft:self"] < model_f["draft:self"]  # int8 buffers
+    # a bf16 retrieval cache: Force 2's 64 entries at half the bytes (the weights and Force 1's cache unchanged)
+    half_f = fractions["lean-int4", "bfloat16"]
+    assert half_f["draft:self"] == lean_f["draft:self"]
+    # both lean-int4 tiers read the same weights: Force 2's 64 entries against Force 1's 16 + 24 leave 24 entries'
+    # bytes between them; halving Force 2's 64 saves 32 entries' bytes
+    entry = (lean_f["force2"] - lean_f["draft:self"]) / 24
+    assert lean_f["force2"] - half_f["force2"] == pytest.approx(32 * entry)
 
 
 def literal_force2_seconds(gamma1: int, gamma2: int, rate: float, coverage: float, draft: float,

@@ -39,6 +39,7 @@ class BufferLayer(CacheLayerMixin):
         self.capacity = capacity
         self.length = 0
         self.expected_device: torch.device | None = None  # the layer's execution device, when known
+        self.storage_dtype: torch.dtype | None = None  # the entries' dtype when stored (None: as computed)
         self.chunks_copied = 0  # chunks `replace_chunks` copied in (a re-selection copies only what changed)
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor, filled: int = 0) -> None:
@@ -49,8 +50,10 @@ class BufferLayer(CacheLayerMixin):
         entry rolled back), which fixed-shape forwards that read whole buffers under a mask rely on."""
         batch, heads, _, k_dim = key_states.shape
         device = self.expected_device if self.expected_device is not None else key_states.device
-        self.keys = key_states.new_empty((batch, heads, self.capacity, k_dim), device=device)
-        self.values = value_states.new_empty((batch, heads, self.capacity, value_states.shape[-1]), device=device)
+        dtype = self.storage_dtype
+        self.keys = key_states.new_empty((batch, heads, self.capacity, k_dim), device=device, dtype=dtype)
+        self.values = value_states.new_empty((batch, heads, self.capacity, value_states.shape[-1]), device=device,
+                                             dtype=dtype)
         for buffer in (self.keys, self.values):
             buffer[:, :, filled:].zero_()
         self.device = device
@@ -118,7 +121,7 @@ class BufferLayer(CacheLayerMixin):
                     rows = source[b, h, :whole].view(whole // chunk_size, chunk_size * source.shape[-1])
                     out = target[b, h, self.length : end].view(-1, chunk_size * source.shape[-1])
                     index = chunks[b, h]
-                    if rows.device == out.device:
+                    if rows.device == out.device and rows.dtype == out.dtype:
                         torch.index_select(rows, 0, index, out=out)
                     else:  # an offloaded full cache: gather where it lives, then copy to this layer's device
                         out.copy_(torch.index_select(rows, 0, index))
@@ -156,7 +159,7 @@ class BufferLayer(CacheLayerMixin):
             slots = target[:, :, start : start + k * chunk_size].view(rows, k, width)
             where = from_rows.device
             slots[free_row.to(slots.device), free_slot.to(slots.device)] = (
-                from_rows[free_row.to(where), incoming.to(where)].to(slots.device))
+                from_rows[free_row.to(where), incoming.to(where)].to(slots.device, slots.dtype))
         return order.view(batch, heads, k)
 
     def _replace_in_place(self, keys: torch.Tensor, values: torch.Tensor, start: int, held_rows: torch.Tensor,
@@ -353,6 +356,12 @@ class BufferCache(Cache):
             raise ValueError(f"{len(devices)} layer devices for a cache of {len(self.layers)} layers")
         for layer, device in zip(self.layers, devices):
             layer.expected_device = None if device is None else torch.device(device)
+        return self
+
+    def store_as(self, dtype: torch.dtype | None) -> BufferCache:
+        """Keep every layer's entries in ``dtype`` (None: the dtype they are computed in), converted as written."""
+        for layer in self.layers:
+            layer.storage_dtype = dtype
         return self
 
     def devices(self) -> list[torch.device | None]:

@@ -36,14 +36,16 @@ class RaggedLayer(CacheLayerMixin):
         self.lengths = [0] * batch
         self.counts: list[int] | None = None  # per row, how many of a forward's n entries are real (`writing`)
         self.expected_device: torch.device | None = None
+        self.storage_dtype: torch.dtype | None = None  # the entries' dtype when stored (None: as computed)
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Allocate for the whole batch (``key_states`` may be one row's: a row prefill through `row`)."""
         heads, k_dim = key_states.shape[1], key_states.shape[-1]
         device = self.expected_device if self.expected_device is not None else key_states.device
-        self.keys = key_states.new_zeros((self.batch, heads, self.capacity, k_dim), device=device)
+        dtype = self.storage_dtype
+        self.keys = key_states.new_zeros((self.batch, heads, self.capacity, k_dim), device=device, dtype=dtype)
         self.values = value_states.new_zeros((self.batch, heads, self.capacity, value_states.shape[-1]),
-                                             device=device)
+                                             device=device, dtype=dtype)
         self.device = device
         self.is_initialized = True
 
@@ -117,6 +119,10 @@ class RowLayer(BufferLayer):
         return self.parent.expected_device
 
     @property
+    def storage_dtype(self) -> torch.dtype | None:
+        return self.parent.storage_dtype
+
+    @property
     def length(self) -> int:
         return self.parent.lengths[self.row]
 
@@ -155,6 +161,12 @@ class RaggedBufferCache(Cache):
         """Allocate layer ``i`` on ``devices[i]`` (``None``: where its entries are computed)."""
         for layer, device in zip(self.layers, devices):
             layer.expected_device = None if device is None else torch.device(device)
+        return self
+
+    def store_as(self, dtype: torch.dtype | None) -> RaggedBufferCache:
+        """Keep every layer's entries in ``dtype`` (None: the dtype they are computed in), converted as written."""
+        for layer in self.layers:
+            layer.storage_dtype = dtype
         return self
 
     def row(self, b: int) -> RowView:

@@ -24,7 +24,7 @@ from ..forwards.forward import Clock, Steps, run_inline
 from ..verification.sampling import ChainVerifier, Sampler
 from ..verification.tree import TreeVerifier
 from .force3 import Force3, RaggedForce3
-from .levels import Force1Level, Force2Level, NoDrafter
+from .levels import RETRIEVAL_STORAGE, Force1Level, Force2Level, NoDrafter
 from .lockstep import Lockstep
 from .policy import ROW_COST_SLOPE, ROW_COST_SLOPES, AdaptivePolicy, Plan
 from .resolved import ResolvedConfig
@@ -171,12 +171,18 @@ class Hierarchy:
             fractions["draft:self"] = force1 / force3
         if self.policy.three_level:
             force2 = weight_bytes(tier_model(self.model, self.config.draft_precision, 2)) + \
-                min(self.config.retrieval_budget, context) * per_token
+                min(self.config.retrieval_budget, context) * per_token * self.retrieval_width()
             fractions["force2"] = force2 / force3
         for name, drafter in self.filled_drafters().items():  # a draft model: its drafting copy and its own cache
             own = weight_bytes(drafter.model) + window * kv_bytes_per_token(drafter.fill_model)
             fractions[f"draft:{name}"] = own / force3
         return fractions
+
+    def retrieval_width(self) -> float:
+        """Bytes of a Force-2 cache entry against a full-cache entry (1: the model's dtype; 0.5: bf16 of fp32)."""
+        storage = RETRIEVAL_STORAGE[self.config.retrieval_dtype]
+        model = next(self.model.parameters()).dtype
+        return 1.0 if storage is None else storage.itemsize / model.itemsize
 
     def filled_drafters(self) -> dict[str, ModelDrafter]:
         """The policy's model drafters that fill their caches by a forward (a draft model; the self drafter copies
@@ -241,6 +247,12 @@ class Hierarchy:
 
     def retrieval_cache_bytes(self, b: int) -> int:
         return sum(levels[b].nbytes() for levels in self.levels.values())
+
+    def retrieval_dtype(self, b: int) -> str:
+        """The dtype row ``b``'s Force-2 cache holds its entries in ("" where none was filled)."""
+        force2 = self.levels.get((3, ""), [])
+        layer = force2[b].cache.layers[force2[b].cache.reference] if force2 else None
+        return str(layer.keys.dtype).removeprefix("torch.") if layer is not None and layer.is_initialized else ""
 
     def retrieval_summary_bytes(self, b: int) -> int:
         return sum(levels[b].summary_bytes() for levels in self.levels.values())

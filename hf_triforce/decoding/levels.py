@@ -41,6 +41,10 @@ from .report import LevelReport
 from .resolved import ResolvedConfig
 from .tree_forward import score_tree
 
+# the dtype Force 2's retrieval cache stores its entries in, per concrete `TriForceConfig.retrieval_dtype` (None: as
+# computed, the model's)
+RETRIEVAL_STORAGE = {"model": None, "bfloat16": torch.bfloat16}
+
 
 def proposal_steps(drafter: Drafter, sequence: torch.Tensor, n: int,
                    host: np.ndarray | None = None) -> Steps[tuple[list[int] | torch.Tensor, torch.Tensor | None]]:
@@ -110,7 +114,7 @@ class Force2Level(Reporting):
         self.cache = RetrievalCache(
             compat.num_layers(model.config), config.retrieval_budget, config.chunk_size, config.recent_tokens, tail,
             compat.layer_windows(model.config),
-        ).expect_devices(layer_devices(model))
+        ).expect_devices(layer_devices(model)).store_as(RETRIEVAL_STORAGE[config.retrieval_dtype])
         self.steps_since_selection = 0
         self.handed: tuple[int, list[int]] | None = None  # (position, chain) of the last chain handed to Force 3
 

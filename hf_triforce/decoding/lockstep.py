@@ -53,6 +53,7 @@ class Lockstep:
                                  "layers) can share storage")
         shared = RaggedBufferCache(len(first.layers), self.batch, first.capacity)
         shared.expect_devices([layer.expected_device for layer in first.layers])
+        shared.store_as(first.layers[0].storage_dtype)  # a Force-2 cache's entries stay at its retrieval_dtype
         for b, cache in enumerate(caches):
             cache.layers = [RowLayer(layer, b) for layer in shared.layers]
             self.rows[id(cache)] = (shared, b)

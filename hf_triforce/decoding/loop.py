@@ -362,6 +362,7 @@ class Decoder:
             stats.new_tokens = rows[b].out.sequence.shape[1] - prompts[b].shape[1]
             stats.force2_sees_whole_cache = hierarchy.force2_sees_whole_cache(b)
             stats.retrieval_cache_bytes = hierarchy.retrieval_cache_bytes(b)
+            stats.retrieval_dtype = hierarchy.retrieval_dtype(b)
             stats.draft_cache_bytes = hierarchy.draft_cache_bytes(b)
             stats.retrieval_summary_bytes = hierarchy.retrieval_summary_bytes(b)
         total = aggregate(self.stats, float(self.recorder.force3_seconds), self.prefill_seconds)

@@ -3,6 +3,7 @@ every resolved choice and derived size. Everything downstream reads it; nothing 
 
     resolve(config, target, driver)
         draft_precision, tier_compile   concrete (`tiers.resolve_draft_precision`: "auto" by the models and device)
+        retrieval_dtype                 concrete (`tiers.resolve_retrieval_dtype`: "auto" by Force 2's forward)
         not_lean                        why ``draft_precision="auto"`` kept the models' eager forwards (None: not)
         draft_name                      the configured drafter's name (``"model"`` for a draft model)
         lookup_gamma2, proposal_rows,   the sizes of `sizing`, for the loop that drives the hierarchy: ``"triforce"``
@@ -20,7 +21,7 @@ from dataclasses import dataclass, fields, replace
 from ..config import TriForceConfig
 from ..drafters.registry import MODEL_DRAFTER
 from .sizing import force3_rows, lookup_gamma2, proposal_rows, recent_tokens, round_rows
-from .tiers import resolve_draft_precision
+from .tiers import resolve_draft_precision, resolve_retrieval_dtype
 
 LOOPS = ("triforce", "assisted")
 
@@ -29,7 +30,7 @@ LOOPS = ("triforce", "assisted")
 class ResolvedConfig:
     """A `TriForceConfig` with its choices made concrete for one target and its sizes derived (module docstring)."""
 
-    config: TriForceConfig  # draft_precision and tier_compile concrete
+    config: TriForceConfig  # draft_precision, tier_compile and retrieval_dtype concrete
     driver: str  # the loop that drives the hierarchy (`LOOPS`)
     not_lean: str | None
     draft_name: str
@@ -57,6 +58,7 @@ def resolve(config: TriForceConfig | ResolvedConfig, target, driver: str = "trif
     if driver not in LOOPS:
         raise ValueError(f"driver must be one of {LOOPS}, got {driver!r}")
     concrete, not_lean = resolve_draft_precision(config, target)
+    concrete = resolve_retrieval_dtype(concrete, target)
     # transformers' loop asks for at most gamma2 candidates a step (no adaptive policy lengthens a lookup's chain)
     lookup = lookup_gamma2(concrete) if driver == "triforce" else concrete.gamma2
     rows = force3_rows(concrete) if driver == "triforce" else concrete.gamma2

@@ -162,6 +162,23 @@ def resolve_draft_precision(config: TriForceConfig, target: nn.Module) -> tuple[
     return _resolve_tier_compile(resolved, target), "; ".join(reasons) or None
 
 
+def resolve_retrieval_dtype(config: TriForceConfig, target: nn.Module) -> TriForceConfig:
+    """``config`` (its ``draft_precision`` concrete: `resolve_draft_precision`) with ``retrieval_dtype="auto"`` made
+    concrete: ``"bfloat16"`` where Force 2 runs the lean forward on the CPU over an fp32 ``target`` (a bf16 cache
+    halves the bytes each Force-2 forward reads), else ``"model"``. Raises ValueError where ``"bfloat16"`` was asked
+    of a Force 2 that runs the model's eager forward (``draft_precision="auto"`` fell back to ``"model"``)."""
+    lean = config.draft_precision in LEAN_PRECISIONS and lean_support(target) is None
+    if config.retrieval_dtype == "bfloat16" and not lean:
+        why = lean_support(target) if config.draft_precision in LEAN_PRECISIONS else \
+            f"draft_precision={config.draft_precision!r}"
+        raise ValueError(f"TriForceConfig.retrieval_dtype='bfloat16' needs Force 2's lean forward; this model's "
+                         f"Force 2 runs its eager forward ({why}): use retrieval_dtype='model'")
+    if config.retrieval_dtype != "auto":
+        return config
+    fp32_cpu = not on_cuda(target) and next(target.parameters()).dtype == torch.float32
+    return replace(config, retrieval_dtype="bfloat16" if lean and fp32_cpu else "model")
+
+
 def _resolve_tier_compile(config: TriForceConfig, target: nn.Module) -> TriForceConfig:
     """``tier_compile="auto"`` made concrete: CUDA graphs where the tiers run the native lean forward on a CUDA
     device (launch-bound otherwise), else ``"off"``."""
