@@ -169,7 +169,8 @@ def main() -> None:
     start = time.perf_counter()
     results = []
     with recording_attention(model):
-        forced, p, selection_queries = greedy_reference(model, ids, k, full, args.prefill_dir)  # the full cache holds n + k - 1
+        # the full cache holds n + k - 1
+        forced, p, selection_queries = greedy_reference(model, ids, k, full, args.prefill_dir)
         print(f"prefill + reference {time.perf_counter() - start:.0f} s; text {args.text}, context {n}, {k} "
               f"teacher-forced positions of the greedy answer; rope factor {args.rope_factor}", flush=True)
         law = torch.softmax(p.float(), -1)

@@ -79,9 +79,10 @@ GROUPS = {"User settings": TriForceConfig.USER_FIELDS, "Tuning": TriForceConfig.
 # every keyword TriForceConfig takes, each with a valid value (most not the default: trees need levels 3, chains)
 KEYWORDS = dict(draft="ngram", levels=2, policy="fixed", gamma1=3, gamma2=5, retrieval_budget=512, window=64,
                 draft_precision="lean-int8", tier_compile="fixed", full_cache_device="cpu", loop="assisted",
-                show_progress=True, chunk_size=16, retrieval_recent=32, retrieval_dtype="bfloat16", refresh_every=2, refresh_below=0.5,
-                sink_tokens=4, draft_positions="slots", ngram_max=4, ngram_min=2, prefill_chunk_size=256,
-                explore_every=8, force3_compile="off", tree_nodes=0, tree_branch=3, force2_tree_nodes=0)
+                show_progress=True, chunk_size=16, retrieval_recent=32, retrieval_dtype="bfloat16", refresh_every=2,
+                refresh_below=0.5, sink_tokens=4, draft_positions="slots", ngram_max=4, ngram_min=2,
+                prefill_chunk_size=256, explore_every=8, force3_compile="off", tree_nodes=0, tree_branch=3,
+                force2_tree_nodes=0)
 
 
 def test_groups_partition_the_fields_in_declaration_order():
