@@ -5,7 +5,9 @@ mean key, computed once when the chunk is complete). A selection keeps the first
 the most recent tokens, and the top-k chunks in between scored against the current query of each layer;
 for GQA the query heads of a group are summed, so one set of chunks serves the whole group. After each
 Force-3 step the tail of exact (full-cache) entries for newly accepted tokens is copied in, and Force 2's
-own speculative entries are rolled back. Memory depends only on the budget and the tail capacity.
+own speculative entries are rolled back. Memory depends only on the budget and the tail capacity. Its entries may be
+kept in a narrower dtype than the full cache's (`BufferCache.store_as`: `TriForceConfig.retrieval_dtype`), rounded as
+they are copied in or computed.
 
 Sliding-window layers (``windows``) are not sparsified: their `WindowLayer` holds the exact last entries the
 model keeps (copied from the full cache's window), so retrieval applies to full-attention layers only.
