@@ -122,6 +122,8 @@ def test_enumerated_law_equals_the_target_law(setup, case):
     assert set(law) <= {k for k, p in exact.items() if p > 0}, "a sequence of probability zero was emitted"
     assert distance(law, exact) < TOLERANCE
     exercised(stats, config.levels)
+    if extra.get("draft_precision") == "auto":  # the default tiers: Force 2 reads its entries in bf16
+        assert stats.mass(lambda s: s.retrieval_dtype == "bfloat16") > 1 - 1e-6
 
 
 def middle_resamples_from_q(decoder):
