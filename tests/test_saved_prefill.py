@@ -95,3 +95,53 @@ def test_saving_checks_the_ids_against_the_cache(saved, tmp_path):
     model, document, _ = saved
     with pytest.raises(ValueError, match="input_ids must be"):
         save_prefill(tmp_path / "x.safetensors", model, document[:, :-1], _prefill(model, document))
+
+
+def _same_bytes(cache, other) -> bool:
+    return cache.get_seq_length() == other.get_seq_length() and all(
+        torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values) for a, b in zip(cache.layers, other.layers))
+
+
+def test_an_interrupted_saved_prefill_resumes_from_its_checkpoint_to_the_same_bytes(tmp_path, monkeypatch):
+    from hf_triforce.tools import bench
+
+    model = make_model("llama-gqa")
+    ids = random_prompt(2601, seed=3)
+    whole = bench.prefill_prefix(model, ids)
+    real, calls = bench.prefill, []
+
+    def interrupted(*args, **kwargs):
+        calls.append(args[1].shape[1])
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(bench, "prefill", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        bench.saved_prefix(model, ids, tmp_path, checkpoint_tokens=1024)
+    assert [path.name.endswith(".partial.safetensors") for path in tmp_path.iterdir()] == [True]
+    calls.clear()
+    monkeypatch.setattr(bench, "prefill", real)
+    cache, _, source = bench.saved_prefix(model, ids, tmp_path, checkpoint_tokens=1024)
+    assert "resumed from 1024 tokens" in source and "computed, saved to" in source
+    assert _same_bytes(cache, whole)
+    assert [path.name.endswith(".partial.safetensors") for path in tmp_path.iterdir()] == [False]
+    loaded, _, source = bench.saved_prefix(model, ids, tmp_path, checkpoint_tokens=1024)
+    assert source.startswith("loaded") and _same_bytes(loaded, whole)
+
+
+def test_a_checkpoint_of_other_tokens_is_not_resumed(tmp_path):
+    from hf_triforce.tools import bench
+
+    model = make_model("llama-gqa")
+    ids = random_prompt(1500, seed=3)
+    other = random_prompt(1500, seed=4)
+    bench.saved_prefix(model, ids, tmp_path)  # a complete file, renamed as the other prompt's checkpoint
+    (done,) = tmp_path.iterdir()
+    digest = bench.hashlib.sha256(other[:, :-1].contiguous().numpy().tobytes()).hexdigest()[:16]
+    done.rename(tmp_path / f"prefill-1499-{digest}.partial.safetensors")
+    cache, _, source = bench.saved_prefix(model, other, tmp_path)
+    assert "holds other tokens" in source and "resumed" not in source
+    assert _same_bytes(cache, bench.prefill_prefix(model, other))
+    with pytest.raises(ValueError, match="checkpoint_tokens must be a positive multiple of 1024"):
+        bench.saved_prefix(model, other, tmp_path, checkpoint_tokens=1000)

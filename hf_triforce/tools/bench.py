@@ -101,27 +101,65 @@ def prefill_prefix(model, ids: torch.Tensor, chunk_size: int = 1024) -> DynamicC
     return cache
 
 
-def saved_prefix(model, ids: torch.Tensor, directory: Path) -> tuple[DynamicCache, float, str]:
+CHECKPOINT_TOKENS = 8192  # a long prefill's progress written every this many tokens (a 64k prefill: ~8 writes)
+
+
+def saved_prefix(model, ids: torch.Tensor, directory: Path,
+                 checkpoint_tokens: int = CHECKPOINT_TOKENS) -> tuple[DynamicCache, float, str]:
     """`prefill_prefix` kept in ``directory`` (one safetensors file per prompt, named by its tokens' hash): read back
-    where a file of this prompt was saved for this model, else computed and saved. Returns the cache, the seconds it
-    took and what was done (``"loaded <file>"``, ``"computed, saved to <file>"``, or why a file was refused)."""
-    digest = hashlib.sha256(ids[:, :-1].contiguous().numpy().tobytes()).hexdigest()[:16]
-    path = Path(directory) / f"prefill-{ids.shape[1] - 1}-{digest}.safetensors"
+    where a file of this prompt was saved for this model, else computed and saved. A prefill longer than
+    ``checkpoint_tokens`` writes its progress every ``checkpoint_tokens`` (multiples of `prefill_prefix`'s chunk, so
+    the chunks and their bytes are those of one uninterrupted pass) to a ``.partial.safetensors`` file beside, and an
+    interrupted one resumes from it. Returns the cache, the seconds this call took and what was done
+    (``"loaded <file>"``, ``"computed, saved to <file>"``, with the tokens resumed from, or why a file was
+    refused)."""
+    chunk = 1024
+    if checkpoint_tokens < chunk or checkpoint_tokens % chunk:
+        raise ValueError(f"saved_prefix: checkpoint_tokens must be a positive multiple of {chunk}, "
+                         f"got {checkpoint_tokens}")
+    prompt = ids[:, :-1]
+    digest = hashlib.sha256(prompt.contiguous().numpy().tobytes()).hexdigest()[:16]
+    path = Path(directory) / f"prefill-{prompt.shape[1]}-{digest}.safetensors"
+    partial = path.with_name(path.name.replace(".safetensors", ".partial.safetensors"))
     start = time.perf_counter()
     refused = ""
     if path.exists():
-        try:
-            stored_ids, cache = load_prefill(path, model)
-        except ValueError as error:
-            refused = f"{error}; "
+        stored, why = _read_prefix(path, model, prompt)
+        if why is None and stored[0].shape[1] == prompt.shape[1]:
+            return stored[1], time.perf_counter() - start, f"loaded {path}"
+        refused = f"{why or f'{path} holds other tokens'}; "
+    cache, done = DynamicCache(config=model.config), 0
+    if partial.exists():
+        stored, why = _read_prefix(partial, model, prompt)
+        if why is None and stored[0].shape[1] % chunk == 0:
+            cache, done = stored[1], stored[0].shape[1]
+            refused += f"resumed from {done} tokens in {partial}; "
         else:
-            if torch.equal(stored_ids, ids[:, :-1]):
-                return cache, time.perf_counter() - start, f"loaded {path}"
-            refused = f"{path} holds other tokens; "
-    cache = prefill_prefix(model, ids)
-    seconds = time.perf_counter() - start
-    save_prefill(path, model, ids[:, :-1], cache)
-    return cache, seconds, f"{refused}computed, saved to {path}"
+            refused += f"{why or f'{partial} ends inside a chunk'}; "
+    with torch.no_grad():
+        while done < prompt.shape[1]:
+            end = min(done + checkpoint_tokens, prompt.shape[1])
+            prefill(model, prompt[:, done:end], cache, chunk, show_progress=True)
+            done = end
+            if done < prompt.shape[1]:
+                save_prefill(partial, model, prompt[:, :done], cache)
+    save_prefill(path, model, prompt, cache)
+    partial.unlink(missing_ok=True)
+    return cache, time.perf_counter() - start, f"{refused}computed, saved to {path}"
+
+
+def _read_prefix(path: Path, model, prompt: torch.Tensor) -> tuple[tuple[torch.Tensor, DynamicCache] | None,
+                                                                   str | None]:
+    """``(ids, cache)`` read from ``path`` where its ids begin ``prompt`` and it was saved for ``model``, else
+    ``(None, why not)``."""
+    try:
+        stored_ids, cache = load_prefill(path, model)
+    except ValueError as error:
+        return None, str(error)
+    length = stored_ids.shape[1]
+    if length > prompt.shape[1] or not torch.equal(stored_ids, prompt[:, :length]):
+        return None, f"{path} holds other tokens"
+    return (stored_ids, cache), None
 
 
 def static_copy(model, prefix: DynamicCache, max_len: int) -> StaticCache:

@@ -111,7 +111,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--out", type=Path, default=Path("bench-results"), help="folder for JSON and markdown")
     bench.add_argument("--prefill-dir", type=Path, default=None,
                        help="folder of saved prefills (safetensors): each prompt's prefill is read from it where "
-                            "saved for this model, dtype and RoPE, else computed and saved there")
+                            "saved for this model, dtype and RoPE, else computed and saved there (a long one writes "
+                            "its progress every 8192 tokens and an interrupted one resumes from it)")
     bench.add_argument("--gguf-stored-width", nargs="?", const="", default=None, metavar="GGUF",
                        help="TriForce's target reads its linear layers' GGUF blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, "
                             "Q4_K, Q6_K) at their stored width "
