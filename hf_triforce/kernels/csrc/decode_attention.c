@@ -10,6 +10,11 @@
  * lone row), one vector per key and row, are summed lane-wise into one vector of LANES dot products by a transposing
  * reduction, so no horizontal sum is taken per key; the values are accumulated two rows per pass, each value loaded
  * once for both, in column chunks that fit the target's registers (vectors.h: LANES 16 with AVX-512, 8 with AVX2).
+ * A verification's rows (more than NARROW_ROWS per KV head) take another path with AVX-512: the block's keys are
+ * transposed once, then four rows at a time multiply each key column, held in a register, by a query element, and
+ * each value vector serves four rows; the next block's keys and values are prefetched meanwhile. A decoding step is
+ * bound by the cache's bytes whichever path; a verification of four tokens over 32k entries costs ~1.4x less so (an
+ * AVX-512 EPYC, 2 threads).
  *
  * Elements (vectors.h): keys and values are widened to fp32 in registers as they are loaded; the query rows are
  * widened once per call; every product of two bf16 or fp16 values is exact in fp32. The output is rounded once, from
@@ -29,6 +34,9 @@ extern float expf(float);
 
 #define BLOCK 64 /* keys per block of scores */
 #define MAX_HEAD_DIM 128
+/* rows of a KV head up to which a task takes rows in pairs (a decoding step's: bound by the cache's bytes); more rows
+ * (a verification's) go four at a time against the block's keys transposed */
+#define NARROW_ROWS 4
 
 /* the transposing reduction: two vectors holding groups of `s` partial sums become one holding groups of s / 2 */
 #define SHUFFLE __builtin_shuffle
@@ -59,6 +67,37 @@ static inline void reduce(vec *x) {
     for (int i = 0; i < 2; i++) x[i] = SHUFFLE(x[2 * i], x[2 * i + 1], LO2) + SHUFFLE(x[2 * i], x[2 * i + 1], HI2);
     x[0] = SHUFFLE(x[0], x[1], LO1) + SHUFFLE(x[0], x[1], HI1);
 }
+
+/* each vector loaded once into a register and reused there (the compiler would otherwise fold its load into every
+ * product that uses it, loading it once per row) */
+#define IN_REGISTERS(a, b, c, d) __asm__("" : "+v"(a), "+v"(b), "+v"(c), "+v"(d))
+
+#if LANES == 16
+/* x[i] becomes the vector of lane i of x[0..16) (a 16 x 16 transpose) */
+static inline void transpose(vec *x) {
+    __m512 t[16], r[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_ps((__m512)x[i], (__m512)x[i + 1]);
+        t[i + 1] = _mm512_unpackhi_ps((__m512)x[i], (__m512)x[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) {
+        r[i] = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t[i]), _mm512_castps_pd(t[i + 2])));
+        r[i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t[i]), _mm512_castps_pd(t[i + 2])));
+        r[i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t[i + 1]), _mm512_castps_pd(t[i + 3])));
+        r[i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t[i + 1]), _mm512_castps_pd(t[i + 3])));
+    }
+    for (int i = 0; i < 4; i++) {
+        t[i] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0x88);
+        t[i + 4] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0xdd);
+        t[i + 8] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0x88);
+        t[i + 12] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0xdd);
+    }
+    for (int i = 0; i < 8; i++) {
+        x[i] = (vec)_mm512_shuffle_f32x4(t[i], t[i + 8], 0x88);
+        x[i + 8] = (vec)_mm512_shuffle_f32x4(t[i], t[i + 8], 0xdd);
+    }
+}
+#endif
 
 /* one task's function for each head dim and element type (decode_attention_span.h) */
 #define HEAD_DIM 64

@@ -2,7 +2,9 @@
  * LOAD_KV (all defined by the includer, with SPAN_ATTENTION the function's name; undefined again at the end):
  * `rows` fp32 query rows [rows, HEAD_DIM] against keys [lo, hi); writes each row's max `m`, sum `l` and unnormalised
  * output `acc` [rows, HEAD_DIM]. `scores` holds rows * BLOCK floats. Rows go in pairs, so that each key and value
- * loaded serves two rows. */
+ * loaded serves two rows; with AVX-512, more than NARROW_ROWS rows go in fours against the block's keys transposed
+ * (`kt`, [HEAD_DIM, BLOCK]), so that each key column and value vector loaded serves four rows and no reduction is
+ * taken. */
 #define NV (HEAD_DIM / LANES)
 /* value columns per pass: two rows' accumulators of VALUE_NV vectors each, 16 of AVX-512's 32 registers or 8 of
  * AVX2's 16 */
@@ -28,6 +30,9 @@ static void SPAN_ATTENTION(const float *restrict q, const void *restrict k_, con
                            float *restrict m, float *restrict l, float *restrict acc, float *restrict scores) {
     const ELEMENT *restrict k = k_, *restrict v = v_;
     float rescale[rows];
+#if LANES == 16 && !defined(SCORE_PAIRS)
+    float kt[HEAD_DIM * BLOCK] __attribute__((aligned(64)));
+#endif
     for (int r = 0; r < rows; r++) { m[r] = -INFINITY; l[r] = 0.f; }
     memset(acc, 0, sizeof(float) * rows * HEAD_DIM);
     for (long start = lo; start < hi; start += BLOCK) {
@@ -37,6 +42,56 @@ static void SPAN_ATTENTION(const float *restrict q, const void *restrict k_, con
          * products run to their end; with AVX2 they do not fit (16 or 32 of 16), so the LANES partial sums stay in
          * registers instead and are advanced one column vector at a time, each query vector loaded once for the
          * group of keys. */
+#if LANES == 16 && !defined(SCORE_PAIRS)
+        if (rows > NARROW_ROWS) {
+            /* the block's keys transposed once, [HEAD_DIM, BLOCK] (past its end, copies of its last key), then four
+             * rows at a time against all of them: each key column loaded once for four rows, no reduction */
+            for (int t = 0; t < BLOCK; t += LANES) {
+                for (int c = 0; c < NV; c++) {
+                    vec x[LANES];
+                    const ELEMENT *key = k + (start + t) * k_row + c * LANES;
+                    if (start + BLOCK < hi)  /* the next block's keys on their way while this one computes */
+                        for (int i = 0; i < LANES; i++) __builtin_prefetch(key + (BLOCK + i) * k_row, 0, 2);
+                    if (t + LANES <= block) for (int i = 0; i < LANES; i++) x[i] = LOAD_KV(key + i * k_row);
+                    else for (int i = 0; i < LANES; i++) x[i] = LOAD_KV(key + (t + i < block ? i : block - 1 - t) * k_row);
+                    transpose(x);
+                    for (int i = 0; i < LANES; i++) store_f32(kt + (long)(c * LANES + i) * BLOCK + t, x[i]);
+                }
+            }
+            for (int r = 0; r < rows; r += 4) {
+                const float *qr[4];
+                for (int g = 0; g < 4; g++) qr[g] = q + (long)(r + g < rows ? r + g : rows - 1) * HEAD_DIM;
+                /* each dot product summed in chunks of LANES columns, the chunks' sums added in turn (as many
+                 * roundings deep as the pairs' lane-wise sums and their reduction) */
+                vec sum[4][4];
+                for (int c = 0; c < NV; c++) {
+                    vec s0[4] = {{0}}, s1[4] = {{0}}, s2[4] = {{0}}, s3[4] = {{0}};
+                    for (int d = c * LANES; d < (c + 1) * LANES; d++) {
+                        const float *column = kt + (long)d * BLOCK;
+                        vec k0 = load_f32(column), k1 = load_f32(column + LANES), k2 = load_f32(column + 2 * LANES),
+                            k3 = load_f32(column + 3 * LANES);
+                        IN_REGISTERS(k0, k1, k2, k3);
+                        for (int g = 0; g < 4; g++) {
+                            float a = qr[g][d];
+                            s0[g] += a * k0; s1[g] += a * k1; s2[g] += a * k2; s3[g] += a * k3;
+                        }
+                    }
+                    for (int g = 0; g < 4; g++) {
+                        if (c == 0) { sum[g][0] = s0[g]; sum[g][1] = s1[g]; sum[g][2] = s2[g]; sum[g][3] = s3[g]; }
+                        else { sum[g][0] += s0[g]; sum[g][1] += s1[g]; sum[g][2] += s2[g]; sum[g][3] += s3[g]; }
+                    }
+                }
+                for (int g = 0; g < 4 && r + g < rows; g++) {
+                    float *out = scores + (r + g) * BLOCK;
+                    if (block == BLOCK) {
+                        for (int t = 0; t < 4; t++) store_f32(out + t * LANES, sum[g][t]);
+                    } else {
+                        for (int j = 0; j < block; j++) out[j] = sum[g][j / LANES][j % LANES];
+                    }
+                }
+            }
+        } else
+#endif
 #if LANES == 16
         for (int r = 0; r < rows; r += 2) {
             vec a[QUERY_NV], b[QUERY_NV], x[LANES];
@@ -140,6 +195,37 @@ static void SPAN_ATTENTION(const float *restrict q, const void *restrict k_, con
             m[r] = top;
             rescale[r] = alpha;
         }
+#if LANES == 16
+        if (rows > NARROW_ROWS) {
+            /* the values, four rows at a time, 64 columns a pass: each value vector loaded once for four rows */
+            for (int r = 0; r < rows; r += 4) {
+                const float *p[4];
+                for (int g = 0; g < 4; g++) p[g] = scores + (r + g < rows ? r + g : rows - 1) * BLOCK;
+                for (int c0 = 0; c0 < NV; c0 += 4) {
+                    vec o[4][4];
+                    for (int g = 0; g < 4; g++) {
+                        int row = r + g < rows ? r + g : rows - 1;
+                        for (int c = 0; c < 4; c++) o[g][c] = load_f32(acc + (long)row * HEAD_DIM + (c0 + c) * LANES) * rescale[row];
+                    }
+                    for (int j = 0; j < block; j++) {
+                        const ELEMENT *value = v + (start + j) * v_row + c0 * LANES;
+                        if (r == 0 && start + BLOCK < hi)  /* and its values */
+                            for (int c = 0; c < 4; c++) __builtin_prefetch(value + BLOCK * v_row + c * LANES, 0, 2);
+                        vec v0 = LOAD_KV(value), v1 = LOAD_KV(value + LANES), v2 = LOAD_KV(value + 2 * LANES),
+                            v3 = LOAD_KV(value + 3 * LANES);
+                        IN_REGISTERS(v0, v1, v2, v3);
+                        for (int g = 0; g < 4; g++) {
+                            float w = p[g][j];
+                            o[g][0] += w * v0; o[g][1] += w * v1; o[g][2] += w * v2; o[g][3] += w * v3;
+                        }
+                    }
+                    for (int g = 0; g < 4 && r + g < rows; g++)
+                        for (int c = 0; c < 4; c++) store_f32(acc + (long)(r + g) * HEAD_DIM + (c0 + c) * LANES, o[g][c]);
+                }
+            }
+            continue;
+        }
+#endif
         /* the values, two rows at a time, VALUE_NV vectors of columns a pass */
         for (int r = 0; r < rows; r += 2) {
             int other = r + 1 < rows ? r + 1 : r;
