@@ -7,7 +7,10 @@ it (`attention.aten_attention`: `one_row_sdpa` for one new token, else `split_kv
 `gqa_sdpa`), and gives the route `AttentionRoutes` chooses for that call's class (timed as at a call's set-up) with
 its cost: the "routed / ATen" column is the figure that must not exceed 1 (beyond timing noise). K/V are random
 views of longer buffers, as a cache's are (the cost does not depend on the values); the routes alternate within each
-setting; medians of ``--repeats``. Each row also gives the kernel's largest error against float64, beside ATen's.
+setting; medians of ``--repeats``. Each row also gives the kernel's largest error against float64, beside ATen's, and
+the kernel with every row count taken in pairs (``pairs ms``: `cpu_attention.attend`'s ``narrow_rows`` above any row
+count, the path a decoding step takes; a verification's rows, more than `cpu_attention.NARROW_ROWS` a KV head, go in
+fours against the keys transposed in AVX-512 builds).
 
 ``--march`` builds the kernel for ``native`` (default), ``x86-64-v4`` (AVX-512) or ``x86-64-v3`` (AVX2: the code an
 AVX2-only CPU runs, measured on any newer one); it sets ``HF_TRIFORCE_CPU_MARCH`` for this process. Run it once per
@@ -36,6 +39,9 @@ from tqdm.auto import tqdm
 from hf_triforce.kernels import attention, attention_routes, cpu_attention, native_build
 
 SHAPES = {"smollm2-135m": (3, 3, 64), "qwen2.5-coder-1.5b": (2, 6, 128)}
+
+
+PAIRS = 1 << 20  # `cpu_attention.attend`'s narrow_rows for the pairs column: above any call's rows
 
 
 def aten_name(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> str:
@@ -76,9 +82,9 @@ def main() -> None:
     routes = attention_routes.AttentionRoutes()
     dtype = getattr(torch, args.dtype)
     rows = []
-    print("| shape | cached | new tokens | ATen route | ATen ms | kernel ms | kernel speed-up | route taken | "
-          "routed / ATen | kernel / ATen max error |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("| shape | cached | new tokens | ATen route | ATen ms | kernel ms | kernel speed-up | pairs ms | "
+          "route taken | routed / ATen | kernel / ATen max error |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     settings = [(name, length, new) for name in args.shapes for length in args.lengths for new in args.new]
     for name, length, new in tqdm(settings, desc="settings", unit="setting", leave=False):
         kv_heads, groups, dim = SHAPES[name]
@@ -86,7 +92,8 @@ def main() -> None:
         keys, values = buffers[0, :, :, : length + new], buffers[1, :, :, : length + new]
         query = torch.randn(1, kv_heads * groups, new, dim).to(dtype)
         runs = {"aten": lambda q=query, k=keys, v=values: attention.aten_attention(q, k, v, None),
-                "kernel": lambda q=query, k=keys, v=values: cpu_attention.attend(q, k, v, None)}
+                "kernel": lambda q=query, k=keys, v=values: cpu_attention.attend(q, k, v, None),
+                "pairs": lambda q=query, k=keys, v=values: cpu_attention.attend(q, k, v, None, narrow_rows=PAIRS)}
         times: dict[str, list[float]] = {route: [] for route in runs}
         for _ in range(args.repeats):
             for route, run in runs.items():
@@ -98,11 +105,11 @@ def main() -> None:
         exact = cpu_attention.reference(query, keys, values, None)
         error = {route: (run().reshape(exact.shape).double() - exact).abs().max().item() for route, run in runs.items()}
         row = dict(shape=name, cached=length, new=new, aten_route=aten_name(query, keys, values), aten_ms=ms["aten"],
-                   kernel_ms=ms["kernel"], speedup=ms["aten"] / ms["kernel"], route=taken,
+                   kernel_ms=ms["kernel"], speedup=ms["aten"] / ms["kernel"], pairs_ms=ms["pairs"], route=taken,
                    routed_over_aten=ms[taken] / ms["aten"], kernel_error=error["kernel"], aten_error=error["aten"])
         rows.append(row)
         tqdm.write(f"| {name} | {length} | {new} | {row['aten_route']} | {ms['aten']:.3f} | {ms['kernel']:.3f} | "
-                   f"{row['speedup']:.2f}x | {taken} | {row['routed_over_aten']:.2f} | "
+                   f"{row['speedup']:.2f}x | {ms['pairs']:.3f} | {taken} | {row['routed_over_aten']:.2f} | "
                    f"{error['kernel']:.1e} / {error['aten']:.1e} |")
     worst = max(rows, key=lambda row: row["routed_over_aten"])
     print(f"\nworst routed / ATen: {worst['routed_over_aten']:.2f} ({worst['shape']}, {worst['cached']} cached, "

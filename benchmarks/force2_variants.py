@@ -1,5 +1,7 @@
 """What Force 2 runs at long contexts: `TriForceConfig()` with Force 2 on the target's int4, int8 or fp32 lean copy, and
-its retrieval cache in bf16 or fp32, beside static-cache `generate`, rounds interleaved in one process.
+its retrieval cache in bf16 or fp32, beside static-cache `generate`, rounds interleaved in one process; and
+(``int4-pairs``) the default with the CPU attention kernel taking a verification's rows in pairs, as a decoding step's
+(`cpu_attention.NARROW_ROWS` above any row count), to measure its four-row path at the decode's scale.
 
 One saved prefill of a question prompt about a natural text (SmolLM2 fp32, the chat template, YaRN where the context
 needs it, ``--prefill-dir``), then per mode (greedy, sampled at T=0.6 / top-p 0.9) a warm-up call of each variant
@@ -9,10 +11,12 @@ acceptance per chain and per position (`TriForceStats.force2_position_acceptance
 plans' step counts and each tier's milliseconds per new token. Force 1 runs `TriForceConfig()`'s lean-int4 copy in
 every variant; only Force 2's weights (`hf_triforce.decoding.tiers.FORCE2_PRECISION`) or the dtype its cache keeps
 change (``retrieval_dtype``: bf16 by default here, fp32 in ``int4-fp32-cache``;
-`hf_triforce.decoding.levels.RETRIEVAL_STORAGE`).
+`hf_triforce.decoding.levels.RETRIEVAL_STORAGE`), or in ``int4-pairs`` the attention kernel's path for many rows.
 
     python benchmarks/force2_variants.py --context 32000 --rope-factor 4 --prefill-dir prefills
     python benchmarks/force2_variants.py --context 64000 --rope-factor 8 --prefill-dir prefills
+    python benchmarks/force2_variants.py --context 32000 --rope-factor 4 --variants int4 int4-pairs \
+        --prefill-dir prefills
     python benchmarks/force2_variants.py --context 8000 --text shakespeare --gguf-stored-width \
         --variants int4 int4-fp32-cache --prefill-dir prefills
 """
@@ -27,24 +31,31 @@ import torch
 
 from hf_triforce import assets, attach_gguf
 from hf_triforce.decoding import levels, tiers
+from hf_triforce.kernels import cpu_attention
 from hf_triforce.tools.bench import Run, measure, saved_prefix
 from hf_triforce.tools.prompts import document_prompt
 
-# Force 2's weights beside Force 1's int4, and its cache entries' dtype (None: the model's)
-VARIANTS = {"int4": ("lean-int4", torch.bfloat16), "int4-fp32-cache": ("lean-int4", None),
-            "int8": ("lean-int8", torch.bfloat16), "fp32": ("lean", torch.bfloat16)}
+# Force 2's weights beside Force 1's int4, its cache entries' dtype (None: the model's), and the attention kernel's
+# narrow rows (`cpu_attention.NARROW_ROWS`; PAIRS: every row count in pairs)
+PAIRS = 1 << 20
+VARIANTS = {"int4": ("lean-int4", torch.bfloat16, cpu_attention.NARROW_ROWS),
+            "int4-fp32-cache": ("lean-int4", None, cpu_attention.NARROW_ROWS),
+            "int8": ("lean-int8", torch.bfloat16, cpu_attention.NARROW_ROWS),
+            "fp32": ("lean", torch.bfloat16, cpu_attention.NARROW_ROWS),
+            "int4-pairs": ("lean-int4", torch.bfloat16, PAIRS)}
 SAMPLED = {"do_sample": True, "temperature": 0.6, "top_p": 0.9}
 
 
 def run_variant(name: str, model, ids, prefix, new_tokens: int, run: Run, sampling, seed: int) -> None:
     """One call of ``name`` (``"static"`` or a `VARIANTS` key) timed into ``run``."""
-    precision, storage = tiers.FORCE2_PRECISION["lean-int4"], levels.RETRIEVAL_STORAGE["bfloat16"]
-    tiers.FORCE2_PRECISION["lean-int4"], levels.RETRIEVAL_STORAGE["bfloat16"] = VARIANTS.get(name, VARIANTS["int4"])
+    kept = tiers.FORCE2_PRECISION["lean-int4"], levels.RETRIEVAL_STORAGE["bfloat16"], cpu_attention.NARROW_ROWS
+    (tiers.FORCE2_PRECISION["lean-int4"], levels.RETRIEVAL_STORAGE["bfloat16"],
+     cpu_attention.NARROW_ROWS) = VARIANTS.get(name, VARIANTS["int4"])
     try:
         measure(model, ids, prefix, run.method, new_tokens, 4096, run, sampling=sampling, seed=seed,
                 cache_tokens=64)
     finally:
-        tiers.FORCE2_PRECISION["lean-int4"], levels.RETRIEVAL_STORAGE["bfloat16"] = precision, storage
+        tiers.FORCE2_PRECISION["lean-int4"], levels.RETRIEVAL_STORAGE["bfloat16"], cpu_attention.NARROW_ROWS = kept
 
 
 def row(name: str, run: Run, base: Run, greedy: bool) -> dict:

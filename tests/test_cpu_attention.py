@@ -4,6 +4,9 @@
   rounding of the output to their dtype), in fp32, bf16 and fp16: both head dims, GQA groups of 1 to 6, one new token
   and up to `MAX_NEW_TOKENS` (odd and even rows: the kernel pairs them), caches that end inside a block and on a
   block's edge, strided views of longer buffers, a custom scale;
+* a verification's rows (more than `NARROW_ROWS` a KV head) and a decoding step's take two paths in AVX-512 builds
+  (fours against the keys transposed, pairs): both equal float64 within the tolerance at the same calls, and they are
+  two paths (their outputs part in the last bits) where the build has 512-bit vectors and its scores are fp32 products;
 * its causal rule is exercised in each dtype: where the new tokens' keys carry large scores, a rule that shows each
   new token one key more (or less) moves the result by far more than the tolerance;
 * the attention wrapper routes fp32 and bf16 CPU calls over a long cache to it (a model with head dim 64 and a
@@ -69,6 +72,31 @@ def test_matches_float64_reference(dim, kv_heads, groups, new, kv_len, dtype):
         error = (got.double() - expected).abs()
         assert got.shape == (1, new, kv_heads * groups, dim) and got.dtype == dtype
         assert bool((error < _bound(expected, dtype)).all()), error.max().item()
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", cpu_attention.DTYPES)
+@pytest.mark.parametrize("dim, kv_heads, groups, new, kv_len", [
+    (64, 3, 3, 2, 1100),  # 6 rows a KV head
+    (64, 3, 3, 11, 1537),  # 33 rows: fours and a remainder of one
+    (128, 2, 6, 3, 1300),  # Qwen2.5's layout, 18 rows
+])
+def test_a_verifications_rows_in_fours_and_in_pairs_both_match_float64(dim, kv_heads, groups, new, kv_len, dtype):
+    from hf_triforce.kernels import native_build
+
+    query, key, value = _case(dim, kv_heads, groups, new, kv_len, seed=5, dtype=dtype)
+    expected = cpu_attention.reference(query, key, value, None)
+    fours = cpu_attention.attend(query, key, value, None)
+    pairs = cpu_attention.attend(query, key, value, None, narrow_rows=groups * new)
+    for got in (fours, pairs):
+        assert bool(((got.double() - expected).abs() < _bound(expected, dtype)).all())
+    wide = "-mprefer-vector-width=512" in native_build.compile_flags()
+    # bf16 scores by vdpbf16ps (an AVX512-BF16 build) stay in pairs and the values' sums keep their order: same bits
+    paired_scores = dtype == torch.bfloat16 and native_build.build_target() == "native" and "avx512_bf16" in (
+        native_build.cpu_features() or ())
+    assert torch.equal(fours, pairs) == (not wide or paired_scores)  # two paths where the build has them
+    with pytest.raises(ValueError, match="narrow_rows must be >= 0"):
+        cpu_attention.attend(query, key, value, None, narrow_rows=-1)
 
 
 @needs_kernel

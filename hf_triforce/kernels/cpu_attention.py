@@ -43,6 +43,10 @@ MIN_CACHED = 1024
 ENV = "HF_TRIFORCE_CPU_ATTENTION"
 ELEMENTS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # the kernel's element codes (csrc/vectors.h)
 DTYPES = tuple(ELEMENTS)  # what the kernel reads and writes: query, keys and values of one of these, the output alike
+# a KV head's query rows (its query heads times the new tokens) up to which the kernel takes them in pairs, a decoding
+# step's; more, a verification's, go four at a time against each block's keys transposed (AVX-512 builds; cheaper from
+# 6 rows on: benchmarks/cpu_attention_cost.py --narrow-rows)
+NARROW_ROWS = 4
 FP32_TOLERANCE = 1e-5  # the fp32 result's error against float64 on random inputs of unit scale (measured: below 1e-6)
 # half an ulp of an output rounded to bf16 / fp16, relative to the value
 OUTPUT_ROUNDING = {torch.float32: 0.0, torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11}
@@ -54,7 +58,7 @@ class _Kernel:
         pointer, long, integer = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
         self.attend = self.library.triforce_attend
         self.attend.argtypes = [integer, integer, pointer, pointer, pointer, long, long, long, long, integer, integer,
-                                integer, long, ctypes.c_float, integer, integer, pointer, pointer]
+                                integer, integer, long, ctypes.c_float, integer, integer, pointer, pointer]
         self.attend.restype = integer
         self.workspace = self.library.triforce_attend_workspace
         self.workspace.argtypes = [integer, integer, integer, integer, integer]
@@ -98,15 +102,19 @@ def supports(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> boo
     )
 
 
-def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float | None) -> torch.Tensor:
+def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float | None,
+           narrow_rows: int | None = None) -> torch.Tensor:
     """Attention of ``query`` ``[1, heads, new, dim]`` over ``key``/``value`` ``[1, kv_heads, kv_len, dim]`` whose
     last ``new`` entries are the new tokens (bottom-right causal); returns ``[1, new, heads, dim]`` (transformers'
     layout), in their dtype. ValueError for inputs the kernel does not take (`check_inputs`); the kernel must be built
-    (`available`). Which calls should take it is `supports`'s and the routes' choice (`attention_routes`)."""
+    (`available`). Which calls should take it is `supports`'s and the routes' choice (`attention_routes`).
+    ``narrow_rows``: see `NARROW_ROWS`, its default (both paths give the same values up to summation order)."""
     kernel = _load()[0]
     if kernel is None:
         raise RuntimeError(f"cpu_attention.attend: the kernel is {status()}")
-    return _attend_with(kernel, query, key, value, scaling)
+    if narrow_rows is not None and narrow_rows < 0:
+        raise ValueError(f"cpu_attention.attend: narrow_rows must be >= 0, got {narrow_rows}")
+    return _attend_with(kernel, query, key, value, scaling, narrow_rows)
 
 
 def check_inputs(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
@@ -143,8 +151,9 @@ def check_inputs(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) ->
 
 
 def _attend_with(kernel: _Kernel, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                 scaling: float | None = None) -> torch.Tensor:
+                 scaling: float | None = None, narrow_rows: int | None = None) -> torch.Tensor:
     check_inputs(query, key, value)
+    narrow_rows = NARROW_ROWS if narrow_rows is None else narrow_rows
     _, heads, new, dim = query.shape
     kv_heads, kv_len = key.shape[1], key.shape[2]
     rows = heads // kv_heads * new
@@ -157,8 +166,8 @@ def _attend_with(kernel: _Kernel, query: torch.Tensor, key: torch.Tensor, value:
                             device=query.device)
     scale = dim ** -0.5 if scaling is None else float(scaling)
     code = kernel.attend(ELEMENTS[query.dtype], dim, q.data_ptr(), key.data_ptr(), value.data_ptr(), key.stride(1),
-                         key.stride(2), value.stride(1), value.stride(2), kv_heads, rows, new, kv_len, scale, parts,
-                         threads, workspace.data_ptr(), out.data_ptr())
+                         key.stride(2), value.stride(1), value.stride(2), kv_heads, rows, new, narrow_rows, kv_len,
+                         scale, parts, threads, workspace.data_ptr(), out.data_ptr())
     if code:
         raise ValueError(f"cpu_attention.attend: head dim {dim} is not one of {HEAD_DIMS}")
     return out.view(1, heads, new, dim).transpose(1, 2).contiguous()

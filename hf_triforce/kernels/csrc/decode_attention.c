@@ -10,7 +10,7 @@
  * lone row), one vector per key and row, are summed lane-wise into one vector of LANES dot products by a transposing
  * reduction, so no horizontal sum is taken per key; the values are accumulated two rows per pass, each value loaded
  * once for both, in column chunks that fit the target's registers (vectors.h: LANES 16 with AVX-512, 8 with AVX2).
- * A verification's rows (more than NARROW_ROWS per KV head) take another path with AVX-512: the block's keys are
+ * A verification's rows (more than `narrow_rows` per KV head; the wrapper's NARROW_ROWS) take another path with AVX-512: the block's keys are
  * transposed once, then four rows at a time multiply each key column, held in a register, by a query element, and
  * each value vector serves four rows; the next block's keys and values are prefetched meanwhile. A decoding step is
  * bound by the cache's bytes whichever path; a verification of four tokens over 32k entries costs ~1.4x less so (an
@@ -34,9 +34,6 @@ extern float expf(float);
 
 #define BLOCK 64 /* keys per block of scores */
 #define MAX_HEAD_DIM 128
-/* rows of a KV head up to which a task takes rows in pairs (a decoding step's: bound by the cache's bytes); more rows
- * (a verification's) go four at a time against the block's keys transposed */
-#define NARROW_ROWS 4
 
 /* the transposing reduction: two vectors holding groups of `s` partial sums become one holding groups of s / 2 */
 #define SHUFFLE __builtin_shuffle
@@ -137,8 +134,8 @@ static inline void transpose(vec *x) {
 #define SPAN_ATTENTION span_128_f16
 #include "decode_attention_span.h"
 
-typedef void (*span_fn)(const float *, const void *, const void *, long, long, int, int, long, float, long, long,
-                        float *, float *, float *, float *);
+typedef void (*span_fn)(const float *, const void *, const void *, long, long, int, int, int, long, float, long,
+                        long, float *, float *, float *, float *);
 static const span_fn SPANS[3][2] = {[ELEMENT_F32] = {span_64_f32, span_128_f32},
                                     [ELEMENT_BF16] = {span_64_bf16, span_128_bf16},
                                     [ELEMENT_F16] = {span_64_f16, span_128_f16}};
@@ -152,10 +149,11 @@ long triforce_attend_workspace(int head_dim, int kv_heads, int rows, int parts, 
 /* q [kv_heads, rows, head_dim] (row r: query head r / new_rows of the group, new token r % new_rows); keys of KV head
  * h at k + h * k_head, key j at + j * k_row (values alike; strides in elements); out [kv_heads, rows, head_dim]; q, k,
  * v and out of type `element` (ELEMENT_F32, _BF16, _F16). The cache is cut into `parts` spans per KV head, run on
- * `threads` OpenMP threads. Returns 0, -1 for a head dim it does not take, -2 for an unknown element. */
+ * `threads` OpenMP threads. Up to `narrow_rows` rows a KV head go in pairs (a decoding step's: bound by the cache's
+ * bytes), more in fours against the block's keys transposed (a verification's; AVX-512 only). Returns 0, -1 for a head dim it does not take, -2 for an unknown element. */
 int triforce_attend(int element, int head_dim, const void *q, const void *k, const void *v, long k_head, long k_row,
-                    long v_head, long v_row, int kv_heads, int rows, int new_rows, long kv_len, float scale, int parts,
-                    int threads, float *workspace, void *out) {
+                    long v_head, long v_row, int kv_heads, int rows, int new_rows, int narrow_rows, long kv_len,
+                    float scale, int parts, int threads, float *workspace, void *out) {
     if (head_dim != 64 && head_dim != 128) return -1;
     if (element < 0 || element > ELEMENT_F16) return -2;
     const int D = head_dim;
@@ -183,8 +181,8 @@ int triforce_attend(int element, int head_dim, const void *q, const void *k, con
             continue;
         }
         span_attention(query + (long)h * rows * D, (const char *)k + h * k_head * size,
-                       (const char *)v + h * v_head * size, k_row, v_row, rows, new_rows, kv_len, scale, lo, hi, w,
-                       w + rows, w + 2 * rows, scores);
+                       (const char *)v + h * v_head * size, k_row, v_row, rows, new_rows, narrow_rows, kv_len, scale,
+                       lo, hi, w, w + rows, w + 2 * rows, scores);
     }
     for (int h = 0; h < kv_heads; h++) {
         for (int r = 0; r < rows; r++) {

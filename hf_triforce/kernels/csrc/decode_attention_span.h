@@ -2,7 +2,7 @@
  * LOAD_KV (all defined by the includer, with SPAN_ATTENTION the function's name; undefined again at the end):
  * `rows` fp32 query rows [rows, HEAD_DIM] against keys [lo, hi); writes each row's max `m`, sum `l` and unnormalised
  * output `acc` [rows, HEAD_DIM]. `scores` holds rows * BLOCK floats. Rows go in pairs, so that each key and value
- * loaded serves two rows; with AVX-512, more than NARROW_ROWS rows go in fours against the block's keys transposed
+ * loaded serves two rows; with AVX-512, more than `narrow_rows` rows go in fours against the block's keys transposed
  * (`kt`, [HEAD_DIM, BLOCK]), so that each key column and value vector loaded serves four rows and no reduction is
  * taken. */
 #define NV (HEAD_DIM / LANES)
@@ -26,8 +26,8 @@
 #endif
 
 static void SPAN_ATTENTION(const float *restrict q, const void *restrict k_, const void *restrict v_, long k_row,
-                           long v_row, int rows, int new_rows, long kv_len, float scale, long lo, long hi,
-                           float *restrict m, float *restrict l, float *restrict acc, float *restrict scores) {
+                           long v_row, int rows, int new_rows, int narrow_rows, long kv_len, float scale, long lo,
+                           long hi, float *restrict m, float *restrict l, float *restrict acc, float *restrict scores) {
     const ELEMENT *restrict k = k_, *restrict v = v_;
     float rescale[rows];
 #if LANES == 16 && !defined(SCORE_PAIRS)
@@ -43,7 +43,7 @@ static void SPAN_ATTENTION(const float *restrict q, const void *restrict k_, con
          * registers instead and are advanced one column vector at a time, each query vector loaded once for the
          * group of keys. */
 #if LANES == 16 && !defined(SCORE_PAIRS)
-        if (rows > NARROW_ROWS) {
+        if (rows > narrow_rows) {
             /* the block's keys transposed once, [HEAD_DIM, BLOCK] (past its end, copies of its last key), then four
              * rows at a time against all of them: each key column loaded once for four rows, no reduction */
             for (int t = 0; t < BLOCK; t += LANES) {
@@ -196,7 +196,7 @@ static void SPAN_ATTENTION(const float *restrict q, const void *restrict k_, con
             rescale[r] = alpha;
         }
 #if LANES == 16
-        if (rows > NARROW_ROWS) {
+        if (rows > narrow_rows) {
             /* the values, four rows at a time, 64 columns a pass: each value vector loaded once for four rows */
             for (int r = 0; r < rows; r += 4) {
                 const float *p[4];
