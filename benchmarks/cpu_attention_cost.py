@@ -95,8 +95,10 @@ def main() -> None:
                 "kernel": lambda q=query, k=keys, v=values: cpu_attention.attend(q, k, v, None),
                 "pairs": lambda q=query, k=keys, v=values: cpu_attention.attend(q, k, v, None, narrow_rows=PAIRS)}
         times: dict[str, list[float]] = {route: [] for route in runs}
-        for _ in range(args.repeats):
-            for route, run in runs.items():
+        order = list(runs)
+        for index in range(args.repeats):  # the order rotates: a call right after ATen's shares the cores with its
+            for route in order[index % len(order):] + order[:index % len(order)]:  # OpenMP threads' spin-wait
+                run = runs[route]
                 start = time.perf_counter()
                 run()
                 times[route].append(time.perf_counter() - start)

@@ -4,9 +4,10 @@
   rounding of the output to their dtype), in fp32, bf16 and fp16: both head dims, GQA groups of 1 to 6, one new token
   and up to `MAX_NEW_TOKENS` (odd and even rows: the kernel pairs them), caches that end inside a block and on a
   block's edge, strided views of longer buffers, a custom scale;
-* a verification's rows (more than `NARROW_ROWS` a KV head) and a decoding step's take two paths in AVX-512 builds
-  (fours against the keys transposed, pairs): both equal float64 within the tolerance at the same calls, and they are
-  two paths (their outputs part in the last bits) where the build has 512-bit vectors and its scores are fp32 products;
+* a verification's rows (more than ``narrow_rows`` a KV head, `NARROW_ROWS` by default) and a decoding step's take two
+  paths in AVX-512 builds (fours against the keys transposed, pairs): both equal float64 within the tolerance at the
+  same calls, and they are two paths (their outputs part in the last bits) where the build has 512-bit vectors and its
+  scores are fp32 products;
 * its causal rule is exercised in each dtype: where the new tokens' keys carry large scores, a rule that shows each
   new token one key more (or less) moves the result by far more than the tolerance;
 * the attention wrapper routes fp32 and bf16 CPU calls over a long cache to it (a model with head dim 64 and a
@@ -86,7 +87,7 @@ def test_a_verifications_rows_in_fours_and_in_pairs_both_match_float64(dim, kv_h
 
     query, key, value = _case(dim, kv_heads, groups, new, kv_len, seed=5, dtype=dtype)
     expected = cpu_attention.reference(query, key, value, None)
-    fours = cpu_attention.attend(query, key, value, None)
+    fours = cpu_attention.attend(query, key, value, None, narrow_rows=0)
     pairs = cpu_attention.attend(query, key, value, None, narrow_rows=groups * new)
     for got in (fours, pairs):
         assert bool(((got.double() - expected).abs() < _bound(expected, dtype)).all())

@@ -44,9 +44,10 @@ ENV = "HF_TRIFORCE_CPU_ATTENTION"
 ELEMENTS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # the kernel's element codes (csrc/vectors.h)
 DTYPES = tuple(ELEMENTS)  # what the kernel reads and writes: query, keys and values of one of these, the output alike
 # a KV head's query rows (its query heads times the new tokens) up to which the kernel takes them in pairs, a decoding
-# step's; more, a verification's, go four at a time against each block's keys transposed (AVX-512 builds; cheaper from
-# 6 rows on: benchmarks/cpu_attention_cost.py --narrow-rows)
-NARROW_ROWS = 4
+# step's; more, a verification's, go four at a time against each block's keys transposed (AVX-512 builds). From 9 rows
+# the fours cost 0.85-1.06x the pairs at 1k-32k entries, at 6 rows 1.1-1.3x (SmolLM2's and Qwen2.5-1.5B's shapes, an
+# AVX-512 EPYC, 2 threads: benchmarks/cpu_attention_cost.py, its "pairs ms" column)
+NARROW_ROWS = 8
 FP32_TOLERANCE = 1e-5  # the fp32 result's error against float64 on random inputs of unit scale (measured: below 1e-6)
 # half an ulp of an output rounded to bf16 / fp16, relative to the value
 OUTPUT_ROUNDING = {torch.float32: 0.0, torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11}

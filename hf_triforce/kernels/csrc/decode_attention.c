@@ -10,11 +10,10 @@
  * lone row), one vector per key and row, are summed lane-wise into one vector of LANES dot products by a transposing
  * reduction, so no horizontal sum is taken per key; the values are accumulated two rows per pass, each value loaded
  * once for both, in column chunks that fit the target's registers (vectors.h: LANES 16 with AVX-512, 8 with AVX2).
- * A verification's rows (more than `narrow_rows` per KV head; the wrapper's NARROW_ROWS) take another path with AVX-512: the block's keys are
- * transposed once, then four rows at a time multiply each key column, held in a register, by a query element, and
- * each value vector serves four rows; the next block's keys and values are prefetched meanwhile. A decoding step is
- * bound by the cache's bytes whichever path; a verification of four tokens over 32k entries costs ~1.4x less so (an
- * AVX-512 EPYC, 2 threads).
+ * A verification's rows (more than `narrow_rows` per KV head: the wrapper's NARROW_ROWS) take another path with
+ * AVX-512: the block's keys are transposed once, then four rows at a time multiply each key column, held in a
+ * register, by a query element, and each value vector serves four rows; the next block's keys and values are
+ * prefetched meanwhile. A decoding step is bound by the cache's bytes whichever path.
  *
  * Elements (vectors.h): keys and values are widened to fp32 in registers as they are loaded; the query rows are
  * widened once per call; every product of two bf16 or fp16 values is exact in fp32. The output is rounded once, from
