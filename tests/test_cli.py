@@ -111,6 +111,13 @@ def test_bench_with_a_draft_model_and_sampling(tmp_path, capsys):
     # prompt is prompt processing, reported and not timed
     vanilla = greedy["methods"]["vanilla"]["stats"]
     assert vanilla["plan_steps"] == {"2": vanilla["force3_steps"]} and vanilla["draft_prefill_seconds"] > 0
+    # no warm-up call repeats the draft's pass over the prompt: its first timed call makes the copies, reported and
+    # subtracted with the other one-off set-up seconds
+    from hf_triforce.tools.bench import warms_up
+    from hf_triforce.tools.methods import method_named
+    assert not warms_up(method_named("vanilla")) and warms_up(method_named("triforce-draft"))
+    assert warms_up(method_named("static-compiled")) and not warms_up(method_named("plain"))
+    assert vanilla["draft_precision"] == "lean-int4" and greedy["methods"]["vanilla"]["copy_seconds"] > 0
     # default methods with a draft model: all of them; sampling: seeded, no identity claim
     assert main(argv + ["--sample", "--temperature", "0.7", "--top-p", "0.9"]) == 0
     sampled = json.loads((out_dir / "results.json").read_text())[0]

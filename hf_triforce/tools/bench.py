@@ -3,7 +3,9 @@
 Decode time excludes the prefill (reported apart); each method's median over ``repeats`` rounds is
 reported with its ratio to plain `generate` and to the best plain decoding (the faster of ``static`` and
 ``static-compiled``: a StaticCache, eager or with ``generate``'s own compile), acceptance per tier and cache
-memory. ``static-compiled`` compiles on a warm-up call before the timed rounds (its compile seconds reported).
+memory. ``static-compiled`` compiles on a warm-up call before the timed rounds (its compile seconds reported); a
+TriForce method makes its weight copies and route timings on one (`warms_up`: not ``vanilla``, whose warm-up would
+repeat its draft's pass over the prompt; a timed call's one-off set-up seconds are subtracted).
 ``lookup`` and ``assisted`` run from scratch (transformers' assisted decoding mishandles a pre-filled cache) and
 the shared prefill time is subtracted from their totals: an approximation; ``assisted`` still pays its draft
 model's prefill of the whole prompt, as it does on every call. Methods: ``plain`` (DynamicCache), ``static``
@@ -53,7 +55,7 @@ class Run:
     sequences: torch.Tensor | None = None
     stats: TriForceStats | None = None
     compile_seconds: float | None = None  # the warm-up call of a compiled method (compile + a few tokens)
-    copy_seconds: float | None = None  # a TriForce method's drafting weight copies, made by its warm-up call
+    copy_seconds: float | None = None  # its drafting weight copies: by its warm-up call, else by its first timed call
     decoded: int | None = None  # lookup / assisted: tokens timed after their first new token (`DecodeClock`)
     crashed: str | None = None  # a peer engine whose process died: how and when (no speed is reported)
 
@@ -228,8 +230,14 @@ def measure(model, ids, prefix, method: str, new_tokens: int, budget: int, run: 
         run.decoded = clock.after_first
     run.stats = getattr(out, "triforce_stats", None)
     if run.stats is not None:  # adopting the shared prefix: the static and plain methods copy it before the clock;
-        # a draft model's pass over the prompt: prompt processing, as assisted generation's draft prefill (not timed)
-        seconds -= run.stats.prefix_copy_seconds + run.stats.draft_prefill_seconds
+        # a draft model's pass over the prompt: prompt processing, as assisted generation's draft prefill (not timed);
+        # what a model's first call in a process pays once (weight copies, route timings, kernel builds): a warm-up
+        # call pays it where one runs, and where none does (`warms_up`) it is not decoding either
+        s = run.stats
+        seconds -= (s.prefix_copy_seconds + s.draft_prefill_seconds + s.draft_copy_seconds
+                    + s.attention_calibration_seconds + s.linear_calibration_seconds + s.kernel_build_seconds)
+        if run.copy_seconds is None and s.draft_copy_seconds:
+            run.copy_seconds = s.draft_copy_seconds
     run.seconds.append(seconds)
     sequences = out.sequences if hasattr(out, "sequences") else out
     run.new_tokens = sequences.shape[1] - ids.shape[1]
@@ -271,7 +279,7 @@ def compare(model, ids, methods, new_tokens: int, repeats: int, budget: int | li
     # TriForce method's drafting weight copies (lean, int8: kept per model; 23 s for Qwen2.5-1.5B's int4 copy)
     for run in runs:
         spec = method_named(run.method)
-        if spec.compiled or not spec.baseline:
+        if warms_up(spec):
             warm_up = Run(run.method)
             start = time.perf_counter()
             measure(model, ids, prefix, run.method, min(new_tokens, 4), run.budget or budgets[0], warm_up,
@@ -286,6 +294,14 @@ def compare(model, ids, methods, new_tokens: int, repeats: int, budget: int | li
             measure(model, ids, prefix, run.method, new_tokens, run.budget or budgets[0], run, draft_model, sampling,
                     seed=round_index, gammas=gammas, knobs=knobs, engines=engines)
     return runs, prefill_seconds
+
+
+def warms_up(spec) -> bool:
+    """Whether `compare` runs a method once before its timed rounds: a compiled method (its compile) and a TriForce
+    method (its weight copies, route timings and kernel builds, which `measure` also subtracts from a timed call) --
+    except one whose Force 1 fills a full draft cache (``vanilla``): its warm-up would repeat the draft model's pass
+    over the whole prompt (~40 minutes for Qwen2.5-Coder-0.5B at 64k on two cores) for nothing a timed call counts."""
+    return spec.compiled or (not spec.baseline and not spec.full_draft_cache)
 
 
 def best_plain(runs: list[Run]) -> Run | None:
