@@ -95,7 +95,10 @@ class DecodeClock:
         pass
 
 
-def prefill_prefix(model, ids: torch.Tensor, chunk_size: int = 1024) -> DynamicCache:
+PREFILL_CHUNK = 1024  # tokens a prefill forward takes at once (`saved_prefix`'s checkpoints are multiples of it)
+
+
+def prefill_prefix(model, ids: torch.Tensor, chunk_size: int = PREFILL_CHUNK) -> DynamicCache:
     """A `DynamicCache` holding every prompt token but the last, with a progress bar."""
     cache = DynamicCache(config=model.config)
     with torch.no_grad():
@@ -115,7 +118,7 @@ def saved_prefix(model, ids: torch.Tensor, directory: Path,
     interrupted one resumes from it. Returns the cache, the seconds this call took and what was done
     (``"loaded <file>"``, ``"computed, saved to <file>"``, with the tokens resumed from, or why a file was
     refused)."""
-    chunk = 1024
+    chunk = PREFILL_CHUNK
     if checkpoint_tokens < chunk or checkpoint_tokens % chunk:
         raise ValueError(f"saved_prefix: checkpoint_tokens must be a positive multiple of {chunk}, "
                          f"got {checkpoint_tokens}")
