@@ -1,11 +1,11 @@
 """How well does Force 2 (the target on a retrieval cache) agree with Force 3 (the full cache)? Teacher-forced.
 
-One prefill of a question prompt about a natural text (Paul Graham's essays, the chat template, SmolLM2,
-YaRN where the context needs it), then the model's own greedy answer (``--new-tokens``, decoded on the prefilled
-full cache) is scored position by position: ``p`` from the full cache, ``q`` from each sparse cache selected the
-way Force 2 selects it — with the query of the last cached token, refreshed at every position, every 4 or 12
-positions (``--selections every4 every12``: ``refresh_every`` Force-3 steps of a few tokens each) or only once at
-the end of the prompt. Reported per configuration: expected acceptance ``sum(min(p, q))`` at
+One prefill of a question prompt about a natural text (Paul Graham's essays, the chat template, SmolLM2 or another
+bundled model (``--model``), YaRN where the context needs it), then the model's own greedy answer (``--new-tokens``,
+decoded on the prefilled full cache) is scored position by position: ``p`` from the full cache, ``q`` from each
+sparse cache selected the way Force 2 selects it — with the query of the last cached token, refreshed at every
+position, every 4 or 12 positions (``--selections every4 every12``: ``refresh_every`` Force-3 steps of a few tokens
+each) or only once at the end of the prompt. Reported per configuration: expected acceptance ``sum(min(p, q))`` at
 temperature 1 and at 0.6 (what a sampled verification accepts), and greedy agreement (``argmax q == argmax p``). A
 StreamingLLM cache (sink chunk + recent tokens, same budget) is the baseline the retrieval has to beat.
 
@@ -18,7 +18,9 @@ Force 1 too (``--force1-window``, one or more windows): the target drafting on i
 (`ModelDrafter`, filled and placed as ``--force1-variants`` says, at ``--force1-precision``), fed the same answer: its
 agreement with Force 3 (what two levels accept) and with each refreshed Force-2 configuration (what Force 2 accepts
 of Force 1's drafts). And how flat the target's own law is there (mean entropy, mean top probability): a flat ``p``
-caps every tier's acceptance. ``--json`` writes every row.
+caps every tier's acceptance. A draft model (``--draft-model``, sharing the target's vocabulary) is scored as Force 1
+too: on the same sink+window cache at ``--force1-precision``, filled by a forward of its own weights at absolute
+positions, as `TriForceConfig(draft=...)` drafts. ``--json`` writes every row.
 
     python benchmarks/sparse_agreement.py --context 16000 --rope-factor 2 --budgets 512 1024 2048 4096
     python benchmarks/sparse_agreement.py --text wikipedia --context 32000 --rope-factor 4 --budgets 1024 4096 \
@@ -27,6 +29,9 @@ caps every tier's acceptance. ``--json`` writes every row.
         --chunks 8 16 32 --recents 1024 2048 3072 --scorings sum mass --selections every --json out.json
     python benchmarks/sparse_agreement.py --context 64000 --rope-factor 8 --budgets 4096 8192 --chunks 8 \
         --selections every every4 once --prefill-dir prefills
+    python benchmarks/sparse_agreement.py --model qwen2.5-coder-1.5b --draft-model qwen2.5-coder-0.5b \
+        --context 32000 --budgets 4096 8192 --chunks 8 --selections every4 --force1-window 1024 \
+        --force1-variants copy-absolute --force1-precision lean-int4 --prefill-dir prefills
 """
 
 from __future__ import annotations
@@ -136,6 +141,9 @@ def variants(args) -> list[dict]:
 @torch.no_grad()
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="smollm2-135m", choices=sorted(assets.MODELS))
+    parser.add_argument("--draft-model", default=None, choices=sorted(assets.MODELS),
+                        help="a draft model scored as Force 1 beside the target's own drafting")
     parser.add_argument("--context", type=int, default=16000)
     parser.add_argument("--rope-factor", type=float, default=None)
     parser.add_argument("--new-tokens", type=int, default=48)
@@ -152,7 +160,7 @@ def main() -> None:
     parser.add_argument("--force1-window", type=int, nargs="+", default=[256],
                         help="Force 1's recent window(s), each scored from the same prefill; 0: no Force-1 rows")
     parser.add_argument("--force1-precision", default="model", help="a TriForceConfig.draft_precision but 'auto'")
-    parser.add_argument("--force1-variants", nargs="+", default=list(FORCE1_VARIANTS), choices=list(FORCE1_VARIANTS),
+    parser.add_argument("--force1-variants", nargs="*", default=list(FORCE1_VARIANTS), choices=list(FORCE1_VARIANTS),
                         help="how Force 1's cache is filled (a forward over the sinks and window, or a copy of the "
                              "full cache's entries) and which positions it uses (in-cache slots or absolute)")
     parser.add_argument("--prefill-dir", default=None,
@@ -160,8 +168,12 @@ def main() -> None:
     parser.add_argument("--json", default=None, help="write the run's settings and every row here")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    overrides = assets.yarn_rope(args.rope_factor) if args.rope_factor else {}
-    model, tokenizer = assets.load_smollm2(**overrides)
+    def load(name: str):
+        asset = assets.MODELS[name]
+        return assets.load_model(name, **(assets.yarn_rope(args.rope_factor, asset) if args.rope_factor else {}))
+
+    model, tokenizer = load(args.model)
+    draft = load(args.draft_model)[0] if args.draft_model else None
     ids = document_prompt(tokenizer, assets.TEXTS[args.text](), args.context)
     n, k = ids.shape[1], args.new_tokens
     layers = model.config.num_hidden_layers
@@ -201,12 +213,17 @@ def main() -> None:
             print(f"| {variant['cache']} | {variant['budget']} | {variant['chunk']} | {variant['recent']} | "
                   f"{variant['scoring']} | {variant['selection']} | {scores['accept T=1.0']:.3f} | "
                   f"{scores['accept T=0.6']:.3f} | {scores['greedy']:.3f} |", flush=True)
-        force1_runs = [(window, name) for window in args.force1_window if window for name in args.force1_variants]
+        force1_runs = [(window, name) for window in args.force1_window if window
+                       for name in args.force1_variants + ([f"draft {args.draft_model}"] if draft else [])]
         for force1_window, name in force1_runs:
-            copy, positions = FORCE1_VARIANTS[name]
-            drafter = ModelDrafter(tier_model(model, args.force1_precision, 1), args.force1_sink, force1_window,
-                                   LogitsProcessorList(), False, None, source=full if copy else None,
-                                   positions=positions)
+            if name in FORCE1_VARIANTS:
+                copy, positions = FORCE1_VARIANTS[name]
+                drafter = ModelDrafter(tier_model(model, args.force1_precision, 1), args.force1_sink, force1_window,
+                                       LogitsProcessorList(), False, None, source=full if copy else None,
+                                       positions=positions)
+            else:  # the draft model: its cache filled by its own weights' forward (it cannot copy the target's)
+                drafter = ModelDrafter(tier_model(draft, args.force1_precision, 1), args.force1_sink, force1_window,
+                                       LogitsProcessorList(), False, None, positions="absolute", fill_model=draft)
             sequence = ids[:, :-1]
             drafter.prefill(torch.cat((sequence, ids[:, -1:]), dim=1))
             force1 = []
