@@ -19,8 +19,8 @@ Force 1 too (``--force1-window``, one or more windows): the target drafting on i
 agreement with Force 3 (what two levels accept) and with each refreshed Force-2 configuration (what Force 2 accepts
 of Force 1's drafts). And how flat the target's own law is there (mean entropy, mean top probability): a flat ``p``
 caps every tier's acceptance. A draft model (``--draft-model``, sharing the target's vocabulary) is scored as Force 1
-too: on the same sink+window cache at ``--force1-precision``, filled by a forward of its own weights at absolute
-positions, as `TriForceConfig(draft=...)` drafts. ``--json`` writes every row.
+too: on the same sink+window cache at ``--force1-precision``, filled by a forward of its own weights, at the positions
+`TriForceConfig(draft=...)` gives it (`draft_positions`). ``--json`` writes every row.
 
     python benchmarks/sparse_agreement.py --context 16000 --rope-factor 2 --budgets 512 1024 2048 4096
     python benchmarks/sparse_agreement.py --text wikipedia --context 32000 --rope-factor 4 --budgets 1024 4096 \
@@ -46,8 +46,9 @@ from transformers import LogitsProcessorList
 
 from hf_triforce import assets
 from hf_triforce.caches import BufferCache, RetrievalCache
+from hf_triforce.config import TriForceConfig
 from hf_triforce.decoding.tiers import tier_model
-from hf_triforce.drafters.model import ModelDrafter
+from hf_triforce.drafters.model import ModelDrafter, draft_positions
 from hf_triforce.forwards.forward import forward_logits, prefill, run_inline
 from hf_triforce.integration import recording_attention
 from hf_triforce.kernels.attention import QueryRecorder
@@ -223,7 +224,8 @@ def main() -> None:
                                        positions=positions)
             else:  # the draft model: its cache filled by its own weights' forward (it cannot copy the target's)
                 drafter = ModelDrafter(tier_model(draft, args.force1_precision, 1), args.force1_sink, force1_window,
-                                       LogitsProcessorList(), False, None, positions="absolute", fill_model=draft)
+                                       LogitsProcessorList(), False, None, fill_model=draft,
+                                       positions=draft_positions(TriForceConfig(), model, draft))
             sequence = ids[:, :-1]
             drafter.prefill(torch.cat((sequence, ids[:, -1:]), dim=1))
             force1 = []

@@ -303,7 +303,7 @@ def warms_up(spec) -> bool:
     """Whether `compare` runs a method once before its timed rounds: a compiled method (its compile) and a TriForce
     method (its weight copies, route timings and kernel builds, which `measure` also subtracts from a timed call) --
     except one whose Force 1 fills a full draft cache (``vanilla``): its warm-up would repeat the draft model's pass
-    over the whole prompt (~40 minutes for Qwen2.5-Coder-0.5B at 64k on two cores) for nothing a timed call counts."""
+    over the whole prompt (~23 minutes for Qwen2.5-Coder-0.5B at 64k on two cores) for nothing a timed call counts."""
     return spec.compiled or (not spec.baseline and not spec.full_draft_cache)
 
 
