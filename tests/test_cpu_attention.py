@@ -37,6 +37,19 @@ needs_kernel = pytest.mark.skipif(not BUILDS, reason="the CPU kernel is built on
 TOLERANCE = 1e-6
 
 
+def build_label() -> str:
+    """The kernels' build and the CPU features their numerics depend on, for an assertion's message: a test that fails
+    on some CPUs only says on which."""
+    from hf_triforce.kernels import native_build
+
+    features = native_build.cpu_features() or ()
+    have = ", ".join(f"{name} {'yes' if name in features else 'no'}" for name in ("avx2", "fma", "avx512f",
+                                                                                 "avx512_bf16", "amx_tile"))
+    target = " ".join(flag for flag in native_build.compile_flags() if flag.startswith(("-march", "-mprefer")))
+    return (f"build {target}, CPU: "
+            f"{have}; ATen {torch.backends.cpu.get_cpu_capability()}")
+
+
 def _case(dim: int, kv_heads: int, groups: int, new: int, kv_len: int, seed: int = 0, spare: int = 37,
           dtype: torch.dtype = torch.float32):
     generator = torch.Generator().manual_seed(seed)
@@ -95,7 +108,8 @@ def test_a_verifications_rows_in_fours_and_in_pairs_both_match_float64(dim, kv_h
     # bf16 scores by vdpbf16ps (an AVX512-BF16 build) stay in pairs and the values' sums keep their order: same bits
     paired_scores = dtype == torch.bfloat16 and native_build.build_target() == "native" and "avx512_bf16" in (
         native_build.cpu_features() or ())
-    assert torch.equal(fours, pairs) == (not wide or paired_scores)  # two paths where the build has them
+    # two paths where the build has them
+    assert torch.equal(fours, pairs) == (not wide or paired_scores), build_label()
     with pytest.raises(ValueError, match="narrow_rows must be >= 0"):
         cpu_attention.attend(query, key, value, None, narrow_rows=-1)
 

@@ -20,7 +20,7 @@ import torch
 from hf_triforce.kernels import few_rows_linear, linear_routes
 
 from .conftest import make_model, random_prompt
-from .test_cpu_attention import needs_kernel
+from .test_cpu_attention import build_label, needs_kernel
 from .test_greedy_identity import _config, assert_identical
 
 
@@ -69,10 +69,10 @@ def test_each_row_is_its_own_bit_for_bit(dtype):
     x = torch.randn(11, 577, generator=generator).to(dtype)
     whole = few_rows_linear.multiply(x, weight)
     for row in range(11):
-        assert torch.equal(few_rows_linear.multiply(x[row : row + 1], weight)[0], whole[row])
+        assert torch.equal(few_rows_linear.multiply(x[row : row + 1], weight)[0], whole[row]), (row, build_label())
     other = x.clone()
     other[1:] = torch.randn(10, 577, generator=generator).to(dtype)
-    assert torch.equal(few_rows_linear.multiply(other, weight)[0], whole[0])
+    assert torch.equal(few_rows_linear.multiply(other, weight)[0], whole[0]), build_label()
 
 
 @needs_kernel

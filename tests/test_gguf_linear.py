@@ -21,7 +21,7 @@ import torch
 from hf_triforce.kernels import gguf_linear, native_build
 from hf_triforce.kernels.gguf_linear import TYPES, BlockMatrix
 
-from .test_cpu_attention import needs_kernel
+from .test_cpu_attention import build_label, needs_kernel
 
 gguf = pytest.importorskip("gguf")
 
@@ -105,10 +105,10 @@ def test_each_row_is_its_own_bit_for_bit(kind):
     x = torch.randn(11, matrix.in_features, generator=generator)
     whole = gguf_linear.multiply(x, matrix)
     for row in range(11):
-        assert torch.equal(gguf_linear.multiply(x[row : row + 1], matrix)[0], whole[row])
+        assert torch.equal(gguf_linear.multiply(x[row : row + 1], matrix)[0], whole[row]), (row, build_label())
     other = x.clone()
     other[1:] = torch.randn(10, matrix.in_features, generator=generator)
-    assert torch.equal(gguf_linear.multiply(other, matrix)[0], whole[0])
+    assert torch.equal(gguf_linear.multiply(other, matrix)[0], whole[0]), build_label()
 
 
 @needs_kernel

@@ -14,9 +14,9 @@ import time
 import pytest
 import torch
 
-from hf_triforce.kernels import cpu_attention, few_rows_linear, native_build
+from hf_triforce.kernels import cpu_attention, few_rows_linear, gguf_linear, native_build
 
-from .test_cpu_attention import needs_kernel
+from .test_cpu_attention import build_label, needs_kernel
 
 KERNELS = pytest.mark.parametrize("kernel_module", [cpu_attention, few_rows_linear], ids=lambda m: m.__name__)
 
@@ -218,3 +218,47 @@ def _within_bounds(kernel_module, kernel) -> None:
             expected = cpu_attention.reference(query, key, value, None)
             error = (cpu_attention._attend_with(kernel, query, key, value).double() - expected).abs()
             assert bool((error <= cpu_attention.tolerance(expected, dtype)).all()), (dtype, dim, error.max().item())
+
+
+def _tuned_compiler(tmp_path, cc: str, tune: str) -> str:
+    """A compiler that compiles as ``cc`` does, tuned for ``tune`` (``-mtune``: the same instructions, other choices
+    of which to use)."""
+    script = tmp_path / f"cc-{tune}"
+    script.write_text(f"#!/bin/sh\n[ \"$1\" = --version ] && exec {cc} --version\nexec {cc} \"$@\" -mtune={tune}\n")
+    script.chmod(0o755)
+    return str(script)
+
+
+def _products(kernel_module, kernel) -> list[tuple[str, torch.Tensor, list[torch.Tensor]]]:
+    """Per input dtype or block type: the kernel's product of 11 rows (a pass of 8 and one of 3), each row's alone."""
+    generator = torch.Generator().manual_seed(8)
+    if kernel_module is few_rows_linear:
+        cases = [(str(dtype), torch.randn(11, 577, generator=generator).to(dtype),
+                  torch.randn(300, 577, generator=generator).to(dtype)) for dtype in few_rows_linear.DTYPES]
+    else:
+        cases = [(kind, torch.randn(11, 3 * gguf_linear.TYPES[kind][2], generator=generator),
+                  gguf_linear.random_matrix(kind, 300, 3 * gguf_linear.TYPES[kind][2], generator))
+                 for kind in ("Q4_1", "Q6_K")]
+    return [(label, kernel_module._multiply_with(kernel, x, weight),
+             [kernel_module._multiply_with(kernel, x[r : r + 1], weight)[0] for r in range(len(x))])
+            for label, x, weight in cases]
+
+
+@needs_kernel
+@pytest.mark.parametrize("kernel_module", [few_rows_linear, gguf_linear], ids=lambda m: m.__name__)
+def test_a_compilers_tuning_changes_no_rounding(monkeypatch, tmp_path, kernel_module):
+    """The linear kernels round as their source says on any build: tuned for other CPUs (gcc's znver tunings leave
+    256-bit multiply-add chains unfused where the compiler may choose), a build gives this one's outputs bit for bit,
+    and each row alone its several-row pass's."""
+    expected = _products(kernel_module, kernel_module._load()[0])
+    cc = native_build.compiler()
+    for tune in ("generic", "znver2"):
+        _fresh(monkeypatch, tmp_path / tune)
+        monkeypatch.setenv("CC", _tuned_compiler(tmp_path, cc, tune))
+        kernel, why = kernel_module._load.__wrapped__()
+        assert why == "on", (tune, why)
+        for (label, whole, alone), (_, want, _) in zip(_products(kernel_module, kernel), expected):
+            for r, row in enumerate(alone):
+                assert torch.equal(row, whole[r]), (f"-mtune={tune}", label, f"row {r} alone", build_label())
+            assert torch.equal(whole, want), (f"-mtune={tune}", label, "another rounding than the default build's",
+                                              build_label())

@@ -113,8 +113,13 @@ def test_a_fitted_device_reads_back_through_project_devices(calibration, tmp_pat
             forward_seconds(model, calibration.device_of(TRUE), cached, rows), rel=1e-6)
 
 
+FIT_ZERO = 1e-12  # below every fitted figure's scale (seconds a layer ~1e-4, relative errors ~1e-2)
+
+
 def same(computed, published, where: str = "") -> list[str]:
-    """Where two JSON values differ: numbers beyond float rounding (relative 1e-9), anything else at all."""
+    """Where two JSON values differ: numbers beyond float rounding (relative 1e-9, or 1e-12 absolute: a fit's zero
+    residual is rounding noise of 1e-16 to 1e-15 whose digits move with the CPU's math library), anything else at
+    all."""
     if isinstance(published, dict) and isinstance(computed, dict):
         keys = sorted(set(computed) | set(published))
         return [d for k in keys for d in same(computed.get(k), published.get(k), f"{where}/{k}")]
@@ -122,9 +127,22 @@ def same(computed, published, where: str = "") -> list[str]:
         return [d for i, (c, p) in enumerate(zip(computed, published)) for d in same(c, p, f"{where}[{i}]")]
     numbers = (int, float)
     if isinstance(published, numbers) and isinstance(computed, numbers) and not isinstance(published, bool):
-        close = computed == pytest.approx(published, rel=1e-9, abs=1e-300)
+        close = computed == pytest.approx(published, rel=1e-9, abs=FIT_ZERO)
         return [] if close else [f"{where}: {computed} != {published}"]
     return [] if computed == published else [f"{where}: {computed!r} != {published!r}"]
+
+
+def test_the_comparison_takes_rounding_noise_and_catches_a_wrong_fit(calibration, tmp_path):
+    """Across CPUs a fit's residuals of an exact point differ in their noise digits (1.1e-15 against 8.9e-16); a fitted
+    figure or a point's error off by a millionth of itself, or an error of 1e-11 against none, is a difference."""
+    calibration.main(["--out", str(tmp_path)])
+    computed = json.loads((tmp_path / "calibration.json").read_text())
+    host = next(iter(computed["hosts"]))
+    assert not same({"error": 1.1102230246251565e-15}, {"error": 8.881784197001252e-16})
+    wrong = json.loads(json.dumps(computed))
+    wrong["hosts"][host]["params"]["bandwidth"] *= 1 + 1e-6
+    assert [d for d in same(computed, wrong) if d.startswith(f"/hosts/{host}/params/bandwidth")]
+    assert same({"error": 0.25}, {"error": 0.25 * (1 + 1e-6)}) and same({"error": 1e-11}, {"error": 0.0})
 
 
 def test_the_published_calibration_is_what_the_script_computes(calibration, tmp_path):

@@ -43,7 +43,9 @@ import torch
 from tqdm.auto import tqdm
 
 CSRC = Path(__file__).with_name("csrc")
-FLAGS = ("-O3", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC")
+# -ffp-contract=off: a product and a sum are fused only where the source says so (csrc/vectors.h, `fmadd`), so a
+# kernel rounds alike on every build target and tuning
+FLAGS = ("-O3", "-fopenmp", "-fno-math-errno", "-ffp-contract=off", "-shared", "-fPIC")
 LIBRARIES = ("-lmvec", "-lm")
 OFF_VALUES = ("0", "off", "false", "no")  # an environment switch's values that turn a kernel off
 MARCH_ENV = "HF_TRIFORCE_CPU_MARCH"

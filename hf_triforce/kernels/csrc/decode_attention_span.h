@@ -22,7 +22,7 @@
 #define QUERY_NV NV
 #define QUERY_VECTOR(row, c) load_f32((row) + (c) * LANES)
 #define KEY_VECTOR(key, c) LOAD_KV((key) + (c) * LANES)
-#define KEY_PRODUCT(sum, a, kc) ((sum) + (a) * (kc))
+#define KEY_PRODUCT(sum, a, kc) fmadd(a, kc, sum)
 #endif
 
 static void SPAN_ATTENTION(const float *restrict q, const void *restrict k_, const void *restrict v_, long k_row,
@@ -72,8 +72,9 @@ static void SPAN_ATTENTION(const float *restrict q, const void *restrict k_, con
                             k3 = load_f32(column + 3 * LANES);
                         IN_REGISTERS(k0, k1, k2, k3);
                         for (int g = 0; g < 4; g++) {
-                            float a = qr[g][d];
-                            s0[g] += a * k0; s1[g] += a * k1; s2[g] += a * k2; s3[g] += a * k3;
+                            vec a = splat(qr[g][d]);
+                            s0[g] = fmadd(a, k0, s0[g]); s1[g] = fmadd(a, k1, s1[g]);
+                            s2[g] = fmadd(a, k2, s2[g]); s3[g] = fmadd(a, k3, s3[g]);
                         }
                     }
                     for (int g = 0; g < 4; g++) {
@@ -145,8 +146,8 @@ static void SPAN_ATTENTION(const float *restrict q, const void *restrict k_, con
                         vec a = load_f32(qa + c * LANES), b = load_f32(qb + c * LANES);
                         for (int i = 0; i < LANES / 2; i++) {
                             vec kc = LOAD_KV(key + (i < count ? i : 0) * k_row + c * LANES);
-                            x[i] += a * kc;
-                            x[i + LANES / 2] += b * kc;
+                            x[i] = fmadd(a, kc, x[i]);
+                            x[i + LANES / 2] = fmadd(b, kc, x[i + LANES / 2]);
                         }
                     }
                     reduce(x);
@@ -163,7 +164,7 @@ static void SPAN_ATTENTION(const float *restrict q, const void *restrict k_, con
                     for (int c = 0; c < NV; c++) {
                         vec a = load_f32(qa + c * LANES);
                         for (int i = 0; i < LANES; i++)
-                            x[i] += a * LOAD_KV(key + (i < count ? i : 0) * k_row + c * LANES);
+                            x[i] = fmadd(a, LOAD_KV(key + (i < count ? i : 0) * k_row + c * LANES), x[i]);
                     }
                     reduce(x);
                     if (count == LANES) store_f32(scores + r * BLOCK + j, x[0]);
@@ -215,8 +216,9 @@ static void SPAN_ATTENTION(const float *restrict q, const void *restrict k_, con
                             v3 = LOAD_KV(value + 3 * LANES);
                         IN_REGISTERS(v0, v1, v2, v3);
                         for (int g = 0; g < 4; g++) {
-                            float w = p[g][j];
-                            o[g][0] += w * v0; o[g][1] += w * v1; o[g][2] += w * v2; o[g][3] += w * v3;
+                            vec w = splat(p[g][j]);
+                            o[g][0] = fmadd(w, v0, o[g][0]); o[g][1] = fmadd(w, v1, o[g][1]);
+                            o[g][2] = fmadd(w, v2, o[g][2]); o[g][3] = fmadd(w, v3, o[g][3]);
                         }
                     }
                     for (int g = 0; g < 4 && r + g < rows; g++)
@@ -239,11 +241,11 @@ static void SPAN_ATTENTION(const float *restrict q, const void *restrict k_, con
                 }
                 for (int j = 0; j < block; j++) {
                     const ELEMENT *value = v + (start + j) * v_row + c0 * LANES;
-                    float p0 = s0[j], p1 = s1[j];
+                    vec p0 = splat(s0[j]), p1 = splat(s1[j]);
                     for (int c = 0; c < VALUE_NV; c++) {
                         vec vc = LOAD_KV(value + c * LANES);
-                        o0[c] += p0 * vc;
-                        o1[c] += p1 * vc;
+                        o0[c] = fmadd(p0, vc, o0[c]);
+                        o1[c] = fmadd(p1, vc, o1[c]);
                     }
                 }
                 for (int c = 0; c < VALUE_NV; c++) store_f32(out0 + c * LANES, o0[c]);

@@ -81,7 +81,7 @@ static inline float same(float x) { return x; }
             for (int m = 0; m < ROWS; m++)                                                                         \
                 for (int j = 0; j < nb; j++) {                                                                     \
                     float s = lane_sum(acc[m][j]);                                                                 \
-                    for (long k = body; k < K; k++) s += WIDENX(x[m * K + k]) * WIDEN(w[(n + j) * K + k]);         \
+                    for (long k = body; k < K; k++) s = __builtin_fmaf(WIDENX(x[m * K + k]), WIDEN(w[(n + j) * K + k]), s);         \
                     y[m * ldy + n + j] = NARROW(s);                                                                \
                 }                                                                                                  \
         }                                                                                                          \
@@ -105,7 +105,7 @@ static inline float same(float x) { return x; }
         table[rows]((const XT *)x, (const T *)w, (T *)y, n0, n1, K, ldy);                                          \
     }
 
-static inline vec fma_lanes(vec acc, vec x, vec w) { return acc + x * w; }
+static inline vec fma_lanes(vec acc, vec x, vec w) { return fmadd(x, w, acc); }
 
 /* fp32 rows, weights of each type widened in registers */
 KERNELS(f32, float, float, LANES, load_f32, load_f32, fma_lanes, same, same, same)

@@ -168,7 +168,7 @@ static inline void dequantize_q6_k(const uint8_t *block, int sub, vec out[VECS])
         DEQUANTIZE(w + (n + j) * row_bytes + b * (BYTES), sub, wv);                                                  \
         for (int m = 0; m < ROWS; m++)                                                                               \
             for (int v = 0; v < VECS; v++)                                                                           \
-                acc[m][j] += load_f32(x + m * K + b * (VALUES) + sub * SUB + v * LANES) * wv[v];                     \
+                acc[m][j] = fmadd(load_f32(x + m * K + b * (VALUES) + sub * SUB + v * LANES), wv[v], acc[m][j]); \
     }
 
 /* output columns [n0, n1) of ROWS fp32 rows, NB weight rows of BYTES-byte blocks of VALUES values per pass */

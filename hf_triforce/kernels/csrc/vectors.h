@@ -34,6 +34,29 @@ enum { ELEMENT_F32 = 0, ELEMENT_BF16 = 1, ELEMENT_F16 = 2 };
 static inline vec load_f32(const float *p) { vec x; memcpy(&x, p, sizeof x); return x; }
 static inline void store_f32(float *p, vec x) { memcpy(p, &x, sizeof x); }
 
+/* Rounding: the kernels are compiled with -ffp-contract=off (native_build.FLAGS), so no product and sum is fused
+ * unless written so, here. A compiler left to fuse them decides per loop and per tuning (gcc's znver tunings leave
+ * 256-bit multiply-add chains unfused, and so one loop of a kernel and not another), which would make a row's result
+ * depend on which of a kernel's loops computed it. */
+
+/* acc + x * w, lane by lane, rounded once (a fused multiply-add) */
+static inline vec fmadd(vec x, vec w, vec acc) {
+#ifdef __AVX512F__
+    return (vec)_mm512_fmadd_ps((__m512)x, (__m512)w, (__m512)acc);
+#else
+    return (vec)_mm256_fmadd_ps((__m256)x, (__m256)w, (__m256)acc);
+#endif
+}
+
+/* x in every lane */
+static inline vec splat(float x) {
+#ifdef __AVX512F__
+    return (vec)_mm512_set1_ps(x);
+#else
+    return (vec)_mm256_set1_ps(x);
+#endif
+}
+
 /* LANES bf16 elements widened to fp32 (one zero-extending load and a shift) */
 static inline vec load_bf16(const uint16_t *p) {
 #ifdef __AVX512F__
