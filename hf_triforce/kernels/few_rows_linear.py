@@ -14,9 +14,11 @@ before first use; a build, load or check that fails leaves `status` saying why, 
 routes only (`TriForceStats.linear_routes` reports the route each row count took). ``HF_TRIFORCE_CPU_LINEAR=off``
 turns it off.
 
-Numerics: each output is its own dot product of one row with one weight row (rows never mix), in fp32, summed in 16
-lanes (8 on an AVX2 CPU) then across them: another order of summation than MKL's, so outputs differ from
-``F.linear``'s by rounding. bf16 and fp16 weights are read as they are (half the bytes) and widened in registers; the
+Numerics: each output is its own dot product of one row with one weight row (rows never mix), in fp32, summed by
+fused multiply-adds in 16 lanes (8 on an AVX2 CPU) then across them, the same operations in the same order for every
+number of rows and on every build (nothing is fused but what the source fuses), so a row's outputs are bit for bit
+the same alone and beside others. The order of summation is not MKL's, so outputs differ from ``F.linear``'s by
+rounding. bf16 and fp16 weights are read as they are (half the bytes) and widened in registers; the
 product of two such values is exact in fp32, the sums are fp32's, and each output is rounded once to the weights'
 dtype. Where the CPU has AVX512-BF16, bf16 rows and weights are multiplied in pairs by ``vdpbf16ps`` (fp32 sums that
 take values below fp32's normal range as 0). `error_bound` bounds all of it.

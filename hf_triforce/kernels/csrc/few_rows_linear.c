@@ -8,7 +8,9 @@
  * ranges of output columns.
  *
  * Numerics: each output is its own dot product of row m with weight row n (rows never mix), summed in LANES lanes over
- * k = lane mod LANES, then across the lanes; a K not a multiple of LANES ends with a scalar tail. bf16 and fp16 rows
+ * k = lane mod LANES, each product added by one fused multiply-add, then across the lanes; a K not a multiple of LANES
+ * ends with a scalar tail of fused multiply-adds. Every row count's pass does the same operations in the same order
+ * (vectors.h: nothing is fused but what is written so), so a row's outputs do not depend on the rows beside it. bf16 and fp16 rows
  * are widened to fp32 once per call (exactly), and the product of two such values is exact in fp32, so the sum's
  * rounding is an fp32 dot product's; the output is then rounded once to the weights' type. Where the target has
  * AVX512-BF16, bf16 rows and weights are multiplied in pairs by vdpbf16ps instead (lane i sums k = 2i, 2i + 1 mod 32;
