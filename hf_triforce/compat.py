@@ -38,6 +38,8 @@ and reach anything else through the functions below:
 Other libraries' attributes read here, with the same contract tests:
 
 - torch's ``Tensor._version`` (``version_counter``: every in-place write bumps it; no public name in torch 2.13);
+- peft's tuner layers' ``active_adapters``, ``merged_adapters`` and ``disable_adapters`` (``adapter_state``: which
+  adapters a model runs, for the int8 drafting copy and a saved prefill's fingerprint);
 
 - bitsandbytes ``Linear8bitLt.state.threshold`` (the LLM.int8 outlier threshold; > 0 mixes rows);
 - accelerate's dispatch hooks (``device_map=`` / ``offload_folder=``): ``_hf_hook`` with its
@@ -82,6 +84,7 @@ __all__ = [
     "GenerateDecoderOnlyOutput",
     "ORIGINAL_GENERATE",
     "TESTED_TRANSFORMERS",
+    "adapter_state",
     "assisted_decoding",
     "attention_function",
     "builds_sliding_masks",
@@ -278,6 +281,22 @@ def bnb_outlier_threshold(module: torch.nn.Module) -> float | None:
     if type(module).__name__ != "Linear8bitLt" or not type(module).__module__.startswith("bitsandbytes"):
         return None
     return float(module.state.threshold)
+
+
+def adapter_state(model: torch.nn.Module) -> tuple:
+    """Which adapters each adapter-carrying layer runs and whether they are merged (empty without adapters).
+
+    Read from the attributes PEFT's tuner layers expose (``active_adapters``, ``merged_adapters``,
+    ``disable_adapters``); modules without ``active_adapters`` do not contribute.
+    """
+    state = []
+    for name, module in model.named_modules():
+        active = getattr(module, "active_adapters", None)
+        if active is None or callable(active):  # the model's own active_adapters() is a method
+            continue
+        state.append((name, tuple(active), tuple(getattr(module, "merged_adapters", ())),
+                      bool(getattr(module, "disable_adapters", False))))
+    return tuple(state)
 
 
 def execution_device(module: torch.nn.Module) -> torch.device | None:

@@ -5,8 +5,10 @@
   checked bit for bit against the fp32 weight transformers loaded;
 * TriForce with every linear layer on that route keeps its greedy output identical to plain ``generate`` on the
   same (dequantized) model, and its stats and the bench's heading say what the target read;
-* a model of other values, another dtype, a missing file, a weight written in place after attaching, and
-  ``load_gguf`` in another dtype are refused with an error naming the argument.
+* a model of other values, another dtype, a missing file, and ``load_gguf`` in another dtype are refused with an
+  error naming the argument; a weight written after attaching (in place, through ``.data``, by peft's
+  ``merge_and_unload``, converted to another dtype) is refused at the next call, and runs on the fp32 routes once
+  detached.
 """
 
 from __future__ import annotations
@@ -147,3 +149,41 @@ def test_the_timing_reads_its_working_set_at_the_packed_width(monkeypatch, gguf_
                         lambda route, rows, weight: seen.add(id(weight)) or real(route, rows, weight))
     routes.calibrate("decoder", 1)
     assert len(seen) == 5
+
+
+def _last_offered(self, group, rows):
+    """A route timing that takes the last route the group can take: ``"gguf"`` where its blocks are attached."""
+    return linear_routes.routes_for(self.groups[group])[-1]
+
+
+@needs_kernel
+@pytest.mark.parametrize("write", ["data", "merge_and_unload", "double"])
+def test_a_weight_written_through_data_is_refused_then_runs_detached(monkeypatch, tiny_gguf, write):
+    """A write the version counter does not see (``weight.data += x``; peft's ``merge_and_unload``, which adds each
+    adapter's product to ``base_layer.weight.data``; ``model.double()``) leaves the blocks holding other values than
+    the weight: the next call refuses them, naming the tensor, and after `detach_gguf` the greedy output is plain
+    ``generate``'s on the written model."""
+    monkeypatch.setattr(linear_routes.LinearRoutes, "calibrate", _last_offered)
+    model = load_gguf(tiny_gguf)[0]
+    prompt = random_prompt(150, vocab_size=VOCAB, period=37)
+    if write == "data":
+        weight = model.model.layers[0].mlp.down_proj.weight
+        weight.data += 0.05 * torch.randn(weight.shape, generator=torch.Generator().manual_seed(0))
+        source = "blk.0.ffn_down.weight"
+    else:
+        from peft import LoraConfig, get_peft_model
+
+        lora = LoraConfig(r=4, lora_alpha=8, target_modules=["v_proj"], init_lora_weights=False)
+        model = get_peft_model(model, lora).merge_and_unload()
+        source = "blk.[01].attn_v.weight"
+    if write == "double":
+        model = model.double()
+        message = r"GGUF tensor \S+ is torch.float64 .*its attached blocks hold float32"
+    else:
+        message = f"GGUF tensor {source} holds other values than its attached blocks"
+    with pytest.raises(RuntimeError, match=message):
+        model.generate(prompt, triforce_config=_config("self"), max_new_tokens=8, do_sample=False)
+    detach_gguf(model)
+    stats = assert_identical(model, prompt, _config("self"))
+    assert "gguf" not in stats.cpu_kernels
+    assert "gguf" not in {route for by_rows in stats.linear_routes.values() for route in by_rows.values()}

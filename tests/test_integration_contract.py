@@ -215,6 +215,25 @@ def test_bitsandbytes_outlier_threshold_contract(tmp_path):
         assert compat.bnb_outlier_threshold(model.model.layers[0].input_layernorm) is None
 
 
+def test_peft_adapter_state_contract():
+    """PEFT's tuner layers expose the adapters they run (``active_adapters``), those merged into the base weight
+    (``merged_adapters``) and whether adapters are off (``disable_adapters``): `adapter_state` follows each change."""
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(make_model("llama-gqa"), LoraConfig(r=2, target_modules=["q_proj"]), adapter_name="first")
+    model.add_adapter("second", LoraConfig(r=2, target_modules=["q_proj"]))
+    first = compat.adapter_state(model)
+    layer = model.base_model.model.model.layers[0].self_attn.q_proj
+    assert any(entry[1] == ("first",) and entry[2] == () and entry[3] is False for entry in first)
+    model.set_adapter("second")
+    assert tuple(layer.active_adapters) == ("second",) and compat.adapter_state(model) != first
+    layer.merge(adapter_names=["second"])
+    assert tuple(layer.merged_adapters) == ("second",)
+    with model.disable_adapter():
+        assert layer.disable_adapters is True
+    assert compat.adapter_state(make_model("llama-gqa")) == ()
+
+
 def test_accelerate_dispatch_hook_contract(tmp_path):
     """Hooks of a dispatched model: execution devices, offloaded modules loaded by ``materialized``, the
     shared weight maps, and ``strip_hooks`` restoring the wrapped forward on a copy."""

@@ -40,7 +40,7 @@ LAYERS = (
     ("hf_triforce.kernels",),
     ("hf_triforce.verification", "hf_triforce.caches"),
     ("hf_triforce.assets",),  # the bundled models and texts, the library's cache folder
-    ("hf_triforce.compat", "hf_triforce.stats", "hf_triforce.tokens"),
+    ("hf_triforce.compat", "hf_triforce.digests", "hf_triforce.stats", "hf_triforce.tokens"),
 )
 
 

@@ -11,7 +11,8 @@ import torch
 from peft import LoraConfig, get_peft_model
 
 from hf_triforce import TriForceConfig
-from hf_triforce.kernels.quantized import Int8Linear, adapter_state, forget_int8_copy, int8_copy
+from hf_triforce.compat import adapter_state
+from hf_triforce.kernels.quantized import Int8Linear, forget_int8_copy, int8_copy
 
 from .conftest import make_model, random_prompt
 

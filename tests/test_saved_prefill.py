@@ -145,3 +145,54 @@ def test_a_checkpoint_of_other_tokens_is_not_resumed(tmp_path):
     assert _same_bytes(cache, bench.prefill_prefix(model, other))
     with pytest.raises(ValueError, match="checkpoint_tokens must be a positive multiple of 1024"):
         bench.saved_prefix(model, other, tmp_path, checkpoint_tokens=1000)
+
+
+def test_a_prefill_is_refused_under_another_active_adapter(tmp_path):
+    """The fingerprint holds which adapters run and which are merged, not only every adapter's weights: a prefill
+    saved under one adapter is refused under another one, a merge of it or adapters disabled, and read back under
+    its own."""
+    from peft import LoraConfig, get_peft_model
+
+    def lora(targets):
+        return LoraConfig(r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False)
+
+    model = get_peft_model(make_model("llama-gqa"), lora(["q_proj", "v_proj"]), adapter_name="first")
+    model.add_adapter("second", lora(["k_proj", "v_proj"]))
+    model.eval()
+    document = random_prompt(40, period=7)
+    path = save_prefill(tmp_path / "doc.safetensors", model, document, _prefill(model, document))
+    model.set_adapter("second")
+    with pytest.raises(ValueError, match="another model"):
+        load_prefill(path, model)
+    with model.disable_adapter(), pytest.raises(ValueError, match="another model"):
+        load_prefill(path, model)
+    model.set_adapter("first")
+    ids, cache = load_prefill(path, model)
+    assert torch.equal(ids, document) and _same_bytes(cache, _prefill(model, document))
+    model.merge_adapter()
+    with pytest.raises(ValueError, match="another model"):
+        load_prefill(path, model)
+
+
+def test_a_prefill_is_refused_for_an_edit_anywhere_in_the_weights(tmp_path):
+    """Every byte of the weights is in the fingerprint: rows edited in the middle of a 65536-value embedding (far
+    from its first and last values) are seen."""
+    model = make_model("llama-gqa", vocab_size=1024)
+    document = random_prompt(30, vocab_size=1024)
+    path = save_prefill(tmp_path / "doc.safetensors", model, document, _prefill(model, document))
+    with torch.no_grad():
+        model.model.embed_tokens.weight[400:700] += 0.01
+    with pytest.raises(ValueError, match="another model"):
+        load_prefill(path, model)
+
+
+@pytest.mark.parametrize("flag", [("pad_token_id", 0), ("use_cache", False), ("eos_token_id", 3),
+                                  ("output_hidden_states", True), ("return_dict", False)])
+def test_runtime_config_flags_do_not_refuse_a_prefill(saved, flag):
+    """A config flag that does not change the cache's values (token ids, output switches) leaves the prefill
+    readable: the same weights, architecture, RoPE and dtype."""
+    _, document, path = saved
+    model = make_model("llama-gqa")  # the saved model's weights
+    setattr(model.config, *flag)
+    ids, cache = load_prefill(path, model)
+    assert torch.equal(ids, document) and cache.get_seq_length() == document.shape[1]

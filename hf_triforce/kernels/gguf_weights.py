@@ -10,17 +10,24 @@ checking that the kernel's values are that weight's, bit for bit. So the model i
 multiplies by them with fp32 sums (another summation order than ``F.linear``'s), and the greedy output and the sampled
 law are the model's, as with any CPU kernel of the library (docs/deployment.md, "The CPU kernels").
 
-Opt-in: `load_gguf` (a GGUF file loaded and attached) or `attach_gguf` (a model loaded otherwise from the same
-values, e.g. the dequantized checkpoint `hf_triforce.assets` keeps). The attached blocks stay with the weight tensor
-while it is unchanged: a weight written in place afterwards is refused by `matrix_of` (attach again, or `detach_gguf`).
-Tensors of other types (F32, F16, Q2_K, Q3_K, Q5_K, the I-quants, ...) stay on the fp32 routes; `describe` counts
-what is attached.
+Opt-in: `load_gguf` (a GGUF file loaded and attached) or `attach_gguf` (a model loaded otherwise from the same values,
+e.g. the dequantized checkpoint `hf_triforce.assets` keeps). The attached blocks serve the weight tensor only while it
+holds their values, however it is written: `attach_gguf` keeps the sha256 of each weight's bytes, and `verify`, run
+once per call before any route is timed or taken (`linear_routes.LinearRoutes.installed`), hashes the weights again
+and refuses blocks whose weight holds other values (a write through ``.data``, which the version counter does not see:
+peft's ``merge_and_unload`` adds each adapter's product to ``base_layer.weight.data``), another dtype or shape
+(``model.double()``); `matrix_of` also refuses, at each forward, a weight whose version counter moved (an in-place
+write). Attach again, or `detach_gguf`. The hash costs a read of the attached fp32 weights per call (`digests`: ~0.6 s
+per GB on one core, divided among torch's threads; ~0.3 s for a 135M model's 0.5 GB on one core, the bytes of about
+one fp32 forward). Tensors of other types (F32, F16, Q2_K, Q3_K, Q5_K, the I-quants, ...) stay on the fp32 routes;
+`describe` counts what is attached.
 """
 
 from __future__ import annotations
 
 import weakref
 from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,6 +36,7 @@ import torch
 from torch import nn
 
 from .. import compat
+from ..digests import tensor_digest, tensor_digests
 from . import gguf_linear
 from .gguf_linear import TYPES, BlockMatrix
 
@@ -37,6 +45,7 @@ from .gguf_linear import TYPES, BlockMatrix
 class _Attached:
     matrix: BlockMatrix
     version: int  # the weight's version counter when attached: an in-place write bumps it
+    digest: bytes  # sha256 of the weight's bytes when attached (`tensor_digest`): a write through .data changes it
     source: str  # the GGUF tensor's name, for errors
 
 
@@ -116,7 +125,7 @@ def attach_gguf(model: nn.Module, path: str | Path) -> dict[str, int]:
         if not torch.equal(check(matrix).view(torch.int32), weight.detach().view(torch.int32)):
             raise ValueError(f"attach_gguf: model weight {hf_name} differs from the values of {tensor.name} in "
                              f"{path.name}: model is not the model of this file")
-        found.append((weight, _Attached(matrix, compat.version_counter(weight), tensor.name)))
+        found.append((weight, _Attached(matrix, compat.version_counter(weight), tensor_digest(weight), tensor.name)))
     if not found:
         raise ValueError(f"attach_gguf: {path.name} holds no linear weight of {', '.join(TYPES)} for this model")
     for weight, attached in found:
@@ -160,6 +169,32 @@ def matrix_of(weight: torch.Tensor) -> BlockMatrix | None:
                            "attach_gguf: its attached blocks no longer hold its values (attach_gguf again, or "
                            "detach_gguf)")
     return attached.matrix
+
+
+def verify(weights: Iterable[torch.Tensor]) -> None:
+    """Check that the blocks attached to each of ``weights`` still hold its values: its dtype and shape are the
+    blocks' (float32 ``[out_features, in_features]``) and the sha256 of its bytes is the one taken when attached
+    (`tensor_digests`, over torch's threads; weights without blocks are skipped). RuntimeError naming the GGUF
+    tensor where not (a write through ``.data``, ``merge_and_unload``, a dtype conversion), or where `matrix_of`
+    refuses it."""
+    checked = {id(weight): weight for weight in weights if _attached(weight) is not None}
+    if not checked:
+        return
+    for weight in checked.values():
+        attached = _attached(weight)
+        shape = (attached.matrix.out_features, attached.matrix.in_features)
+        if weight.dtype != torch.float32 or tuple(weight.shape) != shape:
+            raise RuntimeError(f"the weight loaded from GGUF tensor {attached.source} is {weight.dtype} "
+                               f"{tuple(weight.shape)}; its attached blocks hold float32 {shape} values "
+                               "(detach_gguf before converting the model)")
+        matrix_of(weight)  # an in-place write since attached
+    digests = dict(zip(checked, tensor_digests(list(checked.values()))))
+    for key, weight in checked.items():
+        attached = _attached(weight)
+        if digests[key] != attached.digest:
+            raise RuntimeError(f"the weight loaded from GGUF tensor {attached.source} holds other values than its "
+                               "attached blocks (written after attach_gguf, e.g. through .data or peft's "
+                               "merge_and_unload): attach_gguf again, or detach_gguf")
 
 
 def describe(model: nn.Module) -> dict[str, int]:

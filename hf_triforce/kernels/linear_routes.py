@@ -188,13 +188,15 @@ class LinearRoutes:
 
     @contextmanager
     def installed(self) -> Iterator[LinearRoutes]:
-        """For the duration of the block, every layer of the groups multiplies by its group's route (every route timed
-        first: `calibrate_all`). A group whose every calibrated count chose ``"linear"`` is left as it is: its forward
-        is already that route, and a wrapper would only add a Python call per layer per forward (8% of a tiny model's
-        decode in the enumeration tests)."""
+        """For the duration of the block, every layer of the groups multiplies by its group's route (the blocks
+        attached to their weights checked first: `gguf_weights.verify`; every route timed then: `calibrate_all`). A
+        group whose every calibrated count chose ``"linear"`` is left as it is: its forward is already that route, and
+        a wrapper would only add a Python call per layer per forward (8% of a tiny model's decode in the enumeration
+        tests)."""
         switched, outer = [], self.groups
         self.groups = self.find_groups()  # layers an enclosing block switched are not eligible: left alone
         try:
+            gguf_weights.verify(layer.weight for layers in self.groups.values() for layer in layers)
             self.calibrate_all()
             for group, layers in self.groups.items():
                 if all(self.routes.get((group, rows)) == "linear" for rows in CALIBRATED_ROWS):

@@ -64,7 +64,7 @@ import weakref
 import torch
 from torch import nn
 
-from ..compat import execution_device, hook_state, materialized, strip_hooks
+from ..compat import adapter_state, execution_device, hook_state, materialized, strip_hooks
 
 _COPIES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _SMALLEST_ROW_MAX = 1e-30  # a row of zeros gets this as its max: 127 / it stays finite in fp32, rows quantize to 0
@@ -151,22 +151,6 @@ def int8_copy_bytes(model: nn.Module) -> int:
             if tensor.data_ptr() not in own:
                 total += tensor.nbytes
     return total
-
-
-def adapter_state(model: nn.Module) -> tuple:
-    """Which adapters each adapter-carrying layer runs and whether they are merged (empty without adapters).
-
-    Read from the attributes PEFT's tuner layers expose (``active_adapters``, ``merged_adapters``,
-    ``disable_adapters``); modules without ``active_adapters`` do not contribute.
-    """
-    state = []
-    for name, module in model.named_modules():
-        active = getattr(module, "active_adapters", None)
-        if active is None or callable(active):  # the model's own active_adapters() is a method
-            continue
-        state.append((name, tuple(active), tuple(getattr(module, "merged_adapters", ())),
-                      bool(getattr(module, "disable_adapters", False))))
-    return tuple(state)
 
 
 def check_int8_eligible(model: nn.Module) -> None:
