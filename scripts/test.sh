@@ -15,5 +15,5 @@ for arg in "$@"; do
         ARGS+=("$arg")
     fi
 done
-ruff check hf_triforce tests examples benchmarks
+ruff check hf_triforce hf_triforce_bench tests examples benchmarks
 python -m pytest -q -n auto --dist loadfile ${ARGS[@]+"${ARGS[@]}"}

@@ -20,7 +20,7 @@ import torch
 from hf_triforce import TriForceConfig
 from hf_triforce.decoding import force3
 from hf_triforce.kernels import attention, attention_routes, cpu_attention, few_rows_linear, native_build
-from hf_triforce.tools import bench
+from hf_triforce_bench import compare as bench
 
 from .conftest import make_model, random_prompt
 from .test_cpu_attention import _case, needs_kernel
