@@ -124,11 +124,6 @@ class TriForceStats:
         return self.force3_accepted / seen if seen else 0.0
 
     @property
-    def draft_forward(self) -> dict:
-        """`tier_forwards`, read-only under its alternative name (CHANGELOG.md, 2026-12-04)."""
-        return self.tier_forwards
-
-    @property
     def setup_seconds(self) -> float:
         """Seconds of this call that are not decoding: adopting a cache= prefix, a draft model's first fill from the
         prompt (prompt processing), and what a model's first call in a process pays once (drafting weight copies,
