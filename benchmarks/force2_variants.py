@@ -32,8 +32,8 @@ import torch
 from hf_triforce import assets, attach_gguf
 from hf_triforce.decoding import levels, tiers
 from hf_triforce.kernels import cpu_attention
-from hf_triforce.tools.bench import Run, measure, saved_prefix
 from hf_triforce.tools.prompts import document_prompt
+from hf_triforce_bench.compare import Run, measure, saved_prefix
 
 # Force 2's weights beside Force 1's int4, its cache entries' dtype (None: the model's), and the attention kernel's
 # narrow rows (`cpu_attention.NARROW_ROWS`; PAIRS: every row count in pairs)

@@ -15,7 +15,8 @@ import time
 import torch
 
 from hf_triforce import assets
-from hf_triforce.tools.bench import Run, measure, prefill_prefix
+from hf_triforce.tools.timing import prefill_prefix
+from hf_triforce_bench.compare import Run, measure
 
 
 def main() -> None:

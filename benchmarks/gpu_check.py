@@ -21,7 +21,7 @@ keeps what finished:
    without the causal mask among themselves (r*r of r*length scores: the cost is the masked forward's); the
    library's exactness is checked in stage 3, not here.
 2. **projection** — the measured tier costs fed to the adaptive policy's own cost model
-   (`hf_triforce.tools.project.planning_policy`) with acceptance rates given on the command line (measured with
+   (`hf_triforce_bench.roofline.planning_policy`) with acceptance rates given on the command line (measured with
    real weights on the CPU, where the models can run): tokens/s of the best plan of each kind over graphed static
    decoding. Labelled a projection: the costs are measured, the acceptance is not measured here.
 3. **library** — ``TriForceConfig()`` end to end on CUDA on a small Llama shape with a scaled output layer
@@ -56,8 +56,8 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 import hf_triforce
 from hf_triforce import TriForceConfig
 from hf_triforce.kernels import split_kv
-from hf_triforce.tools.bench import prefill_prefix, static_copy
-from hf_triforce.tools.project import planning_policy, rank_plans
+from hf_triforce.tools.timing import prefill_prefix, static_copy
+from hf_triforce_bench.roofline import planning_policy, rank_plans
 
 MAX_POSITIONS = 131072
 NO_SPECIAL = dict(bos_token_id=None, eos_token_id=None, pad_token_id=None)

@@ -48,8 +48,8 @@ from hf_triforce.forwards.forward import forward_logits
 from hf_triforce.integration import recording_attention
 from hf_triforce.kernels import lean
 from hf_triforce.kernels.quantized import int8_copy
-from hf_triforce.tools.bench import prefill_prefix, static_copy
 from hf_triforce.tools.prompts import document_prompt
+from hf_triforce.tools.timing import prefill_prefix, static_copy
 from hf_triforce.verification.sampling import TorchSampler
 
 SAMPLING = dict(do_sample=True, temperature=0.6, top_p=0.9)

@@ -17,7 +17,7 @@ Qwen2.5-Coder-1.5B in fp32 and bf16 (random entries: a step's cost does not depe
   this steady replacement does not, 3-10x in fp32 here).
 
 ``benchmarks/project_calibration.py`` fits the projection's ``gqa_attention_flops`` and ``copy_bandwidth``
-(`hf_triforce.tools.project.Device`) on these. Prints JSON (``--out`` also writes it).
+(`hf_triforce_bench.roofline.Device`) on these. Prints JSON (``--out`` also writes it).
 
     python benchmarks/plain_generate_gqa.py --contexts 2000 8000 16000 32000 --threads 2
 """

@@ -24,8 +24,8 @@ import torch
 
 from hf_triforce import TriForceConfig, assets
 from hf_triforce.decoding.policy import AdaptivePolicy, Plan
-from hf_triforce.tools.bench import prefill_prefix, static_copy
 from hf_triforce.tools.prompts import document_prompt
+from hf_triforce.tools.timing import prefill_prefix, static_copy
 
 
 def static(model, ids: torch.Tensor, prefix, tokens: int):

@@ -66,7 +66,7 @@ import numpy as np
 from hf_triforce.config import TriForceConfig
 from hf_triforce.decoding.policy import Plan
 from hf_triforce.decoding.tiers import FORCE2_PRECISION
-from hf_triforce.tools.project import (
+from hf_triforce_bench.roofline import (
     DEVICES,
     GPU_LAYER_OVERHEAD,
     Device,
@@ -628,7 +628,7 @@ THIS_STACK = "this stack as calibrated on the H200: eager overhead, its measured
 
 
 def publish(h200_fit: dict) -> dict:
-    from hf_triforce.tools.project import Acceptance, project_plans, tier_precision
+    from hf_triforce_bench.roofline import Acceptance, project_plans, tier_precision
 
     rates = measured_rates()
     acceptance = Acceptance(force3=FORCE3_RATE, force2=rates["force2"], streaming=rates["streaming"],

@@ -1,6 +1,6 @@
 """The speed-up against context: static-cache `generate`, vanilla speculative decoding and TriForce, one line each.
 
-Runs `hf-triforce bench` once per context, each in its own process (a context past the model's trained positions
+Runs `hf-triforce-bench decode` once per context, each in its own process (a context past the model's trained positions
 loads it with YaRN by the smallest power-of-two factor that holds it, said in the table), on one saved prefill per
 prompt (``--prefill-dir``: a long prefill is computed once, then read back by every later run), then merges the
 runs into one table, a per-tier breakdown and one plot (speed-up over the best plain decoding against context, a
@@ -28,7 +28,7 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from hf_triforce import assets
-from hf_triforce.tools.bench import plot, speedups
+from hf_triforce_bench.compare import plot, speedups
 
 DRAFT_METHODS = ("static", "assisted", "vanilla", "default", "default-draft")
 SELF_METHODS = ("static", "default")
@@ -42,7 +42,7 @@ def rope_factor(context: int, new_tokens: int, positions: int) -> int | None:
 
 
 def bench_command(args: argparse.Namespace, context: int, out: Path) -> list[str]:
-    command = [sys.executable, "-m", "hf_triforce", "bench", "--model", args.model, "--text", args.text,
+    command = [sys.executable, "-m", "hf_triforce_bench", "decode", "--model", args.model, "--text", args.text,
                "--prompt", args.prompt, "--contexts", str(context), "--new-tokens", str(args.new_tokens),
                "--repeats", str(args.repeats), "--threads", str(args.threads), "--dtype", args.dtype,
                "--methods", *args.methods, "--modes", *args.modes, "--temperature", str(args.temperature),

@@ -4,7 +4,7 @@ answer is a few tokens (extractive questions, classification, tool calls), where
 One prefill of a question prompt about a natural text (SmolLM2-135M, the chat template, YaRN where the context needs
 it) is shared: static-cache ``generate`` decodes from a `StaticCache` copy of it (made before the clock), TriForce
 from the prefix itself (its own copy, ``prefix_copy_seconds``, subtracted: both methods' copies are outside the
-clock, as in ``hf-triforce bench``). Per context and answer length: median seconds of the whole call over
+clock, as in ``hf-triforce-bench decode``). Per context and answer length: median seconds of the whole call over
 ``--repeats`` alternating rounds, the ratio, and the plans TriForce ran. Prints a markdown table; ``--out`` writes
 JSON.
 
@@ -22,8 +22,8 @@ from pathlib import Path
 import torch
 
 from hf_triforce import TriForceConfig, assets
-from hf_triforce.tools.bench import prefill_prefix, static_copy
 from hf_triforce.tools.prompts import document_prompt
+from hf_triforce.tools.timing import prefill_prefix, static_copy
 
 
 def main() -> None:

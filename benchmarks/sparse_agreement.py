@@ -52,8 +52,8 @@ from hf_triforce.drafters.model import ModelDrafter, draft_positions
 from hf_triforce.forwards.forward import forward_logits, prefill, run_inline
 from hf_triforce.integration import recording_attention
 from hf_triforce.kernels.attention import QueryRecorder
-from hf_triforce.tools.bench import saved_prefix
 from hf_triforce.tools.prompts import document_prompt
+from hf_triforce_bench.compare import saved_prefix
 
 FORCE1_VARIANTS = {"forward-slots": (False, "slots"), "copy-slots": (True, "slots"),
                    "forward-absolute": (False, "absolute"), "copy-absolute": (True, "absolute")}
@@ -95,7 +95,7 @@ def greedy_reference(model, ids: torch.Tensor, k: int, full: BufferCache, prefil
     """Prefill ``ids`` but its last token into ``full``, then decode ``k`` greedy tokens on it. Returns the tokens
     fed at positions ``n-1 .. n+k-2`` ``[1, k]``, ``p`` ``[k, vocab]`` and, per position, the query of the last
     cached token when it is predicted (what a Force-2 selection there is made with). ``prefill_dir``: the prefill is
-    read from (or computed and saved to) a folder of saved prefills (`hf_triforce.tools.bench.saved_prefix`), all but
+    read from (or computed and saved to) a folder of saved prefills (`hf_triforce_bench.compare.saved_prefix`), all but
     its last entry copied into ``full`` and the last recomputed to record its query."""
     n = ids.shape[1]
     at_prompt_end = QueryRecorder()
@@ -165,7 +165,7 @@ def main() -> None:
                         help="how Force 1's cache is filled (a forward over the sinks and window, or a copy of the "
                              "full cache's entries) and which positions it uses (in-cache slots or absolute)")
     parser.add_argument("--prefill-dir", default=None,
-                        help="folder of saved prefills (as hf-triforce bench --prefill-dir): read back where saved")
+                        help="folder of saved prefills (hf-triforce-bench decode --prefill-dir): read back where saved")
     parser.add_argument("--json", default=None, help="write the run's settings and every row here")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)

@@ -31,8 +31,8 @@ from hf_triforce.drafters.registry import register_drafter
 from hf_triforce.forwards.forward import run_inline
 from hf_triforce.kernels.quantized import drafting_model
 from hf_triforce.stats import TriForceStats
-from hf_triforce.tools.bench import prefill_prefix
 from hf_triforce.tools.prompts import document_prompt
+from hf_triforce.tools.timing import prefill_prefix
 from hf_triforce.verification.draft_tree import DraftTree, TreeBuilder
 
 FIXED = dict(policy="fixed", retrieval_budget=512, chunk_size=8, sink_tokens=16, window=256)

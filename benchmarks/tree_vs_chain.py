@@ -20,8 +20,9 @@ import torch
 
 from hf_triforce import TriForceConfig, assets
 from hf_triforce.stats import TriForceStats
-from hf_triforce.tools.bench import Run, measure, prefill_prefix
 from hf_triforce.tools.prompts import document_prompt
+from hf_triforce.tools.timing import prefill_prefix
+from hf_triforce_bench.compare import Run, measure
 
 FIXED = dict(policy="fixed", retrieval_budget=512, chunk_size=8, sink_tokens=16, window=256)
 CONFIGS = {

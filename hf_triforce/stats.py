@@ -75,11 +75,11 @@ class TriForceStats:
     linear_bypassed: dict = field(default_factory=dict)
     prefill_seconds: float = 0.0  # the prompt's prefill (a cache= prefix's adoption included)
     # adopting a cache= prefix (batch 1): allocating the full cache and copying the prefix in; static-cache
-    # `generate` pays the same copy where its StaticCache is filled from a prefix (`hf-triforce bench` times neither)
+    # `generate` pays the same copy where its StaticCache is filled from a prefix (the bench times neither)
     prefix_copy_seconds: float = 0.0
     force1_seconds: float = 0.0
     # of force1_seconds, a draft model's first fill of its cache from the prompt (a forward over up to sink_tokens +
-    # window prompt tokens: prompt processing, which `hf-triforce bench` does not time, as for assisted generation's
+    # window prompt tokens: prompt processing, which the bench does not time, as for assisted generation's
     # draft prefill); 0 for drafters that copy the target's entries or look tokens up
     draft_prefill_seconds: float = 0.0
     force2_seconds: float = 0.0
@@ -124,9 +124,12 @@ class TriForceStats:
         return self.force3_accepted / seen if seen else 0.0
 
     @property
-    def draft_forward(self) -> dict:
-        """`tier_forwards`, read-only under its alternative name (CHANGELOG.md, 2026-12-04)."""
-        return self.tier_forwards
+    def setup_seconds(self) -> float:
+        """Seconds of this call that are not decoding: adopting a cache= prefix, a draft model's first fill from the
+        prompt (prompt processing), and what a model's first call in a process pays once (drafting weight copies,
+        route timings, kernel builds)."""
+        return (self.prefix_copy_seconds + self.draft_prefill_seconds + self.draft_copy_seconds
+                + self.attention_calibration_seconds + self.linear_calibration_seconds + self.kernel_build_seconds)
 
     @property
     def tokens_per_force3_step(self) -> float:

@@ -8,7 +8,7 @@ if [ ! -x "$VENV/bin/python" ]; then
     "$PY" -m venv "$VENV"
 fi
 STAMP="$VENV/.hf_triforce-installed"
-# extras to install: the demo needs assets + bench; scripts/test.sh adds test + deploy
+# extras to install: the demo needs assets, the bench (hf-triforce-bench) bench; scripts/test.sh adds test + deploy
 EXTRAS="${HF_TRIFORCE_EXTRAS:-assets,bench}"
 WANT="$( (cat "$ROOT/setup.cfg" "$ROOT/pyproject.toml" "$ROOT/scripts/asset-packages.txt"; echo "$EXTRAS") \
     | sha256sum | cut -d' ' -f1)"

@@ -16,7 +16,7 @@ for arg in "$@"; do
         ARGS+=("$arg")
     fi
 done
-ruff check hf_triforce tests examples benchmarks
+ruff check hf_triforce hf_triforce_bench tests examples benchmarks
 python -m pytest -q -n auto --dist loadfile ${ARGS[@]+"${ARGS[@]}"}
 # The whole suite's run (no test named): the kernels' tests and the exactness tests that run through them once more
 # on the AVX2 build, what an AVX2-only CPU runs (8-lane vectors; ATen held to AVX2 too), where this CPU has AVX-512

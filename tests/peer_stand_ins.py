@@ -1,4 +1,4 @@
-"""Stand-ins for a peer engine (llama.cpp) run by `hf_triforce.tools.peer_process.PeerProcess` in a child process:
+"""Stand-ins for a peer engine (llama.cpp) run by `hf_triforce_bench.peer_process.PeerProcess` in a child process:
 importable by name there, and cheap."""
 
 from __future__ import annotations

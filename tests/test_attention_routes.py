@@ -20,7 +20,7 @@ import torch
 from hf_triforce import TriForceConfig
 from hf_triforce.decoding import force3
 from hf_triforce.kernels import attention, attention_routes, cpu_attention, few_rows_linear, native_build
-from hf_triforce.tools import bench
+from hf_triforce_bench import compare as bench
 
 from .conftest import make_model, random_prompt
 from .test_cpu_attention import _case, needs_kernel
@@ -172,7 +172,7 @@ def test_kernels_are_built_at_set_up_and_reported(monkeypatch):
     assert prefills and loaded and loaded[0] == 0  # built before the prefill, so before every decoding step
     off = "off (HF_TRIFORCE_CPU_LINEAR=off)"
     assert stats.cpu_kernels == {"target": native_build.build_target(), "attention": "on", "linear": off}
-    assert stats.kernel_build_seconds >= 0 and "stream" not in str(stats.linear_routes)
+    assert "stream" not in str(stats.linear_routes)  # the linear kernel off: no route of it was timed
     assert stats.attention_kernel.startswith("sdpa (head dim 8")  # the tiny model's heads: not the kernel's
     note = bench.kernels_note([bench.Run("triforce", stats=stats)])
     assert f"built for {native_build.build_target()}" in note and f"linear kernel {off}" in note

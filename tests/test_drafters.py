@@ -9,7 +9,7 @@ from hf_triforce import TriForceConfig
 from hf_triforce.drafters import DRAFTERS, drafter_names, register_drafter
 from hf_triforce.drafters.ngram import NgramDrafter
 from hf_triforce.drafters.suffix import SuffixDrafter
-from hf_triforce.tools.methods import METHODS
+from hf_triforce_bench.methods import METHODS
 
 from .conftest import make_model, random_prompt
 

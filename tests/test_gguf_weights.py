@@ -20,7 +20,7 @@ import torch
 
 from hf_triforce import attach_gguf, detach_gguf, load_gguf
 from hf_triforce.kernels import gguf_linear, gguf_weights, linear_routes
-from hf_triforce.tools import bench
+from hf_triforce_bench import compare as bench
 
 from .conftest import make_model, random_prompt
 from .gguf_util import TYPES, VOCAB, write_tiny_llama

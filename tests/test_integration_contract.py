@@ -132,7 +132,10 @@ def test_rotary_embedding_module_contract():
         assert rotary is not None, family
         cos, sin = rotary(torch.zeros(1, 1, 4), torch.tensor([[3]]))
         assert cos.shape[:2] == (1, 1) and sin.shape == cos.shape
-        assert isinstance(float(getattr(rotary, "attention_scaling", 1.0)), float)
+        # cos and sin of one angle per frequency, both scaled by attention_scaling (a positive number; 1 without it)
+        scaling = getattr(rotary, "attention_scaling", 1.0)
+        assert isinstance(scaling, (int, float)) and scaling > 0, (family, scaling)
+        torch.testing.assert_close(cos**2 + sin**2, torch.full_like(cos, float(scaling) ** 2), msg=family)
 
 
 def test_output_class_and_quantizer_marker():

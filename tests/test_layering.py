@@ -4,7 +4,8 @@
   inside a function or under ``TYPE_CHECKING``; no import circle anywhere;
 * no module of `hf_triforce.kernels` imports what decides which model and forward each tier runs (the decoding
   package, the configuration, the drafters);
-* each decision has one home: no function of `decoding.tiers` is also reachable from `kernels.lean`.
+* each decision has one home: no function of `decoding.tiers` is also reachable from `kernels.lean`;
+* the measurement bench (``hf_triforce_bench``) sits beside the package, above it: no module of the package imports it.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ PACKAGE = Path(hf_triforce.__file__).parent
 # Top to bottom; the packages (or modules) of one entry are independent of each other.
 LAYERS = (
     ("hf_triforce", "hf_triforce.__main__"),  # the package, python -m hf_triforce
-    ("hf_triforce.tools",),  # the CLI, benchmarks' and demos' helpers
+    ("hf_triforce.tools",),  # the CLI, the demo and its timing
     ("hf_triforce.serving",),  # a server
     ("hf_triforce.integration",),  # generate(triforce_config=), custom_generate
     ("hf_triforce.assisted",),  # TriForceConfig(loop="assisted")
@@ -187,3 +188,16 @@ def test_every_module_imports_from_its_own_package_or_below():
 
 def test_no_import_circles():
     assert circles(import_graph()) == []
+
+
+def bench_imports(source: str, package: str = "hf_triforce") -> list[str]:
+    return sorted(name for name in imported_modules(source, package)
+                  if name == "hf_triforce_bench" or name.startswith("hf_triforce_bench."))
+
+
+def test_the_package_never_imports_the_bench():
+    """The bench depends on the package, never the reverse (the check can fail: a planted import is seen)."""
+    assert bench_imports("def f():\n    from hf_triforce_bench.compare import compare\n") == [
+        "hf_triforce_bench.compare", "hf_triforce_bench.compare.compare"]
+    assert {path.name: bench_imports(path.read_text(), name) for name, path in MODULES.items()
+            if bench_imports(path.read_text(), name)} == {}

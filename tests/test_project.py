@@ -1,4 +1,4 @@
-"""`hf-triforce project`: the roofline cost of a forward, and plan speeds priced by the adaptive policy itself."""
+"""`hf-triforce-bench project`: the roofline cost of a forward, and plan speeds priced by the adaptive policy itself."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import pytest
 
 from hf_triforce import TriForceConfig
 from hf_triforce.decoding.policy import AdaptivePolicy, Plan, expected_tokens
-from hf_triforce.tools.cli import main
-from hf_triforce.tools.project import (
+from hf_triforce_bench.cli import main
+from hf_triforce_bench.roofline import (
     DEVICES,
     Acceptance,
     Device,
@@ -309,7 +309,7 @@ def test_cli_draft_precision(capsys):
         main(["project", "--draft-precision", "int3"])
     error = capsys.readouterr().err
     assert "--draft-precision: invalid choice: 'int3'" in error and "lean-int4" in error
-    with pytest.raises(SystemExit, match="hf-triforce project: draft_precision='lean-int4': it runs on CPU only"):
+    with pytest.raises(SystemExit, match="hf-triforce-bench project: draft_precision='lean-int4': it runs on CPU only"):
         main(["project", "--draft-precision", "lean-int4"])  # llama-3.1-8b on the h200 preset
     assert main(["project", "--device", "box", "--bandwidth", "1e10", "--flops", "1e11", "--layer-overhead", "0",
                  "--cpu", "--quantized-bandwidth", "5e9", "--draft-precision", "lean-int4", "--contexts",
@@ -318,7 +318,7 @@ def test_cli_draft_precision(capsys):
 
 
 def test_cli_bad_input_exits_with_the_parameter():
-    with pytest.raises(SystemExit, match="hf-triforce project: .*acceptance force2 must be in"):
+    with pytest.raises(SystemExit, match="hf-triforce-bench project: .*acceptance force2 must be in"):
         main(["project", "--accept-force2", "2"])
-    with pytest.raises(SystemExit, match="hf-triforce project: device 'mystery' is not one of"):
+    with pytest.raises(SystemExit, match="hf-triforce-bench project: device 'mystery' is not one of"):
         main(["project", "--device", "mystery"])

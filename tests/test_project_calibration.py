@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from hf_triforce.tools.project import device, forward_seconds, load_devices, model_shape
+from hf_triforce_bench.roofline import device, forward_seconds, load_devices, model_shape
 
 ROOT = Path(__file__).resolve().parents[1]
 # a CPU of the size the fits find (bytes/s, FLOP/s, seconds a layer), none of them the fit's starting values

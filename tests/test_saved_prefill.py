@@ -103,7 +103,7 @@ def _same_bytes(cache, other) -> bool:
 
 
 def test_an_interrupted_saved_prefill_resumes_from_its_checkpoint_to_the_same_bytes(tmp_path, monkeypatch):
-    from hf_triforce.tools import bench
+    from hf_triforce_bench import compare as bench
 
     model = make_model("llama-gqa")
     ids = random_prompt(2601, seed=3)
@@ -131,7 +131,7 @@ def test_an_interrupted_saved_prefill_resumes_from_its_checkpoint_to_the_same_by
 
 
 def test_a_checkpoint_of_other_tokens_is_not_resumed(tmp_path):
-    from hf_triforce.tools import bench
+    from hf_triforce_bench import compare as bench
 
     model = make_model("llama-gqa")
     ids = random_prompt(1500, seed=3)

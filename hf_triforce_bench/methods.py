@@ -20,9 +20,9 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from ..config import DEFAULT_WINDOW, TriForceConfig
-from ..drafters import DRAFTERS
-from ..drafters.registry import MODEL_DRAFTER
+from hf_triforce.config import DEFAULT_WINDOW, TriForceConfig
+from hf_triforce.drafters import DRAFTERS
+from hf_triforce.drafters.registry import MODEL_DRAFTER
 
 # (gamma1, gamma2) per drafter kind, each at its best measured setting: a lookup drafter costs nothing, so
 # it drafts more per Force-2 step; sweeps of SmolLM2 at 4k, 8k and 8k at another text offset

@@ -32,12 +32,14 @@ from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
-from transformers import DynamicCache, StaticCache
+from transformers import DynamicCache
 
-from ..caches.saved_prefill import load_prefill, save_prefill
-from ..compat import compile_everywhere
-from ..forwards.forward import prefill
-from ..stats import TriForceStats
+from hf_triforce.caches.saved_prefill import load_prefill, save_prefill
+from hf_triforce.compat import compile_everywhere
+from hf_triforce.forwards.forward import prefill
+from hf_triforce.stats import TriForceStats
+from hf_triforce.tools.timing import PREFILL_CHUNK, prefill_prefix, static_copy, timed_generate
+
 from .methods import METHODS, TUNED_GAMMAS, chosen_gammas, method_named
 from .peer_process import PeerCrashed
 
@@ -93,17 +95,6 @@ class DecodeClock:
 
     def end(self) -> None:
         pass
-
-
-PREFILL_CHUNK = 1024  # tokens a prefill forward takes at once (`saved_prefix`'s checkpoints are multiples of it)
-
-
-def prefill_prefix(model, ids: torch.Tensor, chunk_size: int = PREFILL_CHUNK) -> DynamicCache:
-    """A `DynamicCache` holding every prompt token but the last, with a progress bar."""
-    cache = DynamicCache(config=model.config)
-    with torch.no_grad():
-        prefill(model, ids[:, :-1], cache, chunk_size, show_progress=True)
-    return cache
 
 
 CHECKPOINT_TOKENS = 8192  # a long prefill's progress written every this many tokens (a 64k prefill: ~8 writes)
@@ -167,13 +158,6 @@ def _read_prefix(path: Path, model, prompt: torch.Tensor) -> tuple[tuple[torch.T
     return (stored_ids, cache), None
 
 
-def static_copy(model, prefix: DynamicCache, max_len: int) -> StaticCache:
-    cache = StaticCache(config=model.config, max_cache_len=max_len)
-    for index, layer in enumerate(prefix.layers):
-        cache.update(layer.keys.clone(), layer.values.clone(), index)
-    return cache
-
-
 def method_kwargs(method: str, model, prefix: DynamicCache, max_len: int, budget: int, draft_model=None,
                   gammas: tuple[int | None, int | None] = (None, None), knobs: dict | None = None) -> dict:
     """generate kwargs of one method (`compare` has checked the names and the draft model).
@@ -224,23 +208,17 @@ def measure(model, ids, prefix, method: str, new_tokens: int, budget: int, run: 
     clock = DecodeClock() if method in ("lookup", "assisted") else None
     if clock is not None:
         kwargs["streamer"] = clock
-    torch.manual_seed(seed)
-    start = time.perf_counter()
-    out = model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **kwargs)
-    seconds = time.perf_counter() - start
+    seconds, out = timed_generate(model, ids, new_tokens, seed, **kwargs)  # TriForce: less its set-up seconds
     if clock is not None:  # from the first new token on: their prefills (the draft model's included) are not timed
         seconds = time.perf_counter() - clock.first
         run.decoded = clock.after_first
     run.stats = getattr(out, "triforce_stats", None)
-    if run.stats is not None:  # adopting the shared prefix: the static and plain methods copy it before the clock;
-        # a draft model's pass over the prompt: prompt processing, as assisted generation's draft prefill (not timed);
-        # what a model's first call in a process pays once (weight copies, route timings, kernel builds): a warm-up
-        # call pays it where one runs, and where none does (`warms_up`) it is not decoding either
-        s = run.stats
-        seconds -= (s.prefix_copy_seconds + s.draft_prefill_seconds + s.draft_copy_seconds
-                    + s.attention_calibration_seconds + s.linear_calibration_seconds + s.kernel_build_seconds)
-        if run.copy_seconds is None and s.draft_copy_seconds:
-            run.copy_seconds = s.draft_copy_seconds
+    # `TriForceStats.setup_seconds`, not timed: adopting the shared prefix (the static and plain methods copy it
+    # before the clock), a draft model's pass over the prompt (prompt processing, as assisted generation's draft
+    # prefill), and what a model's first call in a process pays once (a warm-up call pays it where one runs, and where
+    # none does, `warms_up`, it is not decoding either)
+    if run.stats is not None and run.copy_seconds is None and run.stats.draft_copy_seconds:
+        run.copy_seconds = run.stats.draft_copy_seconds
     run.seconds.append(seconds)
     sequences = out.sequences if hasattr(out, "sequences") else out
     run.new_tokens = sequences.shape[1] - ids.shape[1]

@@ -1,4 +1,4 @@
-"""`hf-triforce project`: projected speed of each tier and plan on a machine we cannot run on (a roofline model).
+"""`hf-triforce-bench project`: projected speed of each tier and plan on a machine we cannot run on (a roofline model).
 
 One concept: the seconds of one forward of a dense decoder, from its shape (a transformers config) and a device,
 
@@ -43,10 +43,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from ..config import DRAFT_PRECISIONS
-from ..decoding.policy import AdaptivePolicy, Plan, expected_tokens
-from ..decoding.tiers import AUTO_PRECISION, FORCE2_PRECISION, LEAN_DTYPES
-from ..kernels.lean import INT4_GROUP_SIZE, LEAN_PRECISIONS
+from hf_triforce.config import DRAFT_PRECISIONS
+from hf_triforce.decoding.policy import AdaptivePolicy, Plan, expected_tokens
+from hf_triforce.decoding.tiers import AUTO_PRECISION, FORCE2_PRECISION, LEAN_DTYPES
+from hf_triforce.kernels.lean import INT4_GROUP_SIZE, LEAN_PRECISIONS
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # Force 1 / Force 2 weights (`TriForceConfig.draft_precision`): "auto" resolves as the library does (`tier_precision`)
@@ -462,7 +462,7 @@ class Acceptance:
 
 
 def _triforce_config(config):
-    from ..config import TriForceConfig
+    from hf_triforce.config import TriForceConfig
 
     return config if config is not None else TriForceConfig()
 
@@ -648,7 +648,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..config import TriForceConfig
+    from hf_triforce.config import TriForceConfig
 
     target = model_shape(args.model, args.dtype)
     draft = model_shape(args.draft_model, target.dtype) if args.draft_model else None

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import torch
 
-from ..caches.buffer import BufferCache
-from ..caches.retrieval import RetrievalCache
-from ..forwards.forward import forward_logits, prefill
-from ..integration import recording_attention
-from ..kernels.attention import QueryRecorder
+from hf_triforce.caches.buffer import BufferCache
+from hf_triforce.caches.retrieval import RetrievalCache
+from hf_triforce.forwards.forward import forward_logits, prefill
+from hf_triforce.integration import recording_attention
+from hf_triforce.kernels.attention import QueryRecorder
 
 NEEDLE = " The secret password of the blue door is {code}. "
 QUESTION = (
