@@ -599,7 +599,7 @@ class AdaptivePolicy:
             self.direct[drafter].observe(acceptance, 1.0 - acceptance)
 
     def assume_costs(self, tiers: dict[str, dict[int, float]]) -> None:
-        """Fix tier costs instead of measuring them (an offline projection, `hf_triforce.tools.project`): ``tiers[tier]
+        """Fix tier costs instead of measuring them (an offline projection, `hf_triforce_bench.roofline`): ``tiers[tier]
         [rows]`` seconds of a forward of ``rows`` rows, each settled (`TierCosts.assume`)."""
         for tier, by_rows in tiers.items():
             for rows, seconds in by_rows.items():
@@ -607,7 +607,7 @@ class AdaptivePolicy:
 
     def assume_rates(self, force3: float | None = None, direct: dict[str, float] | None = None,
                      force1: dict[str, float] | None = None, coverage: dict[str, float] | None = None) -> None:
-        """Fix acceptance rates instead of measuring them (an offline projection, `hf_triforce.tools.project`):
+        """Fix acceptance rates instead of measuring them (an offline projection, `hf_triforce_bench.roofline`):
         ``force3`` Force 2 -> Force 3; ``direct[d]`` drafter ``d`` -> Force 3 (two levels); ``force1[d]`` drafter
         ``d`` -> Force 2 (three levels; a lookup without its own entry uses ``direct``); ``coverage[d]`` how often a
         lookup proposes. Each rate is per token, geometric (`expected_tokens`), in [0, 1]."""
