@@ -3,6 +3,7 @@ server process started from this checkout."""
 
 from __future__ import annotations
 
+import socket
 import subprocess
 from pathlib import Path
 
@@ -29,10 +30,17 @@ def save_chat_model(folder: Path, seed: int = 0):
     return model, tokenizer
 
 
-def start_server(args: list[str], port: int, log: Path, timeout: float = 150.0) -> subprocess.Popen:
+def start_server(args: list[str], port: int, log: Path, timeout: float = 150.0, niceness: int = 0) -> subprocess.Popen:
     """``hf-triforce serve ARGS --port PORT`` from this checkout (`process.start_server`), Ray's token
     authentication off on this one-machine test cluster."""
-    return process.start_server(args, port, log, timeout, cwd=ROOT, env={"RAY_AUTH_MODE": "disabled"})
+    return process.start_server(args, port, log, timeout, cwd=ROOT, env={"RAY_AUTH_MODE": "disabled"},
+                                niceness=niceness)
 
 
 stop_server = process.stop_server
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]

@@ -1,13 +1,15 @@
-"""`hf-triforce serve` end to end on localhost: the real server (a local Ray cluster, two replicas of a tiny model),
-the real ``openai`` client and plain HTTP. Greedy answers under concurrent load equal the single-process
-``generate(..., triforce_config=...)``; questions on one document reuse its prefilled prefix on the replica that
-holds it; bad requests get HTTP 400 naming the field; a replica killed while it streams gives its client an error,
-and the service keeps answering while Ray Serve brings the replica back."""
+"""`hf-triforce serve` end to end on localhost: the real server joined to a real Ray cluster of two nodes, a replica
+of a tiny model on each, the real ``openai`` client and plain HTTP. Greedy answers under concurrent load, decoded in
+batches, equal the single-process ``generate(..., triforce_config=...)``; questions on one document reuse its
+prefilled prefix on the replica that holds it, two documents on the two nodes; bad requests get HTTP 400 naming the
+field; a replica killed while it streams gives its client an error, and the other node keeps answering while Ray
+Serve brings the replica back."""
 
 import json
 import os
 import signal
-import socket
+import subprocess
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -18,18 +20,12 @@ import torch
 
 from hf_triforce import TriForceConfig
 
-from .serving_util import save_chat_model, start_server, stop_server
+from .serving_util import free_port, save_chat_model, start_server, stop_server
 
 # small budgets, so that prompts of a few hundred tokens run all three tiers
 TRIFORCE = {"retrieval_budget": 64, "chunk_size": 8, "window": 32}
 NEW_TOKENS = 16
 MODEL_NAME = "tiny-chat"
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _words(seed: int, length: int) -> str:
@@ -38,18 +34,52 @@ def _words(seed: int, length: int) -> str:
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory):
-    """``(base url, model, tokenizer)`` of a server with two replicas (stopped at the module's end)."""
+def cluster():
+    """A Ray cluster of two nodes on this host (one CPU each, workers at this process's niceness)."""
+    from ray.cluster_utils import Cluster
+
+    niceness = {"worker_niceness": os.getpriority(os.PRIO_PROCESS, 0)}
+    environment = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled"}
+    saved = {name: os.environ.get(name) for name in environment}
+    os.environ.update(environment)  # the nodes' processes start with this process's environment
+    nodes = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False,
+                                                          "_system_config": niceness})
+    try:
+        nodes.add_node(num_cpus=1)
+        yield nodes
+    finally:
+        nodes.shutdown()
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+@pytest.fixture(scope="module")
+def served(cluster, tmp_path_factory):
+    """``(base url, model, tokenizer)`` of a server joined to the two-node ``cluster``, a replica on each node
+    (stopped at the module's end)."""
     folder = tmp_path_factory.mktemp("tiny-chat")
     model, tokenizer = save_chat_model(folder)
-    port = _free_port()
-    process = start_server([str(folder), "--replicas", "2", "--threads", "1", "--served-model-name", MODEL_NAME,
-                            "--prefix-min-tokens", "16", "--triforce-config", json.dumps(TRIFORCE)], port,
-                           folder / "server.log")
+    port = free_port()
+    process = start_server([str(folder), "--address", cluster.address, "--replicas", "2",
+                            "--max-replicas-per-node", "1", "--proxy-location", "HeadOnly", "--threads", "1",
+                            "--served-model-name", MODEL_NAME, "--prefix-min-tokens", "16",
+                            "--triforce-config", json.dumps(TRIFORCE)], port, folder / "server.log")
     try:
         yield f"http://127.0.0.1:{port}", model, tokenizer
     finally:
         stop_server(process)
+
+
+def _running_replicas(address: str) -> int:
+    """Replicas Ray Serve's controller reports running (asked from a driver process of its own)."""
+    script = (f"import ray; from ray import serve; ray.init(address={address!r}, log_to_driver=False); "
+              "print(serve.status().applications['hf-triforce'].deployments['TriForceServer']"
+              ".replica_states.get('RUNNING', 0))")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True)
+    return int(done.stdout.strip().splitlines()[-1])
 
 
 def _client(url: str) -> openai.OpenAI:
@@ -114,27 +144,48 @@ def test_concurrent_greedy_answers_equal_generate(served):
         assert finish == "length", (kind, stream)
         assert text == expected[kind, content], (kind, stream)
         assert extension["enabled"] and extension["decode_tokens_per_second"] > 0
-        assert set(extension["plan_steps"]) and 0.0 <= extension["force3_acceptance"] <= 1.0
+        if "batch" not in extension:  # answered alone: its own statistics
+            assert set(extension["plan_steps"]) and 0.0 <= extension["force3_acceptance"] <= 1.0
+    batched = [extension["batch"]["rows"] for _, _, extension in answers if "batch" in extension]
+    assert batched and min(batched) >= 2, batched  # concurrent requests on a replica decoded together
+    replicas = {}
+    for _ in range(20):  # each replica's latest batches, with the batch's TriForce statistics
+        figures = httpx.get(f"{url}/v1/triforce/replica", timeout=30).json()
+        replicas[figures["replica"]] = figures
+    assert all(figures["niceness"] == os.getpriority(os.PRIO_PROCESS, 0) for figures in replicas.values())
+    batches = [batch for figures in replicas.values() for batch in figures["batches"]]
+    assert batches and all(batch["stats"]["new_tokens"] == batch["rows"] * NEW_TOKENS for batch in batches)
 
 
 def test_document_routing_and_prefix_reuse(served):
-    """Questions on one document, sent with its id, reach one replica and reuse its prefilled prefix; the
-    answers equal fresh single-process ones."""
+    """Questions on two documents, each sent with its id: a document's questions reach one replica and reuse its
+    prefilled prefix, the two documents are held on the two nodes; the answers equal fresh single-process ones."""
     url, model, tokenizer = served
     client = _client(url)
-    document = _words(7, 300)
-    replicas, reused = set(), []
+    documents = {f"document-{seed}": _words(seed, 300) for seed in (7, 8)}
+    replicas = {name: set() for name in documents}
+    reused = {name: [] for name in documents}
     for question in range(4):
-        content = f"{document} {_words(200 + question, 5)}"
-        response = client.chat.completions.with_raw_response.create(
-            model=MODEL_NAME, messages=[{"role": "user", "content": content}], max_tokens=NEW_TOKENS, temperature=0,
-            extra_headers={"serve_multiplexed_model_id": "document-7"})
-        replicas.add(response.headers["x-triforce-replica"])
-        completion = response.parse()
-        reused.append(completion.usage.prompt_tokens_details.cached_tokens)
-        assert completion.choices[0].message.content == _reference(model, tokenizer, _chat_ids(tokenizer, content))
-    assert len(replicas) == 1
-    assert reused[0] == 0 and all(r >= 300 for r in reused[1:]), reused
+        for name, document in documents.items():
+            content = f"{document} {_words(200 + question, 5)}"
+            response = client.chat.completions.with_raw_response.create(
+                model=MODEL_NAME, messages=[{"role": "user", "content": content}], max_tokens=NEW_TOKENS,
+                temperature=0, extra_headers={"serve_multiplexed_model_id": name})
+            replicas[name].add(response.headers["x-triforce-replica"])
+            completion = response.parse()
+            reused[name].append(completion.usage.prompt_tokens_details.cached_tokens)
+            expected = _reference(model, tokenizer, _chat_ids(tokenizer, content))
+            assert completion.choices[0].message.content == expected
+    assert all(len(held) == 1 for held in replicas.values()), replicas
+    nodes = {}
+    for name in documents:  # the replica holding a document answers a request with its id
+        figures = httpx.get(f"{url}/v1/triforce/replica", headers={"serve_multiplexed_model_id": name},
+                            timeout=30).json()
+        nodes[name] = figures["replica"], figures["node"]
+    assert {name: {replica} for name, (replica, _) in nodes.items()} == replicas
+    assert len({replica for replica, _ in nodes.values()}) == len({node for _, node in nodes.values()}) == 2, nodes
+    for counts in reused.values():
+        assert counts[0] == 0 and all(r >= 300 for r in counts[1:]), reused
 
 
 def test_sampling_honours_seed_and_stop(served):
@@ -198,9 +249,10 @@ def test_models_route(served):
     assert [m.id for m in _client(url).models.list()] == [MODEL_NAME]
 
 
-def test_replica_killed_while_streaming(served):
-    """The client of a stream whose replica dies gets an error and no finished answer; the other replica keeps
-    answering; Ray Serve starts a replacement."""
+def test_replica_killed_while_streaming(served, cluster):
+    """The client of a stream whose replica dies gets an error and no finished answer; the other node's replica
+    keeps answering; Ray Serve starts a replacement (the proxy prefers its own node's replica, so the controller,
+    not routed requests, tells)."""
     url, _, _ = served
     client = _client(url)
     raw = client.chat.completions.with_raw_response.create(
@@ -217,9 +269,7 @@ def test_replica_killed_while_streaming(served):
     assert chunks >= 3 and not finished
     for _ in range(4):  # served meanwhile, by the replica left
         assert _ask(client, "chat", "t5 t6 t8", stream=False)[1] == "length"
-    deadline, live = time.monotonic() + 90, set()
-    while time.monotonic() < deadline and len(live) < 2:
-        replica = httpx.get(f"{url}/health", timeout=30).headers["x-triforce-replica"]
-        live |= {replica} - {killed}
-        time.sleep(0.25)
-    assert len(live) == 2, live
+    deadline = time.monotonic() + 90
+    while (running := _running_replicas(cluster.address)) < 2 and time.monotonic() < deadline:
+        time.sleep(1)
+    assert running == 2

@@ -1,12 +1,17 @@
 """`TriForceServer`: the Ray Serve deployment, an OpenAI-compatible FastAPI app per replica.
 
-Each replica holds the model, its `Engine` (TriForce, a `PrefixStore` of its own) and one generation thread; Ray
-Serve's HTTP proxy spreads requests over the replicas. A request carrying the header ``serve_multiplexed_model_id:
-<document id>`` goes to a replica that has served that document before (Ray Serve's model multiplexing, with the
-document id as the "model"), where its prefilled prefix is stored; one without it goes to any replica.
+Each replica holds the model, its `Engine` (TriForce, a `PrefixStore` of its own) and one generation thread, the
+`Scheduler`, which decodes the replica's concurrent requests together as one batch; Ray Serve's HTTP proxy spreads
+requests over the replicas. A replica runs at the niceness of the command that started the server (Ray starts its
+workers at nice 15, where any other process on the machine starves them).
+
+A request carrying the header ``serve_multiplexed_model_id: <document id>`` goes to a replica that has served that
+document before (Ray Serve's model multiplexing, with the document id as the "model"), where its prefilled prefix is
+stored; one without it goes to any replica.
 
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions`` (streamed or not), ``GET /v1/models``,
-``GET /health``, ``GET /v1/triforce/store`` (this replica's store, its host and process). Every response names the
+``GET /health``, ``GET /v1/triforce/store`` (this replica's store, its host and process), ``GET /v1/triforce/replica``
+(its niceness, batch size and its latest batches' figures, TriForce's statistics among them). Every response names the
 replica that answered in the header ``x-triforce-replica`` (``<host>:<process id>``).
 """
 
@@ -16,8 +21,7 @@ import json
 import os
 import socket
 import uuid
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -49,6 +53,8 @@ class ServerSettings:
     store_bytes / min_prefix_tokens: the prefix store's budget and shortest reused prefix (`PrefixStore`).
     threads: torch threads per replica (None: torch's default).
     dtype: the model's dtype (``"float32"``, ``"bfloat16"``).
+    max_batch_size: concurrent requests a replica decodes as one batch at most (1: one at a time).
+    niceness: the replica's niceness (None: as Ray started it); `launch` gives the starting command's own.
     """
 
     model: str
@@ -58,7 +64,28 @@ class ServerSettings:
     min_prefix_tokens: int = 256
     threads: int | None = None
     dtype: str = "float32"
+    max_batch_size: int = 8
+    niceness: int | None = None
 
+    def __post_init__(self) -> None:
+        if self.max_batch_size < 1:
+            raise ValueError(f"--max-batch-size must be >= 1, got {self.max_batch_size}")
+        if self.dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"--dtype must be one of float32, bfloat16, got {self.dtype!r}")
+
+
+def take_niceness(niceness: int | None) -> None:
+    """Run this process at ``niceness``; raises RuntimeError naming the fix where the system refuses it (a process
+    may raise its niceness, lowering it needs privilege)."""
+    if niceness is None or os.getpriority(os.PRIO_PROCESS, 0) == niceness:
+        return
+    try:
+        os.setpriority(os.PRIO_PROCESS, 0, niceness)
+    except PermissionError as error:
+        raise RuntimeError(f"the replica runs at nice {os.getpriority(os.PRIO_PROCESS, 0)} (the Ray worker "
+                           f"niceness of its node) and may not lower it to {niceness}: start the node's Ray with "
+                           f"RAY_worker_niceness={niceness} (e.g. `RAY_worker_niceness={niceness} ray start ...`)"
+                           ) from error
 
 def triforce_setting(text: str):
     """The server's TriForce configuration from its option: ``"off"`` (None) or a JSON object of fields."""
@@ -75,20 +102,21 @@ def triforce_setting(text: str):
     return TriForceConfig.from_dict(fields)
 
 
-class _Detokenizer:
-    """A stream's text, piece by piece: the decoded tokens so far less what was sent (held back while the text
-    ends inside a multi-byte character)."""
+class Detokenizer:
+    """A stream's text, piece by piece, at a constant cost per token: the Rust tokenizer's ``DecodeStream`` (what
+    `transformers serve` streams with), special tokens skipped; a piece ending inside a multi-byte character is
+    held back until the character is whole."""
 
     def __init__(self, tokenizer) -> None:
-        self.tokenizer, self.tokens, self.sent = tokenizer, [], ""
+        from tokenizers.decoders import DecodeStream
+
+        backend = getattr(tokenizer, "_tokenizer", None)
+        if backend is None:
+            raise ValueError(f"streaming needs a fast (Rust) tokenizer; {type(tokenizer).__name__} is not one")
+        self.backend, self.stream = backend, DecodeStream(skip_special_tokens=True)
 
     def add(self, token: int) -> str:
-        self.tokens.append(token)
-        text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
-        if text.endswith("\ufffd") or not text.startswith(self.sent):
-            return ""
-        piece, self.sent = text[len(self.sent):], text
-        return piece
+        return self.stream.step(self.backend, token) or ""
 
 
 @serve.deployment(max_ongoing_requests=16, health_check_period_s=5, health_check_timeout_s=30)
@@ -102,7 +130,9 @@ class TriForceServer:
         from ..assets import load_model
         from ..integration import enable
         from .prefix_store import PrefixStore
+        from .scheduler import Scheduler
 
+        take_niceness(settings.niceness)
         enable()  # triforce_config= on generate, in this replica's process
         if settings.threads:
             torch.set_num_threads(settings.threads)
@@ -114,7 +144,8 @@ class TriForceServer:
         self.engine = Engine(model, tokenizer, store)
         self.parser = RequestParser(self.model_id, tokenizer, model.generation_config, self.engine.context_length,
                                     triforce_setting(settings.triforce))
-        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="generate")
+        Detokenizer(tokenizer)  # a tokenizer that cannot stream fails the start, not a request
+        self.scheduler = Scheduler(self.engine, settings.max_batch_size)
         self.replica = f"{socket.gethostname()}:{os.getpid()}"
 
     @serve.multiplexed(max_num_models_per_replica=DOCUMENTS_PER_REPLICA)
@@ -154,9 +185,17 @@ class TriForceServer:
         described = self.engine.store.describe() if self.engine.store is not None else {"off": self.store_note}
         return JSONResponse({"replica": self.replica, "store": described}, headers={REPLICA_HEADER: self.replica})
 
+    @app.get("/v1/triforce/replica")
+    async def replica_figures(self):
+        import ray
+
+        return JSONResponse({"replica": self.replica, "node": ray.get_runtime_context().get_node_id(),
+                             "niceness": os.getpriority(os.PRIO_PROCESS, 0),
+                             "max_batch_size": self.scheduler.max_batch_size, "batches": list(self.engine.batches)},
+                            headers={REPLICA_HEADER: self.replica})
+
     def _start(self, parsed: Parsed, on_token) -> asyncio.Future:
-        loop = asyncio.get_running_loop()
-        return loop.run_in_executor(self.executor, self.engine.run, parsed.job, on_token)
+        return asyncio.wrap_future(self.scheduler.submit(parsed.job, on_token))
 
     async def _answer(self, parsed: Parsed, responses):
         headers = {REPLICA_HEADER: self.replica}
@@ -179,7 +218,7 @@ class TriForceServer:
         error event (and no finishing chunk) where the generation fails."""
         loop = asyncio.get_running_loop()
         tokens: asyncio.Queue = asyncio.Queue()
-        detokenizer = _Detokenizer(self.engine.tokenizer)
+        detokenizer = Detokenizer(self.engine.tokenizer)
         future = self._start(parsed, lambda token: loop.call_soon_threadsafe(tokens.put_nowait, token))
         try:
             first = responses.first()
@@ -211,3 +250,28 @@ class TriForceServer:
             yield DONE
         finally:  # the client left (or the stream ended): stop a generation still running
             parsed.job.cancelled.set()
+
+
+def build_app(args: dict) -> serve.Application:
+    """The application, for ``serve run hf_triforce.serving.deployment:build_app model=smollm2-135m`` and Ray
+    Serve config files (``import_path: hf_triforce.serving.deployment:build_app``, ``args: {model: ...}``): ``args``
+    are `ServerSettings` fields (values as strings on the command line); ``niceness`` defaults to the building
+    process's own (the ``serve run`` command's)."""
+    known = {f.name: f for f in fields(ServerSettings)}
+    unknown = sorted(set(args) - set(known))
+    if unknown or "model" not in args:
+        raise ValueError(f"build_app: arguments are ServerSettings fields {sorted(known)}, 'model' among them; "
+                         f"got unknown {unknown}" if unknown else "build_app: the argument 'model' is required")
+    values = {}
+    for name, value in args.items():
+        kind = known[name].type
+        if isinstance(value, str) and ("int" in str(kind)) and value.lower() != "none":
+            try:
+                value = int(value)
+            except ValueError as error:
+                raise ValueError(f"build_app: {name} must be an integer, got {value!r}") from error
+        values[name] = None if isinstance(value, str) and value.lower() == "none" else value
+    values.setdefault("niceness", os.getpriority(os.PRIO_PROCESS, 0))
+    settings = ServerSettings(**values)
+    triforce_setting(settings.triforce)
+    return TriForceServer.bind(settings)

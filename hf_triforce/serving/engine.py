@@ -1,5 +1,6 @@
-"""`Engine`: one model answering one request at a time, with TriForce and a `PrefixStore`, through the library's
-public API only (``generate(..., triforce_config=, cache=)``, ``out.triforce_stats``).
+"""`Engine`: one model answering requests, alone or several as one batch, with TriForce and a `PrefixStore`, through
+the library's public generation API (``generate(..., triforce_config=, cache=, attention_mask=)``,
+``out.triforce_stats``).
 
 A request's prompt ``ids`` ([1, n]) runs as:
 1. the longest stored prefix of ``ids[:, :n - 1]`` (`PrefixStore.lookup`), read through a view;
@@ -8,6 +9,11 @@ A request's prompt ``ids`` ([1, n]) runs as:
 4. ``generate(ids, cache=<it>, triforce_config=...)``, which reads the cache and never writes to it, prefills the
    last prompt token and decodes; without TriForce, ``generate`` on a `StaticCache` filled from it (plain decoding,
    the baseline).
+
+A batch (`Engine.run_batch`) runs steps 1-3 per request, then one ``generate`` of the left-padded prompts with the
+rows' caches laid side by side (`padded_batch`): a ragged TriForce batch, each row exact (greedy identical to the
+request alone, its sampled law its own), or plain batched ``generate`` without TriForce. One criterion
+(`RowStops`) stops each row on its own rules and answers it as soon as it stops, while the other rows decode on.
 """
 
 from __future__ import annotations
@@ -15,15 +21,21 @@ from __future__ import annotations
 import math
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from transformers import DynamicCache, StaticCache
+from transformers import DynamicCache, StaticCache, StoppingCriteriaList, StopStringCriteria
 
 from ..config import TriForceConfig
+from ..decoding.preflight import check_batch_request
+from .padded_batch import left_padded, padded_cache
 from .prefix_store import PrefixStore
+from .row_stops import RowRules, RowStops
+
+BATCHES_KEPT = 64  # the figures of a replica's most recent batches (`Engine.batches`)
 
 
 class Cancelled(Exception):
@@ -41,6 +53,16 @@ class Job:
     triforce: TriForceConfig | None
     seed: int | None = None
     cancelled: threading.Event = field(default_factory=threading.Event)
+    submitted: float = field(default_factory=time.perf_counter)  # its clock: time to first token counts from here
+
+    def batch_key(self) -> str | None:
+        """Jobs of one key can share a batch: the same TriForce configuration and ``generate`` arguments but for
+        ``max_new_tokens`` and ``stop_strings`` (each row's own). None: the job runs alone (a seed sets the one RNG
+        a batch shares; a one-token prompt has no cache to continue)."""
+        if self.seed is not None or self.ids.shape[1] < 2:
+            return None
+        shared = {k: v for k, v in sorted(self.generate_kwargs.items()) if k not in ("max_new_tokens", "stop_strings")}
+        return repr((self.triforce, shared))
 
 
 @dataclass
@@ -90,8 +112,8 @@ def _json_safe(value: Any) -> Any:
 
 
 class Engine:
-    """A model, its tokenizer and a `PrefixStore`, running `Job` s one at a time (callers serialise them: the
-    serving layer runs them on one thread).
+    """A model, its tokenizer and a `PrefixStore`, running `Job` s alone (`run`) or as one batch (`run_batch`);
+    callers serialise the calls (the serving layer runs them on one thread, `Scheduler`).
 
     ``prefill_chunk_size``: tokens per forward of the server's own prefill (step 2), which bounds its activations.
     """
@@ -100,6 +122,21 @@ class Engine:
         self.model, self.tokenizer, self.store = model, tokenizer, store
         self.prefill_chunk_size = prefill_chunk_size
         self.context_length = getattr(model.config, "max_position_embeddings", None)
+        self.batches: deque[dict[str, Any]] = deque(maxlen=BATCHES_KEPT)  # each batch's figures, newest last
+        self._stop_strings: dict[tuple[str, ...], StopStringCriteria] = {}
+
+    def why_not_batched(self, job: Job) -> str | None:
+        """None where ``job`` can decode in a batch with others of its `Job.batch_key`, else why not (the batch
+        path's own refusals: trees, a full cache on another device, sliding-window layers, ...)."""
+        if job.batch_key() is None:
+            return "a seeded request or a one-token prompt runs alone"
+        if job.triforce is None:
+            return None
+        try:
+            check_batch_request(self.model, job.triforce, self.model.generation_config, None, None)
+        except ValueError as error:
+            return str(error)
+        return None
 
     def prefill(self, ids: torch.Tensor) -> tuple[DynamicCache, int, float]:
         """A cache of ``ids`` ([1, n]) (steps 1-3): ``(cache, reused positions, seconds)``."""
@@ -144,7 +181,75 @@ class Engine:
             stats = None
         tokens = out.sequences[0, n:].tolist()
         finish = "length" if len(tokens) >= kwargs["max_new_tokens"] else "stop"
-        return Answer(tokens, finish, self._figures(started, clock, tokens, reused, prefill_seconds, stats))
+        return Answer(tokens, finish, self._figures(job, started, clock, tokens, reused, prefill_seconds, stats))
+
+    def run_batch(self, jobs: list[Job], on_tokens: list[Callable[[int], None] | None],
+                  on_answers: list[Callable[[Answer | BaseException], None]]) -> None:
+        """Answer ``jobs`` (two or more of one `Job.batch_key`, each batchable: `why_not_batched`) as one batch.
+        ``on_tokens[b]`` receives row ``b``'s tokens as they are committed; ``on_answers[b]`` its `Answer` the moment
+        it stops (or `Cancelled` where its client left), while the other rows decode on. Raises what ``generate``
+        raises (no row is then answered by this call)."""
+        started = time.perf_counter()
+        keys = {job.batch_key() for job in jobs}
+        if len(jobs) < 2 or len(keys) != 1 or None in keys:
+            raise ValueError(f"Engine.run_batch: two or more jobs of one batch key (got {len(jobs)} of {len(keys)})")
+        prefills = [self.prefill(job.ids[:, : job.ids.shape[1] - 1]) for job in jobs]
+        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        ids, mask = left_padded([job.ids for job in jobs], pad)
+        lengths = [job.ids.shape[1] for job in jobs]
+        cache = padded_cache([cache for cache, _, _ in prefills], lengths, self.model.config)
+        kwargs = {k: v for k, v in jobs[0].generate_kwargs.items() if k != "stop_strings"}
+        kwargs["max_new_tokens"] = max(job.generate_kwargs["max_new_tokens"] for job in jobs)
+        eos = kwargs.get("eos_token_id", self.model.generation_config.eos_token_id)
+        eos = frozenset([] if eos is None else [eos] if isinstance(eos, int) else eos)
+        clocks: list[dict[str, float]] = [{} for _ in jobs]
+        batch = {"rows": len(jobs), "started": time.time()}
+
+        def row_rules(b: int, job: Job) -> RowRules:
+            def on_token(token: int) -> None:
+                now = time.perf_counter()
+                clocks[b].setdefault("first", now)
+                clocks[b]["last"] = now
+                if on_tokens[b] is not None:
+                    on_tokens[b](token)
+
+            def on_stop(tokens: list[int], reason: str) -> None:
+                if reason == "cancelled":
+                    on_answers[b](Cancelled())
+                    return
+                _, reused, seconds = prefills[b]
+                figures = self._figures(job, started, clocks[b], tokens, reused, seconds, None)
+                figures["batch"] = batch
+                on_answers[b](Answer(tokens, reason, figures))
+
+            return RowRules(job.generate_kwargs["max_new_tokens"], eos, self._stop_criterion(job), job.cancelled,
+                            on_token, on_stop)
+
+        rules = [row_rules(b, job) for b, job in enumerate(jobs)]
+        kwargs.update(attention_mask=mask, pad_token_id=pad, stopping_criteria=StoppingCriteriaList([RowStops(ids,
+                      rules)]), return_dict_in_generate=True)
+        triforce = jobs[0].triforce
+        if triforce is not None:
+            out = self.model.generate(ids, cache=cache, triforce_config=triforce, **kwargs)
+            batch["stats"] = _json_safe(out.triforce_stats.to_dict())
+        else:
+            out = self.model.generate(ids, cache=self._static_copy(cache, ids.shape[1] + kwargs["max_new_tokens"]),
+                                      **kwargs)
+        for b, row in enumerate(rules):
+            if not row.stopped or out.sequences[b, ids.shape[1]: ids.shape[1] + len(row.tokens)].tolist() != row.tokens:
+                raise RuntimeError(f"Engine.run_batch: row {b}'s committed tokens differ from generate's sequence")
+        batch["seconds"] = time.perf_counter() - started
+        self.batches.append(_json_safe(batch))
+
+    def _stop_criterion(self, job: Job) -> StopStringCriteria | None:
+        """``job``'s stop strings as transformers' criterion (built once per list: it indexes the vocabulary)."""
+        strings = job.generate_kwargs.get("stop_strings")
+        if not strings:
+            return None
+        key = tuple(strings)
+        if key not in self._stop_strings:
+            self._stop_strings[key] = StopStringCriteria(tokenizer=self.tokenizer, stop_strings=list(key))
+        return self._stop_strings[key]
 
     def _static_copy(self, prefix: DynamicCache, max_len: int) -> StaticCache:
         """A `StaticCache` of ``max_len`` positions holding a copy of ``prefix`` (plain decoding's cache)."""
@@ -153,13 +258,15 @@ class Engine:
             cache.update(layer.keys, layer.values, index)
         return cache
 
-    def _figures(self, started: float, clock: dict, tokens: list[int], reused: int, prefill_seconds: float,
+    def _figures(self, job: Job, started: float, clock: dict, tokens: list[int], reused: int, prefill_seconds: float,
                  stats) -> dict[str, Any]:
+        """A request's figures; ``started``: when the engine took it up (its queue wait ends there)."""
         first = clock.get("first")
         decode_seconds = clock["last"] - first if first is not None else 0.0
         figures = {
-            "enabled": stats is not None,
-            "time_to_first_token_seconds": (first - started) if first is not None else None,
+            "enabled": job.triforce is not None,
+            "queue_seconds": started - job.submitted,
+            "time_to_first_token_seconds": (first - job.submitted) if first is not None else None,
             # tokens after the first over the seconds from the first to the last (the first comes from the prefill)
             "decode_tokens_per_second": (len(tokens) - 1) / decode_seconds if decode_seconds > 0 else None,
             "prefix_reused_tokens": reused,

@@ -16,15 +16,17 @@ import httpx
 
 
 def start_server(args: list[str], port: int, log: Path, timeout: float = 150.0, cwd: Path | None = None,
-                 env: dict[str, str] | None = None) -> subprocess.Popen:
+                 env: dict[str, str] | None = None, niceness: int = 0) -> subprocess.Popen:
     """``python -m hf_triforce serve ARGS --port PORT``, returned once ``GET /health`` answers 200. ``cwd``: a checkout
-    to run from (first on ``PYTHONPATH``); ``env``: variables added to this process's environment. Raises RuntimeError
-    with the log's tail where the server exits, or does not answer within ``timeout`` seconds (it is then stopped)."""
+    to run from (first on ``PYTHONPATH``); ``env``: variables added to this process's environment; ``niceness``: added
+    to this process's for the command. Raises RuntimeError with the log's tail where the server exits, or does not
+    answer within ``timeout`` seconds (it is then stopped)."""
     environment = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", **(env or {})}
     if cwd is not None:
         environment["PYTHONPATH"] = str(cwd)
     process = subprocess.Popen([sys.executable, "-m", "hf_triforce", "serve", *args, "--port", str(port)], cwd=cwd,
-                               env=environment, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
+                               env=environment, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True,
+                               preexec_fn=(lambda: os.nice(niceness)) if niceness else None)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if process.poll() is not None:

@@ -135,6 +135,14 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--address", default=None, help="join a running Ray cluster ('auto' or HEAD_IP:6379) "
                        "instead of starting one on this machine")
     serve.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    serve.add_argument("--max-replicas-per-node", type=_positive, default=None,
+                       help="replicas one node of the cluster holds at most (default: as many as its CPUs take)")
+    serve.add_argument("--proxy-location", choices=["EveryNode", "HeadOnly"], default="EveryNode",
+                       help="Ray Serve's HTTP proxies: one on every node (default) or on the head node only (nodes "
+                            "that share one host)")
+    serve.add_argument("--max-batch-size", type=_positive, default=8,
+                       help="concurrent requests a replica decodes together as one batch at most (default 8; 1: one "
+                            "at a time)")
 
     return parser
 
@@ -195,16 +203,18 @@ def _serve(args) -> int:
     model = args.model if args.model in MODELS else str(Path(args.model).resolve())
     settings = ServerSettings(model=model, served_name=args.served_model_name or args.model,
                               triforce=args.triforce_config, store_bytes=args.prefix_store_bytes,
-                              min_prefix_tokens=args.prefix_min_tokens, threads=threads, dtype=args.dtype)
-    from ..serving.launch import launch, shutdown
+                              min_prefix_tokens=args.prefix_min_tokens, threads=threads, dtype=args.dtype,
+                              max_batch_size=args.max_batch_size)
+    from ..serving.launch import StartFailed, launch, shutdown
 
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # leaves through `shutdown`, which stops a local cluster
     try:
         try:
             launch(settings, host=args.host, port=args.port, replicas=args.replicas, autoscaling=args.autoscaling,
-                   address=args.address)
-        except ValueError as error:
-            raise SystemExit(f"hf-triforce serve: {error}") from error
+                   address=args.address, max_replicas_per_node=args.max_replicas_per_node,
+                   proxy_location=args.proxy_location)
+        except (ValueError, StartFailed) as error:
+            raise SystemExit(f"hf-triforce serve: {error}") from None
         print(f"hf-triforce serve: {settings.served_name} at http://{args.host}:{args.port}/v1 (Ctrl-C stops)",
               flush=True)
         while True:

@@ -1,0 +1,129 @@
+"""`Scheduler` and `Engine.run_batch` in one process: concurrent requests decode as one batch, each row answered as
+the same request alone (greedy, TriForce), on its own ``max_tokens`` and stop strings, the moment it stops; a
+cancelled row leaves the others decoding; a batch ``generate`` refuses runs its requests one by one, each told why."""
+
+import threading
+import time
+
+import pytest
+import torch
+
+from hf_triforce import TriForceConfig
+from hf_triforce.serving import Engine, Job, PrefixStore
+from hf_triforce.serving.engine import Cancelled
+from hf_triforce.serving.scheduler import Scheduler
+
+from .conftest import make_model, random_prompt
+from .tokenizer_util import word_tokenizer
+
+CONFIG = TriForceConfig(retrieval_budget=64, chunk_size=8, window=32)
+
+
+@pytest.fixture(scope="module")
+def sharp_model():
+    return make_model("llama-gqa", logit_scale=4.0)
+
+
+def _questions() -> list[torch.Tensor]:
+    """Two questions on one document, two on documents of their own (ragged lengths)."""
+    document = random_prompt(260, period=23)
+    return [torch.cat([document, random_prompt(9, seed=5)], dim=1),
+            torch.cat([document, random_prompt(6, seed=6)], dim=1), random_prompt(200, period=29, seed=10),
+            random_prompt(230, period=31, seed=8)]
+
+
+def _submit_together(scheduler: Scheduler, jobs: list[Job]):
+    """Submit ``jobs`` at once; returns their futures, the tokens each streamed and when each future completed."""
+    streamed: list[list[int]] = [[] for _ in jobs]
+    completed: dict[int, float] = {}
+    futures = []
+    for index, job in enumerate(jobs):
+        future = scheduler.submit(job, streamed[index].append)
+        future.add_done_callback(lambda _, index=index: completed.setdefault(index, time.perf_counter()))
+        futures.append(future)
+    return futures, streamed, completed
+
+
+@pytest.mark.parametrize("triforce", [CONFIG, None], ids=["triforce", "plain"])
+def test_concurrent_requests_decode_as_one_batch_each_row_its_own(sharp_model, triforce):
+    tokenizer = word_tokenizer()
+    store = PrefixStore(1 << 30, 16, sharp_model.config)
+    engine = Engine(sharp_model, tokenizer, store, prefill_chunk_size=128)
+    scheduler = Scheduler(engine, max_batch_size=8, batch_wait_seconds=0.5)
+    prompts = _questions()
+    limits = [10, 40, 24, 40]
+    reference = sharp_model.generate(prompts[2], max_new_tokens=40, do_sample=False, triforce_config=triforce)
+    reference = reference[0, prompts[2].shape[1]:].tolist()
+    stop_at = next(i for i in range(3, 24) if reference[i] not in reference[:i])  # row 2 stops at its first
+    stop = tokenizer.decode(reference[stop_at : stop_at + 1])
+    jobs = [Job(ids, {"max_new_tokens": limit, "do_sample": False, **({"stop_strings": [stop]} if b == 2 else {})},
+                triforce) for b, (ids, limit) in enumerate(zip(prompts, limits))]
+    try:
+        futures, streamed, completed = _submit_together(scheduler, jobs)
+        answers = [future.result(timeout=300) for future in futures]
+    finally:
+        scheduler.close(timeout=300)
+    assert all(answer.figures["batch"]["rows"] == 4 for answer in answers)  # one batch
+    if triforce is not None:
+        assert engine.batches[-1]["stats"]["new_tokens"] == sum(len(answer.tokens) for answer in answers)
+        alone = [sharp_model.generate(ids, max_new_tokens=40, do_sample=False,
+                                      triforce_config=triforce)[0, ids.shape[1]:] for ids in prompts]
+    else:  # plain batched generate's own rows: padded matmuls may round apart from a row alone
+        from hf_triforce.serving.padded_batch import left_padded
+
+        ids, mask = left_padded(prompts, 0)
+        plain = sharp_model.generate(ids, attention_mask=mask, max_new_tokens=40, do_sample=False, pad_token_id=0)
+        alone = [row[ids.shape[1]:] for row in plain]
+    for b, answer in enumerate(answers):
+        expected = alone[b][: limits[b]].tolist()
+        if b == 2:
+            expected = expected[: stop_at + 1]
+        assert answer.tokens == expected, b
+        assert streamed[b] == answer.tokens
+        assert answer.finish_reason == ("stop" if b == 2 else "length")
+    assert completed[0] < completed[1] and completed[2] < completed[3]  # a short row answers before a long one
+    assert answers[1].figures["prefix_reused_tokens"] >= 260 or answers[0].figures["prefix_reused_tokens"] >= 260
+
+
+def test_a_cancelled_row_leaves_the_others_decoding(sharp_model):
+    engine = Engine(sharp_model, word_tokenizer(), None)
+    scheduler = Scheduler(engine, batch_wait_seconds=0.5)
+    prompts = _questions()[1:]
+    jobs = [Job(ids, {"max_new_tokens": 40, "do_sample": False}, CONFIG) for ids in prompts]
+    cancel_after = threading.Event()
+    seen = []
+
+    def leave(token: int) -> None:
+        seen.append(token)
+        if len(seen) == 3:
+            jobs[0].cancelled.set()
+            cancel_after.set()
+
+    try:
+        futures = [scheduler.submit(jobs[0], leave)] + [scheduler.submit(job) for job in jobs[1:]]
+        with pytest.raises(Cancelled):
+            futures[0].result(timeout=300)
+        answers = [future.result(timeout=300) for future in futures[1:]]
+    finally:
+        scheduler.close()
+    assert cancel_after.is_set()
+    for ids, answer in zip(prompts[1:], answers):
+        alone = sharp_model.generate(ids, max_new_tokens=40, do_sample=False, triforce_config=CONFIG)
+        assert answer.tokens == alone[0, ids.shape[1]:].tolist() and answer.figures["batch"]["rows"] == 3
+
+
+def test_seeded_requests_run_alone_and_refused_batches_run_one_by_one(sharp_model):
+    engine = Engine(sharp_model, word_tokenizer(), None)
+    scheduler = Scheduler(engine, batch_wait_seconds=0.5)
+    prompts = _questions()
+    try:
+        seeded = [scheduler.submit(Job(ids, {"max_new_tokens": 8, "do_sample": True}, CONFIG, seed=3))
+                  for ids in prompts[:2]]
+        refused = [scheduler.submit(Job(ids, {"max_new_tokens": 8, "num_beams": 2}, CONFIG)) for ids in prompts[2:]]
+        for future in seeded:
+            assert "batch" not in future.result(timeout=300).figures
+        for future in refused:
+            with pytest.raises(ValueError, match="num_beams"):
+                future.result(timeout=300)
+    finally:
+        scheduler.close()
