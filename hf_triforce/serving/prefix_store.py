@@ -68,12 +68,10 @@ class StoredPrefix:
     storages: dict[int, int]
 
     def covering(self, length: int) -> list[Chunk]:
-        """The chunks holding positions ``[0, length)``, the last one cut at ``length`` (slices, no copy)."""
+        """The chunks holding positions ``[0, length)``, the last one cut at ``length``: slices of the stored
+        tensors (new tensor objects, no copy)."""
         kept = [chunk for chunk in self.chunks if chunk.start < length]
-        last = kept[-1]
-        if last.start + last.length > length:
-            kept[-1] = last.head(length - last.start)
-        return kept
+        return [*kept[:-1], kept[-1].head(length - kept[-1].start)]
 
     def spanned(self, length: int) -> int:
         """How many chunks positions ``[0, length)`` span."""
