@@ -1,6 +1,7 @@
 """`PrefixStore` and `Engine` in one process: reused prefixes give the answers fresh prompts give (greedy), stored
-caches are never written, the byte budget evicts whole entries least recently used first, the longest shared prefix
-wins; and the ``serve`` command's options are checked before anything starts."""
+caches are never written, entries on one document hold it once, the byte budget counts shared storage once and
+evicts entries least recently used first, the longest shared prefix wins; and the ``serve`` command's options are
+checked before anything starts."""
 
 import gc
 import weakref
