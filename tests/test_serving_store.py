@@ -1,6 +1,10 @@
 """`PrefixStore` and `Engine` in one process: reused prefixes give the answers fresh prompts give (greedy), stored
-caches are never written, the byte budget evicts whole entries least recently used first, the longest shared prefix
-wins; and the ``serve`` command's options are checked before anything starts."""
+caches are never written, entries on one document hold it once, the byte budget counts shared storage once and
+evicts entries least recently used first, the longest shared prefix wins; and the ``serve`` command's options are
+checked before anything starts."""
+
+import gc
+import weakref
 
 import pytest
 import torch
@@ -23,23 +27,27 @@ def sharp_model():
 
 
 class RecordingStore(PrefixStore):
-    """A `PrefixStore` that keeps a copy of each entry as it is stored (and where its tensors live)."""
+    """A `PrefixStore` that keeps a copy of each entry's tensors as it is stored (and where they live)."""
 
     def __init__(self, *args) -> None:
         super().__init__(*args)
         self.copies = {}
 
+    @staticmethod
+    def _tensors(entry):
+        return [tensor for chunk in entry.chunks for pair in chunk.layers for tensor in pair]
+
     def put(self, tokens, cache) -> bool:
         kept = super().put(tokens, cache)
         if kept:
-            self.copies[next(reversed(self._entries))] = [
-                (layer.keys.data_ptr(), layer.keys.clone(), layer.values.clone()) for layer in cache.layers]
+            key = next(reversed(self._entries))
+            self.copies[key] = [(tensor.data_ptr(), tensor.clone()) for tensor in self._tensors(self._entries[key])]
         return kept
 
     def unwritten(self) -> bool:
         """Whether every stored entry is still in the tensors it was stored in, bit for bit as it was stored."""
-        return all(all(p == layer.keys.data_ptr() and torch.equal(k, layer.keys) and torch.equal(v, layer.values)
-                       for (p, k, v), layer in zip(self.copies[key], entry.cache.layers))
+        return all(all(pointer == tensor.data_ptr() and torch.equal(copy, tensor)
+                       for (pointer, copy), tensor in zip(self.copies[key], self._tensors(entry), strict=True))
                    for key, entry in self._entries.items())
 
 
@@ -101,6 +109,108 @@ def test_longest_prefix_wins_and_the_budget_evicts_least_recently_used(sharp_mod
     assert store.describe()["positions"] == [48] and store.lookup(c)[1] == 0
     assert not store.put(a[:20], _filled(sharp_model, a[:20]))  # already held
     assert not PrefixStore(one - 1, 8, sharp_model.config).put(a, _filled(sharp_model, a))  # over the whole budget
+
+
+def _questions(count: int) -> list[torch.Tensor]:
+    """``count`` prompts ([309] each): one document of 300 tokens, then a question of 9 of its own."""
+    document = random_prompt(300, period=23)[0]
+    return [torch.cat([document, random_prompt(9, seed=s)[0]]) for s in range(5, 5 + count)]
+
+
+def _equal(cache: DynamicCache, other: DynamicCache) -> bool:
+    return len(cache.layers) == len(other.layers) and all(
+        torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values) for a, b in zip(cache.layers, other.layers))
+
+
+def test_questions_on_one_document_hold_it_once(sharp_model):
+    """Four questions on one document: the store holds the document once and each question's own positions."""
+    questions = _questions(4)
+    one = cache_nbytes(_filled(sharp_model, questions[0]))
+    store = PrefixStore(1 << 30, 16, sharp_model.config)
+    for ids in questions:
+        assert store.put(ids, _filled(sharp_model, ids))
+    assert len(store) == 4 and store.nbytes <= 1.1 * one
+    described = store.describe()
+    assert described["bytes"] == store.nbytes and described["shared_bytes"] == one  # the first entry's cache
+    assert described["unique_bytes"] == store.nbytes - one and described["entry_bytes"] == 4 * one
+    assert described["chunks"] == [1, 2, 2, 2] and described["positions"] == [309] * 4
+
+
+def test_lookups_equal_fresh_prefills_within_and_across_chunks(sharp_model):
+    """A lookup's positions are bit for bit those of a fresh prefill of the stored prompt they come from, from one
+    chunk (a view of the stored tensors) and across two (the second question's entry: the first's document, then
+    its own positions). (A prefill of fewer tokens may round its positions differently: the reference is the
+    stored prompt's.)"""
+    first, second = _questions(2)
+    stored = _filled(sharp_model, first)
+    store = PrefixStore(1 << 30, 16, sharp_model.config)
+    assert store.put(first, stored) and store.put(second, _filled(sharp_model, second))
+    other = random_prompt(4, seed=11)[0]
+    for prompt, source, length, view in ((first, first, 309, True), (torch.cat([first[:300], other]), first, 300, True),
+                                         (torch.cat([second, other]), second, 309, False),
+                                         (torch.cat([second[:305], other]), second, 305, False)):
+        cache, reused = store.lookup(prompt)
+        fresh = prefix_view(_filled(sharp_model, source), length, sharp_model.config)
+        assert reused == length and _equal(cache, fresh)
+        shares = cache.layers[0].keys.untyped_storage().data_ptr() == stored.layers[0].keys.data_ptr()
+        assert shares == view  # one chunk: a view of the stored tensors; two: their concatenation
+
+
+def test_eviction_frees_shared_storage_only_when_no_entry_uses_it(sharp_model):
+    """Under a budget of one entry and two questions' positions, the fourth question evicts the first entry (whose
+    document the others share: nothing is freed) and the second (its own positions are freed); an unrelated prompt
+    then evicts the rest, and the document's tensors go."""
+    questions = _questions(4)
+    per_position = cache_nbytes(_filled(sharp_model, questions[0][:1]))
+    one, own = 309 * per_position, 9 * per_position
+    store = PrefixStore(one + 2 * own, 16, sharp_model.config)
+    first = _filled(sharp_model, questions[0])
+    document_keys = weakref.ref(first.layers[0].keys)
+    assert store.put(questions[0], first)
+    del first
+    for ids in questions[1:3]:
+        assert store.put(ids, _filled(sharp_model, ids))
+    assert store.nbytes == one + 2 * own and len(store) == 3
+    assert store.put(questions[3], _filled(sharp_model, questions[3]))
+    assert store.nbytes == one + 2 * own and len(store) == 2 and document_keys() is not None
+    assert store.describe()["shared_bytes"] == one and store.describe()["unique_bytes"] == 2 * own
+    assert [store.lookup(ids)[1] for ids in questions] == [300, 300, 309, 309]
+    unrelated = random_prompt(309, seed=12)[0]
+    assert store.put(unrelated, _filled(sharp_model, unrelated))
+    assert store.nbytes == one and len(store) == 1 and store.describe()["shared_bytes"] == 0
+    gc.collect()
+    assert document_keys() is None and store.lookup(questions[0]) == (None, 0)
+
+
+def test_caches_from_lookups_extended_leave_the_store_unwritten(sharp_model):
+    """A lookup's cache, a view of one chunk or a concatenation of two, extended by a forward: every stored tensor
+    stays where and what it was."""
+    store = RecordingStore(1 << 30, 16, sharp_model.config)
+    for ids in _questions(3):
+        assert store.put(ids, _filled(sharp_model, ids))
+    for prompt, spans in ((_questions(1)[0], 1), (_questions(2)[1], 2)):
+        cache, length = store.lookup(prompt)
+        assert length == 309 and store._entries[next(reversed(store._entries))].spanned(length) == spans
+        with torch.no_grad():
+            sharp_model(random_prompt(8, seed=3), cache=cache)
+        assert cache.get_seq_length() == 317 and store.unwritten()
+
+
+def test_engine_answers_from_shared_entries_equal_fresh_ones(sharp_model):
+    """Through the engine: the second question reuses the document from the first's entry, a follow-up to it the
+    second's two chunks; each answer equals a fresh ``generate``, and the store holds the document once."""
+    first, second = (ids[None] for ids in _questions(2))
+    follow_up = torch.cat([second, random_prompt(6, seed=9)], dim=1)
+    store = RecordingStore(1 << 30, 16, sharp_model.config)
+    engine = Engine(sharp_model, word_tokenizer(), store, prefill_chunk_size=128)
+    for ids, reused in ((first, 0), (second, 300), (follow_up, 308)):
+        answer = engine.run(Job(ids, {"max_new_tokens": 24, "do_sample": False}, CONFIG))
+        fresh = sharp_model.generate(ids, max_new_tokens=24, do_sample=False, triforce_config=CONFIG)
+        assert answer.tokens == fresh[0, ids.shape[1]:].tolist()
+        assert answer.figures["prefix_reused_tokens"] == reused and store.unwritten()
+    described = store.describe()  # the follow-up's entry extends the second's, which is dropped
+    assert described["positions"] == [308, 314] and described["chunks"] == [1, 3]
+    assert described["bytes"] == cache_nbytes(_filled(sharp_model, first[0, :308])) * (308 + 14) // 308
 
 
 def test_sliding_window_models_are_named_unsupported():
