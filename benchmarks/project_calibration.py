@@ -692,7 +692,7 @@ def fitted_devices(hosts: dict) -> dict:
                       cpu=True, gemm_bandwidth=params.get("gemm_bandwidth"),
                       copy_bandwidth=params.get("copy_bandwidth"),
                       notes=f"2 vCPUs at 2 torch threads, fitted by benchmarks/project_calibration.py (host {host}, "
-                      "docs/bench/calibration/calibration.md)")
+                      "docs/bench/calibration/calibration.json)")
         for rate in DEVICE_RATES:
             by_dtype = {key.split(":")[1]: value for key, value in params.items() if key.startswith(f"{rate}:")}
             if rate in params:
@@ -701,6 +701,21 @@ def fitted_devices(hosts: dict) -> dict:
                 preset[rate] = by_dtype
         devices[host] = preset
     return devices
+
+
+COMPACT = (",", ":")  # JSON separators: no whitespace
+DIGITS = 6  # significant digits of a point's measured, predicted and error in calibration.json
+
+
+def compact(out: dict) -> dict:
+    """``out`` as calibration.json holds it: each row without its host (the key it sits under) and without an empty
+    note (``note_if`` says which way a note applies), its measured, predicted and error to `DIGITS` significant
+    digits (the parameters and summaries in full)."""
+    def row(r: dict) -> dict:
+        kept = {k: v for k, v in r.items() if k != "host" and (r["note"] or k not in ("note", "note_if"))}
+        return {**kept, **{k: float(f"{r[k]:.{DIGITS}g}") for k in ("measured", "predicted", "error")}}
+    return {**out, "hosts": {host: {**result, "rows": [row(r) for r in result["rows"]]}
+                             for host, result in out["hosts"].items()}}
 
 
 def overhead_check(hosts: dict) -> list[str]:
@@ -796,13 +811,13 @@ def main(argv: list[str] | None = None) -> None:
     folder = args.out
     folder.mkdir(parents=True, exist_ok=True)
     devices = {"about": "CPU devices fitted by benchmarks/project_calibration.py on the runs of docs/bench "
-               "(calibration.md); hf-triforce project --devices <this file> --device <name>",
+               "(calibration.json); hf-triforce project --devices <this file> --device <name>",
                "devices": fitted_devices(out["hosts"])}
-    (folder / "devices.json").write_text(json.dumps(devices, indent=1))
-    (folder / "calibration.json").write_text(json.dumps(out, indent=1))
+    (folder / "devices.json").write_text(json.dumps(devices, separators=COMPACT))
+    (folder / "calibration.json").write_text(json.dumps(compact(out), separators=COMPACT))
     (folder / "calibration.md").write_text("\n".join(lines) + "\n")
     published = publish(out["hosts"]["h200"]["params"])
-    (folder / "projections.json").write_text(json.dumps(published, indent=1))
+    (folder / "projections.json").write_text(json.dumps(published, separators=COMPACT))
     (folder / "projections.md").write_text(publish_markdown(published))
     for host, result in out["hosts"].items():
         print(host, {k: f"{v:.3g}" for k, v in result["params"].items()}, result["summary"])

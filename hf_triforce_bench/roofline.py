@@ -91,7 +91,7 @@ MODELS: dict[str, dict[str, Any]] = {
 
 # Per-layer overhead of one eager forward of this stack on an H200 (launches and Python: random-weight SmolLM2 and
 # Qwen2.5-1.5B shapes are launch-bound there), fitted by benchmarks/project_calibration.py on docs/bench/gpu-h200*
-# (docs/bench/calibration/calibration.md); used for every GPU preset (the same software). 0 models CUDA graphs.
+# (docs/bench/calibration/calibration.json); used for every GPU preset (the same software). 0 models CUDA graphs.
 GPU_LAYER_OVERHEAD = 0.97e-3
 
 # Datasheet peak numbers (dense; bandwidth of the device memory; offload = a host link's practical rate).
