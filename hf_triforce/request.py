@@ -20,6 +20,7 @@ from transformers import (
 )
 
 from . import compat
+from .caches.buffer import check_taken
 from .config import TriForceConfig
 from .decoding.tiers import check_lean_eligible, drafting_models
 from .kernels.attention_function import wrapped_name
@@ -55,9 +56,9 @@ def recording_attention(model):
 def check_request(model, input_ids: torch.Tensor, config: TriForceConfig, generation_config, model_kwargs,
                   logits_processor) -> None:
     """Refuse, before any forward, what no TriForce call of ``model`` can decode: an encoder-decoder model, beams, no
-    cache, attentions or hidden states asked for, model kwargs it does not handle, processors whose state would
-    advance on rejected tokens, a drafting precision a drafting model cannot take, a request beyond the model's
-    positions, a draft model of another vocabulary. ``input_ids``: ``[batch, n]``."""
+    cache, a ``cache=`` it cannot read (`check_taken`), attentions or hidden states asked for, model kwargs it does
+    not handle, processors whose state would advance on rejected tokens, a drafting precision a drafting model cannot
+    take, a request beyond the model's positions, a draft model of another vocabulary. ``input_ids``: ``[batch, n]``."""
     if getattr(model.config, "is_encoder_decoder", False) or not getattr(model.config, "is_causal", True):
         raise ValueError("triforce_config= needs a decoder-only causal LM; this model is encoder-decoder or non-causal")
     if generation_config.num_beams != 1:
@@ -74,6 +75,8 @@ def check_request(model, input_ids: torch.Tensor, config: TriForceConfig, genera
                      if v is not None and k not in _HANDLED_MODEL_KWARGS and not (k == "mm_encoder_outputs" and not v))
     if unknown:
         raise ValueError(f"triforce_config= does not support the model kwargs {unknown}")
+    if model_kwargs.get("cache") is not None:
+        check_taken(model_kwargs["cache"])
     # per-layer attention types as plain generate's cache reads them: full and sliding-window layers are
     # supported (sliding layers keep their window in every tier); any other type is refused here, by name
     compat.layer_windows(model.config)

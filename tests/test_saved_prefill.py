@@ -196,3 +196,16 @@ def test_runtime_config_flags_do_not_refuse_a_prefill(saved, flag):
     setattr(model.config, *flag)
     ids, cache = load_prefill(path, model)
     assert torch.equal(ids, document) and cache.get_seq_length() == document.shape[1]
+
+
+def test_saving_refuses_a_quantized_cache(saved, tmp_path):
+    """A `QuantizedCache`'s layers hold only their unquantized residual: refused by name, not read as a prefix."""
+    from transformers import QuantizedCache
+
+    model, document, _ = saved
+    cache = QuantizedCache("fp8", model.config)
+    with torch.no_grad():
+        model(document, cache=cache)
+    with pytest.raises(ValueError, match=r"save_prefill: cache: layer 0 is a Fp8QuantizedLayer .*TriForce takes"):
+        save_prefill(tmp_path / "x.safetensors", model, document, cache)
+    assert not (tmp_path / "x.safetensors").exists()
