@@ -20,7 +20,7 @@ from transformers import (
 )
 
 from . import compat
-from .caches.buffer import check_taken
+from .caches.buffer import check_taken, prefix_rows
 from .config import TriForceConfig
 from .decoding.tiers import check_lean_eligible, drafting_models
 from .kernels.attention_function import wrapped_name
@@ -130,11 +130,16 @@ def strip_padding(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) 
 
 def prefix_cache(model_kwargs: dict, ids: torch.Tensor, pad: int):
     """The ``cache=`` the prompt ``ids`` ``[1, n]`` (its ``pad`` tokens of left padding removed) extends: None where
-    there is none or it is ``generate``'s empty default; refused where it holds the whole prompt or the prompt is
-    padded."""
+    there is none or it is ``generate``'s empty default; refused where it holds the whole prompt or another batch
+    size than the prompt's, or the prompt is padded."""
     prefix = model_kwargs.get("cache")
     if prefix is None or prefix.get_seq_length() == 0:
         return None
+    if prefix_rows(prefix) != ids.shape[0]:
+        raise ValueError(
+            f"cache= holds a prefill of batch size {prefix_rows(prefix)}; the prompt (input_ids) has batch size "
+            f"{ids.shape[0]}: a cache extends only prompts of its own batch size"
+        )
     if int(prefix.get_seq_length()) >= ids.shape[1]:
         raise ValueError(
             f"cache= holds {int(prefix.get_seq_length())} tokens; the prompt must extend it by at least one token"

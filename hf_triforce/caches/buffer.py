@@ -425,6 +425,12 @@ def check_taken(source: Cache, name: str = "cache=") -> None:
             )
 
 
+def prefix_rows(source: Cache) -> int:
+    """The batch size of ``source``, a filled cache `check_taken` takes: its first layer's keys' rows (keys
+    ``[batch, kv_heads, length, head_dim]``)."""
+    return int(source.layers[0].keys.shape[0])
+
+
 def copy_prefix(source: Cache, target: BufferCache) -> int:
     """Copy every layer of a filled transformers cache (one `check_taken` takes) into ``target``; returns the copied
     length."""
