@@ -111,7 +111,12 @@ def drafter_names() -> tuple[str, ...]:
 
 
 def spec_of(draft: Any) -> DrafterSpec:
-    return DRAFTERS[draft if isinstance(draft, str) else MODEL_DRAFTER]
+    """The registered drafter ``draft`` names (a model object: the ``model`` drafter); ValueError naming ``draft``
+    and the names it may take for any other string."""
+    name = draft if isinstance(draft, str) else MODEL_DRAFTER
+    if name not in DRAFTERS:
+        raise ValueError(f"TriForceConfig.draft must be one of {drafter_names()} or a PreTrainedModel, got {draft!r}")
+    return DRAFTERS[name]
 
 
 def build_drafter(context: DraftContext) -> Drafter:
