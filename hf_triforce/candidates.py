@@ -153,7 +153,7 @@ class TriForceCandidateGenerator(compat.CandidateGenerator):
         self.recorder = QueryRecorder()
         clock = device_clock(model)  # times the tiers' forwards (read with the stats, after the verification)
         self.hierarchy = Hierarchy(model, config, [processors], self.do_sample, self.sampler, clock,
-                                   full_cache=full_cache)
+                                   max_lengths=[self.max_length], full_cache=full_cache)
         plan = Plan(config.levels, config.draft_name, config.gamma1, config.gamma2)
         self.drafter = self.hierarchy.drafter(0, config.draft_name)
         self.level = self.hierarchy.level(0, plan)

@@ -56,7 +56,7 @@ from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 
 import torch
-from transformers import GenerationMixin
+from transformers import GenerationMixin, cache_utils
 from transformers.cache_utils import Cache, CacheLayerMixin, get_layer_types_and_kwargs
 from transformers.generation.candidate_generator import CandidateGenerator
 from transformers.generation.utils import GenerateDecoderOnlyOutput
@@ -76,6 +76,11 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMa
 # of transformers).
 TESTED_TRANSFORMERS = (">=5.24", "<5.26")
 ORIGINAL_GENERATE = GenerationMixin.generate
+# the cache layers of a `QuantizedCache`, which keep their entries quantized (``keys`` / ``values`` hold at most the
+# unquantized residual): ``BaseQuantizedLayer`` (the fp8 and the group-wise layers) where transformers has it, else
+# ``QuantizedLayer`` (the group-wise ones)
+QUANTIZED_CACHE_LAYERS = tuple(getattr(cache_utils, name) for name in ("BaseQuantizedLayer", "QuantizedLayer")
+                               if hasattr(cache_utils, name))
 
 __all__ = [
     "Cache",
@@ -83,6 +88,7 @@ __all__ = [
     "CandidateGenerator",
     "GenerateDecoderOnlyOutput",
     "ORIGINAL_GENERATE",
+    "QUANTIZED_CACHE_LAYERS",
     "TESTED_TRANSFORMERS",
     "adapter_state",
     "assisted_decoding",

@@ -40,7 +40,8 @@ class TriForceConfig:
     Pass it as ``model.generate(ids, triforce_config=TriForceConfig(...))``; every output is exact whatever the
     values (greedy: token-identical to ``generate``; sampled: the target's distribution).
 
-    Keyword arguments only. Each value is checked on construction: a bad one raises a ``ValueError`` (a ``TypeError``
+    Keyword arguments only. Each value is checked on construction and again at each use (`validate`: a field set
+    after construction is checked by the call that reads it): a bad one raises a ``ValueError`` (a ``TypeError``
     for a ``draft`` of the wrong type) naming the field and what it allows. The fields come in three groups, declared
     in this order and listed in `USER_FIELDS`, `TUNING_FIELDS` and `EXPERIMENTAL_FIELDS` (docs/config.md).
 
@@ -215,6 +216,12 @@ class TriForceConfig:
     force2_tree_nodes: int = 0
 
     def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise a ``ValueError`` (a ``TypeError`` for a ``draft`` of the wrong type) naming the first field whose
+        value is not allowed, and what it allows. Run on construction and again by each call that uses the config
+        (`request.check_request`, `decoding.resolved.resolve`): a field set after construction is checked there."""
         if isinstance(self.draft, str):
             if self.draft not in drafter_names():
                 raise ValueError(

@@ -20,6 +20,7 @@ from transformers import (
 )
 
 from . import compat
+from .caches.buffer import check_taken, prefix_rows
 from .config import TriForceConfig
 from .decoding.tiers import check_lean_eligible, drafting_models
 from .kernels.attention_function import wrapped_name
@@ -55,9 +56,11 @@ def recording_attention(model):
 def check_request(model, input_ids: torch.Tensor, config: TriForceConfig, generation_config, model_kwargs,
                   logits_processor) -> None:
     """Refuse, before any forward, what no TriForce call of ``model`` can decode: an encoder-decoder model, beams, no
-    cache, attentions or hidden states asked for, model kwargs it does not handle, processors whose state would
-    advance on rejected tokens, a drafting precision a drafting model cannot take, a request beyond the model's
-    positions, a draft model of another vocabulary. ``input_ids``: ``[batch, n]``."""
+    cache, a ``cache=`` it cannot read (`check_taken`), attentions or hidden states asked for, model kwargs it does
+    not handle, processors whose state would advance on rejected tokens, a drafting precision a drafting model cannot
+    take, a request beyond the model's positions, a draft model of another vocabulary; and any field of ``config``
+    set after construction to a value it does not allow (`TriForceConfig.validate`). ``input_ids``: ``[batch, n]``."""
+    config.validate()
     if getattr(model.config, "is_encoder_decoder", False) or not getattr(model.config, "is_causal", True):
         raise ValueError("triforce_config= needs a decoder-only causal LM; this model is encoder-decoder or non-causal")
     if generation_config.num_beams != 1:
@@ -74,6 +77,8 @@ def check_request(model, input_ids: torch.Tensor, config: TriForceConfig, genera
                      if v is not None and k not in _HANDLED_MODEL_KWARGS and not (k == "mm_encoder_outputs" and not v))
     if unknown:
         raise ValueError(f"triforce_config= does not support the model kwargs {unknown}")
+    if model_kwargs.get("cache") is not None:
+        check_taken(model_kwargs["cache"])
     # per-layer attention types as plain generate's cache reads them: full and sliding-window layers are
     # supported (sliding layers keep their window in every tier); any other type is refused here, by name
     compat.layer_windows(model.config)
@@ -127,11 +132,16 @@ def strip_padding(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) 
 
 def prefix_cache(model_kwargs: dict, ids: torch.Tensor, pad: int):
     """The ``cache=`` the prompt ``ids`` ``[1, n]`` (its ``pad`` tokens of left padding removed) extends: None where
-    there is none or it is ``generate``'s empty default; refused where it holds the whole prompt or the prompt is
-    padded."""
+    there is none or it is ``generate``'s empty default; refused where it holds the whole prompt or another batch
+    size than the prompt's, or the prompt is padded."""
     prefix = model_kwargs.get("cache")
     if prefix is None or prefix.get_seq_length() == 0:
         return None
+    if prefix_rows(prefix) != ids.shape[0]:
+        raise ValueError(
+            f"cache= holds a prefill of batch size {prefix_rows(prefix)}; the prompt (input_ids) has batch size "
+            f"{ids.shape[0]}: a cache extends only prompts of its own batch size"
+        )
     if int(prefix.get_seq_length()) >= ids.shape[1]:
         raise ValueError(
             f"cache= holds {int(prefix.get_seq_length())} tokens; the prompt must extend it by at least one token"

@@ -169,3 +169,28 @@ def test_refresh_every_defaults_by_the_retrieval_budget():
     assert TriForceConfig(retrieval_budget=8192, refresh_every=1).refresh_interval == 1
     with pytest.raises(ValueError, match="refresh_every"):
         TriForceConfig(refresh_every=0)
+
+
+@pytest.mark.parametrize("loop", ["triforce", "assisted"])
+def test_a_draft_set_after_construction_is_checked_at_use(loop):
+    """``config.draft = 'nonsense'`` after construction passes `__post_init__`'s checks: the call that uses the config
+    checks it again (`TriForceConfig.validate`), and so does the drafter registry (`spec_of`), with the ValueError
+    construction raises, naming ``draft`` and the names it takes, in either loop and when resolved without
+    ``generate``."""
+    from hf_triforce.decoding.resolved import resolve
+    from hf_triforce.drafters.registry import spec_of
+
+    from .conftest import random_prompt
+
+    match = r"TriForceConfig\.draft must be one of \('self', 'ngram', 'suffix'\) or a PreTrainedModel, got 'nonsense'"
+    model = make_model("llama-gqa")
+    config = TriForceConfig(policy="fixed", retrieval_budget=32, loop=loop)
+    config.draft = "nonsense"
+    with pytest.raises(ValueError, match=match):
+        model.generate(random_prompt(50), triforce_config=config, max_new_tokens=3, do_sample=False)
+    with pytest.raises(ValueError, match=match):
+        resolve(config, model)
+    with pytest.raises(ValueError, match=match):
+        spec_of("nonsense")
+    with pytest.raises(ValueError, match=match):
+        TriForceConfig(draft="nonsense")

@@ -182,3 +182,29 @@ def test_layers_that_are_not_full_or_sliding_attention_are_refused(prompt, famil
     model = make_model(family, **extra)
     with pytest.raises(ValueError, match=name):
         model.generate(prompt, max_new_tokens=4, triforce_config=CFG)
+
+
+@pytest.mark.parametrize("given", ["filled", "empty", "batch", "assisted", "cache_implementation"])
+def test_a_quantized_cache_is_refused_naming_cache_and_the_caches_taken(model, prompt, given):
+    """A `QuantizedCache` keeps its entries quantized (its layers' ``keys`` hold the unquantized residual only):
+    plain ``generate`` decodes on it, so TriForce on an unquantized copy would not be its output. Refused before any
+    forward, filled or empty, batched, in either loop, or made by ``cache_implementation='quantized'``, with an error
+    naming ``cache=`` and the caches TriForce takes."""
+    from transformers import QuantizedCache
+
+    ids = torch.cat((prompt, prompt.flip(1))) if given == "batch" else prompt
+    gen = dict(max_new_tokens=4, do_sample=False)
+    if given == "cache_implementation":
+        gen.update(cache_implementation="quantized", cache_config={"backend": "fp8"})
+    else:
+        cache = QuantizedCache("fp8", model.config)
+        if given != "empty":
+            with torch.no_grad():
+                model(ids[:, :60], cache=cache)
+        gen["cache"] = cache
+    config = replace(CFG, loop="assisted") if given == "assisted" else CFG
+    message = r"cache=: layer 0 is a Fp8QuantizedLayer .*TriForce takes a DynamicCache or StaticCache"
+    with pytest.raises(ValueError, match=message):
+        model.generate(ids, triforce_config=config, **gen)
+    if "cache" in gen:
+        assert gen["cache"].get_seq_length() == (0 if given == "empty" else 60)  # refused before any forward

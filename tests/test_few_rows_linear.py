@@ -88,6 +88,22 @@ def test_triforce_on_the_kernel_keeps_greedy_identity(monkeypatch, dtype):
 
 
 @needs_kernel
+def test_routes_timed_in_fp32_are_timed_again_after_double(monkeypatch):
+    """Routes timed on fp32 weights (the kernel's) are kept for the model's later calls only while the weights are
+    those they were timed on: after ``model.double()`` (weights the kernel does not take) the next call times them
+    again, and its greedy output is plain ``generate``'s in fp64, as a fresh fp64 model's is."""
+    monkeypatch.setattr(linear_routes.LinearRoutes, "calibrate",
+                        lambda self, group, rows: linear_routes.routes_for(self.groups[group])[-1])
+    model = make_model("llama-gqa")
+    prompt = random_prompt(150, period=37)
+    stats = assert_identical(model, prompt, _config("self"), max_new_tokens=12)
+    assert {route for by_rows in stats.linear_routes.values() for route in by_rows.values()} == {"stream"}
+    model.double()
+    stats = assert_identical(model, prompt, _config("self"), max_new_tokens=12)
+    assert {route for by_rows in stats.linear_routes.values() for route in by_rows.values()} == {"left"}
+
+
+@needs_kernel
 def test_inputs_the_kernel_does_not_take_are_refused():
     """Rows or weight of a dtype it has no code for, rows of another dtype than the weight's (bf16 rows read beside
     fp32 weights would be garbage), another width than the weight's (the kernel would read past the rows), no rows, a

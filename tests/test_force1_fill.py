@@ -146,3 +146,28 @@ def test_a_draft_model_fills_by_its_own_weights_and_drafts_by_its_lean_copy(monk
             assert torch.equal(layer.values[:, :, :held], reference.values[:, :, :held])
         drafter.propose(prompt, 2)
     assert len(lean_forwards) == 2
+
+
+@pytest.mark.parametrize("case", ["chain", "assisted", "tree", "batch", "draft model", "auto"])
+def test_a_short_call_allocates_its_sink_window_cache_for_its_own_length(monkeypatch, case):
+    """``window=300000`` on a 100-token prompt and 12 new tokens: Force 1's caches are allocated for the call's
+    positions plus a step's rows (`sizing.sink_window_rows`), not for ``sink_tokens + window`` (77 MB each here), in
+    each loop, with trees, in a batch, for a draft model and under the adaptive policy; the greedy output stays
+    plain ``generate``'s."""
+    from .test_greedy_identity import _config, assert_identical
+
+    built = []
+    init = SinkWindowCache.__init__
+    monkeypatch.setattr(SinkWindowCache, "__init__", lambda self, *args, **kw: built.append(self) or
+                        init(self, *args, **kw))
+    model = make_model("llama-gqa")
+    prompt = random_prompt(100, period=37)
+    options = {"assisted": dict(loop="assisted"), "tree": dict(tree_nodes=6), "auto": dict(policy="auto"),
+               "draft model": dict(draft=make_model("llama-gqa", num_hidden_layers=1, seed=5))}.get(case, {})
+    config = _config(options.pop("draft", "self"), window=300000, **options)
+    ids = torch.cat((prompt, prompt.roll(7, dims=1))) if case == "batch" else prompt
+    assert_identical(model, ids, config, max_new_tokens=12)
+    entries = ids.shape[1] + 12 + 64
+    per_entry = model.config.num_hidden_layers * 2 * model.config.num_key_value_heads * model.config.head_dim * 4
+    assert built and all(cache.capacity <= entries for cache in built)
+    assert all(cache.nbytes() <= ids.shape[0] * entries * per_entry for cache in built)

@@ -187,3 +187,17 @@ def test_a_weight_written_through_data_is_refused_then_runs_detached(monkeypatch
     stats = assert_identical(model, prompt, _config("self"))
     assert "gguf" not in stats.cpu_kernels
     assert "gguf" not in {route for by_rows in stats.linear_routes.values() for route in by_rows.values()}
+
+
+@needs_kernel
+def test_routes_timed_on_the_blocks_are_timed_again_once_detached(monkeypatch, gguf_model):
+    """A call on the ``"gguf"`` route keeps its routes for the model's later calls; after `detach_gguf` the next call
+    times the layers again (the blocks are gone) and runs on the fp32 routes, its greedy output plain ``generate``'s."""
+    monkeypatch.setattr(linear_routes.LinearRoutes, "calibrate", _last_offered)
+    prompt = random_prompt(150, vocab_size=VOCAB, period=37)
+    stats = assert_identical(gguf_model, prompt, _config("self"), max_new_tokens=12)
+    assert {route for by_rows in stats.linear_routes.values() for route in by_rows.values()} == {"gguf"}
+    detach_gguf(gguf_model)
+    stats = assert_identical(gguf_model, prompt, _config("self"), max_new_tokens=12)
+    assert "gguf" not in {route for by_rows in stats.linear_routes.values() for route in by_rows.values()}
+    assert stats.linear_routes and set(stats.linear_routes) == {"head", "decoder"}

@@ -130,6 +130,42 @@ def test_a_compile_longer_than_a_second_shows_progress(monkeypatch, tmp_path, ca
     assert "compiling few_rows_linear" in capsys.readouterr().err
 
 
+def _answering_compiler(path, version: str) -> str:
+    """A ``cc`` at ``path`` whose ``--version`` prints ``version`` (it compiles nothing)."""
+    path.write_text(f"#!/bin/sh\necho '{version}'\n")
+    path.chmod(0o755)
+    return str(path)
+
+
+def test_the_compiler_enters_the_cache_key(monkeypatch, tmp_path):
+    """The kept library is the compiler's: another ``$CC`` (another path, the same ``--version``) or the same path
+    answering another ``--version`` (an upgraded compiler) has its own key; the same compiler keeps its key."""
+    _fresh(monkeypatch, tmp_path)
+    paths = []
+    for name, version in (("cc-a", "cc 1.0"), ("cc-b", "cc 1.0"), ("cc-b", "cc 2.0")):
+        monkeypatch.setenv("CC", _answering_compiler(tmp_path / name, version))
+        paths.append(native_build.kept_path("few_rows_linear", few_rows_linear.SOURCES))
+        assert native_build.kept_path("few_rows_linear", few_rows_linear.SOURCES) == paths[-1]
+    assert len(set(paths)) == 3
+
+
+@needs_kernel
+def test_a_library_another_compiler_built_is_rebuilt_and_serves_where_no_compiler_is(monkeypatch, tmp_path):
+    """A library kept from one compiler is not loaded under another (it builds its own); where no compiler is found,
+    a kept one of the same sources, flags and CPU loads whichever compiler built it."""
+    _fresh(monkeypatch, tmp_path)
+    cc = native_build.compiler()
+    monkeypatch.setenv("CC", _tuned_compiler(tmp_path, cc, "generic"))
+    first = native_build.build("few_rows_linear", few_rows_linear.SOURCES)
+    monkeypatch.setenv("CC", cc)
+    second = native_build.build("few_rows_linear", few_rows_linear.SOURCES)
+    assert first != second and native_build.damage(first) is None and native_build.damage(second) is None
+    _no_compiler(monkeypatch, tmp_path)
+    assert native_build.kept_path("few_rows_linear", few_rows_linear.SOURCES) in (first, second)
+    kernel, why = few_rows_linear._load.__wrapped__()
+    assert why == "on" and kernel is not None
+
+
 def test_build_target_switch(monkeypatch):
     """``HF_TRIFORCE_CPU_MARCH`` picks the ``-march`` (and the vector width with it) and enters the cache key; any
     other value is an error naming the allowed ones."""

@@ -196,3 +196,32 @@ def test_runtime_config_flags_do_not_refuse_a_prefill(saved, flag):
     setattr(model.config, *flag)
     ids, cache = load_prefill(path, model)
     assert torch.equal(ids, document) and cache.get_seq_length() == document.shape[1]
+
+
+def test_saving_refuses_a_quantized_cache(saved, tmp_path):
+    """A `QuantizedCache`'s layers hold only their unquantized residual: refused by name, not read as a prefix."""
+    from transformers import QuantizedCache
+
+    model, document, _ = saved
+    cache = QuantizedCache("fp8", model.config)
+    with torch.no_grad():
+        model(document, cache=cache)
+    with pytest.raises(ValueError, match=r"save_prefill: cache: layer 0 is a Fp8QuantizedLayer .*TriForce takes"):
+        save_prefill(tmp_path / "x.safetensors", model, document, cache)
+    assert not (tmp_path / "x.safetensors").exists()
+
+
+@pytest.mark.parametrize("loop", ["triforce", "assisted"])
+def test_a_saved_batch_prefill_is_refused_for_a_prompt_of_another_batch_size(tmp_path, loop):
+    """A prefill saved for a batch of 2 and a prompt of 1 row: refused before any forward, naming both batch sizes."""
+    model = make_model("llama-gqa")
+    documents = torch.cat((random_prompt(60, period=23), random_prompt(60, seed=3)))
+    path = save_prefill(tmp_path / "batch.safetensors", model, documents, _prefill(model, documents))
+    ids, cache = load_prefill(path, model)
+    question = torch.cat((ids[:1], random_prompt(5, seed=9)), dim=1)
+    config = TriForceConfig(draft="ngram", retrieval_budget=32, chunk_size=4, gamma1=2, gamma2=4, policy="fixed",
+                            loop=loop)
+    with pytest.raises(ValueError, match=r"cache= holds a prefill of batch size 2; the prompt \(input_ids\) has "
+                                         r"batch size 1"):
+        model.generate(question, cache=cache, max_new_tokens=4, do_sample=False, triforce_config=config)
+    assert cache.get_seq_length() == 60  # refused before any forward

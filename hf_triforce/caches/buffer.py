@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from ..compat import Cache, CacheLayerMixin
+from ..compat import QUANTIZED_CACHE_LAYERS, Cache, CacheLayerMixin
 
 
 class BufferLayer(CacheLayerMixin):
@@ -406,8 +406,35 @@ class BufferCache(Cache):
         return sum(layer.resident_bytes() for layer in self.layers)
 
 
+# the caches `copy_prefix` takes, for the errors that refuse others
+TAKEN_CACHES = ("a DynamicCache or StaticCache built for this model (its layers unquantized), or a cache TriForce "
+                "returned")
+
+
+def check_taken(source: Cache, name: str = "cache=") -> None:
+    """ValueError naming ``name`` (the argument that gave ``source``) unless `copy_prefix` can read ``source``: a
+    `QuantizedCache`'s layers keep their entries quantized (their ``keys`` / ``values`` hold only the unquantized
+    residual), so neither a copy of them nor their dequantized values is the cache plain ``generate`` decodes on;
+    refused whether empty or filled."""
+    for index, layer in enumerate(getattr(source, "layers", None) or []):
+        if isinstance(layer, QUANTIZED_CACHE_LAYERS):
+            raise ValueError(
+                f"{name}: layer {index} is a {type(layer).__name__} (a QuantizedCache, given as cache= or by "
+                f"cache_implementation='quantized'), which keeps its entries quantized; TriForce takes "
+                f"{TAKEN_CACHES}"
+            )
+
+
+def prefix_rows(source: Cache) -> int:
+    """The batch size of ``source``, a filled cache `check_taken` takes: its first layer's keys' rows (keys
+    ``[batch, kv_heads, length, head_dim]``)."""
+    return int(source.layers[0].keys.shape[0])
+
+
 def copy_prefix(source: Cache, target: BufferCache) -> int:
-    """Copy every layer of a filled transformers cache into ``target``; returns the copied length."""
+    """Copy every layer of a filled transformers cache (one `check_taken` takes) into ``target``; returns the copied
+    length."""
+    check_taken(source)
     if len(source.layers) != len(target.layers):
         raise ValueError(f"cache=: it has {len(source.layers)} layers, the model has {len(target.layers)}")
     lengths = set()
@@ -417,7 +444,7 @@ def copy_prefix(source: Cache, target: BufferCache) -> int:
             kind = "a sliding-window" if getattr(into, "is_sliding", False) else "a full-attention"
             raise ValueError(
                 f"cache=: layer {index} is a {type(layer).__name__}; the model's layer {index} is {kind} layer "
-                "(pass the DynamicCache/StaticCache built for this model, or a cache TriForce returned)"
+                f"(TriForce takes {TAKEN_CACHES})"
             )
         n = int(layer.get_seq_length())
         lengths.add(n)

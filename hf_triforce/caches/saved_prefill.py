@@ -35,6 +35,7 @@ from transformers import DynamicCache
 
 from .. import compat
 from ..digests import tensor_digests
+from .buffer import check_taken
 
 FORMAT = "hf-triforce-prefill/1"
 # config fields the fingerprint leaves out: token ids, output and cache switches, labels, names and versions change no
@@ -90,7 +91,9 @@ def _checksum(tensors: dict[str, torch.Tensor]) -> str:
 
 def save_prefill(path: str | Path, model, input_ids: torch.LongTensor, cache) -> Path:
     """Write ``cache`` (a transformers `Cache` holding the prefill of ``input_ids`` ``[batch, length]`` by ``model``)
-    to ``path`` (a ``.safetensors`` file, replaced if present); returns the path."""
+    to ``path`` (a ``.safetensors`` file, replaced if present); returns the path. ``cache``: one `check_taken` takes
+    (not a `QuantizedCache`)."""
+    check_taken(cache, "save_prefill: cache")
     length = int(cache.get_seq_length())
     if input_ids.dim() != 2 or input_ids.shape[1] != length:
         raise ValueError(f"save_prefill: input_ids must be [batch, {length}] (the cache holds {length} tokens), "

@@ -141,14 +141,23 @@ class SinkWindowCache(BufferCache):
     own rotation; NoPE layers stay as they are). ``positions="absolute"``: every entry keeps its token's position in
     the sequence (the caller feeds tokens at their own positions), so eviction moves entries without re-rotating
     them and the window sees the sinks as far away as the full model does. Memory is independent of the context
-    length either way. Sliding-window layers keep the same layout: the model's sliding mask cuts them at its window
+    length either way (allocated for ``sink_tokens + window`` entries, or the fewer a call can reach: ``capacity``).
+    Sliding-window layers keep the same layout: the model's sliding mask cuts them at its window
     in cache coordinates, so with ``window >= sliding_window`` they attend to the last ``sliding_window`` tokens, as
     the model does (a draft's output law never needs to be the target's).
     """
 
     def __init__(self, num_layers: int, sink_tokens: int, window: int,
-                 rerotate: Rerotate | Sequence[Rerotate | None], positions: str = "slots") -> None:
-        super().__init__(num_layers, sink_tokens + window)
+                 rerotate: Rerotate | Sequence[Rerotate | None], positions: str = "slots",
+                 capacity: int | None = None) -> None:
+        """``capacity``: the entries allocated (default ``sink_tokens + window``; fewer for a call that never holds
+        more, `decoding.sizing.sink_window_rows`). Eviction keeps ``sink_tokens + window`` entries whatever it is; a
+        write past a smaller capacity raises (`BufferLayer.write`)."""
+        limit = sink_tokens + window
+        if capacity is not None and not 1 <= capacity <= limit:
+            raise ValueError(f"SinkWindowCache: capacity must be in [1, sink_tokens + window = {limit}], got "
+                             f"{capacity}")
+        super().__init__(num_layers, limit if capacity is None else capacity)
         if callable(rerotate):
             rerotate = [rerotate] * num_layers
         if len(rerotate) != num_layers:
@@ -162,11 +171,13 @@ class SinkWindowCache(BufferCache):
         self.evict_block = max(1, window // 16)
 
     def make_room(self, n: int) -> None:
-        """Evict so that ``n`` new entries fit (at least ``evict_block`` at a time, amortizing re-rotation)."""
-        room = self.capacity - min(self.length, self.sink_tokens)
+        """Evict so that ``n`` new entries fit in ``sink_tokens + window`` (at least ``evict_block`` at a time,
+        amortizing re-rotation)."""
+        limit = self.sink_tokens + self.window
+        room = limit - min(self.length, self.sink_tokens)
         if n > room:
             raise ValueError(f"SinkWindowCache: {n} new entries exceed the {room} free entries of sinks + window")
-        excess = self.length + n - self.capacity
+        excess = self.length + n - limit
         if excess <= 0:
             return
         excess = min(max(excess, self.evict_block), self.length - self.sink_tokens)

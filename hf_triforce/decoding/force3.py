@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from .. import compat
-from ..caches.buffer import BufferCache, copy_prefix
+from ..caches.buffer import BufferCache, copy_prefix, prefix_rows
 from ..caches.offloaded import OffloadedBufferCache
 from ..caches.ragged import RaggedBufferCache
 from ..compat import layer_devices
@@ -153,8 +153,8 @@ class RaggedForce3:
         done, logits, queries = {}, [None] * len(prompts), [None] * len(prompts)
         cached = int(prefix.get_seq_length()) if prefix is not None else 0
         widths = [ids.shape[1] + padding.shape[1] for ids, padding in zip(prompts, self.paddings)]
-        if prefix is not None and (cached >= max(widths) or prefix.layers[0].keys.shape[0] != len(prompts)):
-            raise ValueError(f"cache= holds {cached} columns of a batch of {prefix.layers[0].keys.shape[0]}; the "
+        if prefix is not None and (cached >= max(widths) or prefix_rows(prefix) != len(prompts)):
+            raise ValueError(f"cache= holds {cached} columns of a batch of {prefix_rows(prefix)}; the "
                              f"batch has {len(prompts)} rows of {max(widths)} columns and must extend it by at least "
                              "one")
         for b, ids in enumerate(prompts):

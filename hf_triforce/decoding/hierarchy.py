@@ -28,6 +28,7 @@ from .levels import RETRIEVAL_STORAGE, Force1Level, Force2Level, NoDrafter
 from .lockstep import Lockstep
 from .policy import ROW_COST_SLOPE, ROW_COST_SLOPES, AdaptivePolicy, Plan
 from .resolved import ResolvedConfig
+from .sizing import sink_window_rows
 from .tiers import kv_bytes_per_token, lean_self_drafting, tier_forwards, tier_model, weight_bytes
 
 
@@ -68,7 +69,8 @@ class Hierarchy:
     ``clock``.
 
     ``full_cache``: the cache transformers' loop runs Force 3 on (batch size 1; no `Force3` then); else Force 3 is
-    built here for rows of up to ``max_lengths`` tokens (``paddings``: each row's left padding, a batch's)."""
+    built here for rows of up to ``max_lengths`` tokens (``paddings``: each row's left padding, a batch's).
+    ``max_lengths`` also sizes the model drafters' caches (`sizing.sink_window_rows`; None: sink + window)."""
 
     def __init__(self, model, config: ResolvedConfig, processors: list, do_sample: bool, sampler: Sampler,
                  clock: Clock, max_lengths: list[int] | None = None, paddings: list[torch.Tensor] | None = None,
@@ -108,8 +110,10 @@ class Hierarchy:
         if name not in self.drafters:
             config = self.config if name == self.config.draft_name else self.config.with_draft(name)
             force1 = lambda model: self.tier_model(model, 1)  # noqa: E731
+            # every row's the same size (a batch's drafter caches share storage): the longest row's
+            rows_held = sink_window_rows(config, max(self.max_lengths) if self.max_lengths else None)
             rows = [build_drafter(DraftContext(self.model, config, processors, self.do_sample, self.sampler,
-                                               self.full(r), self.clock, force1))
+                                               self.full(r), self.clock, force1, rows_held))
                     for r, processors in enumerate(self.processors)]
             if self.batch > 1 and all(isinstance(drafter, ModelDrafter) for drafter in rows):
                 self.lockstep.share([drafter.cache for drafter in rows], f"draft:{name}")

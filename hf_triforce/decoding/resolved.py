@@ -57,6 +57,7 @@ def resolve(config: TriForceConfig | ResolvedConfig, target, driver: str = "trif
         return config
     if driver not in LOOPS:
         raise ValueError(f"driver must be one of {LOOPS}, got {driver!r}")
+    config.validate()  # a field set after construction is checked here, before anything reads it
     concrete, not_lean = resolve_draft_precision(config, target)
     concrete = resolve_retrieval_dtype(concrete, target)
     # transformers' loop asks for at most gamma2 candidates a step (no adaptive policy lengthens a lookup's chain)

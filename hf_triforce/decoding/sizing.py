@@ -1,5 +1,6 @@
 """Sizes derived from a `TriForceConfig`, once per call by `resolved.resolve`: how many rows a verification
-scores, how many tokens a lookup chain may hold, how many recent tokens the retrieval cache keeps. Functions of the
+scores, how many tokens a lookup chain may hold, how many recent tokens the retrieval cache keeps, how many entries
+Force 1's sink+window cache is allocated for. Functions of the
 configuration, not fields of it: a user sets ``gamma1``, ``gamma2``, the tree sizes and the retrieval fields; these
 follow."""
 
@@ -44,3 +45,16 @@ def round_rows(config: TriForceConfig) -> int:
     """Tail room a step's Force-2 rounds need in the retrieval cache: Force 1's most proposals (`proposal_rows`),
     Force 2's chain of up to ``gamma2`` tokens, and two rows more."""
     return proposal_rows(config) + config.gamma2 + 2
+
+
+def sink_window_rows(config: TriForceConfig, max_length: int | None) -> int:
+    """Entries Force 1's sink+window cache is allocated for in a call whose sequence reaches ``max_length`` positions
+    (None: unknown): ``sink_tokens + window``, or fewer where the call never fills them -- ``max_length`` plus the
+    most entries a step feeds a drafter past the committed tokens (a Force-2 round's tail, `round_rows`, and a
+    proposal of up to `force3_rows` for Force 3, its bonus token and one more). The cache evicts at
+    ``sink_tokens + window`` either way (`caches.sink_window.SinkWindowCache`), so a call that stays below it keeps
+    every entry in both sizes."""
+    limit = config.sink_tokens + config.window
+    if max_length is None:
+        return limit
+    return min(limit, max_length + force3_rows(config) + 2 + round_rows(config))

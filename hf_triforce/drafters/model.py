@@ -33,7 +33,7 @@ class ModelDrafter:
 
     def __init__(self, model, sink_tokens: int, window: int, processors, do_sample: bool, sampler: Sampler,
                  sampled_siblings: bool = False, source: BufferCache | None = None, positions: str = "slots",
-                 fill_model=None, clock: Clock | None = None):
+                 fill_model=None, clock: Clock | None = None, cache_rows: int | None = None):
         """``sampled_siblings``: when sampling, a tree's alternatives are the draft's top-ranked tokens (False,
         the default: they accepted more, docs/results.md) or drawn without replacement (True); see
         `propose_tree`. ``source``: the target's full cache, when ``model`` drafts for itself (the target or a
@@ -42,13 +42,14 @@ class ModelDrafter:
         (`SinkWindowCache`): ``"slots"`` (in-cache) or ``"absolute"`` (the tokens' own). ``fill_model``: the
         model whose forward fills the cache where it is not copied (default ``model``): a draft model's own weights
         when ``model`` is its lean copy, whose int4 CPU kernels are built for a few rows (the note above the class).
-        ``clock``: the call's, timing its forwards (`forwards.forward`; default the host's)."""
+        ``clock``: the call's, timing its forwards (`forwards.forward`; default the host's). ``cache_rows``: the
+        entries its cache is allocated for (default ``sink_tokens + window``; `SinkWindowCache`'s ``capacity``)."""
         self.model = model
         self.fill_model = model if fill_model is None else fill_model
         layers = num_layers(model.config)
         # at absolute positions no key is ever moved: the probe forward of `make_layer_rerotations` is not paid
         rerotations = make_layer_rerotations(model) if positions == "slots" else [None] * layers
-        self.cache = SinkWindowCache(layers, sink_tokens, window, rerotations, positions)
+        self.cache = SinkWindowCache(layers, sink_tokens, window, rerotations, positions, cache_rows)
         self.cache.expect_devices(layer_devices(model))
         refusal = copy_refusal(source) if source is not None else "drafting with another model than the target"
         self.source = source if refusal is None else None
@@ -196,7 +197,7 @@ def _build(context: DraftContext, model) -> ModelDrafter:
     fill = model if isinstance(drafting, LeanModel) else None
     return ModelDrafter(drafting, config.sink_tokens, config.window, context.processors, context.do_sample,
                         context.sampler, source=source, positions=draft_positions(config, context.target, model),
-                        fill_model=fill, clock=context.clock)
+                        fill_model=fill, clock=context.clock, cache_rows=context.cache_rows)
 
 
 register_drafter("self", lambda context: _build(context, context.target), "model",

@@ -58,7 +58,8 @@ class DraftContext:
     target's full cache (its row of it, in a batch; None where there is none): a drafter running the target's own
     weights may copy entries from it; the call's clock, which times a drafter's forwards (`forwards.forward`); and
     ``force1_model``, the model Force 1 runs for a drafting model (its lean or int8 copy for the configured
-    ``draft_precision``: the hierarchy hands `decoding.tiers.tier_model`'s; default: the model as given)."""
+    ``draft_precision``: the hierarchy hands `decoding.tiers.tier_model`'s; default: the model as given); and
+    ``cache_rows``, the entries a model drafter's cache is allocated for (what the call can reach)."""
 
     target: Any
     config: Any  # TriForceConfig
@@ -68,6 +69,9 @@ class DraftContext:
     full_cache: Any = None  # BufferCache
     clock: Clock = field(default_factory=HostClock)
     force1_model: Callable[[Any], Any] = field(default=lambda model: model)
+    # entries a model drafter's sink+window cache is allocated for (`decoding.sizing.sink_window_rows`; None:
+    # sink_tokens + window)
+    cache_rows: int | None = None
 
 
 @dataclass(frozen=True)
@@ -107,7 +111,12 @@ def drafter_names() -> tuple[str, ...]:
 
 
 def spec_of(draft: Any) -> DrafterSpec:
-    return DRAFTERS[draft if isinstance(draft, str) else MODEL_DRAFTER]
+    """The registered drafter ``draft`` names (a model object: the ``model`` drafter); ValueError naming ``draft``
+    and the names it may take for any other string."""
+    name = draft if isinstance(draft, str) else MODEL_DRAFTER
+    if name not in DRAFTERS:
+        raise ValueError(f"TriForceConfig.draft must be one of {drafter_names()} or a PreTrainedModel, got {draft!r}")
+    return DRAFTERS[name]
 
 
 def build_drafter(context: DraftContext) -> Drafter:

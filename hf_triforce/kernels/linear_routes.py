@@ -19,10 +19,12 @@ forward on an AVX2 EPYC: ``F.linear`` 92-110 ms for one row, 152-160 for two, we
 `LinearRoutes` times the routes for each layer group (``"head"``: the output layer; ``"decoder"``: every other eligible
 layer) at 1, 2, 4 and 8 rows (`CALIBRATED_ROWS`; a call of ``n`` rows takes the route of the largest of them not above
 ``n``), on a working set of the group's own weights larger than a last-level cache, before the call decodes (so that no
-timed forward of the adaptive policy includes it), and keeps them for the model's later calls; calls of more than
-`MAX_ROUTED_ROWS` rows, the prefill's chunks, keep ``F.linear``, and so do calls under CPU autocast or of rows in
-another dtype than the weight (`bypass`: ``F.linear`` casts or raises as the model's own forward does; counted in
-`LinearRoutes.bypassed`, `TriForceStats.linear_bypassed`). The timings take ~1 s once per model and process
+timed forward of the adaptive policy includes it), and keeps them for the model's later calls, each group's under what
+it was timed on (`timed_on`: each layer's weight storage, dtype and shape, and whether GGUF blocks are attached),
+timed again at a call that finds the group otherwise (``model.double()``, `detach_gguf`, replaced weights); calls of
+more than `MAX_ROUTED_ROWS` rows, the prefill's chunks, keep ``F.linear``, and so do calls under CPU autocast or of
+rows in another dtype than the weight (`bypass`: ``F.linear`` casts or raises as the model's own forward does; counted
+in `LinearRoutes.bypassed`, `TriForceStats.linear_bypassed`). The timings take ~1 s once per model and process
 (`TriForceStats.linear_calibration_seconds`).
 
 Exactness: each row's outputs are its own dot products under every route (the columns of ``W @ x.T`` never mix; the
@@ -86,6 +88,13 @@ def bypass(hidden: torch.Tensor, weight: torch.Tensor) -> str | None:
     return None
 
 
+def timed_on(layers: list[nn.Linear]) -> tuple:
+    """What the routes of ``layers`` were chosen for: each layer's weight storage, dtype and shape, and whether GGUF
+    blocks are attached to it (the routes `routes_for` offers, and the products timed, follow from these)."""
+    return tuple((id(layer), layer.weight.data_ptr(), layer.weight.dtype, tuple(layer.weight.shape),
+                  gguf_weights.matrix_of(layer.weight) is not None) for layer in layers)
+
+
 def routes_for(layers: list[nn.Linear]) -> tuple[str, ...]:
     """The routes ``layers`` can take: ``"stream"`` only where the kernel takes every one of their weights, ``"gguf"``
     only where every one has GGUF blocks attached (`gguf_weights.matrix_of`) and that kernel is built."""
@@ -105,6 +114,7 @@ class LinearRoutes:
         self.model = weakref.ref(model)  # kept in `_ROUTES` under the model: no strong reference back to it
         self.groups: dict[str, list[nn.Linear]] = {}  # the eligible layers by group, found on each `installed`
         self.routes: dict[tuple[str, int], str] = {}
+        self.timed_on: dict[str, tuple] = {}  # group -> `timed_on` of the layers its routes in `routes` were timed on
         self.calibration_seconds = 0.0
         # calls a route other than "linear" was chosen for that took F.linear instead, by why (`bypass`)
         self.bypassed: dict[str, int] = {}
@@ -116,6 +126,15 @@ class LinearRoutes:
         layers = [module for module in model.modules() if isinstance(module, nn.Linear)]
         return {"head": [head] if head is not None and eligible(head) else [],
                 "decoder": [layer for layer in layers if layer is not head and eligible(layer)]}
+
+    def recheck(self) -> None:
+        """Drops the routes of every group whose layers differ from those its routes were timed on (`timed_on`), so
+        that `calibrate_all` times them again for the layers as they are."""
+        for group, layers in self.groups.items():
+            now = timed_on(layers)
+            if self.timed_on.get(group) != now:
+                self.routes = {key: route for key, route in self.routes.items() if key[0] != group}
+                self.timed_on[group] = now
 
     def route(self, group: str, rows: int) -> str:
         """The route for ``rows`` rows through ``group``: that of the largest `CALIBRATED_ROWS` count not above
@@ -189,7 +208,8 @@ class LinearRoutes:
     @contextmanager
     def installed(self) -> Iterator[LinearRoutes]:
         """For the duration of the block, every layer of the groups multiplies by its group's route (the blocks
-        attached to their weights checked first: `gguf_weights.verify`; every route timed then: `calibrate_all`). A
+        attached to their weights checked first: `gguf_weights.verify`; the kept routes of a group whose layers
+        changed dropped: `recheck`; every route not kept timed then: `calibrate_all`). A
         group whose every calibrated count chose ``"linear"`` is left as it is: its forward is already that route, and
         a wrapper would only add a Python call per layer per forward (8% of a tiny model's decode in the enumeration
         tests)."""
@@ -197,6 +217,7 @@ class LinearRoutes:
         self.groups = self.find_groups()  # layers an enclosing block switched are not eligible: left alone
         try:
             gguf_weights.verify(layer.weight for layers in self.groups.values() for layer in layers)
+            self.recheck()
             self.calibrate_all()
             for group, layers in self.groups.items():
                 if all(self.routes.get((group, rows)) == "linear" for rows in CALIBRATED_ROWS):

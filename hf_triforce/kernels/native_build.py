@@ -8,10 +8,13 @@ forced target the CPU cannot run is refused with the features it lacks (`unsuppo
 x86-64-v4, AVX2 -> x86-64-v3), so the cache key always names the instructions the build may use.
 
 Each kernel is kept under ``$HF_TRIFORCE_CACHE/kernels`` (default ``~/.cache/hf_triforce/kernels``) as
-``<name>-<key>.so``, the key a digest of its sources, flags and the CPU's features, beside ``<name>-<key>.json``: the
-library's size and SHA-256, and the compiler that built it. A kept library is loaded only where its size and digest
-match its record (a truncated or damaged file is rebuilt, or refused with the reason where no compiler is there), and
-no compiler is needed to load it (a cache prepared in an image and used where there is none). The compiler runs
+``<name>-<key>-<compiler key>.so``, the key a digest of its sources, flags and the CPU's features, the compiler key one
+of the compiler (`compiler_identity`: its path and its ``--version`` output; another ``$CC`` or an upgraded compiler
+builds its own), beside a ``.json`` record of the same name: the library's size and SHA-256, and the compiler that
+built it. A kept library is loaded only where its size and digest match its record (a truncated or damaged file is
+rebuilt, or refused with the reason where no compiler is there), and no compiler is needed to load it: where none is
+found, a kept library of the same key built by any compiler is loaded (a cache prepared in an image and used where
+there is none). The compiler runs
 under `COMPILE_TIMEOUT_S`, with a progress line after a second; callers build at a call's set-up (`prepare`), not
 inside a timed step.
 
@@ -141,11 +144,24 @@ def compiler() -> str | None:
     return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
 
 
+def compiler_identity(cc: str) -> str:
+    """What compiler ``cc`` contributes to the cache key: its path (resolved on PATH) and its ``--version`` output
+    (OSError where it cannot be run, subprocess.TimeoutExpired past `COMPILE_TIMEOUT_S`)."""
+    version = _run_compiler([cc, "--version"], f"{cc} --version")
+    return "\0".join((shutil.which(cc) or cc, version.stdout.strip(), version.stderr.strip()))
+
+
 def kept_path(name: str, sources: tuple[Path, ...]) -> Path:
-    """Where ``name``'s library built from ``sources`` for this CPU and target is kept (whether or not it is there)."""
+    """Where ``name``'s library built from ``sources`` for this CPU and target by this compiler (`compiler`) is kept
+    (whether or not it is there). With no compiler: the kept library of the same sources, flags and CPU that another
+    compiler built (an intact one first, then the newest; `damage`), or where there is none a path that is absent."""
     parts = (*(path.read_text() for path in sources), *compile_flags(), *LIBRARIES, cpu_signature())
     key = hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
-    return cache_dir() / f"{name}-{key}.so"
+    cc = compiler()
+    if cc is not None:
+        return cache_dir() / f"{name}-{key}-{hashlib.sha256(compiler_identity(cc).encode()).hexdigest()[:12]}.so"
+    kept = sorted(cache_dir().glob(f"{name}-{key}-*.so"), key=lambda path: (damage(path) is None, path.stat().st_mtime))
+    return kept[-1] if kept else cache_dir() / f"{name}-{key}-nocompiler.so"
 
 
 def _digest(path: Path) -> str:
