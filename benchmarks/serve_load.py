@@ -1,19 +1,22 @@
-"""Time to first token and decode tokens/s per request of `hf-triforce serve` (one replica), with TriForce and with
-plain static-cache decoding (the same server, ``--triforce-config off``), under three loads:
+"""`hf-triforce serve` (one replica) under concurrent clients: aggregate decode throughput, time to first token and
+requests lost, for four settings side by side, each its own server process on the same machine:
 
-- ``distinct``: ``--clients`` concurrent clients, each asking about a document of its own (every prompt prefilled);
-- ``shared``: ``--clients`` concurrent clients asking different questions about ``--shared-documents`` documents
-  (the first question on a document prefills it, the others reuse its prefix from the server's store);
-- ``second``: one client, a question about a new document, then another question about it: the second's time to
-  first token over the first's (the prefix store's gain).
+- ``plain-alone``: plain static-cache decoding (``--triforce-config off``), one request at a time
+  (``--max-batch-size 1``);
+- ``plain-batched``: plain decoding, concurrent requests as one batch (plain batched ``generate``);
+- ``triforce-alone``: ``TriForceConfig()``, one request at a time;
+- ``triforce-batched``: ``TriForceConfig()``, concurrent requests as one ragged TriForce batch.
 
-Each mode starts its own server (``python -m hf_triforce serve MODEL --replicas 1``) from this checkout on a local Ray
-cluster, and stops it. Times to first token are the client's (queueing behind other requests included); decode
-tokens/s per request are the server's (``usage.triforce.decode_tokens_per_second``: tokens after the first over the
-seconds from the first to the last) and the client's.
+Each setting runs two phases of ``--clients`` concurrent clients, each with a held-out document of its own
+(``--text``, ``--context`` tokens): ``first``, a first question on each document (its prefill included), then
+``second``, another question on each (the documents' prefixes in the prefix store). Per phase: the aggregate decode
+tokens/s (every completion token after each request's first, over the seconds from the phase's first first token to
+its last token), the clients' time to first token p50/p95 (queueing included), the requests lost (an error or no
+answer). Greedy (temperature 0) by default, or ``--temperature 0.6 --top-p 0.9``; greedy answers are compared
+between the settings, request by request.
 
-    python benchmarks/serve_load.py                                  # SmolLM2-135M, 8k documents, 8 clients
-    python benchmarks/serve_load.py --context 512 --new-tokens 8 --clients 2   # a quick check that it runs
+    python benchmarks/serve_load.py                                              # 8 clients, 8k Wikipedia documents
+    python benchmarks/serve_load.py --context 512 --new-tokens 8 --clients 2     # a quick check that it runs
 """
 
 from __future__ import annotations
@@ -22,7 +25,6 @@ import argparse
 import json
 import socket
 import statistics
-import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -31,150 +33,155 @@ from pathlib import Path
 from hf_triforce.serving.process import start_server, stop_server
 
 ROOT = Path(__file__).resolve().parent.parent
+SETTINGS = {  # name: (--triforce-config, batched)
+    "plain-alone": ("off", False), "plain-batched": ("off", True),
+    "triforce-alone": ("{}", False), "triforce-batched": ("{}", True),
+}
 QUESTIONS = [
-    "Who are the main characters of the text above, and what does each want?",
-    "Summarize the text above in five sentences.",
-    "Which scene of the text above is the most violent, and why does it happen?",
-    "What does the text above say about loyalty?",
-    "Quote the most famous line of the text above and explain it.",
-    "How does the text above end?",
-    "Which character of the text above changes the most?",
-    "What is the setting of the text above?",
+    "Summarize the text above in three sentences.",
+    "Which people, places or organizations does the text above name, and what does it say about each?",
 ]
 
 
-def documents(tokenizer, count: int, tokens: int) -> list[str]:
-    """``count`` different stretches of Shakespeare's tragedies of about ``tokens`` tokens each."""
-    from hf_triforce.assets import tragedies
-
-    ids = tokenizer(tragedies(), add_special_tokens=False).input_ids
+def documents(text: str, tokenizer, count: int, tokens: int) -> list[str]:
+    """``count`` consecutive stretches of ``text`` of about ``tokens`` tokens each."""
+    ids = tokenizer(text, add_special_tokens=False).input_ids
     if len(ids) < count * tokens:
         raise SystemExit(f"serve_load: the text has {len(ids)} tokens, fewer than {count} x {tokens}")
     return [tokenizer.decode(ids[k * tokens : (k + 1) * tokens]) for k in range(count)]
 
 
-def start(args, triforce: str, port: int, log: Path) -> subprocess.Popen:
-    command = [args.model, "--replicas", "1", "--triforce-config", triforce]
-    if args.threads:
-        command += ["--threads", str(args.threads)]
-    try:
-        return start_server(command, port, log, args.start_timeout, cwd=ROOT)
-    except RuntimeError as error:
-        raise SystemExit(f"serve_load: {error}") from error
-
-
-def stop(process: subprocess.Popen) -> None:
-    stop_server(process, timeout=120)
-
-
-def ask(client, model: str, document: str, question: str, new_tokens: int) -> dict:
-    """One streamed greedy chat request: the client's timings and the server's figures."""
+def ask(client, args, document: str, question: str) -> dict:
+    """One streamed chat request: the client's clock (send, first and last token) and the server's figures; an error
+    is kept, not raised (a lost request)."""
     sent = time.perf_counter()
     first = last = None
-    figures, completion_tokens, text = {}, 0, ""
-    stream = client.chat.completions.create(
-        model=model, messages=[{"role": "user", "content": f"{document}\n\n{question}"}], max_tokens=new_tokens,
-        temperature=0, stream=True, stream_options={"include_usage": True})
-    for chunk in stream:
-        if chunk.usage is not None:
-            figures, completion_tokens = chunk.usage.model_extra["triforce"], chunk.usage.completion_tokens
-            prompt_tokens, cached = chunk.usage.prompt_tokens, chunk.usage.prompt_tokens_details.cached_tokens
-        elif chunk.choices and chunk.choices[0].delta.content:
-            text += chunk.choices[0].delta.content
-            now = time.perf_counter()
-            first = first or now
-            last = now
-    client_rate = (completion_tokens - 1) / (last - first) if first and last and last > first else None
-    return {"ttft_s": (first or last or sent) - sent, "decode_tok_s_server": figures.get("decode_tokens_per_second"),
-            "decode_tok_s_client": client_rate, "completion_tokens": completion_tokens,
-            "prompt_tokens": prompt_tokens, "cached_tokens": cached,
-            "force3_acceptance": figures.get("force3_acceptance"), "plan_steps": figures.get("plan_steps"),
-            "text": text}
+    text, usage = "", None
+    try:
+        stream = client.chat.completions.create(
+            model=args.model, messages=[{"role": "user", "content": f"{document}\n\n{question}"}],
+            max_tokens=args.new_tokens, temperature=args.temperature, top_p=args.top_p, stream=True,
+            stream_options={"include_usage": True})
+        for chunk in stream:
+            if chunk.usage is not None:
+                usage = chunk.usage
+            elif chunk.choices and chunk.choices[0].delta.content:
+                text += chunk.choices[0].delta.content
+                last = time.perf_counter()
+                first = first or last
+    except Exception as error:  # the bench counts it as lost and goes on
+        return {"error": f"{type(error).__name__}: {error}", "sent": sent}
+    if usage is None:
+        return {"error": "no usage chunk", "sent": sent}
+    figures = usage.model_extra["triforce"]
+    return {"sent": sent, "first": first, "last": last, "text": text, "completion_tokens": usage.completion_tokens,
+            "cached_tokens": usage.prompt_tokens_details.cached_tokens, "batch_rows": (figures.get("batch") or {}).get(
+                "rows", 1), "queue_s": figures.get("queue_seconds"), "server_prefill_s": figures.get(
+                "server_prefill_seconds")}
 
 
-def run_mode(args, mode: str, docs: list[str], shared: list[str], seconds: list[str]) -> dict:
-    import openai
+def phase(client, args, requests: list[tuple[str, str]], label: str) -> list[dict]:
     from tqdm import tqdm
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    process = start(args, "{}" if mode == "triforce" else "off", port, args.out.with_suffix(f".{mode}.log"))
-    results = {}
-    try:
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0,
-                               timeout=args.request_timeout)
-        ask(client, args.model, "Hello.", "Say hello.", 4)  # the first call's setup (kernels, routes)
-        loads = {
-            "distinct": [(docs[i], QUESTIONS[i % len(QUESTIONS)]) for i in range(args.clients)],
-            "shared": [(shared[i % len(shared)], QUESTIONS[i % len(QUESTIONS)]) for i in range(args.clients)],
-        }
-        for load, requests in loads.items():
-            with ThreadPoolExecutor(args.clients) as pool, tqdm(total=len(requests), desc=f"{mode} {load}") as bar:
-                futures = [pool.submit(ask, client, args.model, d, q, args.new_tokens) for d, q in requests]
-                results[load] = []
-                for future in futures:
-                    results[load].append(future.result())
-                    bar.update()
-        first = ask(client, args.model, seconds[0], QUESTIONS[0], args.new_tokens)
-        second = ask(client, args.model, seconds[0], QUESTIONS[1], args.new_tokens)
-        results["second"] = [first, second]
-    finally:
-        stop(process)
+    with ThreadPoolExecutor(len(requests)) as pool, tqdm(total=len(requests), desc=label) as bar:
+        futures = [pool.submit(ask, client, args, document, question) for document, question in requests]
+        results = []
+        for future in futures:
+            results.append(future.result())
+            bar.update()
     return results
 
 
-def _median(values) -> float | None:
-    values = [v for v in values if v is not None]
-    return statistics.median(values) if values else None
+def run_setting(args, name: str, docs: list[str]) -> dict:
+    import openai
+
+    triforce, batched = SETTINGS[name]
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    command = [args.model, "--replicas", "1", "--triforce-config", triforce, "--max-batch-size",
+               str(args.max_batch_size if batched else 1), "--prefix-store-bytes", str(args.store_bytes)]
+    if args.threads:
+        command += ["--threads", str(args.threads)]
+    log = args.out.with_suffix(f".{name}.log")
+    try:
+        process = start_server(command, port, log, args.start_timeout, cwd=ROOT)
+    except RuntimeError as error:
+        raise SystemExit(f"serve_load: {error}") from error
+    try:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0,
+                               timeout=args.request_timeout)
+        ask(client, args, "Hello.", "Say hello.")  # the first call's set-up (kernels, routes)
+        return {label: phase(client, args, [(doc, question) for doc in docs], f"{name} {label}")
+                for label, question in zip(("first", "second"), QUESTIONS)}
+    finally:
+        stop_server(process, timeout=120)
+
+
+def summary(rows: list[dict]) -> dict:
+    answered = [row for row in rows if "error" not in row and row["first"] is not None]
+    if not answered:
+        return {"requests": len(rows), "lost": len(rows)}
+    ttft = sorted(row["first"] - row["sent"] for row in answered)
+    decoded = sum(row["completion_tokens"] - 1 for row in answered)
+    span = max(row["last"] for row in answered) - min(row["first"] for row in answered)
+    return {"requests": len(rows), "lost": len(rows) - len(answered),
+            "decode_tok_s": decoded / span if span > 0 else None,
+            "ttft_p50_s": statistics.median(ttft), "ttft_p95_s": ttft[round(0.95 * (len(ttft) - 1))],
+            "max_batch_rows": max(row["batch_rows"] for row in answered),
+            "median_cached_tokens": statistics.median(row["cached_tokens"] for row in answered)}
 
 
 def table(results: dict) -> str:
-    lines = ["| load | mode | requests | median TTFT s | max TTFT s | median decode tok/s (server) | "
-             "median decode tok/s (client) | median cached tokens |", "|---|---|---|---|---|---|---|---|"]
-    for load in ("distinct", "shared", "second"):
-        for mode, runs in results.items():
-            rows = runs[load]
-            lines.append(f"| {load} | {mode} | {len(rows)} | {_median(r['ttft_s'] for r in rows):.2f} | "
-                         f"{max(r['ttft_s'] for r in rows):.2f} | "
-                         f"{_median(r['decode_tok_s_server'] for r in rows) or 0:.2f} | "
-                         f"{_median(r['decode_tok_s_client'] for r in rows) or 0:.2f} | "
-                         f"{_median(r['cached_tokens'] for r in rows):.0f} |")
-    if len(results) == 2:  # greedy: TriForce's answers must be plain decoding's, request by request
-        (_, one), (_, other) = results.items()
-        same = all(a["text"] == b["text"] for load in one for a, b in zip(one[load], other[load]))
-        lines.append(f"\ngreedy answers identical with and without TriForce: {'yes' if same else 'NO'}")
-    for mode, runs in results.items():
-        first, second = runs["second"]
-        lines.append(f"\n{mode}: second question on one document: TTFT {second['ttft_s']:.2f} s against the first's "
-                     f"{first['ttft_s']:.2f} s ({100 * second['ttft_s'] / first['ttft_s']:.1f}%)")
+    lines = ["| phase | setting | requests | lost | aggregate decode tok/s | TTFT p50 s | TTFT p95 s | largest batch | "
+             "median cached tokens |", "|---|---|---|---|---|---|---|---|---|"]
+    for label in ("first", "second"):
+        for name, runs in results.items():
+            s = summary(runs[label])
+            if "decode_tok_s" not in s:
+                lines.append(f"| {label} | {name} | {s['requests']} | {s['lost']} | - | - | - | - | - |")
+                continue
+            lines.append(f"| {label} | {name} | {s['requests']} | {s['lost']} | {s['decode_tok_s'] or 0:.1f} | "
+                         f"{s['ttft_p50_s']:.2f} | {s['ttft_p95_s']:.2f} | {s['max_batch_rows']} | "
+                         f"{s['median_cached_tokens']:.0f} |")
+    names = list(results)
+    for other in names[1:]:
+        same = [a.get("text") == b.get("text") for label in ("first", "second")
+                for a, b in zip(results[names[0]][label], results[other][label])]
+        lines.append(f"answers of {other} identical to {names[0]}'s: {sum(same)} of {len(same)}")
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2-135m", help="a bundled model name or a model folder")
+    parser.add_argument("--text", default="wikipedia", help="the documents' text (hf_triforce.assets.TEXTS)")
     parser.add_argument("--context", type=int, default=8000, help="document tokens (default 8000)")
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--clients", type=int, default=8)
-    parser.add_argument("--shared-documents", type=int, default=2)
-    parser.add_argument("--modes", nargs="+", choices=["triforce", "plain"], default=["triforce", "plain"])
+    parser.add_argument("--max-batch-size", type=int, default=8, help="the batched settings' --max-batch-size")
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--settings", nargs="+", choices=list(SETTINGS), default=list(SETTINGS))
+    parser.add_argument("--store-bytes", type=int, default=8 << 30, help="the prefix store's budget")
     parser.add_argument("--threads", type=int, default=None, help="torch threads of the replica (default all cores)")
     parser.add_argument("--start-timeout", type=float, default=600)
     parser.add_argument("--request-timeout", type=float, default=7200)
     parser.add_argument("--out", type=Path, default=Path("serve-load.json"))
     args = parser.parse_args(argv)
-    from hf_triforce.assets import load_model
+    from hf_triforce.assets import TEXTS, load_model
 
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    if args.text not in TEXTS:
+        raise SystemExit(f"serve_load: --text must be one of {sorted(TEXTS)}, got {args.text!r}")
     _, tokenizer = load_model(args.model)  # also puts a bundled model's checkpoint on disk before the servers start
-    # per mode: its own distinct documents, shared documents and second-question document (no store hit across
-    # loads); the same texts for both modes
-    count = args.clients + args.shared_documents + 1
-    texts = documents(tokenizer, count, args.context)
-    docs, shared, seconds = texts[: args.clients], texts[args.clients : -1], texts[-1:]
-    results = {mode: run_mode(args, mode, docs, shared, seconds) for mode in args.modes}
-    args.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "results": results},
-                                   indent=1))
+    docs = documents(TEXTS[args.text](), tokenizer, args.clients, args.context)
+    results = {}
+    for name in args.settings:
+        results[name] = run_setting(args, name, docs)
+        args.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "results": results,
+                                        "summary": {n: {label: summary(r[label]) for label in r}
+                                                    for n, r in results.items()}}, indent=1))
     print(table(results))
     print(f"wrote {args.out}")
     return 0
