@@ -30,7 +30,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from hf_triforce.serving.process import start_server, stop_server
+from hf_triforce_bench.server_process import start_server, stop_server
 
 ROOT = Path(__file__).resolve().parent.parent
 SETTINGS = {  # name: (--triforce-config, batched)

@@ -7,7 +7,7 @@ import socket
 import subprocess
 from pathlib import Path
 
-from hf_triforce.serving import process
+from hf_triforce_bench import server_process as process
 
 from .conftest import make_model
 from .tokenizer_util import word_tokenizer

@@ -4,6 +4,7 @@ evicts entries least recently used first, the longest shared prefix wins; and th
 checked before anything starts."""
 
 import gc
+import os
 import weakref
 
 import pytest
@@ -263,3 +264,42 @@ def test_transformers_serve_request_handling_contract():
     assert (kwargs["max_new_tokens"], kwargs["stop_strings"], kwargs["seed"], kwargs["do_sample"]) == (7, ["t9"], 3,
                                                                                                       False)
     assert serve.generation_kwargs("text", {"prompt": "t5", "max_tokens": 2}, GenerationConfig())["max_new_tokens"] == 2
+
+
+def test_server_settings_from_serve_run_arguments():
+    """``build_app``'s arguments (``serve run ... model=x max_batch_size=4``): strings parsed into the fields, an
+    unknown field or a bad value named."""
+    from hf_triforce.serving.deployment import settings_from_args
+
+    settings = settings_from_args({"model": "smollm2-135m", "max_batch_size": "4", "threads": "none"})
+    assert (settings.model, settings.max_batch_size, settings.threads) == ("smollm2-135m", 4, None)
+    assert settings.niceness == os.getpriority(os.PRIO_PROCESS, 0)
+    for args, named in [({"model": "m", "colour": "red"}, "colour"), ({}, "model"),
+                        ({"model": "m", "max_batch_size": "many"}, "max_batch_size"),
+                        ({"model": "m", "max_batch_size": "0"}, "max-batch-size"),
+                        ({"model": "m", "triforce": "{bad"}, "triforce-config")]:
+        with pytest.raises(ValueError, match=named):
+            settings_from_args(args)
+
+
+def test_streamed_pieces_are_the_decoded_text_held_back_inside_a_character():
+    """`Detokenizer`: a byte-level tokenizer splits characters over tokens; the pieces never carry half a character
+    and join to the text the whole answer decodes to."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from hf_triforce.serving.deployment import Detokenizer
+
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    text = "Ophélie, née à Elseneur ✓ 你好 — fin."
+    backend.train_from_iterator([text.replace("你好", "")], trainers.BpeTrainer(
+        vocab_size=280, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend)
+    tokens = tokenizer(text).input_ids
+    assert len(tokens) > len(text.split())  # characters split over byte tokens
+    detokenizer = Detokenizer(tokenizer)
+    pieces = [detokenizer.add(token) for token in tokens]
+    assert "".join(pieces) == tokenizer.decode(tokens) == text
+    assert not any("\ufffd" in piece for piece in pieces) and "" in pieces  # held back, never half a character

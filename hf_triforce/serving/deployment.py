@@ -252,26 +252,35 @@ class TriForceServer:
             parsed.job.cancelled.set()
 
 
-def build_app(args: dict) -> serve.Application:
-    """The application, for ``serve run hf_triforce.serving.deployment:build_app model=smollm2-135m`` and Ray
-    Serve config files (``import_path: hf_triforce.serving.deployment:build_app``, ``args: {model: ...}``): ``args``
-    are `ServerSettings` fields (values as strings on the command line); ``niceness`` defaults to the building
-    process's own (the ``serve run`` command's)."""
+def settings_from_args(args: dict) -> ServerSettings:
+    """`ServerSettings` from ``args`` (field name to value; values may be strings, as ``serve run`` passes them:
+    integers parsed, ``"none"`` None); ``niceness`` defaults to this process's own. Raises ValueError naming an
+    unknown field or a value of the wrong kind."""
     known = {f.name: f for f in fields(ServerSettings)}
     unknown = sorted(set(args) - set(known))
-    if unknown or "model" not in args:
-        raise ValueError(f"build_app: arguments are ServerSettings fields {sorted(known)}, 'model' among them; "
-                         f"got unknown {unknown}" if unknown else "build_app: the argument 'model' is required")
+    if unknown:
+        raise ValueError(f"unknown argument(s) {unknown}; the arguments are ServerSettings fields {sorted(known)}")
+    if "model" not in args:
+        raise ValueError("the argument 'model' is required (a bundled model name or a model folder)")
     values = {}
     for name, value in args.items():
-        kind = known[name].type
-        if isinstance(value, str) and ("int" in str(kind)) and value.lower() != "none":
+        if isinstance(value, str) and value.lower() == "none":
+            value = None
+        elif isinstance(value, str) and "int" in str(known[name].type):
             try:
                 value = int(value)
             except ValueError as error:
-                raise ValueError(f"build_app: {name} must be an integer, got {value!r}") from error
-        values[name] = None if isinstance(value, str) and value.lower() == "none" else value
+                raise ValueError(f"{name} must be an integer, got {value!r}") from error
+        values[name] = value
     values.setdefault("niceness", os.getpriority(os.PRIO_PROCESS, 0))
     settings = ServerSettings(**values)
     triforce_setting(settings.triforce)
-    return TriForceServer.bind(settings)
+    return settings
+
+
+def build_app(args: dict) -> serve.Application:
+    """The application, for ``serve run hf_triforce.serving.deployment:build_app model=smollm2-135m`` and Ray
+    Serve config files (``import_path: hf_triforce.serving.deployment:build_app``, ``args: {model: ...}``): ``args``
+    are `ServerSettings` fields (`settings_from_args`); the replicas run at the niceness of the process building
+    the application (the ``serve run`` command's)."""
+    return TriForceServer.bind(settings_from_args(args))
