@@ -458,3 +458,12 @@ class ServeRequestHandling:
         """``generate`` arguments of the request over ``generation_config`` (``max_new_tokens``, ``do_sample``,
         ``temperature``, ``top_p``, ``top_k``, ``eos_token_id``, ``seed``, ``stop_strings``, penalties)."""
         return self.handlers[endpoint]._build_generation_kwargs(body, generation_config)
+
+
+def rust_tokenizer(tokenizer):
+    """The ``tokenizers.Tokenizer`` behind a fast tokenizer (``PreTrainedTokenizerFast._tokenizer``, what
+    `transformers serve`'s ``Detokenizer`` streams with); ValueError for a tokenizer without one."""
+    backend = getattr(tokenizer, "_tokenizer", None)
+    if backend is None:
+        raise ValueError(f"streaming needs a fast (Rust) tokenizer; {type(tokenizer).__name__} is not one")
+    return backend

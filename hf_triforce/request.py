@@ -60,7 +60,8 @@ def check_request(model, input_ids: torch.Tensor, config: TriForceConfig, genera
     not handle, processors whose state would advance on rejected tokens, a drafting precision a drafting model cannot
     take, a request beyond the model's positions, a draft model of another vocabulary; and any field of ``config``
     set after construction to a value it does not allow (`TriForceConfig.validate`). ``input_ids``: ``[batch, n]``."""
-    config.validate()
+    if isinstance(config, TriForceConfig):  # a resolved configuration was checked when it was resolved
+        config.validate()
     if getattr(model.config, "is_encoder_decoder", False) or not getattr(model.config, "is_causal", True):
         raise ValueError("triforce_config= needs a decoder-only causal LM; this model is encoder-decoder or non-causal")
     if generation_config.num_beams != 1:

@@ -7,6 +7,7 @@ import copy
 import inspect
 from pathlib import Path
 
+import pytest
 import torch
 import transformers
 from packaging.specifiers import SpecifierSet
@@ -382,3 +383,16 @@ def test_gguf_tensor_map_and_version_counter_contract():
     with torch.no_grad():
         weight.mul_(1.0)
     assert compat.version_counter(weight) == before + 1
+
+
+def test_the_rust_tokenizer_behind_a_fast_one():
+    """`compat.rust_tokenizer`: what the server's detokenizer steps (``PreTrainedTokenizerFast._tokenizer``)."""
+    import tokenizers
+
+    from hf_triforce.compat import rust_tokenizer
+
+    from .tokenizer_util import word_tokenizer
+
+    assert isinstance(rust_tokenizer(word_tokenizer()), tokenizers.Tokenizer)
+    with pytest.raises(ValueError, match="fast"):
+        rust_tokenizer(object())

@@ -110,10 +110,9 @@ class Detokenizer:
     def __init__(self, tokenizer) -> None:
         from tokenizers.decoders import DecodeStream
 
-        backend = getattr(tokenizer, "_tokenizer", None)
-        if backend is None:
-            raise ValueError(f"streaming needs a fast (Rust) tokenizer; {type(tokenizer).__name__} is not one")
-        self.backend, self.stream = backend, DecodeStream(skip_special_tokens=True)
+        from ..compat import rust_tokenizer
+
+        self.backend, self.stream = rust_tokenizer(tokenizer), DecodeStream(skip_special_tokens=True)
 
     def add(self, token: int) -> str:
         return self.stream.step(self.backend, token) or ""
