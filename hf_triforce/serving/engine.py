@@ -200,7 +200,8 @@ class Engine:
         cache = padded_cache([cache for cache, _, _ in prefills], lengths, self.model.config)
         kwargs = {k: v for k, v in jobs[0].generate_kwargs.items() if k != "stop_strings"}
         kwargs["max_new_tokens"] = max(job.generate_kwargs["max_new_tokens"] for job in jobs)
-        eos = kwargs.get("eos_token_id", self.model.generation_config.eos_token_id)
+        eos = kwargs.get("eos_token_id")
+        eos = eos if eos is not None else self.model.generation_config.eos_token_id
         eos = frozenset([] if eos is None else [eos] if isinstance(eos, int) else eos)
         clocks: list[dict[str, float]] = [{} for _ in jobs]
         batch = {"rows": len(jobs), "started": time.time()}
