@@ -434,7 +434,7 @@ class AdaptivePolicy:
         them in one forward of that many rows + 1 and keeps the accepted ones (per-token ``rate``, geometric) and its
         own next token. A round's chain is shorter than ``gamma1`` near the end: priced at ``gamma1`` every round,
         three-level steps would be over-priced by 28-45% against the seconds measured (1.31-1.73 drafted tokens a
-        round at ``gamma1`` 2; docs/bench/calibration/calibration.md)."""
+        round at ``gamma1`` 2; docs/bench/calibration/calibration.json)."""
         seconds = [0.0] * (plan.gamma2 + 1)  # seconds[s]: expected seconds with s tokens still wanted
         for s in range(1, plan.gamma2 + 1):
             alone = self.costs.estimate("force2", 1, fallback) + seconds[s - 1]  # nothing drafted: Force 2's token
