@@ -64,6 +64,7 @@ def test_concurrent_requests_decode_as_one_batch_each_row_its_own(sharp_model, t
     finally:
         scheduler.close(timeout=300)
     assert all(answer.figures["batch"]["rows"] == 4 for answer in answers)  # one batch
+    assert all(set(answer.figures["batch"]) == {"rows", "started"} for answer in answers)  # not the batch's record
     if triforce is not None:
         assert engine.batches[-1]["stats"]["new_tokens"] == sum(len(answer.tokens) for answer in answers)
         alone = [sharp_model.generate(ids, max_new_tokens=40, do_sample=False,

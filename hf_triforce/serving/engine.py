@@ -204,7 +204,7 @@ class Engine:
         eos = eos if eos is not None else self.model.generation_config.eos_token_id
         eos = frozenset([] if eos is None else [eos] if isinstance(eos, int) else eos)
         clocks: list[dict[str, float]] = [{} for _ in jobs]
-        batch = {"rows": len(jobs), "started": time.time()}
+        row_batch = {"rows": len(jobs), "started": time.time()}  # what each row's figures say of its batch
 
         def row_rules(b: int, job: Job) -> RowRules:
             def on_token(token: int) -> None:
@@ -220,7 +220,7 @@ class Engine:
                     return
                 _, reused, seconds = prefills[b]
                 figures = self._figures(job, started, clocks[b], tokens, reused, seconds, None)
-                figures["batch"] = batch
+                figures["batch"] = dict(row_batch)  # its own copy: the batch's record grows after the row answers
                 on_answers[b](Answer(tokens, reason, figures))
 
             return RowRules(job.generate_kwargs["max_new_tokens"], eos, self._stop_criterion(job), job.cancelled,
@@ -229,6 +229,7 @@ class Engine:
         rules = [row_rules(b, job) for b, job in enumerate(jobs)]
         kwargs.update(attention_mask=mask, pad_token_id=pad, stopping_criteria=StoppingCriteriaList([RowStops(ids,
                       rules)]), return_dict_in_generate=True)
+        batch = dict(row_batch)
         triforce = jobs[0].triforce
         if triforce is not None:
             out = self.model.generate(ids, cache=cache, triforce_config=triforce, **kwargs)
