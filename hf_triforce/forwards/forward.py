@@ -43,6 +43,7 @@ from transformers import LogitsProcessorList
 from .. import compat
 from ..caches.ragged import RaggedBufferCache, ragged_causal_mask
 from ..kernels.attention import RECORDER_KWARG, QueryRecorder, recording
+from ..kernels.ragged_attention import rows_of
 from ..verification.scoring import process_positions
 
 
@@ -211,7 +212,7 @@ def ragged_forward(model, cache: RaggedBufferCache, rows: dict[int, torch.Tensor
     additive = compat.current_attention_implementation(model).removeprefix("triforce_") == "eager"
     mask = ragged_causal_mask(lengths, n, model.dtype, device, additive, counts)
     extra = {RECORDER_KWARG: recorder} if recorder is not None else {}
-    with cache.writing(counts), recording(recorder):
+    with cache.writing(counts), recording(recorder), rows_of(lengths, counts):
         out = model(input_ids=tokens, cache=cache, position_ids=positions, attention_mask=mask, use_cache=True,
                     logits_to_keep=n, **extra)
     return out.logits[:, -n:]

@@ -18,7 +18,8 @@ appended after all cached entries, so the mask of a multi-token call of a full-a
 entries, then causal among the new tokens" — bottom-right-aligned causal attention. Batches
 (`hf_triforce.decoding.force3.RaggedForce3`) break it — rows of different lengths under a per-row 4-D mask — so
 every path that skips the mask (`one_row_sdpa`, `split_kv_sdpa`, `cpu_attention.attend`, the fused routes) requires
-batch size 1, and a batch takes `gqa_sdpa` or the model's own attention.
+batch size 1, and a batch takes `gqa_sdpa`, the model's own attention, or on the CPU each row as its batch-1 call
+(`ragged_attention`).
 """
 
 from __future__ import annotations

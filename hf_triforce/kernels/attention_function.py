@@ -8,7 +8,8 @@ masked SDPA calls on GQA models take `attention.gqa_sdpa`, which does not expand
 every tier) take `attention.one_row_sdpa`: no mask, GQA-native. On the CPU (fp32, bf16 or fp16), decoding steps and
 verifications of up to `cpu_attention.MAX_NEW_TOKENS` tokens over at least `cpu_attention.MIN_CACHED` cached entries
 take the library's compiled kernel (`cpu_attention.attend`) where it built and was timed cheaper than ATen's route for
-the call's class (`attention_routes`). A candidate tree's forward takes `tree_attention`. Everything else is
+the call's class (`attention_routes`); a ragged batch's forward takes it row by row where every row's call would
+(`ragged_attention`). A candidate tree's forward takes `tree_attention`. Everything else is
 ``<base>``.
 
 The paths are called through the `attention` module (``attention.split_kv_sdpa``, ...): what a test or a benchmark
@@ -20,25 +21,29 @@ the mask transformers built for them (each row cut at its own window): `attentio
 from __future__ import annotations
 
 from .. import compat
-from . import attention, attention_routes, cpu_attention
+from . import attention, attention_routes, cpu_attention, ragged_attention
 from .attention import _ACTIVE_RECORDER, _plain_masked, _wants_fused, _wants_gqa_sdpa, _wants_one_row, _wants_split_kv
 from .tree_attention import active_tree, tree_attention
 
 PREFIX = "triforce_"
 
 
-def _wants_cpu_kernel(query, key, value, attention_mask, kwargs, module) -> bool:
-    """A call `cpu_attention.attend` takes: a decoding step or a few-row verification of a full-attention layer over a
-    long CPU cache of a dtype the kernel reads (batch 1, bottom-right causal: the mask, boolean or None, is not read),
-    nothing but plain scaled attention, of a class the kernel was timed cheaper for
-    (`attention_routes.takes_kernel`)."""
+def _plain_cpu_call(query, attention_mask, kwargs, module) -> bool:
+    """A CPU call of nothing but plain scaled attention under a mask transformers' SDPA masks build: what the CPU
+    kernel may take without reading the mask."""
     return (
         query.device.type == "cpu"
         and _plain_masked(attention_mask, kwargs)
         and kwargs.get("s_aux") is None
         and not (kwargs.get("dropout") and module.training)
-        and attention_routes.takes_kernel(query, key, value)
     )
+
+
+def _wants_cpu_kernel(query, key, value, attention_mask, kwargs, module) -> bool:
+    """A call `cpu_attention.attend` takes: a decoding step or a few-row verification of a full-attention layer over a
+    long CPU cache of a dtype the kernel reads (batch 1, bottom-right causal: the mask, boolean or None, is not read),
+    of a class the kernel was timed cheaper for (`attention_routes.takes_kernel`)."""
+    return _plain_cpu_call(query, attention_mask, kwargs, module) and attention_routes.takes_kernel(query, key, value)
 
 
 def _make_wrapper(base: str):
@@ -61,6 +66,10 @@ def _make_wrapper(base: str):
             fused = attention.fused_verify(module, query, key, value, attention_mask, **kwargs)
             if fused is not None:
                 return fused
+        if base == "sdpa" and not windowed and _plain_cpu_call(query, attention_mask, kwargs, module):
+            rows = ragged_attention.attend_rows(query, key, value, kwargs.get("scaling"))  # a ragged batch's forward
+            if rows is not None:
+                return rows, None
         if base == "sdpa" and not windowed and _wants_cpu_kernel(query, key, value, attention_mask, kwargs, module):
             return cpu_attention.attend(query, key, value, kwargs.get("scaling")), None
         if _wants_one_row(base, query, attention_mask, kwargs) and (attention_mask is None or not windowed):

@@ -46,7 +46,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from .. import compat
-from . import attention_routes, cpu_attention
+from . import attention_routes, cpu_attention, ragged_attention
 from .attention import _ACTIVE_RECORDER, RECORDER_KWARG
 from .split_kv import split_kv_attention, split_kv_mask, split_parts
 from .tree_attention import active_tree
@@ -361,6 +361,9 @@ class LeanModel:
             batch, heads, n, _ = query.shape
             keys, values = layers[index].update(new_keys.to(self.cache_dtype), new_values.to(self.cache_dtype))
             query = query.to(keys.dtype)  # a bf16 model's caches are bf16
+            rows = ragged_attention.attend_rows(query, keys, values, self.scaling)  # a ragged batch's forward
+            if rows is not None:
+                return rows.reshape(batch * n, heads * dim).float()
             if (mask is None or isinstance(mask, int)) and attention_routes.takes_kernel(query, keys, values):
                 return cpu_attention.attend(query, keys, values, self.scaling).reshape(n, heads * dim).float()
             if mask is None:  # one row per batch row seeing all its entries
