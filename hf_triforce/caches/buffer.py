@@ -136,7 +136,7 @@ class BufferLayer(CacheLayerMixin):
         every later row sees them all). Source layout as in `write_chunks`.
 
         Every (batch, head) row at once: membership by scatter into a ``[rows, chunks]`` mask, one gather and one
-        indexed write per keys/values (per head, `torch.isin` and the copies cost mostly per-op overhead:
+        indexed write per keys/values (per head, `torch.isin` and the copies would be mostly per-op overhead:
         docs/experiments.md, "Force 2: re-select every 4 Force-3 steps"). A row frees as many slots as it takes new
         chunks, and both lists are read in row-major order, so the i-th new chunk lands in the i-th free slot of its own
         row."""
