@@ -52,32 +52,33 @@ RETRIEVAL = "retrieval"  # `AdaptivePolicy.setup_seconds` key of the retrieval c
 @dataclass(frozen=True)
 class PolicyPriors:
     """What the policy assumes until a call's own timings and acceptances replace it, and how fast it follows them.
-    The figure behind each field: docs/experiments.md, "The adaptive policy's priors"."""
+    A field marked *measured* stands on the figure in docs/experiments.md, "The adaptive policy's priors"."""
 
-    # an extra row of a forward, as a fraction of a one-row forward, until a tier's rows are timed over `slope_span`
-    # rows: a CPU forward is compute-bound, a GPU forward of a few rows bound by its reads (`DEVICE_PRIORS`)
+    # an extra row of a forward, as a fraction of a one-row forward, until a tier's rows are timed over ``slope_span``
+    # rows: a CPU forward is compute-bound, a GPU forward of a few rows bound by its reads (`DEVICE_PRIORS`; *measured*)
     row_cost_slope: float = 0.125
-    slope_span: int = 3  # rows a tier's timings span before its own slope prices it (one disturbed timing would not)
+    # rows a tier's timings span before its own slope prices longer chains (over fewer, one disturbed timing would)
+    slope_span: int = 3
     ema: float = 0.3  # weight of the newest step in the moving averages of calibration and overhead
     # a tier's cost: the lower median of its last this many timings (a timing disturbed by another job moves it only
     # once most recent timings are slow)
     recent_timings: int = 5
     # timings of a row count before they alone set its cost; before, a timing dearer than the tier's other row counts
-    # imply is not believed (one disturbed first timing would price that row count out for the rest of a call)
+    # imply is not believed (one disturbed first timing would price that row count out of a call; *measured*)
     settled_timings: int = 3
     # the retrieval cache's first selection (three-level plans' set-up) unmeasured, in one-row Force-3 forwards
-    # (rounded up: a set-up repaid only in a long call is not started in a short one)
+    # (*measured*, rounded up: a set-up repaid only in a long call is not started in a short one)
     selection_setup_fraction: float = 1.0
     # an exploring step's predicted loss, at most this fraction of the rest of the call's predicted seconds
     explore_budget: float = 0.05
     # a row of a draft model's cache fill where the prefill did not time its chunks, in one-row forwards of that model
-    # (the largest measured kept: a fill repaid only in a long call is not started in a short one)
+    # (*measured*, the largest kept: a fill repaid only in a long call is not started in a short one)
     fill_row_fraction: float = 0.05
     # a one-row forward of a tier not timed yet, in Force 3's, where the decoder gives no fraction of the bytes it
-    # reads (`Hierarchy.tier_fractions`; a draft model)
+    # reads (`Hierarchy.tier_fractions`; a draft model; *measured*)
     unmeasured_fraction: float = 0.5
     # each step's measured / predicted seconds is clipped to this range in its kind's calibration (a stall moves it by
-    # at most `ema` x the bound)
+    # at most ``ema`` x the bound; *measured*: what the tier costs leave out)
     calibration_bounds: tuple[float, float] = (0.5, 2.0)
     # an unmeasured tree's acceptance over its chain's: its first path is the chain, and hope gets it tried once
     tree_prior_bonus: float = 0.1
