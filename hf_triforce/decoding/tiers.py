@@ -247,9 +247,9 @@ def lean_self_drafting(config: TriForceConfig, target) -> bool:
     """Whether the auto policy may also draft with ``target``'s own lean copy beside the draft model ``config.draft``:
     where that copy runs lean (Force 2 runs it anyway: no more weight memory; not the target's eager forward) and the
     self drafter keeps its tokens at their absolute positions (``draft_positions="slots"``, asked for the draft
-    model, would re-rotate the target's keys, which the preflight checks for the configured drafter only). On the
-    Qwen2.5-Coder pair at 2k (sampled) TriForceConfig(draft=<the 0.5B>) without it runs 0.86x static-cache generate
-    while TriForceConfig()'s best plan there, self g2, runs 1.4x (docs/results.md, "Current results")."""
+    model, would re-rotate the target's keys, which the preflight checks for the configured drafter only). A short
+    call does not repay a draft model's cache fill, where the lean copy drafts as well (docs/results.md,
+    "Qwen2.5-Coder-1.5B-Instruct bf16 with its 0.5B sibling")."""
     if isinstance(config.draft, str) or config.draft_positions == "slots":
         return False
     return config.draft_precision in LEAN_PRECISIONS and lean_support(target) is None

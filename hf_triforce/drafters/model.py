@@ -80,8 +80,8 @@ class ModelDrafter:
     def prefill(self, prompt: torch.Tensor) -> None:
         """Ready to propose after ``prompt``: on the first call, the cache filled with the prompt's first
         ``sink_tokens`` and last ``window`` tokens but the last; later (the levels of a call share one drafter, and
-        each starts it) nothing: drafting catches up with the sequence (`_draft_steps`); a second fill would cost
-        0.43 s of a 16k call (SmolLM2, 272 rows, 2 threads)."""
+        each starts it) nothing: drafting catches up with the sequence (`_draft_steps`); a second fill would cost a
+        272-row forward (docs/experiments.md, "Force 1: a window of 1024...")."""
         if not self.seen:
             before = self.seconds
             self._fill(prompt)
