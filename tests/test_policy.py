@@ -11,15 +11,11 @@ from transformers import LogitsProcessorList, TopKLogitsWarper
 from hf_triforce import TriForceConfig
 from hf_triforce.decoding.loop import Decoder
 from hf_triforce.decoding.policy import (
-    FILL_ROW_FRACTION,
-    ROW_COST_SLOPE,
-    ROW_COST_SLOPES,
-    SETTLED_TIMINGS,
-    SLOPE_SPAN,
-    UNMEASURED_FRACTION,
+    DEVICE_PRIORS,
     AcceptanceRate,
     AdaptivePolicy,
     Plan,
+    PolicyPriors,
     TierCosts,
     expected_tokens,
 )
@@ -29,8 +25,10 @@ from hf_triforce.integration import recording_attention
 from .conftest import FAMILIES, make_model, random_prompt
 from .test_exact_enumeration import CONFIG, decoded_law, distance, target_law
 
+CPU = DEVICE_PRIORS["cpu"]  # the priors every policy here starts from
+
 # Assumed seconds of each tier's one-row forward (a long context on a CPU: Force 2 and the self drafter cheap next to
-# Force 3, lookups free), each extra row at `ROW_COST_SLOPE` of it, and of one row of a draft cache's fill
+# Force 3, lookups free), each extra row at the CPU's ``row_cost_slope`` of it, and of one row of a draft cache's fill
 ASSUMED_SECONDS = {"force3": 0.1, "force3-tree": 0.1, "force2": 0.03, "force2-tree": 0.03, "select": 0.005,
                    "draft:self": 0.02, "draft:model": 0.02, "draft:ngram": 0.0, "draft:suffix": 0.0}
 ASSUMED_FILL_ROW_SECONDS = 0.002
@@ -46,7 +44,7 @@ def assumed_timings(monkeypatch) -> None:
         AdaptivePolicy.set_up
 
     def seconds(tier: str, rows: int) -> float:
-        return ASSUMED_SECONDS[tier] * (1 + ROW_COST_SLOPE * (rows - 1))
+        return ASSUMED_SECONDS[tier] * (1 + CPU.row_cost_slope * (rows - 1))
 
     def assumed_forward(self, tier, rows, measured):
         observe_forward(self, tier, rows, seconds(tier, rows))
@@ -389,32 +387,33 @@ def test_tier_costs_scale_unmeasured_rows():
 
 
 def test_tier_costs_learn_a_tier_s_row_slope_once_its_timings_span_enough_rows():
-    """Rows nearly free (a GPU forward bound by its reads): once timed over `SLOPE_SPAN` rows, longer chains are
+    """Rows nearly free (a GPU forward bound by its reads): once timed over ``slope_span`` rows, longer chains are
     priced by the tier's own slope, not the prior; over fewer rows the prior still prices them."""
     costs = TierCosts()
     costs.observe("force3", 1, 0.100)
     costs.observe("force3", 2, 0.101)
     assert costs.estimate("force3", 11, 9.0) == pytest.approx(0.101 * (1 + 0.125 * 10) / (1 + 0.125))
-    costs.observe("force3", 1 + SLOPE_SPAN, 0.103)
-    assert costs.estimate("force3", 11, 9.0) == pytest.approx(0.103 + 0.001 * (11 - 1 - SLOPE_SPAN))
+    costs.observe("force3", 1 + CPU.slope_span, 0.103)
+    assert costs.estimate("force3", 11, 9.0) == pytest.approx(0.103 + 0.001 * (11 - 1 - CPU.slope_span))
     costs.observe("force3", 1, 0.2)  # slower than the longest: never a negative per-row price
     costs.observe("force3", 1, 0.2)
     costs.observe("force3", 1, 0.2)
     assert costs.estimate("force3", 11, 9.0) == pytest.approx(0.103)
 
 
-def test_row_cost_prior_follows_the_device():
-    from hf_triforce.decoding.hierarchy import row_cost_slope
+def test_priors_follow_the_device():
+    from hf_triforce.decoding.hierarchy import policy_priors
 
-    assert row_cost_slope(torch.nn.Linear(1, 1)) == ROW_COST_SLOPES["cpu"]
-    assert row_cost_slope(types.SimpleNamespace(device=torch.device("cuda", 0))) == ROW_COST_SLOPES["cuda"]
-    assert row_cost_slope(types.SimpleNamespace(device=torch.device("meta"))) == ROW_COST_SLOPE
+    assert policy_priors(torch.nn.Linear(1, 1)) == CPU
+    assert policy_priors(types.SimpleNamespace(device=torch.device("cuda", 0))) == DEVICE_PRIORS["cuda"]
+    assert policy_priors(types.SimpleNamespace(device=torch.device("meta"))) == CPU
+    assert DEVICE_PRIORS["cuda"].row_cost_slope < CPU.row_cost_slope  # a GPU's few rows bound by their reads
 
 
-def _gpu_like_lookup_policy(slope: float) -> AdaptivePolicy:
+def _gpu_like_lookup_policy(priors: PolicyPriors) -> AdaptivePolicy:
     """Force 3's rows nearly free beyond the first two measured (a read-bound GPU forward), lookups that match."""
     policy = AdaptivePolicy({"ngram": "lookup"}, (), 2, 6, explore_every=1000, max_lookup_gamma2=10,
-                            row_cost_slope=slope)
+                            priors=priors)
     for rows in (1, 2):
         policy.observe_forward("force3", rows, 0.027 + 0.0003 * (rows - 1))
     policy.observe_forward("draft:ngram", 1, 0.0)
@@ -426,8 +425,8 @@ def _gpu_like_lookup_policy(slope: float) -> AdaptivePolicy:
 def test_gpu_prior_lets_lookup_chains_grow_where_cpu_prior_keeps_them_short():
     """With only one- and two-row Force-3 timings, the device's prior prices longer chains: on a GPU's (rows nearly
     free) the policy verifies long lookup chains; the CPU's (rows dear) keeps them shorter."""
-    gpu = _gpu_like_lookup_policy(ROW_COST_SLOPES["cuda"]).choose()
-    cpu = _gpu_like_lookup_policy(ROW_COST_SLOPES["cpu"]).choose()
+    gpu = _gpu_like_lookup_policy(DEVICE_PRIORS["cuda"]).choose()
+    cpu = _gpu_like_lookup_policy(CPU).choose()
     assert gpu.levels == cpu.levels == 2 and gpu.drafter == "ngram"
     assert gpu.gamma2 == 10 and cpu.gamma2 < gpu.gamma2, (gpu, cpu)
 
@@ -446,15 +445,12 @@ def test_policy_prefers_plain_when_drafts_are_rejected_and_lookup_when_they_pass
 
 
 @pytest.mark.parametrize("calibrated", [True, False])
-def test_a_plan_measured_dearer_than_predicted_loses_its_near_tie(monkeypatch, calibrated):
+def test_a_plan_measured_dearer_than_predicted_loses_its_near_tie(calibrated):
     """One-token n-gram chains predicted 3% faster than plain decoding whose steps take 10% longer than predicted
     (what the tier costs leave out, e.g. Qwen2.5-Coder at 32k): the calibration by measured / predicted step
     seconds moves the choice to plain within a few steps; without it (bounds (1, 1)) the policy keeps them."""
-    import hf_triforce.decoding.policy as policy_module
-
-    if not calibrated:
-        monkeypatch.setattr(policy_module, "CALIBRATION_BOUNDS", (1.0, 1.0))
-    policy = AdaptivePolicy({"ngram": "lookup"}, (), 2, 6, explore_every=1000)
+    priors = CPU if calibrated else PolicyPriors(calibration_bounds=(1.0, 1.0))
+    policy = AdaptivePolicy({"ngram": "lookup"}, (), 2, 6, explore_every=1000, priors=priors)
     for rows in range(1, 8):
         policy.observe_forward("force3", rows, 0.1 * (1 + 0.068 * (rows - 1)))
     for _ in range(200):
@@ -494,7 +490,7 @@ def test_three_level_lookup_plan_when_force2_is_cheap_and_not_when_it_is_not():
 
 def test_unmeasured_tiers_are_priced_at_their_prior_fraction_of_force3():
     """Until a tier is timed, its one-row forward costs its given fraction of Force 3's (bytes read, from the
-    decoder), else `UNMEASURED_FRACTION`: a cheap self drafter (0.15) is predicted to pay and runs; priced at half
+    decoder), else ``unmeasured_fraction``: a cheap self drafter (0.15) is predicted to pay and runs; priced at half
     a Force-3 step it never would (no plan with its set-up unpaid is explored)."""
     def policy_with(fractions: dict[str, float]) -> AdaptivePolicy:
         policy = AdaptivePolicy({"self": "model"}, (), 2, 6, explore_every=1000, prior_fractions=fractions)
@@ -506,7 +502,7 @@ def test_unmeasured_tiers_are_priced_at_their_prior_fraction_of_force3():
     assert cheap._drafter_seconds("self", 2) == pytest.approx(2 * 0.15 * 0.1)
     assert cheap.choose(remaining_tokens=1000).drafter == "self"
     dear = policy_with({})
-    assert dear._drafter_seconds("self", 2) == pytest.approx(2 * UNMEASURED_FRACTION * 0.1)
+    assert dear._drafter_seconds("self", 2) == pytest.approx(2 * CPU.unmeasured_fraction * 0.1)
     assert dear.choose(remaining_tokens=1000) == Plan(1)
     cheap.observe_forward("draft:self", 1, 0.06)  # timed: the measurement replaces the prior
     assert cheap._drafter_seconds("self", 2) == pytest.approx(0.12)
@@ -514,8 +510,9 @@ def test_unmeasured_tiers_are_priced_at_their_prior_fraction_of_force3():
 
 def test_the_decoder_prices_a_draft_model_by_its_bytes_and_its_fill_by_its_rows():
     """A draft model's drafting forward is priced by the bytes its lean copy and cache read (not the flat
-    UNMEASURED_FRACTION), and its cache's first fill, unmeasured behind a prefilled prefix, by its rows in the
-    target's rows (rows x its bytes as a fraction of the target's), each at FILL_ROW_FRACTION of a Force-3 forward."""
+    ``unmeasured_fraction``), and its cache's first fill, unmeasured behind a prefilled prefix, by its rows in the
+    target's rows (rows x its bytes as a fraction of the target's), each at ``fill_row_fraction`` of a Force-3
+    forward."""
     target, draft = make_model("llama-gqa"), make_model("llama-gqa", seed=4, num_hidden_layers=1)
     prompt = random_prompt(300, period=37)
     config = TriForceConfig(draft=draft, retrieval_budget=64, window=24)
@@ -532,7 +529,7 @@ def test_the_decoder_prices_a_draft_model_by_its_bytes_and_its_fill_by_its_rows(
     plan = Plan(2, "model", gamma2=2)
     policy.remaining_tokens = 100
     tokens, seconds = policy.predict(plan)
-    assert seconds - policy._predict(plan)[1] == pytest.approx(FILL_ROW_FRACTION * 400 * 0.1 * tokens / 100)
+    assert seconds - policy._predict(plan)[1] == pytest.approx(CPU.fill_row_fraction * 400 * 0.1 * tokens / 100)
 
 
 def test_the_decoder_prices_the_target_s_tiers_by_the_bytes_they_read():
@@ -775,14 +772,14 @@ def test_one_slow_first_timing_does_not_price_out_a_row_count():
     """A row count's first timing, slower than the tier's other row counts imply (disturbed), prices it at what they
     imply until its own timings settle it; then its own cost stands, slow or not."""
     costs = TierCosts()
-    for _ in range(SETTLED_TIMINGS):
+    for _ in range(CPU.settled_timings):
         costs.observe("force3", 1, 0.11)
         costs.observe("force3", 4, 0.16)
     costs.observe("force3", 5, 0.216)
     assert costs.estimate("force3", 5, 9.0) == pytest.approx(0.16 + (0.16 - 0.11) / 3)
     costs.observe("force3", 6, 0.17)  # a first timing cheaper than the others imply is believed at once
     assert costs.estimate("force3", 6, 9.0) == pytest.approx(0.17)
-    for _ in range(SETTLED_TIMINGS - 1):
+    for _ in range(CPU.settled_timings - 1):
         costs.observe("force3", 5, 0.216)
     assert costs.estimate("force3", 5, 9.0) == pytest.approx(0.216)
 
@@ -816,7 +813,7 @@ def test_the_first_selection_is_a_set_up_a_short_call_does_not_pay():
 
 def test_exploration_is_bounded_by_what_the_rest_of_the_call_can_lose():
     """Every step is due for exploration (explore_every=1): near the end of a call no plan predicted slower is
-    tried (its loss would exceed EXPLORE_BUDGET of the few seconds left); with many tokens left one is."""
+    tried (its loss would exceed ``explore_budget`` of the few seconds left); with many tokens left one is."""
     def explored(remaining: int) -> bool:
         policy = AdaptivePolicy({"self": "model"}, (), 2, 6, explore_every=1, setup_seconds={})
         for rows in range(1, 8):

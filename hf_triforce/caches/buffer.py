@@ -136,9 +136,10 @@ class BufferLayer(CacheLayerMixin):
         every later row sees them all). Source layout as in `write_chunks`.
 
         Every (batch, head) row at once: membership by scatter into a ``[rows, chunks]`` mask, one gather and one
-        indexed write per keys/values (per head, `torch.isin` and the copies cost 43 ms a selection of SmolLM2's 30
-        layers at 16k, most of it per-op overhead). A row frees as many slots as it takes new chunks, and both
-        lists are read in row-major order, so the i-th new chunk lands in the i-th free slot of its own row."""
+        indexed write per keys/values (per head, `torch.isin` and the copies would be mostly per-op overhead:
+        docs/experiments.md, "Force 2: re-select every 4 Force-3 steps"). A row frees as many slots as it takes new
+        chunks, and both lists are read in row-major order, so the i-th new chunk lands in the i-th free slot of its own
+        row."""
         batch, heads, k = held.shape
         rows, count = batch * heads, keys.shape[2] // chunk_size
         held_rows, wanted_rows = held.reshape(rows, k), chunks.to(held.device).reshape(rows, k)

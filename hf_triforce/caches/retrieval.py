@@ -45,11 +45,11 @@ class RetrievalCache(BufferCache):
         self._summaries: list[torch.Tensor | None] = [None] * num_layers
         self._summary_count = [0] * num_layers
         # per layer, the chunks its selected slots hold ([batch, kv_heads, k], slot order): a re-selection copies
-        # only the chunks that changed (SmolLM2 at 16k, budget 4096: a full copy costs ~86 ms, a Force-3 step's worth)
+        # only the chunks that changed (a full copy costs a Force-3 step's worth: docs/experiments.md, "Force 2: ...")
         self._held: list[torch.Tensor | None] = [None] * num_layers
         # per layer, ``(origin, upto)`` of its recent region when a re-selection may reuse it: it holds tokens
         # ``[upto - recent, upto)``, token ``t`` at slot ``(t - origin) % recent``; a re-selection copies only the
-        # tokens that entered it (SmolLM2 shapes at 16k, budget 4096: a selection median 78 ms, 84-101 copying it whole)
+        # tokens that entered it (cheaper than copying it whole: docs/experiments.md, "Force 2: re-select ...")
         self._recent: list[tuple[int, int] | None] = [None] * num_layers
 
     def entries_for(self, seq_len: int) -> int:

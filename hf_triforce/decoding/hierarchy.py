@@ -26,7 +26,7 @@ from ..verification.tree import TreeVerifier
 from .force3 import Force3, RaggedForce3
 from .levels import RETRIEVAL_STORAGE, Force1Level, Force2Level, NoDrafter
 from .lockstep import Lockstep
-from .policy import ROW_COST_SLOPE, ROW_COST_SLOPES, AdaptivePolicy, Plan
+from .policy import AdaptivePolicy, Plan, PolicyPriors, device_priors
 from .resolved import ResolvedConfig
 from .sizing import sink_window_rows
 from .tiers import kv_bytes_per_token, lean_self_drafting, tier_forwards, tier_model, weight_bytes
@@ -53,14 +53,13 @@ def adaptive_policy(config: ResolvedConfig, max_length: int, target=None) -> Ada
     return AdaptivePolicy(kinds, three, config.gamma1, config.gamma2, config.explore_every,
                           tree_drafters=trees, tree_nodes=config.tree_nodes if trees else 0,
                           force2_tree_nodes=config.force2_tree_nodes, tree_branch=config.tree_branch,
-                          max_lookup_gamma2=config.lookup_gamma2, row_cost_slope=row_cost_slope(target),
+                          max_lookup_gamma2=config.lookup_gamma2, priors=policy_priors(target),
                           refresh_every=config.refresh_interval)
 
 
-def row_cost_slope(target) -> float:
-    """The per-row cost prior of ``target``'s device type (`policy.ROW_COST_SLOPES`; a CPU's for any other)."""
-    device = getattr(target, "device", None)
-    return ROW_COST_SLOPES.get(getattr(device, "type", "cpu"), ROW_COST_SLOPE)
+def policy_priors(target) -> PolicyPriors:
+    """The policy's priors for ``target``'s device type (`policy.device_priors`; a CPU's without a device)."""
+    return device_priors(getattr(getattr(target, "device", None), "type", "cpu"))
 
 
 class Hierarchy:

@@ -12,12 +12,13 @@ identical to plain ``generate``.
 The cost model, measured online in the same call:
 
 - seconds per forward of each tier by number of rows (`TierCosts`, exponential moving averages; an unmeasured
-  row count is priced from the nearest measured one at a per-row slope: the device's prior `ROW_COST_SLOPES`, then
-  the tier's own once its timings span `SLOPE_SPAN` rows), and the per-step overhead;
+  row count is priced from the nearest measured one at a per-row slope: the device's prior
+  (`PolicyPriors.row_cost_slope`), then the tier's own once its timings span ``slope_span`` rows), and the per-step
+  overhead;
 - acceptance per level as a geometric rate ``a = accepted / (accepted + rejections)`` (`AcceptanceRate`), so
   a chain of ``g`` proposals yields ``(1 - a^(g+1)) / (1 - a)`` tokens per verification;
 - a candidate tree of depth ``g`` is priced the same way, from its own rate (measured on tree steps only:
-  accepted path length against depth; until then its chain's rate plus `TREE_PRIOR_BONUS`) and its own cost
+  accepted path length against depth; until then its chain's rate plus ``tree_prior_bonus``) and its own cost
   tier (``force3-tree``, ``force2-tree``, by rows) at the most rows its tree can have (`tree_rows`);
   so trees are chosen where their extra acceptance pays for their extra rows (a memory-bound verifier) and
   not where it does not (a compute-bound one, e.g. long contexts on CPU, docs/results.md);
@@ -27,7 +28,7 @@ The cost model, measured online in the same call:
 
 - what the tiers' costs leave out, per plan kind: the moving average of its steps' measured / predicted seconds
   (`AdaptivePolicy.calibration`) scales its predicted seconds, so a plan that keeps running dearer than predicted
-  loses its near-ties (`CALIBRATION_BOUNDS`).
+  loses its near-ties (``calibration_bounds``).
 
 Predicted tokens/s of each candidate plan = expected tokens per step / predicted seconds per step; the best
 is run (the first step runs plain decoding: it measures Force 3, which every prediction needs). Every
@@ -45,54 +46,56 @@ from collections import deque
 from dataclasses import dataclass
 from statistics import median_low
 
-# Extra cost of each additional row of a forward, as a fraction of a one-row forward, until a tier's own rows are
-# measured over `SLOPE_SPAN` rows, by device type: a CPU forward is compute-bound (SmolLM2-135M fp32, 2 threads: 9
-# rows cost about 2x one row, docs/results.md); a GPU forward of a few rows is bound by its reads (an 8B shape at
-# 32k on an H200, graphed: 7 rows 1.08x one row, docs/gpu_check.md).
-ROW_COST_SLOPES = {"cpu": 0.125, "cuda": 0.015}
-ROW_COST_SLOPE = ROW_COST_SLOPES["cpu"]  # any other device
-# A tier's per-row cost is fitted from its own timings once they cover this many rows between the fewest and the
-# most measured: over fewer, one disturbed timing would set the price of every longer chain.
-SLOPE_SPAN = 3
-EMA = 0.3  # weight of the newest step in the moving averages of calibration and overhead
-# A tier's cost is the lower median of its last few timings: a timing disturbed by another job (always slower) moves
-# it only once most recent timings are slow, so one disturbed forward cannot decide the plans of the rest of a call
-RECENT_TIMINGS = 5
-# A row count's own timings set its cost once there are this many of them; before, a timing slower than what the tier's
-# other row counts imply is not believed (the cheaper of the two is used): one disturbed first timing of a row count
-# would otherwise price it out for the rest of the call, never to be run and re-timed (SmolLM2 at 32k on 2 CPU threads:
-# a first 5-row Force-3 forward at 216 ms beside 4 rows at 160 kept every chain at 3 drafts)
-SETTLED_TIMINGS = 3
-# The retrieval cache's first selection (every chunk summarised, the budget's entries copied) is the set-up of
-# three-level plans; unmeasured, it is priced at this fraction of a one-row Force-3 forward (SmolLM2 fp32 at 16k,
-# 2 CPU threads: 0.8; rounded up: a set-up repaid only in a long call is not started in a short one)
-SELECTION_SETUP_FRACTION = 1.0
-RETRIEVAL = "retrieval"  # `AdaptivePolicy.setup_seconds` key of that set-up
-# Exploring runs a plan predicted slower than the best for one step: it is tried only while the seconds it is
-# predicted to lose are at most this fraction of the seconds the rest of the call is predicted to take
-EXPLORE_BUDGET = 0.05
-# A draft model's first use fills its sink+window cache by a forward (1040 rows with the default window; the self
-# drafter copies its entries and pays none). Where the prefill did not time its chunks (a cache= prefix), one row of
-# that fill is priced as this fraction of a one-row forward of the same model: the per-row cost of a 1024-row chunk
-# against a one-row decode step, 2 CPU threads: Qwen2.5-Coder-1.5B fp32 0.052 (AVX2 EPYC) / 0.050, bf16 0.025
-# (AVX512-BF16 EPYC), SmolLM2 fp32 0.018 (the largest kept: a fill repaid only in a long call is not started in a
-# short one). A flat price of 4 one-token Force-3 steps would under-price a 1040-row fill of a 0.5B draft for a
-# 1.5B target ~2-4x.
-FILL_ROW_FRACTION = 0.05
-# A one-row forward of a tier not timed yet, as a fraction of Force 3's, where the decoder gives no fraction of its
-# own (a draft model): the eager SmolLM2 on its 272-entry cache cost ~0.5 of a Force-3 step at 4-8k on 2 CPU threads.
-# For the target's own tiers the hierarchy gives the fraction of bytes they read (`Hierarchy.tier_fractions`): without
-# it the lean-int4 self drafter (0.12 of a step at 8k) would be priced at 0.5 and never run.
-UNMEASURED_FRACTION = 0.5
-# A plan kind's predicted step seconds are scaled by the moving average of its steps' measured / predicted seconds
-# (`AdaptivePolicy.calibration`), each ratio clipped to this range (one step's stall, e.g. a page-fault burst, moves
-# the average by at most EMA x the bound). What the tier costs leave out shows up there: Qwen2.5-Coder-1.5B bf16 at
-# 32k, uncalibrated, runs one-token n-gram chains predicted at 3.76 tok/s against plain's 3.75 that measure 3.41 over
-# 32 steps (9% dearer than predicted, 0.94x the best plain decoding in all).
-CALIBRATION_BOUNDS = (0.5, 2.0)
-# Until a tree plan's own steps are measured, its acceptance rate is its chain's current rate plus this much: its
-# first path is the chain (accepted at least as often), and a hopeful prior gets each tree plan tried once.
-TREE_PRIOR_BONUS = 0.1
+RETRIEVAL = "retrieval"  # `AdaptivePolicy.setup_seconds` key of the retrieval cache's first selection
+
+
+@dataclass(frozen=True)
+class PolicyPriors:
+    """What the policy assumes until a call's own timings and acceptances replace it, and how fast it follows them.
+    A field marked *measured* stands on the figure in docs/experiments.md, "The adaptive policy's priors"."""
+
+    # an extra row of a forward, as a fraction of a one-row forward, until a tier's rows are timed over ``slope_span``
+    # rows: a CPU forward is compute-bound, a GPU forward of a few rows bound by its reads (`DEVICE_PRIORS`; *measured*)
+    row_cost_slope: float = 0.125
+    # rows a tier's timings span before its own slope prices longer chains (over fewer, one disturbed timing would)
+    slope_span: int = 3
+    ema: float = 0.3  # weight of the newest step in the moving averages of calibration and overhead
+    # a tier's cost: the lower median of its last this many timings (a timing disturbed by another job moves it only
+    # once most recent timings are slow)
+    recent_timings: int = 5
+    # timings of a row count before they alone set its cost; before, a timing dearer than the tier's other row counts
+    # imply is not believed (one disturbed first timing would price that row count out of a call; *measured*)
+    settled_timings: int = 3
+    # the retrieval cache's first selection (three-level plans' set-up) unmeasured, in one-row Force-3 forwards
+    # (*measured*, rounded up: a set-up repaid only in a long call is not started in a short one)
+    selection_setup_fraction: float = 1.0
+    # an exploring step's predicted loss, at most this fraction of the rest of the call's predicted seconds
+    explore_budget: float = 0.05
+    # a row of a draft model's cache fill where the prefill did not time its chunks, in one-row forwards of that model
+    # (*measured*, the largest kept: a fill repaid only in a long call is not started in a short one)
+    fill_row_fraction: float = 0.05
+    # a one-row forward of a tier not timed yet, in Force 3's, where the decoder gives no fraction of the bytes it
+    # reads (`Hierarchy.tier_fractions`; a draft model; *measured*)
+    unmeasured_fraction: float = 0.5
+    # each step's measured / predicted seconds is clipped to this range in its kind's calibration (a stall moves it by
+    # at most ``ema`` x the bound; *measured*: what the tier costs leave out)
+    calibration_bounds: tuple[float, float] = (0.5, 2.0)
+    # an unmeasured tree's acceptance over its chain's: its first path is the chain, and hope gets it tried once
+    tree_prior_bonus: float = 0.1
+    model_acceptance: float = 0.6  # a model drafter's per-token acceptance by Force 3, before any is measured
+    lookup_acceptance: float = 0.3  # a lookup drafter's, before its counterfactual scores replace it
+    force1_acceptance: float = 0.8  # a model drafter's by Force 2 (three levels; a lookup's: its `direct` rate)
+    force3_acceptance: float = 0.8  # Force 2's by Force 3
+    lookup_coverage: float = 0.5  # how often a lookup proposes a token
+
+
+# by a target's device type; `PolicyPriors()` (a CPU's) for any other
+DEVICE_PRIORS = {"cpu": PolicyPriors(), "cuda": PolicyPriors(row_cost_slope=0.015)}
+
+
+def device_priors(device_type: str) -> PolicyPriors:
+    """The priors of a ``device_type`` (``torch.device.type``) target: `DEVICE_PRIORS`, a CPU's for any other."""
+    return DEVICE_PRIORS.get(device_type, DEVICE_PRIORS["cpu"])
 
 
 @dataclass(frozen=True)
@@ -143,24 +146,26 @@ def expected_tokens(rate: float, gamma: int) -> float:
 
 
 class TierCosts:
-    """Seconds per forward of each tier by rows: the lower median of its last `RECENT_TIMINGS` timings. A row count
-    not measured is priced from the nearest measured one, each extra row at ``slope`` of a one-row forward until the
-    tier's timings span `SLOPE_SPAN` rows, then at the slope those timings show (never negative); a row count timed
-    fewer than `SETTLED_TIMINGS` times at the cheaper of its own cost and that price."""
+    """Seconds per forward of each tier by rows: the lower median of its last ``recent_timings`` timings
+    (`PolicyPriors`). A row count not measured is priced from the nearest measured one, each extra row at
+    ``row_cost_slope`` of a one-row forward until the tier's timings span ``slope_span`` rows, then at the slope those
+    timings show (never negative); a row count timed fewer than ``settled_timings`` times at the cheaper of its own
+    cost and that price."""
 
-    def __init__(self, slope: float = ROW_COST_SLOPE) -> None:
-        self.slope = slope
+    def __init__(self, priors: PolicyPriors = DEVICE_PRIORS["cpu"]) -> None:
+        self.priors = priors
+        self.slope = priors.row_cost_slope
         self.seconds: dict[str, dict[int, float]] = {}  # tier -> rows -> seconds (the estimate)
         self._recent: dict[tuple[str, int], deque[float]] = {}
 
     def observe(self, tier: str, rows: int, seconds: float) -> None:
-        recent = self._recent.setdefault((tier, rows), deque(maxlen=RECENT_TIMINGS))
+        recent = self._recent.setdefault((tier, rows), deque(maxlen=self.priors.recent_timings))
         recent.append(seconds)
         self.seconds.setdefault(tier, {})[rows] = median_low(recent)
 
     def assume(self, tier: str, rows: int, seconds: float) -> None:
         """``seconds`` as the settled cost of ``rows`` rows of ``tier`` (a cost model's, not a timing)."""
-        for _ in range(SETTLED_TIMINGS):
+        for _ in range(self.priors.settled_timings):
             self.observe(tier, rows, seconds)
 
     def estimate(self, tier: str, rows: int, fallback: float) -> float:
@@ -171,7 +176,7 @@ class TierCosts:
         if rows not in measured:
             return self._scaled(measured, rows)
         own = measured[rows]
-        if len(self._recent[(tier, rows)]) >= SETTLED_TIMINGS or len(measured) == 1:
+        if len(self._recent[(tier, rows)]) >= self.priors.settled_timings or len(measured) == 1:
             return own
         return min(own, self._scaled({r: s for r, s in measured.items() if r != rows}, rows))
 
@@ -179,7 +184,7 @@ class TierCosts:
         """``rows`` priced from the row counts ``measured`` (none of them ``rows``)."""
         nearest = min(measured, key=lambda r: abs(r - rows))
         fewest, most = min(measured), max(measured)
-        if most - fewest >= SLOPE_SPAN:  # seconds per extra row, from the tier's own timings
+        if most - fewest >= self.priors.slope_span:  # seconds per extra row, from the tier's own timings
             per_row = max(measured[most] - measured[fewest], 0.0) / (most - fewest)
             return measured[nearest] + per_row * (rows - nearest)
         return measured[nearest] * (1 + self.slope * (rows - 1)) / (1 + self.slope * (nearest - 1))
@@ -225,7 +230,8 @@ class AdaptivePolicy:
     the drafters TriForce's three-level plan may use as Force 1 (empty: no three-level plan);
     ``max_gamma1/2``: bounds (``max_lookup_gamma2``: of a lookup drafter's two-level chains, default ``max_gamma2``).
     ``prior_fractions``: ``{tier: fraction}``, a one-row forward of a tier not yet
-    timed as a fraction of Force 3's; ``row_cost_slope``: an extra row's cost until measured (`ROW_COST_SLOPES`).
+    timed as a fraction of Force 3's; ``priors``: what it assumes until measured (`PolicyPriors`; default a CPU's,
+    `device_priors` gives a device's).
     ``refresh_every``: Force-3 steps per re-selection of the retrieval cache (`TriForceConfig.refresh_interval`): a
     three-level step pays that share of one.
     ``tree_drafters``: the drafters that may propose trees of ``tree_nodes`` nodes
@@ -237,7 +243,7 @@ class AdaptivePolicy:
                  explore_every: int, setup_seconds: dict[str, float | None] | None = None,
                  tree_drafters: tuple[str, ...] = (), tree_nodes: int = 0, force2_tree_nodes: int = 0,
                  tree_branch: int = 2, prior_fractions: dict[str, float] | None = None,
-                 max_lookup_gamma2: int | None = None, row_cost_slope: float = ROW_COST_SLOPE,
+                 max_lookup_gamma2: int | None = None, priors: PolicyPriors = DEVICE_PRIORS["cpu"],
                  refresh_every: int = 1) -> None:
         unknown = [name for name in (*three_level, *tree_drafters) if name not in drafters]
         if unknown:
@@ -251,7 +257,7 @@ class AdaptivePolicy:
         self.force2_tree_nodes = force2_tree_nodes if three_level else 0
         # one-time cost of a drafter's first use (a model drafter fills its cache), spread over the steps left; None:
         # unmeasured, priced by `setup_rows` (its fill's rows in the target's rows: rows x the draft's bytes as a
-        # fraction of the target's; given for every unmeasured set-up) at FILL_ROW_FRACTION of a one-row Force-3
+        # fraction of the target's; given for every unmeasured set-up) at ``fill_row_fraction`` of a one-row Force-3
         # forward each
         self.setup_seconds: dict[str, float | None] = dict(setup_seconds or {})
         self.setup_rows: dict[str, float] = {}
@@ -260,21 +266,25 @@ class AdaptivePolicy:
         self.refresh_every = refresh_every
         # a lookup drafter's two-level chains may be longer (they cost nothing to draft)
         self.max_lookup_gamma2 = max(max_gamma2, max_lookup_gamma2 or 0)
-        self.costs = TierCosts(row_cost_slope)
+        self.priors = priors
+        self.costs = TierCosts(priors)
         # a one-row forward of a tier not timed yet ("draft:<name>", "force2"), as a fraction of Force 3's one-row
-        # forward (`UNMEASURED_FRACTION` where not given; the bytes each reads: `Hierarchy.tier_fractions`)
+        # forward (``priors.unmeasured_fraction`` where not given; the bytes each reads: `Hierarchy.tier_fractions`)
         self.prior_fractions: dict[str, float] = dict(prior_fractions or {})
         self.overhead: dict[int, float] = {}  # seconds per step outside the forwards, by plan levels
         # acceptance priors: hopeful enough that each plan is tried once, then measured
-        self.direct = {name: AcceptanceRate(0.6 if kind == "model" else 0.3) for name, kind in drafters.items()}
+        self.direct = {name: AcceptanceRate(priors.model_acceptance if kind == "model" else priors.lookup_acceptance)
+                       for name, kind in drafters.items()}
         # Force 1 verified by Force 2, per drafter (a lookup's prior: its counterfactual rate against Force 3,
         # `direct`, until its own three-level steps are measured; Force 2 approximates Force 3)
-        self.force2_rate = {name: AcceptanceRate(0.8) for name in self.three_level if drafters[name] == "model"}
-        self.force3_rate = AcceptanceRate(0.8)  # Force 2 verified by Force 3
+        self.force2_rate = {name: AcceptanceRate(priors.force1_acceptance) for name in self.three_level
+                            if drafters[name] == "model"}
+        self.force3_rate = AcceptanceRate(priors.force3_acceptance)  # Force 2 verified by Force 3
         # the same for trees ("direct:<drafter>", "force2:<drafter>", "force3"), from a tree plan's first measured
         # step on (`tree_rate`)
         self.tree_rates: dict[str, AcceptanceRate] = {}
-        self.lookup_coverage = {name: AcceptanceRate(0.5) for name, kind in drafters.items() if kind == "lookup"}
+        self.lookup_coverage = {name: AcceptanceRate(priors.lookup_coverage) for name, kind in drafters.items()
+                                if kind == "lookup"}
         self.base_interval = explore_every
         self.interval = explore_every
         self.since_explore = 0
@@ -282,7 +292,7 @@ class AdaptivePolicy:
         self.exploring = False
         self.prediction = 0.0  # predicted tokens/s of the chosen plan
         self.predicted_seconds = 0.0  # its predicted seconds per step, set-up excluded (0: no prediction)
-        # per plan kind: moving average of measured / predicted step seconds (`CALIBRATION_BOUNDS`)
+        # per plan kind: moving average of measured / predicted step seconds (``priors.calibration_bounds``)
         self.calibration: dict[tuple, float] = {}
         self.best_other = 0.0  # when exploring: the prediction of the plan it displaced
         self.tried: set[tuple] = set()  # plan kinds run in this call (`Plan.kind`)
@@ -315,7 +325,7 @@ class AdaptivePolicy:
     def tree_rate(self, key: str, chain_rate: float) -> float:
         """A tree plan's acceptance rate (``key``: `tree_rates`): measured, else ``chain_rate`` + the bonus."""
         rate = self.tree_rates.get(key)
-        return rate.rate if rate is not None else min(chain_rate + TREE_PRIOR_BONUS, 0.999)
+        return rate.rate if rate is not None else min(chain_rate + self.priors.tree_prior_bonus, 0.999)
 
     def _observe_tree(self, key: str, chain_rate: float, accepted: float, rejected: float) -> None:
         if accepted + rejected <= 0:  # nothing proposed (a lookup without a match): nothing measured
@@ -334,7 +344,7 @@ class AdaptivePolicy:
 
     def _prior(self, tier: str) -> float:
         """Seconds of a one-row forward of ``tier`` before it is timed (`prior_fractions` of Force 3's)."""
-        return self.prior_fractions.get(tier, UNMEASURED_FRACTION) * self._force3(1)
+        return self.prior_fractions.get(tier, self.priors.unmeasured_fraction) * self._force3(1)
 
     def _drafter_seconds(self, name: str, tokens: int) -> float:
         if self.drafters[name] == "lookup":
@@ -352,9 +362,9 @@ class AdaptivePolicy:
         if setup is not None:
             return setup
         if name == RETRIEVAL:
-            return SELECTION_SETUP_FRACTION * self._force3(1)
-        # a drafter's fill, unmeasured: its rows at FILL_ROW_FRACTION of a one-row Force-3 forward each
-        return FILL_ROW_FRACTION * self.setup_rows[name] * self._force3(1)
+            return self.priors.selection_setup_fraction * self._force3(1)
+        # a drafter's fill, unmeasured: its rows at ``fill_row_fraction`` of a one-row Force-3 forward each
+        return self.priors.fill_row_fraction * self.setup_rows[name] * self._force3(1)
 
     def predict(self, plan: Plan) -> tuple[float, float]:
         """``(expected tokens, predicted seconds)`` of one step of ``plan``, the set-ups it still has to pay
@@ -372,10 +382,10 @@ class AdaptivePolicy:
                prior_fractions: dict[str, float]) -> None:
         """The call's set-ups and priors, known once its prompt is prefilled. ``fill_rows``: per model drafter that
         fills its cache by a forward, its fill's rows in the target's rows (rows x the draft's bytes over the
-        target's), priced at the prefill's ``seconds_per_row`` (None: unmeasured, `FILL_ROW_FRACTION` of a one-row
-        Force-3 forward per row); where three-level plans may run, the retrieval cache's first selection (priced by
-        `SELECTION_SETUP_FRACTION`); ``prior_fractions``: one-row forwards of tiers not yet timed, as fractions of
-        Force 3's."""
+        target's), priced at the prefill's ``seconds_per_row`` (None: unmeasured, ``priors.fill_row_fraction`` of a
+        one-row Force-3 forward per row); where three-level plans may run, the retrieval cache's first selection
+        (priced by ``priors.selection_setup_fraction``); ``prior_fractions``: one-row forwards of tiers not yet
+        timed, as fractions of Force 3's."""
         self.setup_seconds = {name: None if seconds_per_row is None else rows * seconds_per_row
                               for name, rows in fill_rows.items()}
         if self.three_level:
@@ -432,9 +442,8 @@ class AdaptivePolicy:
         `levels.Force2Level.candidate_steps` runs them: with ``s`` tokens still wanted Force 1 drafts
         ``min(gamma1, s - 1)`` (a lookup proposes with probability ``coverage``, else nothing), Force 2 verifies
         them in one forward of that many rows + 1 and keeps the accepted ones (per-token ``rate``, geometric) and its
-        own next token. A round's chain is shorter than ``gamma1`` near the end: priced at ``gamma1`` every round,
-        three-level steps would be over-priced by 28-45% against the seconds measured (1.31-1.73 drafted tokens a
-        round at ``gamma1`` 2; docs/bench/calibration/calibration.json)."""
+        own next token. A round's chain is shorter than ``gamma1`` near the end, so pricing ``gamma1`` every round
+        over-prices three-level steps (docs/experiments.md, "The adaptive policy's priors")."""
         seconds = [0.0] * (plan.gamma2 + 1)  # seconds[s]: expected seconds with s tokens still wanted
         for s in range(1, plan.gamma2 + 1):
             alone = self.costs.estimate("force2", 1, fallback) + seconds[s - 1]  # nothing drafted: Force 2's token
@@ -492,13 +501,12 @@ class AdaptivePolicy:
             self.since_explore = 0
             # a plan whose set-up (a draft cache's first fill, the first selection) is still to pay runs only when
             # predicted best: a one-step try would pay the whole set-up for one step's worth of measurement; and a
-            # try must not cost more than EXPLORE_BUDGET of what the rest of the call is predicted to take
+            # try must not cost more than ``explore_budget`` of what the rest of the call is predicted to take
             left = self.remaining_tokens / scored[0][0] if scored[0][0] > 0 else 0.0
             others = [(tps, p) for tps, p in scored if p.kind != best.kind and not self.setups(p)
-                      and self._exploration_loss(p, scored[0][0]) <= EXPLORE_BUDGET * left]
-            # a kind never run is predicted from priors (and rates shared with other kinds) alone: tried first. A
-            # 64-token call explores once or twice; by the best prediction alone Qwen2.5-Coder-1.5B at 32k (sampled)
-            # re-explores a kind it has run and never runs Force 2 alone, which runs 1.3-1.6x faster there
+                      and self._exploration_loss(p, scored[0][0]) <= self.priors.explore_budget * left]
+            # a kind never run is predicted from priors (and rates shared with other kinds) alone: tried first (a
+            # 64-token call explores once or twice; docs/experiments.md, "The adaptive policy's priors")
             untried = [(tps, p) for tps, p in others if p.kind not in self.tried]
             if others:
                 self.exploring, self.best_other = True, scored[0][0]
@@ -552,13 +560,13 @@ class AdaptivePolicy:
         choice = choice if choice is not None else self.choice()
         predicted = choice.prediction
         if choice.predicted_seconds > 0 and seconds > 0 and plan == choice.plan:
-            low, high = CALIBRATION_BOUNDS
+            low, high = self.priors.calibration_bounds
             ratio = min(max(seconds / choice.predicted_seconds, low), high)
             old = self.calibration.get(plan.kind, 1.0)
-            self.calibration[plan.kind] = (1 - EMA) * old + EMA * old * ratio
+            self.calibration[plan.kind] = (1 - self.priors.ema) * old + self.priors.ema * old * ratio
         old = self.overhead.get(plan.levels)
         spare = max(seconds - forward_seconds, 0.0)
-        self.overhead[plan.levels] = spare if old is None else (1 - EMA) * old + EMA * spare
+        self.overhead[plan.levels] = spare if old is None else (1 - self.priors.ema) * old + self.priors.ema * spare
         self.tried.add(plan.kind)
         record = self.records.setdefault(plan.name, PlanRecord())
         record.steps += 1

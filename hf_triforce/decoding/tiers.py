@@ -37,14 +37,12 @@ if TYPE_CHECKING:
 # what TriForceConfig(draft_precision="auto") runs where the lean forward covers a model on a CUDA device
 AUTO_GPU_PRECISION = "native"
 # what TriForceConfig(draft_precision="auto"), the default, runs where the lean forward covers the model: the fastest
-# drafter measured (SmolLM2 at 8k on Paul Graham's essays, 2 threads: Force 1 at 0.12 of a static decode step per
-# drafted token against 0.64 for the eager fp32 forward, Force-2 acceptance 0.77; the adaptive policy with it 1.77x
-# static-cache generate greedy, 1.63x sampled; docs/results.md, "Lean drafting tiers")
+# drafter measured at nearly the fp32 model's agreement (docs/experiments.md, "Lean drafting tiers: ...")
 AUTO_PRECISION = "lean-int4"
 # what Force 2 runs for each lean draft precision (Force 1 runs the precision itself). For "lean-int4", Force 2 on the
-# int4 copy lowers Force-3 acceptance (SmolLM2 at 8k, greedy: 0.879 against 0.947 with fp32) but costs 14 ms per
-# verification against 67 ms, and decodes fastest (7.8 s for 192 tokens; int8: 7.5 s; fp32: 11.5 s; sampled 9.0 /
-# 9.8 / 14.5 s; docs/results.md). Measured on a model dequantized from 4-bit (`kernels.lean.INT4_GROUP_SIZE`) only.
+# int4 copy lowers Force-3 acceptance but costs a fraction of an fp32 Force 2, and decodes as fast as any
+# (docs/experiments.md, "Lean drafting tiers: ..."). Measured on a model dequantized from 4-bit
+# (`kernels.lean.INT4_GROUP_SIZE`) only.
 FORCE2_PRECISION = {"lean": "lean", "lean-int8": "lean-int8", "lean-int4": "lean-int4", "native": "native"}
 # the model dtypes each lean precision copies: the quantized ones quantize fp32 or bf16 weights; "lean" multiplies by
 # the fp32 weights themselves (a bf16 model's would be an fp32 copy twice its size). A bf16 model's activations are
@@ -249,9 +247,9 @@ def lean_self_drafting(config: TriForceConfig, target) -> bool:
     """Whether the auto policy may also draft with ``target``'s own lean copy beside the draft model ``config.draft``:
     where that copy runs lean (Force 2 runs it anyway: no more weight memory; not the target's eager forward) and the
     self drafter keeps its tokens at their absolute positions (``draft_positions="slots"``, asked for the draft
-    model, would re-rotate the target's keys, which the preflight checks for the configured drafter only). On the
-    Qwen2.5-Coder pair at 2k (sampled) TriForceConfig(draft=<the 0.5B>) without it runs 0.86x static-cache generate
-    while TriForceConfig()'s best plan there, self g2, runs 1.4x (docs/results.md, "Current results")."""
+    model, would re-rotate the target's keys, which the preflight checks for the configured drafter only). A short
+    call does not repay a draft model's cache fill, where the lean copy drafts as well (docs/results.md,
+    "Qwen2.5-Coder-1.5B-Instruct bf16 with its 0.5B sibling")."""
     if isinstance(config.draft, str) or config.draft_positions == "slots":
         return False
     return config.draft_precision in LEAN_PRECISIONS and lean_support(target) is None

@@ -18,14 +18,13 @@ from .registry import MODEL_DRAFTER, DraftContext, register_drafter
 
 # a drafter filling by copy refills once it is more than this many tokens behind the sequence (steps ran without
 # it); catching up costs a forward of that many rows, a copy a few milliseconds. One filling by forwards refills
-# only when half its window behind (a fill is a 272-row forward: 0.35-0.5 s for SmolLM2 on 2 cores).
+# only when half its window behind (a fill is a 272-row forward: docs/experiments.md, "Force 1: a window of 1024...").
 COPY_REFILL_BEHIND = 8
 # A drafter that fills its cache by a forward (a draft model: it cannot copy the target's entries) runs that fill,
 # sink + window = 1040 rows by default, by the draft model's own weights, and drafts by its lean copy: the int4
 # kernels are built for a few rows, the model's own BLAS products for many. Exact either way: the drafter's law is
 # still a deterministic function of the sequence (the self drafter likewise drafts on the target's own entries).
-# Measured (benchmarks/draft_fill_cost.py): Qwen2.5-Coder-0.5B bf16, 1040 rows, 2 threads, AVX512-BF16 EPYC: 2.75 s by
-# its int4 copy, 1.53 s by its own weights.
+# The fill's cost both ways: docs/experiments.md, "Lean drafting tiers: weight-only int4 in groups of 32".
 
 
 class ModelDrafter:
@@ -34,16 +33,16 @@ class ModelDrafter:
     def __init__(self, model, sink_tokens: int, window: int, processors, do_sample: bool, sampler: Sampler,
                  sampled_siblings: bool = False, source: BufferCache | None = None, positions: str = "slots",
                  fill_model=None, clock: Clock | None = None, cache_rows: int | None = None):
-        """``sampled_siblings``: when sampling, a tree's alternatives are the draft's top-ranked tokens (False,
-        the default: they accepted more, docs/results.md) or drawn without replacement (True); see
-        `propose_tree`. ``source``: the target's full cache, when ``model`` drafts for itself (the target or a
-        copy of its weights): fills copy their entries from it (`SinkWindowCache.copy_from`) instead of running a
-        forward over them, where it can (`copy_refusal`; `fill` says how). ``positions``: the cache's
-        (`SinkWindowCache`): ``"slots"`` (in-cache) or ``"absolute"`` (the tokens' own). ``fill_model``: the
-        model whose forward fills the cache where it is not copied (default ``model``): a draft model's own weights
-        when ``model`` is its lean copy, whose int4 CPU kernels are built for a few rows (the note above the class).
-        ``clock``: the call's, timing its forwards (`forwards.forward`; default the host's). ``cache_rows``: the
-        entries its cache is allocated for (default ``sink_tokens + window``; `SinkWindowCache`'s ``capacity``)."""
+        """``sampled_siblings``: when sampling, a tree's alternatives are the draft's top-ranked tokens (False, the
+        default: they accepted more, docs/experiments.md, "Candidate trees") or drawn without replacement (True); see
+        `propose_tree`. ``source``: the target's full cache, when ``model`` drafts for itself (the target or a copy of
+        its weights): fills copy their entries from it (`SinkWindowCache.copy_from`) instead of running a forward over
+        them, where it can (`copy_refusal`; `fill` says how). ``positions``: the cache's (`SinkWindowCache`):
+        ``"slots"`` (in-cache) or ``"absolute"`` (the tokens' own). ``fill_model``: the model whose forward fills the
+        cache where it is not copied (default ``model``): a draft model's own weights when ``model`` is its lean copy,
+        whose int4 CPU kernels are built for a few rows (the note above the class). ``clock``: the call's, timing its
+        forwards (`forwards.forward`; default the host's). ``cache_rows``: the entries its cache is allocated for
+        (default ``sink_tokens + window``; `SinkWindowCache`'s ``capacity``)."""
         self.model = model
         self.fill_model = model if fill_model is None else fill_model
         layers = num_layers(model.config)
@@ -81,8 +80,8 @@ class ModelDrafter:
     def prefill(self, prompt: torch.Tensor) -> None:
         """Ready to propose after ``prompt``: on the first call, the cache filled with the prompt's first
         ``sink_tokens`` and last ``window`` tokens but the last; later (the levels of a call share one drafter, and
-        each starts it) nothing: drafting catches up with the sequence (`_draft_steps`); a second fill would cost
-        0.43 s of a 16k call (SmolLM2, 272 rows, 2 threads)."""
+        each starts it) nothing: drafting catches up with the sequence (`_draft_steps`); a second fill would cost a
+        272-row forward (docs/experiments.md, "Force 1: a window of 1024...")."""
         if not self.seen:
             before = self.seconds
             self._fill(prompt)

@@ -3,9 +3,9 @@
 `cpu_attention`'s kernel reads each KV head's cache once for all the head's query rows; ATen's route
 (`attention.aten_attention`: one-row SDPA for a decoding step, else masked GQA SDPA or the cache split across threads)
 runs many small matrix products. Which is cheaper depends on the CPU and on the code the kernel was built into
-(`native_build.build_target`): on an AVX-512 EPYC, 2 threads, the kernel built for it is 1.05-2.3x cheaper at 1k-32k
-entries (docs/results.md, "Attention over a long cache on the CPU"), where code built for x86-64-v3 from 512-bit paths
-ran 8.67 ms against ATen's 1.68 (SmolLM2's shapes, 5 new rows, 4096 entries, 1 thread). So `AttentionRoutes` times both
+(`native_build.build_target`): the kernel built for an AVX-512 CPU is cheaper nearly everywhere, code built for
+x86-64-v3 from 512-bit paths far dearer (docs/experiments.md, "Attention over a long cache on the CPU: the library's
+kernel", both builds against ATen's route). So `AttentionRoutes` times both
 routes per shape class (dtype, head dim, KV heads, query heads per KV head, threads), row count (`CALIBRATED_ROWS`: a
 call of ``n`` new rows takes the route of the largest not above ``n``) and cache length (powers of two from
 `cpu_attention.MIN_CACHED`: a call takes the route of the largest not above its cached entries), at a call's set-up

@@ -2,11 +2,10 @@
 or fp16.
 
 ATen's CPU attention runs a decoding step or a few-row verification over a long cache as many small matrix products per
-block of keys: SmolLM2's shapes at 32k entries, 2 threads, one new token 4.3 ms a layer, four 6.2 ms, where reading
-the layer's 50 MB of keys and values once takes about 1.7 ms (docs/results.md, "Attention over a long cache
-on the CPU"). `csrc/decode_attention.c` reads each KV head's keys and values once for all its query rows (the group's
-query heads times the new tokens, two rows per pass over a block), in spans run on torch's thread count and merged
-by their softmax maxima and sums.
+block of keys, reading the cache at a fraction of the memory's speed (docs/experiments.md, "Attention over a long cache
+on the CPU: the library's kernel"). `csrc/decode_attention.c` reads each KV head's keys and values once for all its
+query rows (the group's query heads times the new tokens, two rows per pass over a block), in spans run on torch's
+thread count and merged by their softmax maxima and sums.
 
 It is compiled on first use for the CPU it runs on and kept (`native_build`). Before first use it is checked against
 a float64 reference; a build, load or check that fails leaves `status` saying why,
@@ -15,7 +14,7 @@ cheaper than ATen's route on this CPU (`attention_routes`; `TriForceStats.attent
 ``HF_TRIFORCE_CPU_ATTENTION=off`` turns it off.
 
 Numerics: every score, weight and sum in fp32; the softmax's order of summation differs from ATen's, so outputs differ
-from SDPA's by rounding (fp32: 3-6e-8 against the float64 result at 1k-32k entries, ATen's own 0.5-6e-8). A bf16 or
+from SDPA's by rounding (fp32: about ATen's own error against float64, docs/experiments.md, as above). A bf16 or
 fp16 cache is read as it is (half the bytes) and widened in registers (with AVX512-BF16, bf16 keys' dot products are
 taken in pairs by ``vdpbf16ps``); each product of two such values is exact in fp32, and the output is rounded once to
 the cache's dtype (`tolerance`).
@@ -33,10 +32,9 @@ from .native_build import CSRC, load_checked
 SOURCES = (CSRC / "decode_attention.c", CSRC / "decode_attention_span.h", CSRC / "vectors.h")  # compiled, included
 HEAD_DIMS = (64, 128)
 # New tokens per call it takes: a decoding step, and verifications up to the longest chain the policy runs (a lookup's
-# 10 tokens + 1). Against ATen's route (one-row SDPA; else the cheaper of one masked call and split-KV), an AVX-512
-# EPYC, 2 threads, 1k-32k cached entries, 1-11 new tokens: SmolLM2 (3 KV heads of 64) 1.31-2.26x cheaper, Qwen2.5-
-# Coder-1.5B (2 KV heads of 128) 1.05-2.06x (docs/results.md, "Attention over a long cache on the CPU"). Longer
-# calls (a prefill's chunks) keep ATen's route, which blocks many rows into one matrix product.
+# 10 tokens + 1), where it is cheaper than ATen's route (docs/experiments.md, "Attention over a long cache on the CPU:
+# the library's kernel"). Longer calls (a prefill's chunks) keep ATen's route, which blocks many rows into one matrix
+# product.
 MAX_NEW_TOKENS = 11
 # Cached entries from which the kernel runs a call (it is cheaper from 1024 on, the shortest measured)
 MIN_CACHED = 1024
@@ -44,11 +42,10 @@ ENV = "HF_TRIFORCE_CPU_ATTENTION"
 ELEMENTS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # the kernel's element codes (csrc/vectors.h)
 DTYPES = tuple(ELEMENTS)  # what the kernel reads and writes: query, keys and values of one of these, the output alike
 # a KV head's query rows (its query heads times the new tokens) up to which the kernel takes them in pairs, a decoding
-# step's; more, a verification's, go four at a time against each block's keys transposed (AVX-512 builds). From 9 rows
-# the fours cost 0.85-1.06x the pairs at 1k-32k entries, at 6 rows 1.1-1.3x (SmolLM2's and Qwen2.5-1.5B's shapes, an
-# AVX-512 EPYC, 2 threads: benchmarks/cpu_attention_cost.py, its "pairs ms" column)
+# step's; more, a verification's, go four at a time against each block's keys transposed (AVX-512 builds): the fours
+# cost more than the pairs at 6 rows, about as much or less from 9 (docs/experiments.md, as above)
 NARROW_ROWS = 8
-FP32_TOLERANCE = 1e-5  # the fp32 result's error against float64 on random inputs of unit scale (measured: below 1e-6)
+FP32_TOLERANCE = 1e-5  # the fp32 result's error against float64 on random inputs of unit scale (far below it)
 # half an ulp of an output rounded to bf16 / fp16, relative to the value
 OUTPUT_ROUNDING = {torch.float32: 0.0, torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11}
 

@@ -3,9 +3,7 @@ verification forwards.
 
 A decoding step or a verification of a few tokens multiplies 1-16 rows by every weight matrix of the model, and is
 bound by reading the weights. ATen's products (MKL's sgemm) read them at a fraction of the memory's speed for a few
-rows: Qwen2.5-Coder-1.5B's decoder-layer shapes (4 layers, 750 MB of fp32 weights, 2 threads, an AVX-512 EPYC,
-2026-12-05), ms for 1 / 2 / 4 / 8 rows: ``x @ W.T`` 32 / 66 / 62 / 56, ``W @ x.T`` 21 (one row as two) / 22 / 27 /
-60, this kernel 15 / 16 / 18 / 25, i.e. 49-30 GB/s (docs/results.md, "Linear layers of a few rows on the CPU").
+rows, this kernel at most of it (docs/experiments.md, "Linear layers of a few rows on the CPU").
 `csrc/few_rows_linear.c` reads each block of weight rows once and multiplies it into every input row (up to 8 a pass;
 the rows stay in the cache), the output columns split among torch's threads.
 

@@ -12,20 +12,17 @@ rounding of each output to their dtype, like any change of GEMM kernel):
   Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q6_K) were attached to every layer of the group (`gguf_weights.attach_gguf`):
   exactly the fp32 weight's values, bit for bit, so the same dot products again.
 
-Which is faster depends on the CPU, the shapes and the row count. Qwen2.5-Coder-1.5B's decoder shapes, fp32, 2 threads,
-an AVX-512 EPYC, ms for 1 / 2 / 4 / 8 rows: ``"linear"`` 32 / 66 / 62 / 56, ``"left"`` 21 / 22 / 27 / 60,
-``"stream"`` 15 / 16 / 18 / 25 (docs/results.md, "Linear layers of a few rows on the CPU"); SmolLM2-135M's whole
-forward on an AVX2 EPYC: ``F.linear`` 92-110 ms for one row, 152-160 for two, weight-left 84-110 for two. So
-`LinearRoutes` times the routes for each layer group (``"head"``: the output layer; ``"decoder"``: every other eligible
-layer) at 1, 2, 4 and 8 rows (`CALIBRATED_ROWS`; a call of ``n`` rows takes the route of the largest of them not above
-``n``), on a working set of the group's own weights larger than a last-level cache, before the call decodes (so that no
-timed forward of the adaptive policy includes it), and keeps them for the model's later calls, each group's under what
-it was timed on (`timed_on`: each layer's weight storage, dtype and shape, and whether GGUF blocks are attached),
-timed again at a call that finds the group otherwise (``model.double()``, `detach_gguf`, replaced weights); calls of
-more than `MAX_ROUTED_ROWS` rows, the prefill's chunks, keep ``F.linear``, and so do calls under CPU autocast or of
-rows in another dtype than the weight (`bypass`: ``F.linear`` casts or raises as the model's own forward does; counted
-in `LinearRoutes.bypassed`, `TriForceStats.linear_bypassed`). The timings take ~1 s once per model and process
-(`TriForceStats.linear_calibration_seconds`).
+Which is faster depends on the CPU, the shapes and the row count (docs/experiments.md, "Linear layers of a few rows on
+the CPU"). So `LinearRoutes` times the routes for each layer group (``"head"``: the output layer; ``"decoder"``: every
+other eligible layer) at 1, 2, 4 and 8 rows (`CALIBRATED_ROWS`; a call of ``n`` rows takes the route of the largest of
+them not above ``n``), on a working set of the group's own weights larger than a last-level cache, before the call
+decodes (so that no timed forward of the adaptive policy includes it), and keeps them for the model's later calls, each
+group's under what it was timed on (`timed_on`: each layer's weight storage, dtype and shape, and whether GGUF blocks
+are attached), timed again at a call that finds the group otherwise (``model.double()``, `detach_gguf`, replaced
+weights); calls of more than `MAX_ROUTED_ROWS` rows, the prefill's chunks, keep ``F.linear``, and so do calls under CPU
+autocast or of rows in another dtype than the weight (`bypass`: ``F.linear`` casts or raises as the model's own forward
+does; counted in `LinearRoutes.bypassed`, `TriForceStats.linear_bypassed`). The timings take ~1 s once per model and
+process (`TriForceStats.linear_calibration_seconds`).
 
 Exactness: each row's outputs are its own dot products under every route (the columns of ``W @ x.T`` never mix; the
 kernel's rows never mix), so a row does not depend on the values of the call's other rows; the route depends on the
@@ -49,7 +46,7 @@ ROUTES = ("linear", "left", "stream", "gguf")
 MAX_ROUTED_ROWS = 16  # more rows (a prefill chunk): F.linear, a compute-bound product either way
 CALIBRATED_ROWS = (1, 2, 4, 8)  # the row counts timed; n rows take the route of the largest of these <= n
 # the weights one timing streams: more than a last-level cache (32 MB per AMD CCX), else the timing measures
-# cache-resident products a decoding forward never sees (48 MB and 128 MB chose the same routes on the EPYC)
+# cache-resident products a decoding forward never sees (docs/experiments.md, "Linear layers of a few rows on the CPU")
 CALIBRATION_BYTES = 48 << 20
 CALIBRATION_ROUNDS = 2  # per route: the fastest of these (the machine is shared; the minimum is the stable figure)
 
@@ -72,7 +69,7 @@ def multiply(route: str, rows: torch.Tensor, weight: torch.Tensor) -> torch.Tens
         return few_rows_linear.multiply(rows, weight)
     if route == "gguf":
         return gguf_linear.multiply(rows, gguf_weights.matrix_of(weight))
-    # a contiguous copy: MKL takes a slow path for a stride-0 column (4x dearer than two real ones on the EPYC)
+    # a contiguous copy: MKL takes a slow path for a stride-0 column (docs/experiments.md, "Linear layers ...")
     columns = rows if rows.shape[0] > 1 else rows.expand(2, -1).contiguous()
     return (weight @ columns.T).T[: rows.shape[0]]
 

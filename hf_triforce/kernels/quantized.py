@@ -8,8 +8,8 @@ The copy shares the config, every non-linear parameter and every buffer with the
 embedding table, the same attention implementation); each `nn.Linear` is replaced by an `Int8Linear`
 (int8 weights per output channel, each input row quantized to int8 on its own, int32 sums by
 `torch._int_mm`) except the MLP output projections (``intermediate_size -> hidden_size``), kept fp32: their
-inputs carry activation outliers (max/rms up to ~600 in SmolLM2, vs ~20 elsewhere). It is made once per
-model object and reused: if you change the model's weights afterwards, call `forget_int8_copy`.
+inputs carry activation outliers. It is made once per model object and reused: if you change the model's weights
+afterwards, call `forget_int8_copy`.
 
 Row independence (exactness): Force 2's q at row ``i`` of a verification must be a function of the
 sequence up to ``i`` only, never of the values of the other rows of the call (the drafts being verified,
@@ -18,30 +18,9 @@ as the q it hands up. `Int8Linear` quantizes every row with its own scale, and n
 across rows, so each output row is a function of its input row alone, bit for bit, at every call size. (torch.ao
 dynamic-int8 linears take one activation scale per call; run row by row only in calls of up to 64 rows, a batch's
 lockstep Force-2 calls of more than 64 rows — 2 rows x gamma1 32, or 22 rows x the default gamma1 2 — mix rows, and
-the enumerated law is off by 3e-2, tests/test_batch.py.)
-
-Measured on SmolLM2-135M shapes (30 layers, hidden 576, intermediate 1536, vocab 49152), 1 thread, a shared
-2-core AMD EPYC (AVX512-VNNI), min of repeats; the machine was not quiet enough for 2-thread figures:
-
-| SmolLM2-135M, one call of n rows                        | n = 1   | n = 8   | n = 33  | n = 512 |
-|---------------------------------------------------------|---------|---------|---------|---------|
-| linear stack, fp32                                       | 47 ms   | 87 ms   | 186 ms  | 2080 ms |
-| torch.ao (fbgemm) dynamic int8 row by row (<= 64 rows)    | 17 ms   | 71 ms   | 261 ms  | 3800 ms |
-| torch.ao dynamic int8, one scale (> 64 rows, inexact)    | 17 ms   | 26 ms   | 64 ms   | 758 ms  |
-| `Int8Linear`, down projections fp32 (this copy)          | 18 ms   | 41 ms   | 70 ms   | 927 ms  |
-| `Int8Linear`, every linear                               | 12 ms   | 30 ms   | 47 ms   | 580 ms  |
-| whole forward over a 272-entry cache, fp32               | 38 ms   | 74 ms   |         |         |
-| ... torch.ao row by row / `Int8Linear` (this copy)       | 19 / 20 | 61 / 39 |         |         |
-| ... `Int8Linear`, every linear                           | 16 ms   | 32 ms   |         |         |
-
-Weight-only int8 (``aten._weight_int8pack_mm``: fp32 activations, rows independent by construction) costs
-102 ms for the 1-row stack and 950 ms for 8 rows here (slower than fp32), and the torch.ao row-by-row loop at
-every call size makes a 512-row prefill chunk 4x slower than `Int8Linear`: both rejected. Agreement with
-the fp32 model (1024 tokens of Macbeth / Hamlet, expected acceptance sum(min(p, q)), argmax agreement): this
-copy 0.916 / 0.922 and 0.866 / 0.879; every linear int8 0.905 / 0.911 and 0.865 / 0.862; torch.ao row by
-row 0.887 / 0.893 (every linear 0.867 / 0.876), with one scale over the 1024 rows 0.762 / 0.767. Quantizing the
-down projections too would make drafting forwards ~16% cheaper for ~1 point of acceptance (not measured end to
-end); they stay fp32.
+the enumerated law is off by 3e-2, tests/test_batch.py.) Run row by row at every call size they make a prefill chunk
+dearer than fp32, and weight-only int8 is dearer than fp32 at every size: `Int8Linear` is the cheap row-independent
+int8 (docs/experiments.md, "Lean drafting tiers: weight-only int4 in groups of 32").
 
 Device maps (accelerate ``device_map=``, ``offload_folder=``): every execution device must be the CPU. The
 copy is made once from the loaded weights (offloaded layers are read from CPU or disk for it) and holds them

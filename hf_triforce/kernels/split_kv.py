@@ -117,11 +117,9 @@ def split_parts(kv_heads: int, rows: int, capacity: int, device: torch.device | 
 
 def cpu_split_pays(kv_heads: int, threads: int) -> bool:
     """Whether cutting a long cache across CPU threads can pay: KV heads that do not divide among the threads (ATen's
-    kernel runs one work item per KV head and block of query rows, so 3 KV heads keep 2 threads 2/3 busy). Measured
-    on a Zen 4, 2 threads, the split of a cache's cached entries against one call (`attention.split_kv_sdpa`, the
-    same calls without a bias): SmolLM2 (3 KV heads of 64, fp32) 7 tokens 0.82x at 32k, 0.95-0.97x at 8-16k; on one
-    thread the bias and the merge of `split_kv_attention` cost 0-10% over one masked call at 8-32k
-    (`benchmarks/split_kv_cost.py --buffer`, measured while other jobs shared the cores)."""
+    kernel runs one work item per KV head and block of query rows, so 3 KV heads keep 2 threads 2/3 busy; elsewhere
+    the split costs more than one call: docs/experiments.md, "Verification attention: GQA-native, split across threads
+    only where it pays")."""
     return threads > 1 and kv_heads % threads != 0
 
 
