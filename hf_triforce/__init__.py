@@ -4,6 +4,7 @@
 """
 
 from .caches import RetrievalCache, SinkWindowCache
+from .caches.row_caches import RowCaches
 from .caches.saved_prefill import load_prefill, save_prefill
 from .candidates import TriForceCandidateGenerator
 from .config import TriForceConfig
@@ -14,6 +15,7 @@ from .stats import TriForceStats
 __version__ = "0.1.0"
 __all__ = [
     "RetrievalCache",
+    "RowCaches",
     "SinkWindowCache",
     "TriForceCandidateGenerator",
     "TriForceConfig",

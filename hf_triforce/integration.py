@@ -16,6 +16,7 @@ from transformers import StoppingCriteriaList, StopStringCriteria
 
 from . import compat
 from .assisted import assisted_generate
+from .caches.row_caches import RowCaches
 from .config import TriForceConfig
 from .decoding.loop import Decoder
 from .decoding.preflight import check_batch_request, check_model
@@ -34,14 +35,16 @@ def _generate_batch(model, input_ids, logits_processor, stopping_criteria, gener
     """Batch size > 1 (`hf_triforce.decoding.loop`): rows padded on the right as plain ``generate`` pads
     stopped rows."""
     mask = model_kwargs.get("attention_mask")
-    prefix = model_kwargs.get("cache")
-    prefix = prefix if prefix is not None and prefix.get_seq_length() > 0 else None
-    check_batch_request(model, config, generation_config, streamer, prefix)
     rows, pads = [], []
     for b in range(input_ids.shape[0]):
         ids, pad = strip_padding(input_ids[b : b + 1], None if mask is None else mask[b : b + 1])
         rows.append(ids)
         pads.append(pad)
+    prefix = model_kwargs.get("cache")
+    if isinstance(prefix, RowCaches):
+        prefix.check([ids.shape[1] for ids in rows], compat.num_layers(model.config))
+    prefix = prefix if prefix is not None and prefix.get_seq_length() > 0 else None
+    check_batch_request(model, config, generation_config, streamer, prefix)
     decoder = Decoder(model, config, logits_processor, stopping_criteria,
                       max_lengths=[generation_config.max_length - pad for pad in pads],
                       do_sample=bool(generation_config.do_sample),

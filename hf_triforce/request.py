@@ -21,6 +21,7 @@ from transformers import (
 
 from . import compat
 from .caches.buffer import check_taken, prefix_rows
+from .caches.row_caches import RowCaches
 from .config import TriForceConfig
 from .decoding.tiers import check_lean_eligible, drafting_models
 from .kernels.attention_function import wrapped_name
@@ -136,6 +137,9 @@ def prefix_cache(model_kwargs: dict, ids: torch.Tensor, pad: int):
     there is none or it is ``generate``'s empty default; refused where it holds the whole prompt or another batch
     size than the prompt's, or the prompt is padded."""
     prefix = model_kwargs.get("cache")
+    if isinstance(prefix, RowCaches):
+        raise ValueError("cache=RowCaches continues a batch (batch size > 1); a prompt of batch size 1 takes its own "
+                         "cache as cache=")
     if prefix is None or prefix.get_seq_length() == 0:
         return None
     if prefix_rows(prefix) != ids.shape[0]:

@@ -25,6 +25,7 @@ from .. import compat
 from ..caches.buffer import BufferCache, copy_prefix, prefix_rows
 from ..caches.offloaded import OffloadedBufferCache
 from ..caches.ragged import RaggedBufferCache
+from ..caches.row_caches import RowCaches
 from ..compat import layer_devices
 from ..forwards.forward import Clock, prefill, ragged_forward, score_continuation, score_fixed_shape
 from ..kernels.attention import QueryRecorder
@@ -146,34 +147,49 @@ class RaggedForce3:
 
     def prefill(self, prompts: list[torch.Tensor], prefix, stats: list) -> tuple[list, list, float | None]:
         """Each distinct prompt prefilled once on its first row; identical rows copy that row's entries.
-        ``prefix`` (``cache=``): a transformers cache of the first ``c`` columns of the left-padded batch (what
-        a forward of ``input_ids[:, :c]`` with its attention mask left): row ``b``'s entries, past its padding,
-        are copied into its row and only the rest of its prompt is run. Returns per row the last prompt position's
-        logits and queries, and None (rows prefill apart: a draft cache's fill is priced by the policy)."""
+        ``prefix`` (``cache=``): a `RowCaches` (row ``b``'s first tokens in its own cache), or a transformers cache
+        of the first ``c`` columns of the left-padded batch (what a forward of ``input_ids[:, :c]`` with its
+        attention mask left); row ``b``'s entries (past its padding) are copied into its row and only the rest of
+        its prompt is run. Returns per row the last prompt position's logits and queries, and None (rows prefill
+        apart: a draft cache's fill is priced by the policy)."""
         done, logits, queries = {}, [None] * len(prompts), [None] * len(prompts)
-        cached = int(prefix.get_seq_length()) if prefix is not None else 0
-        widths = [ids.shape[1] + padding.shape[1] for ids, padding in zip(prompts, self.paddings)]
-        if prefix is not None and (cached >= max(widths) or prefix_rows(prefix) != len(prompts)):
-            raise ValueError(f"cache= holds {cached} columns of a batch of {prefix_rows(prefix)}; the "
-                             f"batch has {len(prompts)} rows of {max(widths)} columns and must extend it by at least "
-                             "one")
+        held = self._held(prompts, prefix)
         for b, ids in enumerate(prompts):
-            padding = self.paddings[b]
-            key = (tuple(ids[0].tolist()), tuple(padding[0].tolist()))
+            key = (tuple(ids[0].tolist()), tuple(self.paddings[b][0].tolist()), held[b])
             if key in done:
                 self.cache.copy_row(done[key], b)
                 logits[b], queries[b] = logits[done[key]], queries[done[key]]
                 continue
-            recorder, began, row, pad = QueryRecorder(), self.clock.start(), self.cache.row(b), padding.shape[1]
-            if cached > pad:  # this row's entries in the prefix: columns [pad, cached)
-                for layer, source in zip(row.layers, prefix.layers):
-                    layer.write(source.keys[b : b + 1, :, pad:cached], source.values[b : b + 1, :, pad:cached])
-            logits[b] = prefill(self.model, ids[:, max(cached - pad, 0):], row, self.config.prefill_chunk_size,
+            recorder, began, row = QueryRecorder(), self.clock.start(), self.cache.row(b)
+            for index, layer in enumerate(row.layers[: len(row.layers) if held[b] else 0]):
+                layer.write(*self._entries(prefix, b, index, held[b]))
+            logits[b] = prefill(self.model, ids[:, held[b]:], row, self.config.prefill_chunk_size,
                                 self.config.show_progress, recorder)
             stats[b].prefill_seconds = float(self.clock.stop(began))  # copies: 0
             queries[b] = recorder.at(-1)
             done[key] = b
         return logits, queries, None
+
+    def _held(self, prompts: list[torch.Tensor], prefix) -> list[int]:
+        """Per row, the prompt tokens ``prefix`` holds for it (0: none)."""
+        if prefix is None:
+            return [0] * len(prompts)
+        if isinstance(prefix, RowCaches):
+            return prefix.lengths()
+        cached = int(prefix.get_seq_length())
+        widths = [ids.shape[1] + padding.shape[1] for ids, padding in zip(prompts, self.paddings)]
+        if cached >= max(widths) or prefix_rows(prefix) != len(prompts):
+            raise ValueError(f"cache= holds {cached} columns of a batch of {prefix_rows(prefix)}; the "
+                             f"batch has {len(prompts)} rows of {max(widths)} columns and must extend it by at least "
+                             "one")
+        return [max(cached - padding.shape[1], 0) for padding in self.paddings]
+
+    def _entries(self, prefix, b: int, layer: int, held: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Row ``b``'s ``held`` prefix entries of ``layer``, ``[1, kv_heads, held, head_dim]``."""
+        if isinstance(prefix, RowCaches):
+            return prefix.entries(b, layer)
+        source, pad = prefix.layers[layer], self.paddings[b].shape[1]
+        return source.keys[b : b + 1, :, pad : pad + held], source.values[b : b + 1, :, pad : pad + held]
 
     def score(self, sequences: dict[int, torch.Tensor], candidates: dict[int, Candidates],
               processors: list) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:

@@ -10,9 +10,10 @@ A request's prompt ``ids`` ([1, n]) runs as:
    last prompt token and decodes; without TriForce, ``generate`` on a `StaticCache` filled from it (plain decoding,
    the baseline).
 
-A batch (`Engine.run_batch`) runs steps 1-3 per request, then one ``generate`` of the left-padded prompts with the
-rows' caches laid side by side (`padded_batch`): a ragged TriForce batch, each row exact (greedy identical to the
-request alone, its sampled law its own), or plain batched ``generate`` without TriForce. One criterion
+A batch (`Engine.run_batch`) runs steps 1-3 per request, then one ``generate`` of the left-padded prompts: a ragged
+TriForce batch continuing from the rows' caches as they are (``cache=RowCaches(...)``), each row exact (greedy
+identical to the request alone, its sampled law its own), or plain batched ``generate`` without TriForce, from the
+rows' caches laid side by side (`padded_batch`). One criterion
 (`RowStops`) stops each row on its own rules and answers it as soon as it stops, while the other rows decode on.
 """
 
@@ -29,6 +30,7 @@ from typing import Any
 import torch
 from transformers import DynamicCache, StaticCache, StoppingCriteriaList, StopStringCriteria
 
+from ..caches.row_caches import RowCaches
 from ..config import TriForceConfig
 from ..decoding.preflight import check_batch_request
 from .padded_batch import left_padded, padded_cache
@@ -197,7 +199,6 @@ class Engine:
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         ids, mask = left_padded([job.ids for job in jobs], pad)
         lengths = [job.ids.shape[1] for job in jobs]
-        cache = padded_cache([cache for cache, _, _ in prefills], lengths, self.model.config)
         kwargs = {k: v for k, v in jobs[0].generate_kwargs.items() if k != "stop_strings"}
         kwargs["max_new_tokens"] = max(job.generate_kwargs["max_new_tokens"] for job in jobs)
         eos = kwargs.get("eos_token_id")
@@ -232,9 +233,11 @@ class Engine:
         batch = dict(row_batch)
         triforce = jobs[0].triforce
         if triforce is not None:
-            out = self.model.generate(ids, cache=cache, triforce_config=triforce, **kwargs)
+            out = self.model.generate(ids, cache=RowCaches([cache for cache, _, _ in prefills]),
+                                      triforce_config=triforce, **kwargs)
             batch["stats"] = _json_safe(out.triforce_stats.to_dict())
         else:
+            cache = padded_cache([cache for cache, _, _ in prefills], lengths, self.model.config)
             out = self.model.generate(ids, cache=self._static_copy(cache, ids.shape[1] + kwargs["max_new_tokens"]),
                                       **kwargs)
         for b, row in enumerate(rules):

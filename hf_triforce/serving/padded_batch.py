@@ -1,4 +1,5 @@
-"""A left-padded batch of prompts and the ``cache=`` that continues it, assembled from each row's own prefilled cache.
+"""A left-padded batch of prompts and the ``cache=`` that continues it in plain batched ``generate``, assembled from
+each row's own prefilled cache (a TriForce batch takes the rows' caches as they are: `caches.row_caches.RowCaches`).
 
 Row ``b``'s prompt of ``n_b`` tokens sits at columns ``[W - n_b, W)`` of the ``[B, W]`` ids (``W``: the longest
 prompt), padding before it; its cache of ``n_b - 1`` positions (its prompt but the last token, from the prefix
