@@ -1,6 +1,7 @@
 """The documents cite only data that the tree holds: every path under ``docs/bench/`` named in README.md or a
-document under docs/ exists (a citation of a folder: the folder; ``{a,b}`` alternatives: each), and the tracked files
-under docs/ stay within 1 MB."""
+document under docs/ exists (a citation of a folder: the folder; ``{a,b}`` alternatives: each); no raw result file of a
+bench run is tracked (each published table's data is a small CSV, docs/bench/README.md); and the tracked files under
+docs/ with every tracked result file elsewhere stay within 1 MB in all."""
 
 from __future__ import annotations
 
@@ -11,7 +12,28 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 # a path under docs/bench/, up to the first character no path here contains (a backtick, a space, a bracket)
 CITED = re.compile(r"docs/bench/[\w./{},-]*")
-DOCS_BYTES = 1_000_000
+DOCS_BYTES = 1_000_000  # docs/ and every tracked result file elsewhere, in all
+RESULT_SUFFIXES = (".json", ".jsonl", ".csv", ".png", ".npz")  # a result file's, outside docs/
+# what `hf-triforce-bench decode --out` writes: the raw files, rerun to get them back (its results.md: in a bench
+# folder; docs/results.md is the published document)
+RAW_RESULTS = ("results.json", "results.png")
+
+
+def tracked(*paths: str) -> list[str]:
+    listed = subprocess.run(["git", "ls-files", "-z", *paths], cwd=ROOT, capture_output=True, text=True, check=True)
+    return [name for name in listed.stdout.split("\0") if name]
+
+
+def counted(names: list[str]) -> list[str]:
+    """The tracked files the size cap counts: everything under docs/, and result files (`RESULT_SUFFIXES`) anywhere."""
+    return [name for name in names if name.startswith("docs/") or name.endswith(RESULT_SUFFIXES)]
+
+
+def raw_results(names: list[str]) -> list[str]:
+    def raw(name: str) -> bool:
+        base = name.rsplit("/", 1)[-1]
+        return base in RAW_RESULTS or (base == "results.md" and name.startswith("docs/bench/"))
+    return [name for name in names if raw(name)]
 
 
 def documents() -> list[Path]:
@@ -46,11 +68,27 @@ def test_every_docs_bench_path_the_documents_name_exists():
                          f"that writes it): {missing}")
 
 
-def test_the_tracked_docs_stay_within_a_megabyte():
-    listed = subprocess.run(["git", "ls-files", "-z", "docs"], cwd=ROOT, capture_output=True, text=True, check=True)
-    files = [ROOT / name for name in listed.stdout.split("\0") if name]
-    assert files, "git ls-files lists nothing under docs/"
+def test_the_cap_counts_docs_and_result_files_anywhere_and_raw_results_are_seen():
+    names = ["docs/design.md", "docs/bench/x/summary.csv", "benchmarks/data/run.json", "tests/fixtures/t.csv",
+             "README.md", "hf_triforce/config.py", "docs/bench/y/results.json", "out/results.png", "docs/results.md",
+             "docs/bench/z/results.md"]
+    assert counted(names) == ["docs/design.md", "docs/bench/x/summary.csv", "benchmarks/data/run.json",
+                              "tests/fixtures/t.csv", "docs/bench/y/results.json", "out/results.png", "docs/results.md",
+                              "docs/bench/z/results.md"]
+    assert raw_results(names) == ["docs/bench/y/results.json", "out/results.png", "docs/bench/z/results.md"]
+
+
+def test_no_raw_result_file_is_tracked():
+    raw = raw_results(tracked())
+    assert not raw, (f"raw bench results tracked: {raw}; keep the published table's rows (`python -m "
+                     "hf_triforce_bench.summaries FOLDER/results.json`) and the calibration's fields (`python -m "
+                     "hf_triforce_bench.calibration_runs FOLDER/results.json`) instead")
+
+
+def test_the_tracked_docs_and_result_files_stay_within_a_megabyte():
+    files = [ROOT / name for name in counted(tracked())]
+    assert any(path.is_relative_to(ROOT / "docs") for path in files), "git ls-files lists nothing under docs/"
     total = sum(path.stat().st_size for path in files if path.exists())
     largest = sorted(files, key=lambda path: -path.stat().st_size if path.exists() else 0)[:3]
-    assert total <= DOCS_BYTES, (f"{total} bytes tracked under docs/, over {DOCS_BYTES}; the largest: "
-                                 f"{[str(path.relative_to(ROOT)) for path in largest]}")
+    assert total <= DOCS_BYTES, (f"{total} bytes tracked under docs/ and in result files elsewhere, over "
+                                 f"{DOCS_BYTES}; the largest: {[str(path.relative_to(ROOT)) for path in largest]}")
