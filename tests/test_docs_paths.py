@@ -1,5 +1,6 @@
 """The documents cite only data that the tree holds: every path under ``docs/bench/`` named in README.md or a
-document under docs/ exists (a citation of a folder: the folder; ``{a,b}`` alternatives: each); no raw result file of a
+document under docs/ exists (a citation of a folder: the folder; ``{a,b}`` alternatives: each), and so does every file
+of the code they name by its path (``hf_triforce/decoding/loop.py``); no raw result file of a
 bench run is tracked (each published table's data is a small CSV, docs/bench/README.md); and the tracked files under
 docs/ with every tracked result file elsewhere stay within 1 MB in all."""
 
@@ -12,6 +13,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 # a path under docs/bench/, up to the first character no path here contains (a backtick, a space, a bracket)
 CITED = re.compile(r"docs/bench/[\w./{},-]*")
+# a file of the code named by its path from the root (`hf_triforce/decoding/loop.py`, `tests/test_layering.py`)
+CODE_FILE = re.compile(r"(?<![\w./-])((?:hf_triforce|hf_triforce_bench|tests|benchmarks|scripts|examples)/[\w./-]*"
+                       r"\.(?:py|sh|md|txt|json|csv))")
 DOCS_BYTES = 1_000_000  # docs/ and every tracked result file elsewhere, in all
 RESULT_SUFFIXES = (".json", ".jsonl", ".csv", ".png", ".npz")  # a result file's, outside docs/
 # what `hf-triforce-bench decode --out` writes: the raw files, rerun to get them back (its results.md: in a bench
@@ -52,6 +56,14 @@ def alternatives(path: str) -> list[str]:
 def cited_paths(text: str) -> list[str]:
     """The docs/bench/ paths ``text`` names, alternatives expanded, trailing punctuation and slashes dropped."""
     return [path.rstrip("/") for match in CITED.findall(text) for path in alternatives(match.rstrip(".,"))]
+
+
+def test_every_code_file_the_documents_name_exists():
+    assert CODE_FILE.findall("`hf_triforce/decoding/loop.py` (`Decoder._step`), scripts/test.sh; docs/x/tests/a.py") \
+        == ["hf_triforce/decoding/loop.py", "scripts/test.sh"]
+    missing = [f"{doc.relative_to(ROOT)}: {path}" for doc in documents() for path in CODE_FILE.findall(doc.read_text())
+               if not (ROOT / path).is_file()]
+    assert not missing, f"named in the documents but not in the tree (moved or renamed?): {missing}"
 
 
 def test_cited_paths_are_read_as_written():
