@@ -2,9 +2,10 @@
 
 Reads the measured decode speeds and per-tier forward timings of ``docs/bench/calibration/runs.csv`` (the fields this
 calibration reads of each run, `hf_triforce_bench.calibration_runs`: the runs the docs publish, under their bench
-folders' names, and those only this calibration reads, under ``calibration/<host>/...``), the GPU check's, kernel and
-lean-drafting timings under ``docs/bench/`` (a few tier timings are transcribed below), fits each machine's device
-numbers on the per-forward measurements and reports predicted vs measured for every point, fitted on or predicted.
+folders' names, those only this calibration reads, under ``calibration/<host>/...``, and the GPU check's library runs)
+and the kernel and lean-drafting timings under ``docs/bench/`` (a few tier timings are transcribed below), fits each
+machine's device numbers on the per-forward measurements and reports predicted vs measured for every point, fitted on
+or predicted.
 Writes ``docs/bench/calibration/calibration.{json,md}``, the fitted devices ``devices.json`` (``hf-triforce project
 --devices docs/bench/calibration/devices.json --device <name>``) and the published projections
 ``projections.{json,md}`` (``--out``: to another folder; tests/test_project_calibration.py checks that the published
@@ -31,9 +32,9 @@ static-cache ``generate`` of SmolLM2 at 16k measured 3.3-3.9 tok/s on 2026-11-29
   2k-32k, medians of 3; the second with kernel timings of plain ``generate``; ``zen4-2026-12-03-held-out``: the Qwen
   pair's runs of ``docs/results.md``'s current results, not fitted: predicted by the kernel host's fit
   (`PREDICTED_BY`).
-- ``h200``: ``gpu-h200*/gpu_check.json``, random-weight SmolLM2 and Qwen2.5-1.5B shapes, bf16 and fp32: bandwidth and
-  matmul FLOP/s are the datasheet's; the per-layer overhead and the attention FLOP/s (bf16, fp32) are fitted on each
-  fixed run's seconds of all tiers per Force-3 step.
+- ``h200``: the library runs of ``gpu-h200*`` (`benchmarks/gpu_check.py`), random-weight SmolLM2 and Qwen2.5-1.5B
+  shapes, bf16 and fp32: bandwidth and matmul FLOP/s are the datasheet's; the per-layer overhead and the attention
+  FLOP/s (bf16, fp32) are fitted on each fixed run's seconds of all tiers per Force-3 step.
 
 Points: ``static`` (static-cache ``generate``: one forward per token), ``plain`` (``generate`` on a DynamicCache: the
 forward plus a copy of the cache, `plain_generate_seconds`), ``plain steps in the loop`` (the adaptive policy's
@@ -126,6 +127,7 @@ CPU_FILES = {  # host -> bench folders (relative to docs/bench) whose runs `RESU
     # medians of 3: not fitted, every point predicted by the kernel host's fit (`PREDICTED_BY`)
     ZEN4_HELD_OUT: [f"qwen-coder-pair-python-zen4/{c}" for c in ("2k-8k", "16k", "32k")],
 }
+GPU_FILES = ("gpu-h200", "gpu-h200-smollm2-shape")  # bench folders of `benchmarks/gpu_check.py` runs in `RESULTS`
 # Hosts not fitted: every point of theirs is predicted with another host's fitted device (the same CPU model measured
 # on another run): what the projection gets right on runs it was not fitted on
 PREDICTED_BY = {ZEN4_HELD_OUT: ZEN4_KERNELS}
@@ -469,8 +471,11 @@ def cpu_listed_points() -> dict[str, list[Point]]:
 def gpu_points() -> tuple[list[Point], list[str]]:
     points, skipped = [], []
     shapes = {"smollm2-135m": "smollm2-135m", "qwen2.5-1.5b": "qwen2.5-coder-1.5b"}  # same shape (random weights)
-    for folder in ("gpu-h200", "gpu-h200-smollm2-shape"):
-        for row in json.loads((BENCH / folder / "gpu_check.json").read_text())["rows"]:
+    for folder in GPU_FILES:
+        for entry in RESULTS[folder]:  # a row of its gpu_check.json: one method
+            ((method, run),) = entry["methods"].items()
+            row = {"model": entry["model"], "dtype": entry["dtype"], "context": entry["context"], "method": method,
+                   "new_tokens": run["new_tokens"], "tok_s": run["decode_tokens_per_second"], "stats": run["stats"]}
             dtype = {"bf16": "bfloat16", "fp32": "float32"}[row["dtype"]]
             target = model_shape(shapes[row["model"]], dtype)
             cached = row["context"] + row["new_tokens"] // 2

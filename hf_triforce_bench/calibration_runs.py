@@ -1,10 +1,11 @@
 """The measured runs the projection's calibration reads (`benchmarks/project_calibration.py`), as one CSV: one row per
-bench folder, result and method of ``hf-triforce-bench decode``'s ``results.json``, holding only the fields the
+bench folder, result and method of ``hf-triforce-bench decode``'s ``results.json`` (or of a row of
+``benchmarks/gpu_check.py``'s ``gpu_check.json``: a result of one method), holding only the fields the
 calibration reads (the context, models, dtype, sampled or not, gammas and budget; each method's new tokens and decode
 speed; its tier seconds, forwards, proposals, drafting precision, cache sizes and plain steps). Numbers are written
 as Python writes them (``repr``), so that a run reads back with the same values and types as its ``results.json``.
 
-    python -m hf_triforce_bench.calibration_runs docs/bench/FOLDER/results.json [...]
+    python -m hf_triforce_bench.calibration_runs docs/bench/FOLDER/results.json [...]   # or FOLDER/gpu_check.json
         # adds (or replaces) FOLDER's rows in docs/bench/calibration/runs.csv
 """
 
@@ -48,6 +49,26 @@ def _value(cell: str):
         return float(cell)
     except ValueError:
         return cell
+
+
+def gpu_check_results(data: dict) -> list[dict]:
+    """The library runs of a ``gpu_check.json`` (``{"rows": [...]}``, `benchmarks/gpu_check.py`) as results of one
+    method each: its model, dtype (``"bf16"``, ``"fp32"``: as the file names them), context, new tokens, tokens/s and
+    statistics."""
+    return [{"context": row["context"], "model": row["model"], "dtype": row["dtype"],
+             "methods": {row["method"]: {"new_tokens": row["new_tokens"], "decode_tokens_per_second": row["tok_s"],
+                                         "stats": row.get("stats")}}} for row in data["rows"]]
+
+
+def results_of(loaded, name: str) -> list[dict]:
+    """A bench file's results: ``hf-triforce-bench decode``'s list as it is, a ``gpu_check.json`` by
+    `gpu_check_results`; anything else is refused."""
+    if isinstance(loaded, list) and all(isinstance(r, dict) and "methods" in r for r in loaded):
+        return loaded
+    if isinstance(loaded, dict) and isinstance(loaded.get("rows"), list):
+        return gpu_check_results(loaded)
+    raise ValueError(f"{name}: neither a results.json of hf-triforce-bench decode (a list of results with "
+                     "'methods') nor a gpu_check.json (its 'rows')")
 
 
 def rows(folder: str, results: list[dict]) -> list[dict]:
@@ -127,16 +148,16 @@ def folder_of(results_file: Path, bench: Path = BENCH) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("results", type=Path, nargs="+", help="results.json files under docs/bench/")
+    parser.add_argument("results", type=Path, nargs="+", help="results.json, gpu_check.json files under docs/bench/")
     parser.add_argument("--out", type=Path, default=RUNS, help=f"the CSV (default {RUNS})")
     args = parser.parse_args(argv)
     added = {}
     for name in args.results:
-        loaded = json.loads(name.read_text())
-        if not (isinstance(loaded, list) and all("methods" in result for result in loaded)):
-            raise SystemExit(f"{name}: not a results.json of hf-triforce-bench decode (a list of results with "
-                             "'methods')")
-        added[folder_of(name)] = rows(folder_of(name), loaded)
+        try:
+            results = results_of(json.loads(name.read_text()), str(name))
+        except ValueError as error:
+            raise SystemExit(str(error)) from error
+        added[folder_of(name)] = rows(folder_of(name), results)
     write(added, args.out)
     print(f"wrote {args.out}: {', '.join(added)}")
 

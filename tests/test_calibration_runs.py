@@ -74,3 +74,18 @@ def test_a_results_file_outside_the_bench_folder_is_refused(tmp_path):
     assert runs.folder_of(bench / "x" / "16k" / "results.json", bench) == "x/16k"
     with pytest.raises(ValueError, match="results_file must lie under"):
         runs.folder_of(tmp_path / "elsewhere" / "results.json", bench)
+
+
+def test_a_gpu_check_run_reads_back_as_a_result_of_its_one_method(tmp_path):
+    data = {"environment": {"gpu": "H200"}, "rows": [
+        {"model": "smollm2-135m", "dtype": "bf16", "context": 32768, "method": "static", "new_tokens": 64,
+         "tok_s": 40.1, "identical": True},
+        {"model": "smollm2-135m", "dtype": "bf16", "context": 32768, "method": "triforce-ngram", "new_tokens": 64,
+         "tok_s": 45.25, "stats": STATS}]}
+    back = read_back(tmp_path, {"gpu-h200": runs.results_of(data, "gpu_check.json")})["gpu-h200"]
+    assert [list(result["methods"]) for result in back] == [["static"], ["triforce-ngram"]]
+    assert back[1]["dtype"] == "bf16" and back[1]["context"] == 32768
+    assert back[1]["methods"]["triforce-ngram"]["decode_tokens_per_second"] == 45.25
+    assert back[1]["methods"]["triforce-ngram"]["stats"] == STATS
+    with pytest.raises(ValueError, match="neither a results.json"):
+        runs.results_of({"tiers": {}}, "llama-3.1-8b.json")

@@ -18,9 +18,9 @@ CODE_FILE = re.compile(r"(?<![\w./-])((?:hf_triforce|hf_triforce_bench|tests|ben
                        r"\.(?:py|sh|md|txt|json|csv))")
 DOCS_BYTES = 1_000_000  # docs/ and every tracked result file elsewhere, in all
 RESULT_SUFFIXES = (".json", ".jsonl", ".csv", ".png", ".npz")  # a result file's, outside docs/
-# what `hf-triforce-bench decode --out` writes: the raw files, rerun to get them back (its results.md: in a bench
-# folder; docs/results.md is the published document)
-RAW_RESULTS = ("results.json", "results.png")
+# what `hf-triforce-bench decode --out` and benchmarks/gpu_check.py write: the raw files, rerun to get them back (a
+# results.md: in a bench folder; docs/results.md is the published document)
+RAW_RESULTS = ("results.json", "results.png", "gpu_check.json")
 
 
 def tracked(*paths: str) -> list[str]:
@@ -83,18 +83,20 @@ def test_every_docs_bench_path_the_documents_name_exists():
 def test_the_cap_counts_docs_and_result_files_anywhere_and_raw_results_are_seen():
     names = ["docs/design.md", "docs/bench/x/summary.csv", "benchmarks/data/run.json", "tests/fixtures/t.csv",
              "README.md", "hf_triforce/config.py", "docs/bench/y/results.json", "out/results.png", "docs/results.md",
-             "docs/bench/z/results.md"]
+             "docs/bench/z/results.md", "docs/bench/gpu/gpu_check.json"]
     assert counted(names) == ["docs/design.md", "docs/bench/x/summary.csv", "benchmarks/data/run.json",
                               "tests/fixtures/t.csv", "docs/bench/y/results.json", "out/results.png", "docs/results.md",
-                              "docs/bench/z/results.md"]
-    assert raw_results(names) == ["docs/bench/y/results.json", "out/results.png", "docs/bench/z/results.md"]
+                              "docs/bench/z/results.md", "docs/bench/gpu/gpu_check.json"]
+    assert raw_results(names) == ["docs/bench/y/results.json", "out/results.png", "docs/bench/z/results.md",
+                                  "docs/bench/gpu/gpu_check.json"]
 
 
 def test_no_raw_result_file_is_tracked():
     raw = raw_results(tracked())
     assert not raw, (f"raw bench results tracked: {raw}; keep the published table's rows (`python -m "
-                     "hf_triforce_bench.summaries FOLDER/results.json`) and the calibration's fields (`python -m "
-                     "hf_triforce_bench.calibration_runs FOLDER/results.json`) instead")
+                     "hf_triforce_bench.summaries FOLDER/results.json`, or FOLDER/gpu_check.json) and the "
+                     "calibration's fields (`python -m hf_triforce_bench.calibration_runs FOLDER/results.json`) "
+                     "instead")
 
 
 def test_the_tracked_docs_and_result_files_stay_within_a_megabyte():
