@@ -716,14 +716,20 @@ COMPACT = (",", ":")  # JSON separators: no whitespace
 DIGITS = 6  # significant digits of a point's measured, predicted and error in calibration.json
 
 
+# a scored point's fields in calibration.json, in this order (a row of values per point, under "columns")
+ROW_COLUMNS = ("model", "source", "point", "unit", "measured", "predicted", "error", "fitted_on", "note", "note_if")
+
+
 def compact(out: dict) -> dict:
-    """``out`` as calibration.json holds it: each row without its host (the key it sits under) and without an empty
-    note (``note_if`` says which way a note applies), its measured, predicted and error to `DIGITS` significant
-    digits (the parameters and summaries in full)."""
-    def row(r: dict) -> dict:
-        kept = {k: v for k, v in r.items() if k != "host" and (r["note"] or k not in ("note", "note_if"))}
-        return {**kept, **{k: float(f"{r[k]:.{DIGITS}g}") for k in ("measured", "predicted", "error")}}
-    return {**out, "hosts": {host: {**result, "rows": [row(r) for r in result["rows"]]}
+    """``out`` as calibration.json holds it: each host's points as ``{"columns": ROW_COLUMNS, "rows": [[...]]}`` (no
+    host: the key they sit under; an empty note with an empty ``note_if``, which says which way a note applies),
+    measured, predicted and error to `DIGITS` significant digits (the parameters and summaries in full)."""
+    def row(r: dict) -> list:
+        rounded = {k: float(f"{r[k]:.{DIGITS}g}") for k in ("measured", "predicted", "error")}
+        values = {**r, **rounded, "note_if": r["note_if"] if r["note"] else ""}
+        return [values[k] for k in ROW_COLUMNS]
+    return {**out, "hosts": {host: {**result, "rows": {"columns": list(ROW_COLUMNS),
+                                                       "rows": [row(r) for r in result["rows"]]}}
                              for host, result in out["hosts"].items()}}
 
 
