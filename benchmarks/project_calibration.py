@@ -1,12 +1,15 @@
 """Calibrate the projection (`hf_triforce.tools.project`) on every measured point in the repository; no new runs.
 
-Reads the measured decode speeds and per-tier forward timings under ``docs/bench/`` (the runs the docs publish and,
-under ``docs/bench/calibration/<host>/``, the runs only this calibration reads; a few tier timings are transcribed
-below), fits each machine's device numbers on the per-forward measurements and reports predicted vs measured for
-every point, fitted on or predicted. Writes ``docs/bench/calibration/calibration.{json,md}``, the fitted devices
-``devices.json`` (``hf-triforce project --devices docs/bench/calibration/devices.json --device <name>``) and the
-published projections ``projections.{json,md}`` (``--out``: to another folder; tests/test_project_calibration.py
-checks that the published files are what this writes).
+Reads the measured decode speeds and per-tier forward timings of ``docs/bench/calibration/runs.csv`` (the fields this
+calibration reads of each run, `hf_triforce_bench.calibration_runs`: the runs the docs publish, under their bench
+folders' names, those only this calibration reads, under ``calibration/<host>/...``, and the GPU check's library runs)
+and the kernel and lean-drafting timings under ``docs/bench/`` (a few tier timings are transcribed below), fits each
+machine's device numbers on the per-forward measurements and reports predicted vs measured for every point, fitted on
+or predicted.
+Writes ``docs/bench/calibration/calibration.{json,md}``, the fitted devices ``devices.json`` (``hf-triforce project
+--devices docs/bench/calibration/devices.json --device <name>``) and the published projections
+``projections.{json,md}`` (``--out``: to another folder; tests/test_project_calibration.py checks that the published
+files are what this writes).
 
 Machines ("hosts", named by CPU and date): the recorded CPU runs come from different machines or loads (the same
 static-cache ``generate`` of SmolLM2 at 16k measured 3.3-3.9 tok/s on 2026-11-29, 5.8-6.7 on 2026-11-30, 10.4-10.9 on
@@ -29,9 +32,9 @@ static-cache ``generate`` of SmolLM2 at 16k measured 3.3-3.9 tok/s on 2026-11-29
   2k-32k, medians of 3; the second with kernel timings of plain ``generate``; ``zen4-2026-12-03-held-out``: the Qwen
   pair's runs of ``docs/results.md``'s current results, not fitted: predicted by the kernel host's fit
   (`PREDICTED_BY`).
-- ``h200``: ``gpu-h200*/gpu_check.json``, random-weight SmolLM2 and Qwen2.5-1.5B shapes, bf16 and fp32: bandwidth and
-  matmul FLOP/s are the datasheet's; the per-layer overhead and the attention FLOP/s (bf16, fp32) are fitted on each
-  fixed run's seconds of all tiers per Force-3 step.
+- ``h200``: the library runs of ``gpu-h200*`` (`benchmarks/gpu_check.py`), random-weight SmolLM2 and Qwen2.5-1.5B
+  shapes, bf16 and fp32: bandwidth and matmul FLOP/s are the datasheet's; the per-layer overhead and the attention
+  FLOP/s (bf16, fp32) are fitted on each fixed run's seconds of all tiers per Force-3 step.
 
 Points: ``static`` (static-cache ``generate``: one forward per token), ``plain`` (``generate`` on a DynamicCache: the
 forward plus a copy of the cache, `plain_generate_seconds`), ``plain steps in the loop`` (the adaptive policy's
@@ -66,6 +69,7 @@ import numpy as np
 from hf_triforce.config import TriForceConfig
 from hf_triforce.decoding.policy import Plan
 from hf_triforce.decoding.tiers import FORCE2_PRECISION
+from hf_triforce_bench.calibration_runs import RUNS, read
 from hf_triforce_bench.roofline import (
     DEVICES,
     GPU_LAYER_OVERHEAD,
@@ -97,7 +101,10 @@ AVX2_1129, AVX2_1130, AVX512_1201, AVX2_1202 = ("epyc-avx2-2026-11-29", "epyc-av
 ZEN4_QWEN, ZEN4_MEDIANS, ZEN4_KERNELS, ZEN4_HELD_OUT = ("zen4-2026-12-03-qwen-bf16", "zen4-2026-12-03-medians",
                                                         "zen4-2026-12-03-kernels", "zen4-2026-12-03-held-out")
 LLAMA_CPP_RUNS = ["final-8k-essays", "final-8k-essays-t1", "final-8k-hamlet", "final-16k-essays", "rerun-8k-essays"]
-CPU_FILES = {  # host -> bench folders (relative to docs/bench) holding a results.json
+# The runs of every bench folder below (`hf_triforce_bench.calibration_runs`: the fields this calibration reads of each
+# folder's results.json, one CSV row per result and method): folder -> its results
+RESULTS = read(RUNS)
+CPU_FILES = {  # host -> bench folders (relative to docs/bench) whose runs `RESULTS` holds
     AVX2_1129: [f"calibration/{AVX2_1129}/{name}" for name in (
         "1k-2k-int8", "1k-2k-tuned", "4k-8k", "4k-8k-int8", "4k-8k-tuned", "16k", "16k-int8", "16k-tuned", "32k",
         "32k-split", "qwen-2k", "qwen-2k-int8")],
@@ -120,6 +127,7 @@ CPU_FILES = {  # host -> bench folders (relative to docs/bench) holding a result
     # medians of 3: not fitted, every point predicted by the kernel host's fit (`PREDICTED_BY`)
     ZEN4_HELD_OUT: [f"qwen-coder-pair-python-zen4/{c}" for c in ("2k-8k", "16k", "32k")],
 }
+GPU_FILES = ("gpu-h200", "gpu-h200-smollm2-shape")  # bench folders of `benchmarks/gpu_check.py` runs in `RESULTS`
 # Hosts not fitted: every point of theirs is predicted with another host's fitted device (the same CPU model measured
 # on another run): what the projection gets right on runs it was not fitted on
 PREDICTED_BY = {ZEN4_HELD_OUT: ZEN4_KERNELS}
@@ -339,13 +347,12 @@ def cpu_points(host: str) -> tuple[list[Point], list[str], list[str]]:
     """A host's points from its bench folders, the runs not modelled, and the folders not there (yet): skipped."""
     points, skipped, missing = [], [], []
     for folder in CPU_FILES[host]:
-        path = BENCH / folder / "results.json"
-        if not path.exists():
-            print(f"note: {host}: {path.relative_to(ROOT)} is not there (yet): skipped")
+        if folder not in RESULTS:
+            print(f"note: {host}: {RUNS.relative_to(ROOT)} holds no run of {folder} (yet): skipped")
             missing.append(folder)
             continue
         qwen = "qwen" in folder
-        for entry in json.loads(path.read_text()):
+        for entry in RESULTS[folder]:
             context = entry["context"]
             dtype = entry.get("dtype") or "float32"
             target = model_shape(entry.get("model") or ("qwen2.5-coder-1.5b" if qwen else "smollm2-135m"), dtype)
@@ -464,8 +471,11 @@ def cpu_listed_points() -> dict[str, list[Point]]:
 def gpu_points() -> tuple[list[Point], list[str]]:
     points, skipped = [], []
     shapes = {"smollm2-135m": "smollm2-135m", "qwen2.5-1.5b": "qwen2.5-coder-1.5b"}  # same shape (random weights)
-    for folder in ("gpu-h200", "gpu-h200-smollm2-shape"):
-        for row in json.loads((BENCH / folder / "gpu_check.json").read_text())["rows"]:
+    for folder in GPU_FILES:
+        for entry in RESULTS[folder]:  # a row of its gpu_check.json: one method
+            ((method, run),) = entry["methods"].items()
+            row = {"model": entry["model"], "dtype": entry["dtype"], "context": entry["context"], "method": method,
+                   "new_tokens": run["new_tokens"], "tok_s": run["decode_tokens_per_second"], "stats": run["stats"]}
             dtype = {"bf16": "bfloat16", "fp32": "float32"}[row["dtype"]]
             target = model_shape(shapes[row["model"]], dtype)
             cached = row["context"] + row["new_tokens"] // 2
@@ -600,11 +610,10 @@ def measured_rates() -> dict:
     sink+window -> Force 3 (two levels, 16k), and Qwen2.5-Coder-0.5B -> 1.5B (Force 1 -> Force 2, 2k)."""
     force2 = []
     for folder in ("natural-1k-8k", "natural-16k"):
-        for entry in json.loads((OUT / AVX2_1130 / folder / "results.json").read_text()):
+        for entry in RESULTS[f"calibration/{AVX2_1130}/{folder}"]:
             stats = entry["methods"]["triforce-self"]["stats"]
             force2.append(rate_for_tokens(stats["force2_proposed"] / stats["force2_steps"], 2))
-    first = {name: json.loads((OUT / AVX2_1129 / name / "results.json").read_text())[0]["methods"]
-             for name in ("16k", "qwen-2k")}
+    first = {name: RESULTS[f"calibration/{AVX2_1129}/{name}"][0]["methods"] for name in ("16k", "qwen-2k")}
     streaming, qwen = first["16k"]["streaming-self"]["stats"], first["qwen-2k"]["triforce-draft"]["stats"]
     return {"force2": float(np.mean(force2)), "force2_runs": [round(r, 3) for r in force2],
             "streaming": rate_for_tokens(streaming["tokens_per_force3_step"], STREAMING_GAMMA),
@@ -707,14 +716,20 @@ COMPACT = (",", ":")  # JSON separators: no whitespace
 DIGITS = 6  # significant digits of a point's measured, predicted and error in calibration.json
 
 
+# a scored point's fields in calibration.json, in this order (a row of values per point, under "columns")
+ROW_COLUMNS = ("model", "source", "point", "unit", "measured", "predicted", "error", "fitted_on", "note", "note_if")
+
+
 def compact(out: dict) -> dict:
-    """``out`` as calibration.json holds it: each row without its host (the key it sits under) and without an empty
-    note (``note_if`` says which way a note applies), its measured, predicted and error to `DIGITS` significant
-    digits (the parameters and summaries in full)."""
-    def row(r: dict) -> dict:
-        kept = {k: v for k, v in r.items() if k != "host" and (r["note"] or k not in ("note", "note_if"))}
-        return {**kept, **{k: float(f"{r[k]:.{DIGITS}g}") for k in ("measured", "predicted", "error")}}
-    return {**out, "hosts": {host: {**result, "rows": [row(r) for r in result["rows"]]}
+    """``out`` as calibration.json holds it: each host's points as ``{"columns": ROW_COLUMNS, "rows": [[...]]}`` (no
+    host: the key they sit under; an empty note with an empty ``note_if``, which says which way a note applies),
+    measured, predicted and error to `DIGITS` significant digits (the parameters and summaries in full)."""
+    def row(r: dict) -> list:
+        rounded = {k: float(f"{r[k]:.{DIGITS}g}") for k in ("measured", "predicted", "error")}
+        values = {**r, **rounded, "note_if": r["note_if"] if r["note"] else ""}
+        return [values[k] for k in ROW_COLUMNS]
+    return {**out, "hosts": {host: {**result, "rows": {"columns": list(ROW_COLUMNS),
+                                                       "rows": [row(r) for r in result["rows"]]}}
                              for host, result in out["hosts"].items()}}
 
 

@@ -83,7 +83,8 @@ def test_smollm2_preset_reads_its_135m_weights():
     assert smollm2.dtype == "float32"
     # 30 layers x (576 x 64 x (2 x 9 + 2 x 3) + 3 x 576 x 1536) + the tied output layer 49152 x 576
     assert smollm2.matrix_params == 30 * (576 * 64 * 24 + 3 * 576 * 1536) + 49152 * 576 == 134_479_872
-    # docs/bench/calibration/epyc-avx2-2026-11-29/32k: full_cache_bytes 1480919040 = 32138 x 46080
+    # docs/bench/calibration/runs.csv, folder calibration/epyc-avx2-2026-11-29/32k: full_cache_bytes 1480919040
+    # = 32138 x 46080
     assert smollm2.kv_bytes_per_token == 46_080
     assert model_shape("smollm2-135m", "bf16").weight_bytes * 2 == smollm2.weight_bytes
 
