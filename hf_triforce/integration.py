@@ -41,9 +41,10 @@ def _generate_batch(model, input_ids, logits_processor, stopping_criteria, gener
         rows.append(ids)
         pads.append(pad)
     prefix = model_kwargs.get("cache")
-    if isinstance(prefix, RowCaches):
+    if isinstance(prefix, RowCaches):  # its rows may be made as their turn comes: kept whatever they hold now
         prefix.check([ids.shape[1] for ids in rows], compat.num_layers(model.config))
-    prefix = prefix if prefix is not None and prefix.get_seq_length() > 0 else None
+    elif prefix is not None and prefix.get_seq_length() == 0:
+        prefix = None
     check_batch_request(model, config, generation_config, streamer, prefix)
     decoder = Decoder(model, config, logits_processor, stopping_criteria,
                       max_lengths=[generation_config.max_length - pad for pad in pads],

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import DynamicCache, StaticCache
+from transformers import DynamicCache, StaticCache, StoppingCriteria, StoppingCriteriaList
 
 from hf_triforce import RowCaches
 from hf_triforce.decoding import force3
@@ -64,5 +64,36 @@ def test_what_cannot_be_continued_is_refused_by_name():
     with pytest.raises(ValueError, match="continues a batch"):
         model.generate(PROMPTS[0], cache=RowCaches([_prefilled(model, PROMPTS[0], 10)]), max_new_tokens=4,
                        triforce_config=_config())
-    with pytest.raises(TypeError, match="row 0 must be a transformers Cache"):
+    with pytest.raises(TypeError, match="row 0 must be a transformers Cache, None or a callable"):
         RowCaches([torch.zeros(1)])
+
+
+def test_rows_made_in_their_turn_commit_their_first_token_before_the_next_row_prefills():
+    """A row given as a callable is made when its row prefills; each row's first token is committed (its stopping
+    criteria asked) before the next row's cache is made."""
+    model = make_model("llama-gqa")
+    ids, mask = left_padded(PROMPTS)
+    events: list[str] = []
+
+    def made(b: int, tokens: int):
+        def make():
+            events.append(f"row {b}")
+            return _prefilled(model, PROMPTS[b], tokens) if tokens else None
+        return make
+
+    class Asked(StoppingCriteria):
+        def __call__(self, input_ids, scores, **kwargs):
+            events.append("token")
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool)
+
+    rows = RowCaches([made(0, 120), made(1, 0), made(2, 60)])
+    out = model.generate(ids, attention_mask=mask, cache=rows, triforce_config=_config(), max_new_tokens=12,
+                         do_sample=False, pad_token_id=0, stopping_criteria=StoppingCriteriaList([Asked()]))
+    assert events[:6] == ["row 0", "token", "row 1", "token", "row 2", "token"]
+    for row, prompt in enumerate(PROMPTS):
+        alone = model.generate(prompt, max_new_tokens=12, do_sample=False)[0, prompt.shape[1]:]
+        assert torch.equal(out[row, ids.shape[1]:], alone), row
+    whole = RowCaches([made(0, 0), lambda: _prefilled(model, PROMPTS[1], 97), made(2, 0)])
+    with pytest.raises(ValueError, match="row 1's cache holds 97 tokens"):
+        model.generate(ids, attention_mask=mask, cache=whole, triforce_config=_config(), max_new_tokens=4,
+                       pad_token_id=0)

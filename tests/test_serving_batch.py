@@ -58,11 +58,16 @@ def test_concurrent_requests_decode_as_one_batch_each_row_its_own(sharp_model, t
     stop = tokenizer.decode(reference[stop_at : stop_at + 1])
     jobs = [Job(ids, {"max_new_tokens": limit, "do_sample": False, **({"stop_strings": [stop]} if b == 2 else {})},
                 triforce) for b, (ids, limit) in enumerate(zip(prompts, limits))]
+    prefills_began, real_prefill = [], engine.prefill
+    engine.prefill = lambda ids: prefills_began.append(time.perf_counter()) or real_prefill(ids)
     try:
         futures, streamed, completed = _submit_together(scheduler, jobs)
         answers = [future.result(timeout=300) for future in futures]
     finally:
         scheduler.close(timeout=300)
+    if triforce is not None:  # row 0's first token streamed before the last row's prefill began
+        assert len(prefills_began) == 4
+        assert jobs[0].submitted + answers[0].figures["time_to_first_token_seconds"] < prefills_began[3]
     assert all(answer.figures["batch"]["rows"] == 4 for answer in answers)  # one batch
     assert all(set(answer.figures["batch"]) == {"rows", "started"} for answer in answers)  # not the batch's record
     if triforce is not None:

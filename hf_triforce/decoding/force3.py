@@ -19,6 +19,8 @@ scores per row, row ``0`` predicting the token after the committed sequence), ke
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from .. import compat
@@ -35,6 +37,9 @@ from .levels import Candidates
 from .resolved import ResolvedConfig
 from .tiers import force3_forward
 from .tree_forward import score_tree
+
+# receives a row's prefill: (row, the last prompt position's logits [1, vocab], its queries per layer)
+Prefilled = Callable[[int, torch.Tensor, dict], None]
 
 # a model drafter's cache fill is priced from the prefill's first chunk only if that chunk had at least this many
 # rows (fewer: per-forward overhead dominates, and the per-token price would be far too high)
@@ -71,10 +76,10 @@ class Force3:
     def row(self, b: int) -> BufferCache:
         return self.cache
 
-    def prefill(self, prompts: list[torch.Tensor], prefix, stats: list) -> tuple[list, list, float | None]:
-        """Prefill the prompt after what ``prefix`` (``cache=``) holds. Returns the last position's logits and queries
-        (one each), and the prefill's seconds per token where its first chunk says (None: unknown). On a CUDA device
-        reading the prefill's seconds waits for it (outside any decoding step)."""
+    def prefill(self, prompts: list[torch.Tensor], prefix, stats: list, prefilled: Prefilled) -> float | None:
+        """Prefill the prompt after what ``prefix`` (``cache=``) holds, then hand ``prefilled`` its last position's
+        logits and queries. Returns the prefill's seconds per token where its first chunk says (None: unknown). On a
+        CUDA device reading the prefill's seconds waits for it (outside any decoding step)."""
         config, (input_ids,), clock = self.config, prompts, self.clock
         cached = 0
         if prefix is not None:
@@ -85,8 +90,9 @@ class Force3:
         logits = prefill(self.model, input_ids[:, cached:], self.cache, config.prefill_chunk_size,
                          config.show_progress, self.recorder, chunks, clock)
         stats[0].prefill_seconds = float(clock.stop(start))
+        prefilled(0, logits, self.recorder.at(-1))
         measured = bool(chunks) and cached == 0 and chunks[0][0] >= SETUP_PRICE_MIN_ROWS
-        return [logits], [self.recorder.at(-1)], float(chunks[0][1]) / chunks[0][0] if measured else None
+        return float(chunks[0][1]) / chunks[0][0] if measured else None
 
     def score(self, sequences: dict[int, torch.Tensor], candidates: dict[int, Candidates],
               processors: list) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
@@ -145,51 +151,56 @@ class RaggedForce3:
     def row(self, b: int) -> BufferCache:
         return self.cache.row(b)
 
-    def prefill(self, prompts: list[torch.Tensor], prefix, stats: list) -> tuple[list, list, float | None]:
-        """Each distinct prompt prefilled once on its first row; identical rows copy that row's entries.
-        ``prefix`` (``cache=``): a `RowCaches` (row ``b``'s first tokens in its own cache), or a transformers cache
-        of the first ``c`` columns of the left-padded batch (what a forward of ``input_ids[:, :c]`` with its
-        attention mask left); row ``b``'s entries (past its padding) are copied into its row and only the rest of
-        its prompt is run. Returns per row the last prompt position's logits and queries, and None (rows prefill
-        apart: a draft cache's fill is priced by the policy)."""
-        done, logits, queries = {}, [None] * len(prompts), [None] * len(prompts)
-        held = self._held(prompts, prefix)
+    def prefill(self, prompts: list[torch.Tensor], prefix, stats: list, prefilled: Prefilled) -> None:
+        """Prefill row after row, each handing ``prefilled`` its last prompt position's logits and queries as soon as
+        it is done (its first token is committed before the next row's prefill). Each distinct prompt is prefilled
+        once, on its first row; identical rows copy that row's entries. ``prefix`` (``cache=``): a `RowCaches` (row
+        ``b``'s first tokens in its own cache), or a transformers cache of the first ``c`` columns of the left-padded
+        batch (what a forward of ``input_ids[:, :c]`` with its attention mask left); row ``b``'s entries (past its
+        padding) are copied into its row and only the rest of its prompt is run. Returns None (rows prefill apart: a
+        draft cache's fill is priced by the policy)."""
+        done = {}
+        self._check_prefix(prompts, prefix)
         for b, ids in enumerate(prompts):
-            key = (tuple(ids[0].tolist()), tuple(self.paddings[b][0].tolist()), held[b])
-            if key in done:
-                self.cache.copy_row(done[key], b)
-                logits[b], queries[b] = logits[done[key]], queries[done[key]]
-                continue
             recorder, began, row = QueryRecorder(), self.clock.start(), self.cache.row(b)
-            for index, layer in enumerate(row.layers[: len(row.layers) if held[b] else 0]):
-                layer.write(*self._entries(prefix, b, index, held[b]))
-            logits[b] = prefill(self.model, ids[:, held[b]:], row, self.config.prefill_chunk_size,
-                                self.config.show_progress, recorder)
+            entries = self._entries(prefix, b)  # per layer (keys, values) [1, kv_heads, held, head_dim]
+            held = entries[0][0].shape[2] if entries else 0
+            key = (tuple(ids[0].tolist()), tuple(self.paddings[b][0].tolist()), held)
+            if key in done:
+                self.cache.copy_row(done[key][0], b)
+                prefilled(b, *done[key][1:])
+                continue
+            for layer, (keys, values) in zip(row.layers, entries):
+                layer.write(keys, values)
+            logits = prefill(self.model, ids[:, held:], row, self.config.prefill_chunk_size, self.config.show_progress,
+                             recorder)
             stats[b].prefill_seconds = float(self.clock.stop(began))  # copies: 0
-            queries[b] = recorder.at(-1)
-            done[key] = b
-        return logits, queries, None
+            done[key] = (b, logits, recorder.at(-1))
+            prefilled(b, *done[key][1:])
+        return None
 
-    def _held(self, prompts: list[torch.Tensor], prefix) -> list[int]:
-        """Per row, the prompt tokens ``prefix`` holds for it (0: none)."""
-        if prefix is None:
-            return [0] * len(prompts)
-        if isinstance(prefix, RowCaches):
-            return prefix.lengths()
+    def _check_prefix(self, prompts: list[torch.Tensor], prefix) -> None:
+        """A padded batch's ``cache=`` must hold fewer columns than the batch and one row per prompt."""
+        if prefix is None or isinstance(prefix, RowCaches):
+            return
         cached = int(prefix.get_seq_length())
         widths = [ids.shape[1] + padding.shape[1] for ids, padding in zip(prompts, self.paddings)]
         if cached >= max(widths) or prefix_rows(prefix) != len(prompts):
             raise ValueError(f"cache= holds {cached} columns of a batch of {prefix_rows(prefix)}; the "
                              f"batch has {len(prompts)} rows of {max(widths)} columns and must extend it by at least "
                              "one")
-        return [max(cached - padding.shape[1], 0) for padding in self.paddings]
 
-    def _entries(self, prefix, b: int, layer: int, held: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Row ``b``'s ``held`` prefix entries of ``layer``, ``[1, kv_heads, held, head_dim]``."""
+    def _entries(self, prefix, b: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Row ``b``'s prefix entries per layer, ``[1, kv_heads, held, head_dim]`` (views; [] where it has none)."""
+        if prefix is None:
+            return []
         if isinstance(prefix, RowCaches):
-            return prefix.entries(b, layer)
-        source, pad = prefix.layers[layer], self.paddings[b].shape[1]
-        return source.keys[b : b + 1, :, pad : pad + held], source.values[b : b + 1, :, pad : pad + held]
+            return prefix.entries(b)
+        pad, cached = self.paddings[b].shape[1], int(prefix.get_seq_length())
+        if cached <= pad:
+            return []
+        return [(layer.keys[b : b + 1, :, pad:cached], layer.values[b : b + 1, :, pad:cached])
+                for layer in prefix.layers]
 
     def score(self, sequences: dict[int, torch.Tensor], candidates: dict[int, Candidates],
               processors: list) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:

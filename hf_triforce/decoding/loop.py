@@ -244,19 +244,25 @@ class Decoder:
     def _start(self, prompts, prefix_cache, streamer, keep_scores: bool, keep_logits: bool,
                rows_apart: RowsApart) -> list[Row]:
         """Prefill every row's full cache and commit each row's first token (sampled from the prefill's last position:
-        no Force-3 step); the policy seeded with what the prefill measured (`Hierarchy.seed_policy`)."""
-        began = time.perf_counter()
-        first_logits, queries, seconds_per_token = self.force3.prefill(prompts, prefix_cache, self.stats)
-        self.prefill_seconds = time.perf_counter() - began
-        rows_apart.enable()  # after the prefill (plain generate prefills with rows together too)
-        rows = []
-        for b, ids in enumerate(prompts):
+        no Force-3 step) as soon as its row is prefilled, rows in order (a batch's first row streams before the next
+        prefills); the policy seeded with what the prefill measured (`Hierarchy.seed_policy`)."""
+        rows: list[Row] = []
+
+        def first_token(b: int, logits: torch.Tensor, queries: dict) -> None:
+            ids = prompts[b]
             row = Row(b, Output(ids, self.views[b], self.criteria, self.max_lengths[b], streamer, keep_scores,
-                                keep_logits), queries[b])
-            scores = process_positions(self.processors[b], ids, first_logits[b], ids.shape[1])
+                                keep_logits), queries)
+            scores = process_positions(self.processors[b], ids, logits, ids.shape[1])
             first = self.sampler.categorical(scores_to_probs(scores)[0]) if self.do_sample else int(scores[0].argmax())
-            row.done = row.out.commit(first, scores[0], first_logits[b][0])
+            row.done = row.out.commit(first, scores[0], logits[0])
             rows.append(row)
+
+        began = time.perf_counter()
+        seconds_per_token = self.force3.prefill(prompts, prefix_cache, self.stats, first_token)
+        self.prefill_seconds = time.perf_counter() - began
+        if [row.index for row in rows] != list(range(len(prompts))):
+            raise RuntimeError(f"Force 3's prefill handed up rows {[row.index for row in rows]}, not each row in order")
+        rows_apart.enable()  # after the prefill (plain generate prefills with rows together too)
         self.hierarchy.seed_policy(seconds_per_token, max(ids.shape[1] for ids in prompts))
         return rows
 

@@ -10,8 +10,9 @@ A request's prompt ``ids`` ([1, n]) runs as:
    last prompt token and decodes; without TriForce, ``generate`` on a `StaticCache` filled from it (plain decoding,
    the baseline).
 
-A batch (`Engine.run_batch`) runs steps 1-3 per request, then one ``generate`` of the left-padded prompts: a ragged
-TriForce batch continuing from the rows' caches as they are (``cache=RowCaches(...)``), each row exact (greedy
+A batch (`Engine.run_batch`) runs one ``generate`` of the left-padded prompts: a ragged TriForce batch continuing from
+the rows' caches as they are (``cache=RowCaches(...)``, each row's steps 1-3 run in its turn, so that its first token
+streams before the next row prefills), each row exact (greedy
 identical to the request alone, its sampled law its own), or plain batched ``generate`` without TriForce, from the
 rows' caches laid side by side (`padded_batch`). One criterion
 (`RowStops`) stops each row on its own rules and answers it as soon as it stops, while the other rows decode on.
@@ -195,7 +196,14 @@ class Engine:
         keys = {job.batch_key() for job in jobs}
         if len(jobs) < 2 or len(keys) != 1 or None in keys:
             raise ValueError(f"Engine.run_batch: two or more jobs of one batch key (got {len(jobs)} of {len(keys)})")
-        prefills = [self.prefill(job.ids[:, : job.ids.shape[1] - 1]) for job in jobs]
+        prefills: list[tuple[DynamicCache, int, float] | None] = [None] * len(jobs)  # each row's steps 1-3
+
+        def row_prefill(b: int) -> Callable[[], DynamicCache]:
+            def run() -> DynamicCache:
+                prefills[b] = self.prefill(jobs[b].ids[:, : jobs[b].ids.shape[1] - 1])
+                return prefills[b][0]
+            return run
+
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         ids, mask = left_padded([job.ids for job in jobs], pad)
         lengths = [job.ids.shape[1] for job in jobs]
@@ -233,11 +241,12 @@ class Engine:
         batch = dict(row_batch)
         triforce = jobs[0].triforce
         if triforce is not None:
-            out = self.model.generate(ids, cache=RowCaches([cache for cache, _, _ in prefills]),
+            # each row's prefill made in its turn: its first token streams before the next row prefills
+            out = self.model.generate(ids, cache=RowCaches([row_prefill(b) for b in range(len(jobs))]),
                                       triforce_config=triforce, **kwargs)
             batch["stats"] = _json_safe(out.triforce_stats.to_dict())
         else:
-            cache = padded_cache([cache for cache, _, _ in prefills], lengths, self.model.config)
+            cache = padded_cache([row_prefill(b)() for b in range(len(jobs))], lengths, self.model.config)
             out = self.model.generate(ids, cache=self._static_copy(cache, ids.shape[1] + kwargs["max_new_tokens"]),
                                       **kwargs)
         for b, row in enumerate(rules):
