@@ -431,8 +431,7 @@ def assisted_decoding(model, candidate_generator: CandidateGenerator, input_ids:
 
 class ServeRequestHandling:
     """`transformers serve`'s request handling (``transformers.cli.serving``, 5.24-5.25), run without its model
-    manager, for `hf_triforce.serving.requests`: its chat and text completion handlers' request validation
-    (``_validate_request``: a field outside the OpenAI schema is an HTTP 422), chat-template rendering
+    manager, for `hf_triforce.serving.requests`: its chat and text completion handlers' chat-template rendering
     (``render_messages``, on a text-only engine) and OpenAI-fields-to-``generate`` mapping
     (``_build_generation_kwargs``). Imported on first use: the serving extra brings fastapi and openai."""
 
@@ -445,10 +444,6 @@ class ServeRequestHandling:
         self.handlers = {"chat": ChatCompletionHandler(None, state), "text": CompletionHandler(None, state)}
         # what the chat rendering reads of an engine
         self.engine = type("TextEngine", (), {"processor": tokenizer, "modality": Modality.LLM, "use_cb": False})()
-
-    def validate(self, endpoint: str, body: dict) -> None:
-        """``endpoint``: ``"chat"`` or ``"text"``; raises fastapi's ``HTTPException`` (422) for a foreign field."""
-        self.handlers[endpoint]._validate_request(body)
 
     def render_chat(self, body: dict) -> dict:
         """``body["messages"]`` through the chat template with ``add_generation_prompt=True``: ``input_ids`` [1, n]."""

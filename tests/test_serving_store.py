@@ -242,9 +242,8 @@ def test_replicas_and_autoscaling_are_deployment_options():
 
 
 def test_transformers_serve_request_handling_contract():
-    """What the server takes from `transformers serve` (`compat.ServeRequestHandling`): 422 for a foreign field,
-    the chat template with the generation prompt, OpenAI fields mapped to ``generate`` arguments."""
-    from fastapi import HTTPException
+    """What the server takes from `transformers serve` (`compat.ServeRequestHandling`): the chat template with the
+    generation prompt, OpenAI fields mapped to ``generate`` arguments."""
     from transformers import GenerationConfig
 
     from hf_triforce.compat import ServeRequestHandling
@@ -255,10 +254,6 @@ def test_transformers_serve_request_handling_contract():
     serve = ServeRequestHandling(tokenizer)
     body = {"messages": [{"role": "user", "content": "t5 t6"}], "max_tokens": 7, "stop": ["t9"], "seed": 3,
             "temperature": 0}
-    serve.validate("chat", body)
-    with pytest.raises(HTTPException) as refused:
-        serve.validate("chat", {**body, "colour": "red"})
-    assert refused.value.status_code == 422
     assert torch.as_tensor(serve.render_chat(body)["input_ids"]).reshape(-1).tolist() == [0, 5, 6, 1, 2]
     kwargs = serve.generation_kwargs("chat", body, GenerationConfig())
     assert (kwargs["max_new_tokens"], kwargs["stop_strings"], kwargs["seed"], kwargs["do_sample"]) == (7, ["t9"], 3,

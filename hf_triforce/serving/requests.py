@@ -1,12 +1,13 @@
 """OpenAI request bodies (``/v1/chat/completions``, ``/v1/completions``) to `Job` s, checked.
 
-Built on `transformers serve`'s own handlers (transformers 5.24-5.25, ``transformers.cli.serving``, reached through
-`hf_triforce.compat.ServeRequestHandling`): their request schemas (a field outside them is refused with HTTP 422, as
-there), their chat-template rendering, and their mapping of the OpenAI fields to ``generate`` arguments
-(``max_tokens``, ``stop`` as ``stop_strings``, ``frequency_penalty``, ``logit_bias``, ``seed``, the default of at
-least 1024 new tokens). On top, each value the server cannot honour is refused with HTTP 400 and a message naming the
-field (`BadRequest`): a model it does not serve, ``n`` other than 1, a negative temperature, a prompt that leaves no
-room in the model's context, an unknown or invalid ``triforce`` field.
+Each body is validated by its typed model (`hf_triforce.serving.request_models`): a field outside the OpenAI schema
+of `transformers serve` is refused with HTTP 422, as there; each value the server cannot honour with HTTP 400 and a
+message naming the field (`BadRequest`): a model it does not serve, ``n`` other than 1, a negative temperature, an
+unknown or invalid ``triforce`` field. Then `transformers serve`'s own handlers (transformers 5.24-5.25,
+``transformers.cli.serving``, reached through `hf_triforce.compat.ServeRequestHandling`) render the chat template and
+map the OpenAI fields of the body as it came to ``generate`` arguments (``max_tokens``, ``stop`` as
+``stop_strings``, ``frequency_penalty``, ``logit_bias``, ``seed``, the default of at least 1024 new tokens); a prompt
+that leaves no room in the model's context is refused with HTTP 400.
 
 Extensions of the OpenAI body: ``triforce``: ``false`` (plain decoding, the baseline) or an object of
 `TriForceConfig` fields (``draft`` a drafter's name), applied over the server's configuration.
@@ -14,7 +15,6 @@ Extensions of the OpenAI body: ``triforce``: ``false`` (plain decoding, the base
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
@@ -23,12 +23,9 @@ import torch
 from ..compat import ServeRequestHandling
 from ..config import TriForceConfig
 from .engine import Job
+from .request_models import BadRequest, ChatCompletionBody, TextCompletionBody
 
 TRIFORCE_FIELD = "triforce"
-
-
-class BadRequest(ValueError):
-    """A request the server refuses (HTTP 400); the message names the field."""
 
 
 @dataclass
@@ -71,10 +68,8 @@ class RequestParser:
 
     def chat_request(self, body: dict) -> Parsed:
         """A ``/v1/chat/completions`` body."""
-        extension = self._common(body)
-        self.serve.validate("chat", body)
-        if not isinstance(body.get("messages"), list) or not body["messages"]:
-            raise BadRequest("messages must be a non-empty list of messages")
+        ChatCompletionBody.checked(body, self.model_id)
+        extension = triforce_from_body(body.pop(TRIFORCE_FIELD, None), self.triforce)
         try:
             inputs = self.serve.render_chat(body)
         except (KeyError, TypeError) as error:
@@ -84,53 +79,17 @@ class RequestParser:
 
     def completion_request(self, body: dict) -> Parsed:
         """A ``/v1/completions`` body (a text prompt, no chat template)."""
-        extension = self._common(body)
-        self.serve.validate("text", body)
-        prompt = body.get("prompt")
-        if not isinstance(prompt, str) or not prompt:
-            raise BadRequest("prompt must be a non-empty string")
-        if body.get("suffix") is not None:
-            raise BadRequest("suffix is not supported")
-        ids = self.tokenizer(prompt, return_tensors="pt").input_ids
+        TextCompletionBody.checked(body, self.model_id)
+        extension = triforce_from_body(body.pop(TRIFORCE_FIELD, None), self.triforce)
+        ids = self.tokenizer(body["prompt"], return_tensors="pt").input_ids
         kwargs = self._generation_kwargs("text", body)
         return self._parsed(body, ids, kwargs, extension, "prompt")
 
     def _generation_kwargs(self, endpoint: str, body: dict) -> dict:
         try:
             return self.serve.generation_kwargs(endpoint, body, self.generation_config)
-        except (TypeError, ValueError) as error:  # the other fields are checked in `_common`
+        except (TypeError, ValueError) as error:  # the other fields are checked by the body's model
             raise BadRequest(f"generation_config: {type(error).__name__}: {error}") from error
-
-    def _common(self, body: dict) -> TriForceConfig | None:
-        """Checks every endpoint shares; removes the extension field from ``body`` and returns its configuration."""
-        if not isinstance(body, dict):
-            raise BadRequest("the request body must be a JSON object")
-        model = body.get("model")
-        if model is not None and model != self.model_id:
-            raise BadRequest(f"model {model!r} is not served here; this server serves {self.model_id!r}")
-        n = body.get("n")
-        if n is not None and n != 1:
-            raise BadRequest(f"n must be 1 (one answer per request), got {n!r}")
-        temperature = body.get("temperature")
-        if temperature is not None and (isinstance(temperature, bool) or not isinstance(temperature, (int, float))
-                                        or not math.isfinite(temperature) or temperature < 0):
-            raise BadRequest(f"temperature must be a number >= 0, got {temperature!r}")
-        top_p = body.get("top_p")
-        if top_p is not None and (isinstance(top_p, bool) or not isinstance(top_p, (int, float))
-                                  or not 0 < top_p <= 1):
-            raise BadRequest(f"top_p must be in (0, 1], got {top_p!r}")
-        for name in ("max_tokens", "max_completion_tokens"):
-            value = body.get(name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                raise BadRequest(f"{name} must be an integer >= 1, got {value!r}")
-        seed = body.get("seed")
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
-            raise BadRequest(f"seed must be an integer >= 0, got {seed!r}")
-        stop = body.get("stop")
-        if stop is not None and not (isinstance(stop, str) or (isinstance(stop, list) and stop
-                                                                and all(isinstance(s, str) and s for s in stop))):
-            raise BadRequest(f"stop must be a string or a list of non-empty strings, got {stop!r}")
-        return triforce_from_body(body.pop(TRIFORCE_FIELD, None), self.triforce)
 
     def _parsed(self, body: dict, ids, kwargs: dict, triforce: TriForceConfig | None, prompt_field: str) -> Parsed:
         ids = torch.as_tensor(ids, dtype=torch.long).reshape(1, -1)
