@@ -48,14 +48,10 @@ RETRIEVAL_STORAGE = {"model": None, "bfloat16": torch.bfloat16}
 
 def proposal_steps(drafter: Drafter, sequence: torch.Tensor, n: int,
                    host: np.ndarray | None = None) -> Steps[tuple[list[int] | torch.Tensor, torch.Tensor | None]]:
-    """``drafter.propose(sequence, n)`` as a generator of forward requests (none for a drafter without
-    ``propose_steps``: it proposes directly; ``host``: the sequence's host copy, `drafting_sequence`). The tokens
-    are ids, or a ``[n]`` tensor on the device where a drafter's ``propose_steps`` keeps them there (verification
-    reads them back with its acceptance)."""
-    steps = getattr(drafter, "propose_steps", None)
-    if steps is None:
-        return drafter.propose(drafting_sequence(drafter, sequence, host), n)
-    return (yield from steps(sequence, n))
+    """``drafter.propose(sequence, n)`` as a generator of forward requests (`Drafter.propose_steps`; ``host``: the
+    sequence's host copy, `drafting_sequence`). The tokens are ids, or a ``[n]`` tensor on the device where the
+    drafter keeps them there (verification reads them back with its acceptance)."""
+    return (yield from drafter.propose_steps(drafting_sequence(drafter, sequence, host), n))
 
 
 @dataclass
@@ -68,10 +64,8 @@ class Candidates:
     tree: DraftTree | None = None
 
 
-class NoDrafter:
+class NoDrafter(Drafter):
     """Force 1 of `Force2Level` drafting alone: it proposes nothing, so each Force-2 round emits Force 2's own token."""
-
-    seconds = 0.0
 
     def prefill(self, prompt: torch.Tensor) -> None:
         pass
@@ -81,6 +75,9 @@ class NoDrafter:
 
     def rollback(self, length: int) -> None:
         pass
+
+    def nbytes(self) -> int:
+        return 0
 
 
 class Reporting:

@@ -14,7 +14,7 @@ from ..verification.draft_tree import DraftTree
 from ..verification.sampling import Sampler, scores_to_probs
 from ..verification.scoring import process_positions
 from .branching import branched_chain
-from .registry import MODEL_DRAFTER, DraftContext, register_drafter
+from .registry import MODEL_DRAFTER, DraftContext, Drafter, register_drafter
 
 # a drafter filling by copy refills once it is more than this many tokens behind the sequence (steps ran without
 # it); catching up costs a forward of that many rows, a copy a few milliseconds. One filling by forwards refills
@@ -28,7 +28,7 @@ COPY_REFILL_BEHIND = 8
 # its int4 copy, 1.53 s by its own weights.
 
 
-class ModelDrafter:
+class ModelDrafter(Drafter):
     """A causal LM on a constant-size sink+window cache (`SinkWindowCache`, in-cache or absolute positions)."""
 
     def __init__(self, model, sink_tokens: int, window: int, processors, do_sample: bool, sampler: Sampler,
@@ -116,8 +116,8 @@ class ModelDrafter:
 
     def propose_steps(self, sequence: torch.Tensor, n: int) -> Steps[tuple[list[int] | torch.Tensor,
                                                                           torch.Tensor | None]]:
-        """`propose` as a generator of its forwards (`hf_triforce.forwards.forward`): a batch drafts its rows together.
-        The tokens stay on the device (a ``[n]`` tensor) until verification reads them with its own readback."""
+        """`Drafter.propose_steps`: the tokens stay on the device (a ``[n]`` tensor) until verification reads them
+        with its own readback."""
         tokens, _, probs = yield from self._draft_steps(sequence, n)
         return tokens, (torch.stack(probs) if probs else None)
 
