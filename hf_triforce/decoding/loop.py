@@ -8,7 +8,7 @@
         3. Force 3 scores every active row's candidates in one forward (`force3.Force3`, `force3.RaggedForce3`)
         4. per active row, in row order: exact verification against its own p (min(1, p/q), residual
            resampling; a tree's SpecInfer rule), its cache kept to what it accepted, commit token by token
-           (its `Output`: stop criteria, streamer, scores), its level told (rollback / refresh)
+           (its `CommittedSequence`: stop criteria, streamer, scores), its level told (rollback / refresh)
         5. the policy told what the step cost and how each level did
     -> each row's sequence and statistics, the call's (`DecodeResult`)
 
@@ -86,7 +86,7 @@ class PaddedView:
         return Padded(processors)
 
 
-class Output:
+class CommittedSequence:
     """One row's committed sequence, with what ``generate`` does per token: scores/logits, streamer, stop check."""
 
     def __init__(self, input_ids: torch.LongTensor, view: PaddedView, criteria: StoppingCriteriaList | None,
@@ -156,7 +156,7 @@ class Row:
     (a retrieval selection's input), whether it stopped."""
 
     index: int
-    out: Output
+    out: CommittedSequence
     queries: dict[int, torch.Tensor]
     done: bool = False
 
@@ -251,8 +251,8 @@ class Decoder:
         rows_apart.enable()  # after the prefill (plain generate prefills with rows together too)
         rows = []
         for b, ids in enumerate(prompts):
-            row = Row(b, Output(ids, self.views[b], self.criteria, self.max_lengths[b], streamer, keep_scores,
-                                keep_logits), queries[b])
+            row = Row(b, CommittedSequence(ids, self.views[b], self.criteria, self.max_lengths[b], streamer,
+                                           keep_scores, keep_logits), queries[b])
             scores = process_positions(self.processors[b], ids, first_logits[b], ids.shape[1])
             first = self.sampler.categorical(scores_to_probs(scores)[0]) if self.do_sample else int(scores[0].argmax())
             row.done = row.out.commit(first, scores[0], first_logits[b][0])
