@@ -221,20 +221,20 @@ class TriForceCandidateGenerator(compat.CandidateGenerator):
             return input_ids, None
         with recording_attention(self.model), torch.no_grad():
             self.level.start(input_ids, self.queries)
-            found = run_inline(self.level.candidate_steps(input_ids, limit))
+            proposal = run_inline(self.level.candidate_steps(input_ids, limit))
         self.level.take_report().add_to(self.stats)
         self.ran = True
         # a drafter may keep its tokens on the device (`levels.proposal_steps`); transformers' loop takes them as ids
-        drafted = found.tokens.tolist() if isinstance(found.tokens, torch.Tensor) else found.tokens
+        drafted = proposal.tokens.tolist() if isinstance(proposal.tokens, torch.Tensor) else proposal.tokens
         tokens = self._before_stop(input_ids, drafted)
         self.proposed = len(tokens)
         self.handed_at = time.perf_counter()
         if not tokens:
             return input_ids, None
         candidates = torch.cat((input_ids, input_ids.new_tensor([tokens])), dim=1)
-        if found.probs is None:
+        if proposal.probs is None:
             return candidates, None
-        return candidates, self.candidate_logits(found.probs[: len(tokens)])[None]
+        return candidates, self.candidate_logits(proposal.probs[: len(tokens)])[None]
 
     def _before_stop(self, sequence: torch.Tensor, tokens: list[int]) -> list[int]:
         """``tokens`` up to the first at which the stopping criteria stop generation: greedy, without it (the loop's

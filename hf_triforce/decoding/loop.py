@@ -280,9 +280,9 @@ class Decoder:
         recorder.scored(began, scored)
         # 4. per row: verify against its own p, keep what Force 3 accepted, commit, its level told
         for row in active:
-            level, found = levels[row.index], candidates[row.index]
-            accepted, committed = self._verify_row(row, plan, level, found, *scored[row.index])
-            recorder.row(row.index, level.take_report() if level is not None else None, found, accepted, committed)
+            level, proposal = levels[row.index], candidates[row.index]
+            accepted, committed = self._verify_row(row, plan, level, proposal, *scored[row.index])
+            recorder.row(row.index, level.take_report() if level is not None else None, proposal, accepted, committed)
         # 5. learn: the policy told what the step cost and how each row's levels did
         recorder.ended(candidates)
 

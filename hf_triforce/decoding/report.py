@@ -215,8 +215,8 @@ class StepRecorder:
         levels did), counted now or a step late (module docstring)."""
         step = self.step
         if self.policy is not None:
-            trees = [found.tree for found in candidates.values() if found.tree is not None]  # batch size 1
-            width = len(trees[0]) + 1 if trees else 1 + max(len(found.tokens) for found in candidates.values())
+            trees = [proposal.tree for proposal in candidates.values() if proposal.tree is not None]  # batch size 1
+            width = len(trees[0]) + 1 if trees else 1 + max(len(proposal.tokens) for proposal in candidates.values())
             lower = sum(outcome.report.lower_seconds for outcome in self.outcomes if outcome.report is not None)
             repeated = self.lockstep.repeated_seconds_since(self.mark)
             step.record = StepRecord(self.plan, width, bool(trees), step.force3_seconds, self.outcomes,
