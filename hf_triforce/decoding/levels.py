@@ -113,7 +113,7 @@ class Force2Level(Reporting):
             compat.layer_windows(model.config),
         ).expect_devices(layer_devices(model)).store_as(RETRIEVAL_STORAGE[config.retrieval_dtype])
         self.steps_since_selection = 0
-        self.handed: tuple[int, list[int]] | None = None  # (position, chain) of the last chain handed to Force 3
+        self.handed_to_force3: tuple[int, list[int]] | None = None  # (position, chain) of its last chain
 
     @property
     def seen(self) -> int:
@@ -198,8 +198,8 @@ class Force2Level(Reporting):
         depth = max(tree.depths(), default=0)
         return [tree.tokens[node] for node in path], None, len(path), next_token, q_scores[kept], depth
 
-    def handed_up(self, q_scores: torch.Tensor, proposals: list[int], proposal_probs: torch.Tensor | None,
-                  accepted: int) -> torch.Tensor:
+    def emitted_scores(self, q_scores: torch.Tensor, proposals: list[int], proposal_probs: torch.Tensor | None,
+                       accepted: int) -> torch.Tensor:
         """The scores of the ``accepted + 1`` tokens one Force-2 verification emits: q at each position (an accepted
         draft and a residual resample are both distributed exactly as q, whatever Force 1 drew from)."""
         return q_scores[: accepted + 1]
@@ -217,7 +217,7 @@ class Force2Level(Reporting):
         wanted = min(self.config.gamma2 if gamma2 is None else gamma2, limit)
         if wanted <= 0:
             return Candidates([], None)
-        prompt_length, handed_scores, tokens = sequence.shape[1], [], []  # tokens: what this level emitted (host)
+        prompt_length, round_scores, tokens = sequence.shape[1], [], []  # tokens: what this level emitted (host)
         drafting_before = self.drafter.seconds
         while len(tokens) < wanted:
             still_wanted = wanted - len(tokens)
@@ -241,18 +241,18 @@ class Force2Level(Reporting):
             sequence = append_tokens(sequence, emitted)
             host = None if host is None else np.concatenate((host, [emitted]), axis=1)
             tokens += emitted
-            handed_scores.append(self.handed_up(q_scores, proposals, proposal_probs, accepted))
+            round_scores.append(self.emitted_scores(q_scores, proposals, proposal_probs, accepted))
             self.cache.rollback_to_sequence(sequence.shape[1] - 1)
             self.drafter.rollback(sequence.shape[1] - 1)
         end = prompt_length + wanted
         self.cache.rollback_to_sequence(min(self.seen, end))
         self.drafter.rollback(end)
-        self.report.handed += wanted
+        self.report.to_force3 += wanted
         self.report.force1_seconds += self.drafter.seconds - drafting_before
-        q_scores = torch.cat(handed_scores)[:wanted]
+        q_scores = torch.cat(round_scores)[:wanted]
         probs = scores_to_probs(q_scores) if self.verifier.do_sample else None
         tokens = tokens[:wanted]
-        self.handed = (prompt_length, tokens)
+        self.handed_to_force3 = (prompt_length, tokens)
         if force2_tree:
             return self.branched(tokens, q_scores, probs)
         return Candidates(tokens, probs)
@@ -260,7 +260,7 @@ class Force2Level(Reporting):
     def branched(self, tokens: list[int], q_scores: torch.Tensor, probs: torch.Tensor | None) -> Candidates:
         """``TriForceConfig.force2_tree_nodes``: the chain Force 2 emitted plus, where it is least certain, the
         tokens q ranks next (point masses; `branching`). Exact: each chain token is distributed as its q row
-        given the tokens before it (`handed_up`), and each alternative is a function of the chain."""
+        given the tokens before it (`emitted_scores`), and each alternative is a function of the chain."""
         laws = list(probs) if probs is not None else list(scores_to_probs(q_scores))
         chain_laws = list(probs) if probs is not None else [None] * len(tokens)
         tree = branched_chain(tokens, laws, chain_laws, self.config.force2_tree_nodes, self.config.tree_branch)
@@ -273,10 +273,10 @@ class Force2Level(Reporting):
         step committed, on the host) or, where Force 3 accepted one of a tree's alternatives, to where it left the
         handed-up chain; refresh the selection."""
         keep = sequence.shape[1] - 1
-        if self.handed is not None:
-            start, chain = self.handed
+        if self.handed_to_force3 is not None:
+            start, chain = self.handed_to_force3
             keep = min(keep, start + agreement(committed[: keep - start], chain))
-            self.handed = None
+            self.handed_to_force3 = None
         self.drafter.rollback(keep)
         self.cache.sync(self.full, self.full.length)
         self.steps_since_selection += 1
@@ -326,14 +326,14 @@ class Force1Level(Reporting):
             self.report.force1_seconds += self.drafter.seconds - drafting_before
             depth = max(tree.depths(), default=0)  # counted like a chain of that length (acceptance comparable)
             self.report.drafted += depth
-            self.report.handed += depth
+            self.report.to_force3 += depth
             self.report.tree_nodes += len(tree)
             chain = tree.as_chain()  # no branching this step (or nothing proposed): the cheaper chain path
             return Candidates(*chain) if chain is not None else Candidates([], None, tree)
         proposals, probs = yield from proposal_steps(self.drafter, sequence, wanted, host)
         self.report.force1_seconds += self.drafter.seconds - drafting_before
         self.report.drafted += len(proposals)
-        self.report.handed += len(proposals)
+        self.report.to_force3 += len(proposals)
         return Candidates(proposals, probs)
 
     def commit(self, sequence: torch.Tensor, accepted: int, proposed: int, queries: dict[int, torch.Tensor],
