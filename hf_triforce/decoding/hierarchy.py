@@ -79,11 +79,11 @@ class Hierarchy:
         self.do_sample, self.sampler, self.clock = do_sample, sampler, clock
         self.batch = len(processors)
         if full_cache is not None:
-            self.force3, self.external = None, full_cache
+            self.force3, self.loop_cache = None, full_cache  # the cache transformers' loop verifies on
         elif self.batch == 1:
-            self.force3, self.external = Force3(model, config, max_lengths[0], clock), None
+            self.force3, self.loop_cache = Force3(model, config, max_lengths[0], clock), None
         else:
-            self.force3, self.external = RaggedForce3(model, config, max_lengths, paddings, clock), None
+            self.force3, self.loop_cache = RaggedForce3(model, config, max_lengths, paddings, clock), None
         # Force 2's exact rules (the same rule as Force 3's; their own objects, so that a test can alter one level)
         self.force2_verifier = ChainVerifier(do_sample, sampler)
         self.force2_tree_verifier = TreeVerifier(do_sample, sampler)  # TriForceConfig.force2_tree_nodes > 0
@@ -98,7 +98,7 @@ class Hierarchy:
 
     def full(self, b: int):
         """Row ``b`` of Force 3's full cache."""
-        return self.external if self.force3 is None else self.force3.row(b)
+        return self.loop_cache if self.force3 is None else self.force3.row(b)
 
     def tier_model(self, model, tier: int):
         """The model Force ``tier`` (1 or 2) runs for ``model`` at the drafting precision (`tiers.tier_model`)."""
