@@ -228,7 +228,7 @@ class Hierarchy:
                 models[tier] = self.levels[(3, "")][0].model
             elif isinstance(drafter := self.drafter(0, tier.removeprefix("force1 ")), ModelDrafter):
                 models[tier] = drafter.model
-        return tier_forwards(models, self.config.draft_precision, self.config.not_lean, force3)
+        return tier_forwards(models, self.config.draft_precision, self.config.lean_unavailable_reason, force3)
 
     def force1_seconds(self, b: int) -> float:
         """Seconds row ``b``'s drafters spent (in a batch, the shared forwards it took part in)."""
