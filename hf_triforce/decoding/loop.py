@@ -38,7 +38,7 @@ from ..config import TriForceConfig
 from ..drafters.registry import drafting_sequence
 from ..forwards.forward import Clock, device_clock
 from ..kernels.call_kernels import CallKernels
-from ..kernels.row_mixing import RowsApart
+from ..kernels.row_mixing import RowByRowMixingLayers
 from ..stats import TriForceStats
 from ..tokens import append_tokens
 from ..verification.sampling import ChainVerifier, Sampler, TorchSampler, scores_to_probs
@@ -228,9 +228,9 @@ class Decoder:
             lean_forward = self.force3.lean_forward
             fixed_shapes += [lean_forward.fixed_shape] if lean_forward is not None else []
             before = [(f.calls, f.compiles, f.compile_seconds) for f in fixed_shapes]
-            rows_apart = kernels.switch_linear(models)
+            row_by_row = kernels.switch_linear(models)
             stack.enter_context(deferred_nan_checks())  # NaN checks read with the verifications' readbacks
-            rows = self._start(prompts, prefix_cache, streamer, keep_scores, keep_logits, rows_apart)
+            rows = self._start(prompts, prefix_cache, streamer, keep_scores, keep_logits, row_by_row)
             while active := [row for row in rows if not row.done]:
                 self._step(active)
             result = self._result(prompts, rows)
@@ -242,13 +242,13 @@ class Decoder:
         return result
 
     def _start(self, prompts, prefix_cache, streamer, keep_scores: bool, keep_logits: bool,
-               rows_apart: RowsApart) -> list[Row]:
+               row_by_row: RowByRowMixingLayers) -> list[Row]:
         """Prefill every row's full cache and commit each row's first token (sampled from the prefill's last position:
         no Force-3 step); the policy seeded with what the prefill measured (`Hierarchy.seed_policy`)."""
         began = time.perf_counter()
         first_logits, queries, seconds_per_token = self.force3.prefill(prompts, prefix_cache, self.stats)
         self.prefill_seconds = time.perf_counter() - began
-        rows_apart.enable()  # after the prefill (plain generate prefills with rows together too)
+        row_by_row.enable()  # after the prefill (plain generate prefills with rows together too)
         rows = []
         for b, ids in enumerate(prompts):
             row = Row(b, CommittedSequence(ids, self.views[b], self.criteria, self.max_lengths[b], streamer,
