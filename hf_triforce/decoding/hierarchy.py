@@ -20,7 +20,7 @@ import torch
 from ..drafters import DRAFTERS, DraftContext, build_drafter
 from ..drafters.model import ModelDrafter
 from ..drafters.registry import MODEL_DRAFTER, spec_of
-from ..forwards.forward import Clock, Steps, run_inline
+from ..forwards.forward import Clock, TierGenerator, run_inline
 from ..verification.sampling import ChainVerifier, Sampler
 from ..verification.tree import TreeVerifier
 from .force3 import Force3, RaggedForce3
@@ -142,7 +142,7 @@ class Hierarchy:
             level.use(self.drafter(b, plan.drafter) if plan.drafter else NoDrafter())
         return level
 
-    def drive(self, steps: dict[int, Steps]) -> dict:
+    def drive(self, steps: dict[int, TierGenerator]) -> dict:
         """Run each row's candidate generator (``steps``: row -> a level's ``candidate_steps``) to its end; returns each
         row's result. Batch size 1 runs each forward when it is asked for (`run_inline`); a batch, its rows in
         lockstep (`Lockstep.drive`: rows whose caches share storage in one forward)."""

@@ -31,7 +31,7 @@ from ..compat import layer_devices
 from ..drafters import Drafter
 from ..drafters.branching import branched_chain
 from ..drafters.registry import drafting_sequence
-from ..forwards.forward import Clock, ForwardRequest, Steps, run_inline
+from ..forwards.forward import Clock, ForwardRequest, TierGenerator, run_inline
 from ..tokens import agreement, append_tokens
 from ..verification.draft_tree import DraftTree
 from ..verification.sampling import ChainVerifier, scores_to_probs
@@ -46,8 +46,8 @@ from .tree_forward import score_tree
 RETRIEVAL_STORAGE = {"model": None, "bfloat16": torch.bfloat16}
 
 
-def proposal_steps(drafter: Drafter, sequence: torch.Tensor, n: int,
-                   host: np.ndarray | None = None) -> Steps[tuple[list[int] | torch.Tensor, torch.Tensor | None]]:
+def proposal_steps(drafter: Drafter, sequence: torch.Tensor, n: int, host: np.ndarray | None = None
+                   ) -> TierGenerator[tuple[list[int] | torch.Tensor, torch.Tensor | None]]:
     """``drafter.propose(sequence, n)`` as a generator of forward requests (`Drafter.propose_steps`; ``host``: the
     sequence's host copy, `drafting_sequence`). The tokens are ids, or a ``[n]`` tensor on the device where the
     drafter keeps them there (verification reads them back with its acceptance)."""
@@ -156,7 +156,7 @@ class Force2Level(Reporting):
         """Processed Force-2 scores for each proposal's position and the one after."""
         return run_inline(self.score_steps(sequence, proposals))
 
-    def score_steps(self, sequence: torch.Tensor, proposals: list[int] | torch.Tensor) -> Steps[torch.Tensor]:
+    def score_steps(self, sequence: torch.Tensor, proposals: list[int] | torch.Tensor) -> TierGenerator[torch.Tensor]:
         """`scores` as a generator of its forward (`hf_triforce.forwards.forward`)."""
         extended = append_tokens(sequence, proposals) if len(proposals) else sequence
         positions = extended.shape[1] - self.seen  # the forward's (`seen` counts them in once it has run)
@@ -206,7 +206,7 @@ class Force2Level(Reporting):
 
     def candidate_steps(self, sequence: torch.Tensor, limit: int, gamma1: int | None = None,
                         gamma2: int | None = None, force1_tree: bool | None = None,
-                        force2_tree: bool | None = None, host: np.ndarray | None = None) -> Steps[Candidates]:
+                        force2_tree: bool | None = None, host: np.ndarray | None = None) -> TierGenerator[Candidates]:
         """Up to ``min(gamma2, limit)`` tokens (gammas default to the config's); ``force1_tree``: Force 1
         proposes trees of ``tree_nodes``, ``force2_tree``: a tree of ``force2_tree_nodes`` goes up (both default
         to whether the config sets those); ``host``: the sequence's host copy, for a lookup Force 1
@@ -311,7 +311,7 @@ class Force1Level(Reporting):
 
     def candidate_steps(self, sequence: torch.Tensor, limit: int, gamma1: int | None = None,
                         gamma2: int | None = None, force1_tree: bool | None = None,
-                        force2_tree: bool | None = None, host: np.ndarray | None = None) -> Steps[Candidates]:
+                        force2_tree: bool | None = None, host: np.ndarray | None = None) -> TierGenerator[Candidates]:
         """Up to ``min(gamma2, limit)`` tokens, or (``force1_tree``, default: whether the config sets
         ``tree_nodes``) Force 1's tree of that depth; ``gamma1`` and ``force2_tree`` are unused (no Force 2);
         ``host``: as `Force2Level.candidate_steps`. A generator of its forwards (`hf_triforce.forwards.forward`)."""

@@ -7,7 +7,7 @@ import torch
 from ..caches.buffer import BufferCache
 from ..caches.sink_window import SinkWindowCache, copy_refusal, make_layer_rerotations
 from ..compat import layer_devices, num_layers
-from ..forwards.forward import Clock, ForwardRequest, HostClock, Seconds, Steps, run_inline
+from ..forwards.forward import Clock, ForwardRequest, HostClock, Seconds, TierGenerator, run_inline
 from ..kernels.lean import LeanModel
 from ..tokens import agreement, append_tokens
 from ..verification.draft_tree import DraftTree
@@ -66,7 +66,7 @@ class ModelDrafter(Drafter):
         self.prefill_seconds: float | Seconds = 0.0
         self.forwards = 0
 
-    def _forward_steps(self, tokens: torch.Tensor, model=None) -> Steps[torch.Tensor]:
+    def _forward_steps(self, tokens: torch.Tensor, model=None) -> TierGenerator[torch.Tensor]:
         """The last row's logits ``[1, vocab]`` of ``tokens`` fed at the next in-cache positions (by ``model``,
         default the drafting model)."""
         self.cache.make_room(tokens.shape[1])
@@ -114,15 +114,15 @@ class ModelDrafter(Drafter):
         tokens, probs = run_inline(self.propose_steps(sequence, n))
         return (tokens.tolist() if isinstance(tokens, torch.Tensor) else tokens), probs
 
-    def propose_steps(self, sequence: torch.Tensor, n: int) -> Steps[tuple[list[int] | torch.Tensor,
-                                                                          torch.Tensor | None]]:
+    def propose_steps(self, sequence: torch.Tensor, n: int) -> TierGenerator[tuple[list[int] | torch.Tensor,
+                                                                                  torch.Tensor | None]]:
         """`Drafter.propose_steps`: the tokens stay on the device (a ``[n]`` tensor) until verification reads them
         with its own readback."""
         tokens, _, probs = yield from self._draft_steps(sequence, n)
         return tokens, (torch.stack(probs) if probs else None)
 
-    def _draft_steps(self, sequence: torch.Tensor, n: int) -> Steps[tuple[list[int] | torch.Tensor,
-                                                                          list[torch.Tensor], list[torch.Tensor]]]:
+    def _draft_steps(self, sequence: torch.Tensor, n: int
+                     ) -> TierGenerator[tuple[list[int] | torch.Tensor, list[torch.Tensor], list[torch.Tensor]]]:
         """``n`` drafted tokens (a ``[n]`` tensor on the device), each row's processed scores, and (sampling) the law
         each token was drawn from."""
         if self.drafted is not None:  # a tree's side node may have been accepted: keep only what still agrees

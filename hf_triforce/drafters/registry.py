@@ -10,7 +10,7 @@ import numpy as np
 import torch
 from transformers import LogitsProcessorList
 
-from ..forwards.forward import Clock, HostClock, Seconds, Steps
+from ..forwards.forward import Clock, HostClock, Seconds, TierGenerator
 from ..verification.draft_tree import DraftTree
 from ..verification.sampling import Sampler
 
@@ -47,8 +47,8 @@ class Drafter:
         """Bytes of the state it holds (its cache)."""
         raise NotImplementedError(f"{type(self).__name__} must implement Drafter.nbytes")
 
-    def propose_steps(self, sequence: torch.Tensor | np.ndarray, n: int) -> Steps[tuple[list[int] | torch.Tensor,
-                                                                                      torch.Tensor | None]]:
+    def propose_steps(self, sequence: torch.Tensor | np.ndarray,
+                      n: int) -> TierGenerator[tuple[list[int] | torch.Tensor, torch.Tensor | None]]:
         """`propose` as a generator of its forwards (`hf_triforce.forwards.forward`), so that a batch drafts all
         its rows in one forward per token (`decoding.levels.proposal_steps`); the tokens may be a ``[n]`` tensor
         left on the device. Default: no forward to share; it yields nothing and returns `propose`'s answer."""
