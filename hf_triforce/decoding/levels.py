@@ -116,8 +116,8 @@ class Force2Level(Reporting):
         self.handed_to_force3: tuple[int, list[int]] | None = None  # (position, chain) of its last chain
 
     @property
-    def seen(self) -> int:
-        """Tokens of the sequence that the retrieval cache holds entries for."""
+    def covered(self) -> int:
+        """Tokens of the sequence the retrieval cache covers (holds entries for)."""
         return self.cache.base_upto + self.cache.length - self.cache.base_length
 
     def use(self, drafter: Drafter) -> None:
@@ -159,8 +159,8 @@ class Force2Level(Reporting):
     def score_steps(self, sequence: torch.Tensor, proposals: list[int] | torch.Tensor) -> TierGenerator[torch.Tensor]:
         """`scores` as a generator of its forward (`hf_triforce.forwards.forward`)."""
         extended = append_tokens(sequence, proposals) if len(proposals) else sequence
-        positions = extended.shape[1] - self.seen  # the forward's (`seen` counts them in once it has run)
-        request = ForwardRequest(self.model, self.cache, extended[:, self.seen :], self.seen, len(proposals) + 1,
+        positions = extended.shape[1] - self.covered  # the forward's (`covered` counts them in once it has run)
+        request = ForwardRequest(self.model, self.cache, extended[:, self.covered :], self.covered, len(proposals) + 1,
                                  self.clock)
         logits = yield request
         self.report.force2_seconds += request.seconds
@@ -183,10 +183,10 @@ class Force2Level(Reporting):
             accepted, next_token = self.verifier.verify(proposals, proposal_probs, q_scores)
             self.report.tree_nodes += len(tree)
             return proposals, proposal_probs, accepted, next_token, q_scores[: accepted + 1], len(proposals)
-        first = self.cache.length + sequence.shape[1] - self.seen  # cache coordinates of the first node
-        positions = sequence.shape[1] - self.seen + len(tree)  # the tree forward's (`seen` counts them in after it)
+        first = self.cache.length + sequence.shape[1] - self.covered  # cache coordinates of the first node
+        positions = sequence.shape[1] - self.covered + len(tree)  # the tree forward's (`covered` counts them after it)
         start = self.clock.start()
-        _, q_scores = score_tree(self.model, self.cache, self.seen, sequence, tree, self.processors)
+        _, q_scores = score_tree(self.model, self.cache, self.covered, sequence, tree, self.processors)
         seconds = self.clock.stop(start)
         self.report.force2_seconds += seconds
         self.report.timings.append(("force2-tree", positions, seconds))
@@ -245,7 +245,7 @@ class Force2Level(Reporting):
             self.cache.rollback_to_sequence(sequence.shape[1] - 1)
             self.drafter.rollback(sequence.shape[1] - 1)
         end = prompt_length + wanted
-        self.cache.rollback_to_sequence(min(self.seen, end))
+        self.cache.rollback_to_sequence(min(self.covered, end))
         self.drafter.rollback(end)
         self.report.to_force3 += wanted
         self.report.force1_seconds += self.drafter.seconds - drafting_before

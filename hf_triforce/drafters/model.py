@@ -58,7 +58,7 @@ class ModelDrafter(Drafter):
         self.do_sample = do_sample
         self.sampler = sampler
         self.sampled_siblings = sampled_siblings
-        self.seen = 0  # tokens of the sequence whose entries the cache holds (or has evicted)
+        self.fed = 0  # tokens of the sequence fed to it: their entries are in the cache (or evicted)
         self.drafted: tuple[int, list[int]] | None = None  # (position, chain) of the last tree's cached chain
         self.clock = clock if clock is not None else HostClock()
         self.seconds: float | Seconds = 0.0  # its forwards' (`clock.Seconds` on a CUDA device: read after the fact)
@@ -70,12 +70,12 @@ class ModelDrafter(Drafter):
         """The last row's logits ``[1, vocab]`` of ``tokens`` fed at the next in-cache positions (by ``model``,
         default the drafting model)."""
         self.cache.make_room(tokens.shape[1])
-        start = self.seen if self.cache.positions == "absolute" else self.cache.length
+        start = self.fed if self.cache.positions == "absolute" else self.cache.length
         request = ForwardRequest(self.model if model is None else model, self.cache, tokens, start, 1, self.clock)
         logits = yield request
         self.seconds += request.seconds
         self.forwards += 1
-        self.seen += tokens.shape[1]
+        self.fed += tokens.shape[1]
         return logits
 
     def prefill(self, prompt: torch.Tensor) -> None:
@@ -83,7 +83,7 @@ class ModelDrafter(Drafter):
         ``sink_tokens`` and last ``window`` tokens but the last; later (the levels of a call share one drafter, and
         each starts it) nothing: drafting catches up with the sequence (`_draft_steps`); a second fill would cost
         0.43 s of a 16k call (SmolLM2, 272 rows, 2 threads)."""
-        if not self.seen:
+        if not self.fed:
             before = self.seconds
             self._fill(prompt)
             self.prefill_seconds = self.seconds - before
@@ -92,8 +92,8 @@ class ModelDrafter(Drafter):
         """(Re)fill the cache with the prompt's first ``sink_tokens`` and last ``window`` tokens, except the last:
         copied from ``source`` as far as it holds them (drafting feeds the rest), else by a forward."""
         if self.source is not None and self.source.length:
-            self.seen = min(self.source.length, prompt.shape[1] - 1)
-            self.cache.copy_from(self.source, self.seen)
+            self.fed = min(self.source.length, prompt.shape[1] - 1)
+            self.cache.copy_from(self.source, self.fed)
             return
         self.cache.rollback(0)
         n = prompt.shape[1] - 1
@@ -101,14 +101,14 @@ class ModelDrafter(Drafter):
         spans = [(0, n)] if n <= sink + window else [(0, sink), (n - window, n)]
         if self.cache.positions == "absolute":  # each span at its own positions
             for begin, end in spans:
-                self.seen = begin
+                self.fed = begin
                 if end > begin:
                     run_inline(self._forward_steps(prompt[:, begin:end], self.fill_model))
         else:  # one forward: the slots are the positions
             body = torch.cat([prompt[:, begin:end] for begin, end in spans], dim=1)
             if body.shape[1]:
                 run_inline(self._forward_steps(body, self.fill_model))
-        self.seen = n
+        self.fed = n
 
     def propose(self, sequence: torch.Tensor, n: int) -> tuple[list[int], torch.Tensor | None]:
         tokens, probs = run_inline(self.propose_steps(sequence, n))
@@ -130,11 +130,11 @@ class ModelDrafter(Drafter):
             self.rollback(start + agreement(sequence[0, start : start + len(drafted)].tolist(), drafted))
             self.drafted = None
         behind = COPY_REFILL_BEHIND if self.source is not None else self.cache.window // 2
-        if sequence.shape[1] - self.seen > behind:  # far behind (steps ran without it)
+        if sequence.shape[1] - self.fed > behind:  # far behind (steps ran without it)
             self._fill(sequence)
         tokens: list[torch.Tensor] = []
         drafted_scores, probs = [], []  # per drafted token, its processed scores and (sampling) its law
-        pending = sequence[:, self.seen :]
+        pending = sequence[:, self.fed :]
         while len(tokens) < n:
             logits = yield from self._forward_steps(pending)
             current = sequence if not tokens or not self.processors else append_tokens(sequence, tokens)
@@ -171,9 +171,9 @@ class ModelDrafter(Drafter):
         return branched_chain(tokens, laws, chain_laws, nodes, branch, sampler)
 
     def rollback(self, length: int) -> None:
-        if self.seen > length:
-            self.cache.rollback(self.cache.length - (self.seen - length))
-            self.seen = length
+        if self.fed > length:
+            self.cache.rollback(self.cache.length - (self.fed - length))
+            self.fed = length
 
     def nbytes(self) -> int:
         return self.cache.nbytes()
