@@ -30,7 +30,6 @@ from ..caches.retrieval import RetrievalCache
 from ..compat import layer_devices
 from ..drafters import Drafter
 from ..drafters.branching import branched_chain
-from ..drafters.registry import drafting_sequence
 from ..forwards.forward import Clock, ForwardRequest, TierGenerator, run_inline
 from ..tokens import agreement, append_tokens
 from ..verification.draft_tree import DraftTree
@@ -44,6 +43,12 @@ from .tree_forward import score_tree
 # the dtype Force 2's retrieval cache stores its entries in, per concrete `TriForceConfig.retrieval_dtype` (None: as
 # computed, the model's)
 RETRIEVAL_STORAGE = {"model": None, "bfloat16": torch.bfloat16}
+
+
+def drafting_sequence(drafter: Drafter, sequence: torch.Tensor, host: np.ndarray | None) -> torch.Tensor | np.ndarray:
+    """What ``drafter`` proposes from: ``host``, the sequence's host copy (int64 ``[1, n]``), for a drafter that reads
+    token values (``host_sequence``: the lookups), where the caller has one; else ``sequence``."""
+    return host if host is not None and drafter.host_sequence else sequence
 
 
 def proposal_steps(drafter: Drafter, sequence: torch.Tensor, n: int, host: np.ndarray | None = None
@@ -210,7 +215,7 @@ class Force2Level(Reporting):
         """Up to ``min(gamma2, limit)`` tokens (gammas default to the config's); ``force1_tree``: Force 1
         proposes trees of ``tree_nodes``, ``force2_tree``: a tree of ``force2_tree_nodes`` goes up (both default
         to whether the config sets those); ``host``: the sequence's host copy, for a lookup Force 1
-        (`registry.drafting_sequence`). A generator of its forwards (`hf_triforce.forwards.forward`)."""
+        (`drafting_sequence`). A generator of its forwards (`hf_triforce.forwards.forward`)."""
         force1_tree = bool(self.config.tree_nodes) if force1_tree is None else force1_tree
         force2_tree = bool(self.config.force2_tree_nodes) if force2_tree is None else force2_tree
         gamma1 = self.config.gamma1 if gamma1 is None else gamma1

@@ -35,7 +35,6 @@ from transformers import LogitsProcessorList, StoppingCriteriaList
 from .. import compat
 from ..caches.buffer import BufferCache
 from ..config import TriForceConfig
-from ..drafters.registry import drafting_sequence
 from ..forwards.forward import Clock, device_clock
 from ..kernels.call_kernels import CallKernels
 from ..kernels.row_mixing import RowByRowMixingLayers
@@ -45,7 +44,7 @@ from ..verification.sampling import ChainVerifier, Sampler, TorchSampler, scores
 from ..verification.scoring import deferred_nan_checks, process_positions, read_back, row_processors
 from ..verification.tree import TreeVerifier
 from .hierarchy import Hierarchy
-from .levels import Candidates
+from .levels import Candidates, drafting_sequence
 from .policy import Plan
 from .report import StepRecorder, aggregate, proposed_of
 from .resolved import ResolvedConfig, resolve

@@ -25,8 +25,8 @@ class Drafter:
 
     seconds: float | Seconds = 0.0  # time spent proposing, accumulated (`clock.Seconds` on a CUDA device)
     # proposes from the sequence's host copy, an int64 NumPy array ``[1, n]``, where the decoder has one
-    # (`drafting_sequence`): a drafter that reads token values (the lookups); on an accelerator each read of a device
-    # ``sequence`` would wait for the device
+    # (`decoding.levels.drafting_sequence`): a drafter that reads token values (the lookups); on an accelerator each
+    # read of a device ``sequence`` would wait for the device
     host_sequence: bool = False
 
     def prefill(self, prompt: torch.Tensor) -> None:
@@ -60,12 +60,6 @@ class Drafter:
         is the chain `propose` would give; asked only of a drafter registered with ``trees=True`` (`DrafterSpec`).
         Default: it proposes chains only."""
         raise NotImplementedError(f"{type(self).__name__} proposes chains only (registered with trees=False)")
-
-
-def drafting_sequence(drafter: Drafter, sequence: torch.Tensor, host: np.ndarray | None) -> torch.Tensor | np.ndarray:
-    """What ``drafter`` proposes from: ``host``, the sequence's host copy (int64 ``[1, n]``), for a drafter that reads
-    token values (``host_sequence``: the lookups), where the caller has one; else ``sequence``."""
-    return host if host is not None and drafter.host_sequence else sequence
 
 
 def host_row(sequence: torch.Tensor | np.ndarray) -> np.ndarray:
