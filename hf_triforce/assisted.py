@@ -109,7 +109,7 @@ def run_assisted(model, ids: torch.LongTensor, processors, criteria, generation_
     with recording_attention(model), CallKernels(model, models, generation_config.max_length) as kernels:
         generator = TriForceCandidateGenerator(model, generation_config, processors, triforce_config=resolved,
                                                stopping_criteria=criteria, full_cache=cache, sampler=sampler)
-        rows_apart = kernels.switch_linear(drafting_models(generator.config, model))
+        row_by_row = kernels.switch_linear(drafting_models(generator.config, model))
         began = time.perf_counter()
         cached = copy_prefix(prefix, cache) if prefix is not None else 0
         with torch.no_grad():
@@ -117,7 +117,7 @@ def run_assisted(model, ids: torch.LongTensor, processors, criteria, generation_
                     generator.recorder)
         generator.stats.prefill_seconds = time.perf_counter() - began
         generator.prefilled()
-        rows_apart.enable()  # after the prefill, as in the library's own loop
+        row_by_row.enable()  # after the prefill, as in the library's own loop
         with recording(generator.recorder):
             out = compat.assisted_decoding(model, generator, ids, processors, criteria, generation_config, streamer,
                                            cache=cache, use_cache=True, logits_to_keep=1)

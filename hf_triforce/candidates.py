@@ -168,7 +168,7 @@ class TriForceCandidateGenerator(compat.CandidateGenerator):
         self.stats.attention_kernel = attention_routes.describe(model) if routes is not None else \
             attention_routes.NOT_SET_UP if attention_routes.cpu_dtype(model) is not None else ""
         self.queries: dict[int, torch.Tensor] | None = None  # per layer, the query of the last cached token
-        self.proposed, self.ran, self.length, self.handed_at = 0, False, 0, 0.0
+        self.proposed, self.ran, self.length, self.handed_to_loop_at = 0, False, 0, 0.0
 
     @staticmethod
     def _check_foreign_call(model, config, input_ids, generation_config, model_kwargs, logits_processor) -> None:
@@ -217,24 +217,24 @@ class TriForceCandidateGenerator(compat.CandidateGenerator):
         self.proposed, self.ran, self.length = 0, False, input_ids.shape[1]
         limit = self.max_length - input_ids.shape[1] - 1
         if limit <= 0 or self.queries is None or self.full.length != input_ids.shape[1] - 1:
-            self.handed_at = time.perf_counter()
+            self.handed_to_loop_at = time.perf_counter()
             return input_ids, None
         with recording_attention(self.model), torch.no_grad():
             self.level.start(input_ids, self.queries)
-            found = run_inline(self.level.candidate_steps(input_ids, limit))
+            proposal = run_inline(self.level.candidate_steps(input_ids, limit))
         self.level.take_report().add_to(self.stats)
         self.ran = True
         # a drafter may keep its tokens on the device (`levels.proposal_steps`); transformers' loop takes them as ids
-        drafted = found.tokens.tolist() if isinstance(found.tokens, torch.Tensor) else found.tokens
+        drafted = proposal.tokens.tolist() if isinstance(proposal.tokens, torch.Tensor) else proposal.tokens
         tokens = self._before_stop(input_ids, drafted)
         self.proposed = len(tokens)
-        self.handed_at = time.perf_counter()
+        self.handed_to_loop_at = time.perf_counter()
         if not tokens:
             return input_ids, None
         candidates = torch.cat((input_ids, input_ids.new_tensor([tokens])), dim=1)
-        if found.probs is None:
+        if proposal.probs is None:
             return candidates, None
-        return candidates, self.candidate_logits(found.probs[: len(tokens)])[None]
+        return candidates, self.candidate_logits(proposal.probs[: len(tokens)])[None]
 
     def _before_stop(self, sequence: torch.Tensor, tokens: list[int]) -> list[int]:
         """``tokens`` up to the first at which the stopping criteria stop generation: greedy, without it (the loop's
@@ -254,7 +254,7 @@ class TriForceCandidateGenerator(compat.CandidateGenerator):
         all but that token): count the step, keep the query of the last cached token, and let the level keep its
         caches to the committed sequence."""
         stats, num_matches = self.stats, int(num_matches)
-        stats.force3_seconds += time.perf_counter() - self.handed_at
+        stats.force3_seconds += time.perf_counter() - self.handed_to_loop_at
         stats.force3_steps += 1
         stats.force3_accepted += num_matches
         stats.force3_rejections += num_matches < self.proposed

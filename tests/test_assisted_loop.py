@@ -223,7 +223,7 @@ def test_enumeration_catches_a_wrong_law(small, monkeypatch, mutation):
 
 def test_force3_rejections_count_the_loops_short_verifications(monkeypatch):
     """Force 3's rejections in transformers' loop: the verifications whose matches fell short of the candidates."""
-    outcomes = []  # (candidates handed, matches) per verification
+    outcomes = []  # (candidates proposed, matches) per verification
     update = TriForceCandidateGenerator.update_candidate_strategy
 
     def recording_update(self, input_ids, scores, num_matches, **outputs):
@@ -232,6 +232,6 @@ def test_force3_rejections_count_the_loops_short_verifications(monkeypatch):
 
     monkeypatch.setattr(TriForceCandidateGenerator, "update_candidate_strategy", recording_update)
     stats = assert_identical(make_model("llama-gqa"), random_prompt(150, period=37)).triforce_stats
-    assert stats.force3_rejections == sum(matches < handed for handed, matches in outcomes) > 0
+    assert stats.force3_rejections == sum(matches < proposed for proposed, matches in outcomes) > 0
     assert stats.force3_accepted == sum(matches for _, matches in outcomes)
     assert 0 < stats.force3_position_acceptance < 1

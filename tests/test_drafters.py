@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from hf_triforce import TriForceConfig
-from hf_triforce.drafters import DRAFTERS, drafter_names, register_drafter
+from hf_triforce.drafters import DRAFTERS, DraftContext, Drafter, build_drafter, drafter_names, register_drafter
 from hf_triforce.drafters.ngram import NgramDrafter
 from hf_triforce.drafters.suffix import SuffixDrafter
 from hf_triforce_bench.methods import METHODS
@@ -47,11 +47,10 @@ def test_suffix_drafter_is_greedy_identical(policy):
 
 
 def test_a_new_drafter_is_one_registration():
-    """A drafter registered from outside (what one new file does) is usable by name at once."""
+    """A drafter registered from outside (what one new file does) is usable by name at once; `Drafter`'s defaults
+    (no forwards to batch, the device sequence, chains only) serve it."""
 
-    class RepeatLast:
-        seconds = 0.0
-
+    class RepeatLast(Drafter):
         def prefill(self, prompt):
             pass
 
@@ -77,3 +76,41 @@ def test_a_new_drafter_is_one_registration():
             TriForceConfig(draft="repeat-last", tree_nodes=4, tree_branch=2)
     finally:
         DRAFTERS.pop("repeat-last")
+
+
+def test_a_drafter_must_subclass_drafter():
+    """A build that returns something other than a `Drafter` is refused when the drafter is built, naming it."""
+
+    class Plain:
+        def propose(self, sequence, n):
+            return [], None
+
+    register_drafter("plain", lambda context: Plain(), "lookup", "not a Drafter")
+    try:
+        context = DraftContext(None, TriForceConfig(draft="plain"), None, False, None)
+        with pytest.raises(TypeError, match="the 'plain' drafter's build returned a Plain, which does not subclass"):
+            build_drafter(context)
+    finally:
+        DRAFTERS.pop("plain")
+
+
+def test_drafter_required_methods_and_defaults():
+    """`Drafter`'s required methods name the class that lacks them; its optional ones have their documented
+    defaults: `propose_steps` runs no forward and returns `propose`'s answer, `propose_tree` refuses."""
+
+    class Bare(Drafter):
+        def propose(self, sequence, n):
+            return [7] * n, None
+
+    bare = Bare()
+    for call in (lambda: bare.prefill(torch.zeros(1, 1)), lambda: bare.rollback(0), bare.nbytes,
+                 lambda: Drafter().propose(torch.zeros(1, 1), 1)):
+        with pytest.raises(NotImplementedError, match="must implement Drafter"):
+            call()
+    steps = bare.propose_steps(torch.zeros(1, 1), 2)
+    with pytest.raises(StopIteration) as stop:
+        next(steps)
+    assert stop.value.value == ([7, 7], None)
+    assert bare.host_sequence is False and bare.seconds == 0.0
+    with pytest.raises(NotImplementedError, match="Bare proposes chains only"):
+        bare.propose_tree(torch.zeros(1, 1), 2, 4, 2)

@@ -135,7 +135,7 @@ def top_resamples_from_p(decoder):
 
 
 def hands_up_the_residual(monkeypatch):
-    def handed_up(self, q_scores, proposals, proposal_probs, accepted):
+    def emitted_scores(self, q_scores, proposals, proposal_probs, accepted):
         rows = q_scores[: accepted + 1].clone()
         if accepted < len(proposals):  # a rejection: the resampled token is handed up with the residual
             q = scores_to_probs(rows[accepted])
@@ -143,7 +143,7 @@ def hands_up_the_residual(monkeypatch):
             rows[accepted] = torch.log(residual_distribution(q, r))
         return rows
 
-    monkeypatch.setattr(Force2Level, "handed_up", handed_up)
+    monkeypatch.setattr(Force2Level, "emitted_scores", emitted_scores)
 
 
 MUTATIONS = ["middle level resamples from q", "top level resamples from p", "Force 2 hands up the residual"]

@@ -71,7 +71,7 @@ def test_an_absolute_drafter_predicts_at_the_tokens_own_positions():
             drafter = ModelDrafter(model, SINK, WINDOW, LogitsProcessorList(), False, None, source=full,
                                    positions=positions)
             drafter.prefill(sequence)
-            assert drafter.forwards == 0 and drafter.seen == 100  # filled by a copy, no forward
+            assert drafter.forwards == 0 and drafter.fed == 100  # filled by a copy, no forward
             rows[positions] = _run(drafter, sequence)[1][0]
     torch.testing.assert_close(rows["absolute"], expected[0], rtol=1e-4, atol=1e-5)
     assert (rows["slots"] - expected[0]).abs().max() > 1e-3
@@ -91,9 +91,9 @@ def test_a_drafter_far_behind_refills_by_copy_without_a_forward():
     assert drafter.fill == "a copy of the full cache's entries"
     with torch.no_grad():
         drafter.prefill(sequence[:, :101])  # the full cache holds 150: the first 100 are copied
-        assert drafter.seen == 100 and drafter.forwards == 0
+        assert drafter.fed == 100 and drafter.forwards == 0
         _run(drafter, sequence[:, :151])  # 51 behind (> COPY_REFILL_BEHIND): re-copied up to 150, then one forward
-    assert drafter.forwards == 1 and drafter.seen == 151
+    assert drafter.forwards == 1 and drafter.fed == 151
     no_source = ModelDrafter(model, SINK, WINDOW, LogitsProcessorList(), False, None)
     assert no_source.fill.startswith("a forward (")
 
@@ -138,7 +138,7 @@ def test_a_draft_model_fills_by_its_own_weights_and_drafts_by_its_lean_copy(monk
     with torch.no_grad():
         drafter.prefill(prompt)
         eager.prefill(prompt)
-        assert not lean_forwards and drafter.seen == eager.seen == 79
+        assert not lean_forwards and drafter.fed == eager.fed == 79
         held = drafter.cache.length
         assert held == eager.cache.length == SINK + WINDOW - drafter.cache.evict_block
         for layer, reference in zip(drafter.cache.layers, eager.cache.layers):

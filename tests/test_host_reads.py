@@ -30,7 +30,8 @@ from .conftest import make_model, random_prompt
 
 READS = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "nonzero", "cpu", "numpy")
 # reads per step besides the verifications' readbacks: the stopping criteria of the committed tokens (evaluated on
-# the device for every token a verification emitted, read at once: `Output.commit_verified`), greedy or sampled
+# the device for every token a verification emitted, read at once: `CommittedSequence.commit_verified`), greedy or
+# sampled
 STEP_READS = 1
 
 

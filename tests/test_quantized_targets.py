@@ -12,7 +12,7 @@ import torch
 from transformers import AutoModelForCausalLM, BitsAndBytesConfig, TorchAoConfig
 
 from hf_triforce import TriForceConfig
-from hf_triforce.kernels.row_mixing import RowsApart, row_mixing_layers
+from hf_triforce.kernels.row_mixing import RowByRowMixingLayers, row_mixing_layers
 
 from .conftest import make_model, random_prompt
 
@@ -56,8 +56,8 @@ def test_bnb_8bit_with_outlier_threshold(checkpoint, monkeypatch):
     prompts = [random_prompt(100, period=37, seed=seed) for seed in (1, 2)]
     for prompt in prompts:
         _assert_identical(model, prompt)
-    # the mutation: verification rows computed together (without RowsApart) diverges from plain generate
-    monkeypatch.setattr(RowsApart, "enable", lambda self: None)
+    # the mutation: verification rows computed together (without RowByRowMixingLayers) diverges from plain generate
+    monkeypatch.setattr(RowByRowMixingLayers, "enable", lambda self: None)
     diverged = [not torch.equal(model.generate(p, triforce_config=CONFIG, **GEN), model.generate(p, **GEN))
                 for p in prompts]
     assert any(diverged)

@@ -20,7 +20,7 @@ import torch
 from ..drafters import DRAFTERS, DraftContext, build_drafter
 from ..drafters.model import ModelDrafter
 from ..drafters.registry import MODEL_DRAFTER, spec_of
-from ..forwards.forward import Clock, Steps, run_inline
+from ..forwards.forward import Clock, TierGenerator, run_inline
 from ..verification.sampling import ChainVerifier, Sampler
 from ..verification.tree import TreeVerifier
 from .force3 import Force3, RaggedForce3
@@ -78,11 +78,11 @@ class Hierarchy:
         self.do_sample, self.sampler, self.clock = do_sample, sampler, clock
         self.batch = len(processors)
         if full_cache is not None:
-            self.force3, self.external = None, full_cache
+            self.force3, self.loop_cache = None, full_cache  # the cache transformers' loop verifies on
         elif self.batch == 1:
-            self.force3, self.external = Force3(model, config, max_lengths[0], clock), None
+            self.force3, self.loop_cache = Force3(model, config, max_lengths[0], clock), None
         else:
-            self.force3, self.external = RaggedForce3(model, config, max_lengths, paddings, clock), None
+            self.force3, self.loop_cache = RaggedForce3(model, config, max_lengths, paddings, clock), None
         # Force 2's exact rules (the same rule as Force 3's; their own objects, so that a test can alter one level)
         self.force2_verifier = ChainVerifier(do_sample, sampler)
         self.force2_tree_verifier = TreeVerifier(do_sample, sampler)  # TriForceConfig.force2_tree_nodes > 0
@@ -97,7 +97,7 @@ class Hierarchy:
 
     def full(self, b: int):
         """Row ``b`` of Force 3's full cache."""
-        return self.external if self.force3 is None else self.force3.row(b)
+        return self.loop_cache if self.force3 is None else self.force3.row(b)
 
     def tier_model(self, model, tier: int):
         """The model Force ``tier`` (1 or 2) runs for ``model`` at the drafting precision (`tiers.tier_model`)."""
@@ -141,7 +141,7 @@ class Hierarchy:
             level.use(self.drafter(b, plan.drafter) if plan.drafter else NoDrafter())
         return level
 
-    def drive(self, steps: dict[int, Steps]) -> dict:
+    def drive(self, steps: dict[int, TierGenerator]) -> dict:
         """Run each row's candidate generator (``steps``: row -> a level's ``candidate_steps``) to its end; returns each
         row's result. Batch size 1 runs each forward when it is asked for (`run_inline`); a batch, its rows in
         lockstep (`Lockstep.drive`: rows whose caches share storage in one forward)."""
@@ -227,7 +227,7 @@ class Hierarchy:
                 models[tier] = self.levels[(3, "")][0].model
             elif isinstance(drafter := self.drafter(0, tier.removeprefix("force1 ")), ModelDrafter):
                 models[tier] = drafter.model
-        return tier_forwards(models, self.config.draft_precision, self.config.not_lean, force3)
+        return tier_forwards(models, self.config.draft_precision, self.config.lean_unavailable_reason, force3)
 
     def force1_seconds(self, b: int) -> float:
         """Seconds row ``b``'s drafters spent (in a batch, the shared forwards it took part in)."""

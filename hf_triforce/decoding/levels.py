@@ -30,8 +30,7 @@ from ..caches.retrieval import RetrievalCache
 from ..compat import layer_devices
 from ..drafters import Drafter
 from ..drafters.branching import branched_chain
-from ..drafters.registry import drafting_sequence
-from ..forwards.forward import Clock, ForwardRequest, Steps, run_inline
+from ..forwards.forward import Clock, ForwardRequest, TierGenerator, run_inline
 from ..tokens import agreement, append_tokens
 from ..verification.draft_tree import DraftTree
 from ..verification.sampling import ChainVerifier, scores_to_probs
@@ -46,16 +45,18 @@ from .tree_forward import score_tree
 RETRIEVAL_STORAGE = {"model": None, "bfloat16": torch.bfloat16}
 
 
-def proposal_steps(drafter: Drafter, sequence: torch.Tensor, n: int,
-                   host: np.ndarray | None = None) -> Steps[tuple[list[int] | torch.Tensor, torch.Tensor | None]]:
-    """``drafter.propose(sequence, n)`` as a generator of forward requests (none for a drafter without
-    ``propose_steps``: it proposes directly; ``host``: the sequence's host copy, `drafting_sequence`). The tokens
-    are ids, or a ``[n]`` tensor on the device where a drafter's ``propose_steps`` keeps them there (verification
-    reads them back with its acceptance)."""
-    steps = getattr(drafter, "propose_steps", None)
-    if steps is None:
-        return drafter.propose(drafting_sequence(drafter, sequence, host), n)
-    return (yield from steps(sequence, n))
+def drafting_sequence(drafter: Drafter, sequence: torch.Tensor, host: np.ndarray | None) -> torch.Tensor | np.ndarray:
+    """What ``drafter`` proposes from: ``host``, the sequence's host copy (int64 ``[1, n]``), for a drafter that reads
+    token values (``host_sequence``: the lookups), where the caller has one; else ``sequence``."""
+    return host if host is not None and drafter.host_sequence else sequence
+
+
+def proposal_steps(drafter: Drafter, sequence: torch.Tensor, n: int, host: np.ndarray | None = None
+                   ) -> TierGenerator[tuple[list[int] | torch.Tensor, torch.Tensor | None]]:
+    """``drafter.propose(sequence, n)`` as a generator of forward requests (`Drafter.propose_steps`; ``host``: the
+    sequence's host copy, `drafting_sequence`). The tokens are ids, or a ``[n]`` tensor on the device where the
+    drafter keeps them there (verification reads them back with its acceptance)."""
+    return (yield from drafter.propose_steps(drafting_sequence(drafter, sequence, host), n))
 
 
 @dataclass
@@ -68,10 +69,8 @@ class Candidates:
     tree: DraftTree | None = None
 
 
-class NoDrafter:
+class NoDrafter(Drafter):
     """Force 1 of `Force2Level` drafting alone: it proposes nothing, so each Force-2 round emits Force 2's own token."""
-
-    seconds = 0.0
 
     def prefill(self, prompt: torch.Tensor) -> None:
         pass
@@ -81,6 +80,9 @@ class NoDrafter:
 
     def rollback(self, length: int) -> None:
         pass
+
+    def nbytes(self) -> int:
+        return 0
 
 
 class Reporting:
@@ -116,11 +118,11 @@ class Force2Level(Reporting):
             compat.layer_windows(model.config),
         ).expect_devices(layer_devices(model)).store_as(RETRIEVAL_STORAGE[config.retrieval_dtype])
         self.steps_since_selection = 0
-        self.handed: tuple[int, list[int]] | None = None  # (position, chain) of the last chain handed to Force 3
+        self.handed_to_force3: tuple[int, list[int]] | None = None  # (position, chain) of its last chain
 
     @property
-    def seen(self) -> int:
-        """Tokens of the sequence that the retrieval cache holds entries for."""
+    def covered(self) -> int:
+        """Tokens of the sequence the retrieval cache covers (holds entries for)."""
         return self.cache.base_upto + self.cache.length - self.cache.base_length
 
     def use(self, drafter: Drafter) -> None:
@@ -159,11 +161,11 @@ class Force2Level(Reporting):
         """Processed Force-2 scores for each proposal's position and the one after."""
         return run_inline(self.score_steps(sequence, proposals))
 
-    def score_steps(self, sequence: torch.Tensor, proposals: list[int] | torch.Tensor) -> Steps[torch.Tensor]:
+    def score_steps(self, sequence: torch.Tensor, proposals: list[int] | torch.Tensor) -> TierGenerator[torch.Tensor]:
         """`scores` as a generator of its forward (`hf_triforce.forwards.forward`)."""
         extended = append_tokens(sequence, proposals) if len(proposals) else sequence
-        positions = extended.shape[1] - self.seen  # the forward's (`seen` counts them in once it has run)
-        request = ForwardRequest(self.model, self.cache, extended[:, self.seen :], self.seen, len(proposals) + 1,
+        positions = extended.shape[1] - self.covered  # the forward's (`covered` counts them in once it has run)
+        request = ForwardRequest(self.model, self.cache, extended[:, self.covered :], self.covered, len(proposals) + 1,
                                  self.clock)
         logits = yield request
         self.report.force2_seconds += request.seconds
@@ -186,10 +188,10 @@ class Force2Level(Reporting):
             accepted, next_token = self.verifier.verify(proposals, proposal_probs, q_scores)
             self.report.tree_nodes += len(tree)
             return proposals, proposal_probs, accepted, next_token, q_scores[: accepted + 1], len(proposals)
-        first = self.cache.length + sequence.shape[1] - self.seen  # cache coordinates of the first node
-        positions = sequence.shape[1] - self.seen + len(tree)  # the tree forward's (`seen` counts them in after it)
+        first = self.cache.length + sequence.shape[1] - self.covered  # cache coordinates of the first node
+        positions = sequence.shape[1] - self.covered + len(tree)  # the tree forward's (`covered` counts them after it)
         start = self.clock.start()
-        _, q_scores = score_tree(self.model, self.cache, self.seen, sequence, tree, self.processors)
+        _, q_scores = score_tree(self.model, self.cache, self.covered, sequence, tree, self.processors)
         seconds = self.clock.stop(start)
         self.report.force2_seconds += seconds
         self.report.timings.append(("force2-tree", positions, seconds))
@@ -201,26 +203,26 @@ class Force2Level(Reporting):
         depth = max(tree.depths(), default=0)
         return [tree.tokens[node] for node in path], None, len(path), next_token, q_scores[kept], depth
 
-    def handed_up(self, q_scores: torch.Tensor, proposals: list[int], proposal_probs: torch.Tensor | None,
-                  accepted: int) -> torch.Tensor:
+    def emitted_scores(self, q_scores: torch.Tensor, proposals: list[int], proposal_probs: torch.Tensor | None,
+                       accepted: int) -> torch.Tensor:
         """The scores of the ``accepted + 1`` tokens one Force-2 verification emits: q at each position (an accepted
         draft and a residual resample are both distributed exactly as q, whatever Force 1 drew from)."""
         return q_scores[: accepted + 1]
 
     def candidate_steps(self, sequence: torch.Tensor, limit: int, gamma1: int | None = None,
                         gamma2: int | None = None, force1_tree: bool | None = None,
-                        force2_tree: bool | None = None, host: np.ndarray | None = None) -> Steps[Candidates]:
+                        force2_tree: bool | None = None, host: np.ndarray | None = None) -> TierGenerator[Candidates]:
         """Up to ``min(gamma2, limit)`` tokens (gammas default to the config's); ``force1_tree``: Force 1
         proposes trees of ``tree_nodes``, ``force2_tree``: a tree of ``force2_tree_nodes`` goes up (both default
         to whether the config sets those); ``host``: the sequence's host copy, for a lookup Force 1
-        (`registry.drafting_sequence`). A generator of its forwards (`hf_triforce.forwards.forward`)."""
+        (`drafting_sequence`). A generator of its forwards (`hf_triforce.forwards.forward`)."""
         force1_tree = bool(self.config.tree_nodes) if force1_tree is None else force1_tree
         force2_tree = bool(self.config.force2_tree_nodes) if force2_tree is None else force2_tree
         gamma1 = self.config.gamma1 if gamma1 is None else gamma1
         wanted = min(self.config.gamma2 if gamma2 is None else gamma2, limit)
         if wanted <= 0:
             return Candidates([], None)
-        prompt_length, handed_scores, tokens = sequence.shape[1], [], []  # tokens: what this level emitted (host)
+        prompt_length, round_scores, tokens = sequence.shape[1], [], []  # tokens: what this level emitted (host)
         drafting_before = self.drafter.seconds
         while len(tokens) < wanted:
             still_wanted = wanted - len(tokens)
@@ -244,18 +246,18 @@ class Force2Level(Reporting):
             sequence = append_tokens(sequence, emitted)
             host = None if host is None else np.concatenate((host, [emitted]), axis=1)
             tokens += emitted
-            handed_scores.append(self.handed_up(q_scores, proposals, proposal_probs, accepted))
+            round_scores.append(self.emitted_scores(q_scores, proposals, proposal_probs, accepted))
             self.cache.rollback_to_sequence(sequence.shape[1] - 1)
             self.drafter.rollback(sequence.shape[1] - 1)
         end = prompt_length + wanted
-        self.cache.rollback_to_sequence(min(self.seen, end))
+        self.cache.rollback_to_sequence(min(self.covered, end))
         self.drafter.rollback(end)
-        self.report.handed += wanted
+        self.report.to_force3 += wanted
         self.report.force1_seconds += self.drafter.seconds - drafting_before
-        q_scores = torch.cat(handed_scores)[:wanted]
+        q_scores = torch.cat(round_scores)[:wanted]
         probs = scores_to_probs(q_scores) if self.verifier.do_sample else None
         tokens = tokens[:wanted]
-        self.handed = (prompt_length, tokens)
+        self.handed_to_force3 = (prompt_length, tokens)
         if force2_tree:
             return self.branched(tokens, q_scores, probs)
         return Candidates(tokens, probs)
@@ -263,7 +265,7 @@ class Force2Level(Reporting):
     def branched(self, tokens: list[int], q_scores: torch.Tensor, probs: torch.Tensor | None) -> Candidates:
         """``TriForceConfig.force2_tree_nodes``: the chain Force 2 emitted plus, where it is least certain, the
         tokens q ranks next (point masses; `branching`). Exact: each chain token is distributed as its q row
-        given the tokens before it (`handed_up`), and each alternative is a function of the chain."""
+        given the tokens before it (`emitted_scores`), and each alternative is a function of the chain."""
         laws = list(probs) if probs is not None else list(scores_to_probs(q_scores))
         chain_laws = list(probs) if probs is not None else [None] * len(tokens)
         tree = branched_chain(tokens, laws, chain_laws, self.config.force2_tree_nodes, self.config.tree_branch)
@@ -276,10 +278,10 @@ class Force2Level(Reporting):
         step committed, on the host) or, where Force 3 accepted one of a tree's alternatives, to where it left the
         handed-up chain; refresh the selection."""
         keep = sequence.shape[1] - 1
-        if self.handed is not None:
-            start, chain = self.handed
+        if self.handed_to_force3 is not None:
+            start, chain = self.handed_to_force3
             keep = min(keep, start + agreement(committed[: keep - start], chain))
-            self.handed = None
+            self.handed_to_force3 = None
         self.drafter.rollback(keep)
         self.cache.sync(self.full, self.full.length)
         self.steps_since_selection += 1
@@ -314,7 +316,7 @@ class Force1Level(Reporting):
 
     def candidate_steps(self, sequence: torch.Tensor, limit: int, gamma1: int | None = None,
                         gamma2: int | None = None, force1_tree: bool | None = None,
-                        force2_tree: bool | None = None, host: np.ndarray | None = None) -> Steps[Candidates]:
+                        force2_tree: bool | None = None, host: np.ndarray | None = None) -> TierGenerator[Candidates]:
         """Up to ``min(gamma2, limit)`` tokens, or (``force1_tree``, default: whether the config sets
         ``tree_nodes``) Force 1's tree of that depth; ``gamma1`` and ``force2_tree`` are unused (no Force 2);
         ``host``: as `Force2Level.candidate_steps`. A generator of its forwards (`hf_triforce.forwards.forward`)."""
@@ -329,14 +331,14 @@ class Force1Level(Reporting):
             self.report.force1_seconds += self.drafter.seconds - drafting_before
             depth = max(tree.depths(), default=0)  # counted like a chain of that length (acceptance comparable)
             self.report.drafted += depth
-            self.report.handed += depth
+            self.report.to_force3 += depth
             self.report.tree_nodes += len(tree)
             chain = tree.as_chain()  # no branching this step (or nothing proposed): the cheaper chain path
             return Candidates(*chain) if chain is not None else Candidates([], None, tree)
         proposals, probs = yield from proposal_steps(self.drafter, sequence, wanted, host)
         self.report.force1_seconds += self.drafter.seconds - drafting_before
         self.report.drafted += len(proposals)
-        self.report.handed += len(proposals)
+        self.report.to_force3 += len(proposals)
         return Candidates(proposals, probs)
 
     def commit(self, sequence: torch.Tensor, accepted: int, proposed: int, queries: dict[int, torch.Tensor],

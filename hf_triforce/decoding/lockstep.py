@@ -23,7 +23,7 @@ import torch
 
 from ..caches.buffer import BufferCache, BufferLayer
 from ..caches.ragged import RaggedBufferCache, RowLayer
-from ..forwards.forward import ForwardRequest, Seconds, Steps, ragged_forward
+from ..forwards.forward import ForwardRequest, Seconds, TierGenerator, ragged_forward
 
 
 class Lockstep:
@@ -69,7 +69,7 @@ class Lockstep:
         in every row it served, once per row."""
         return (self.row_seconds - mark[0]) - (sum(self.seconds.values()) - mark[1])
 
-    def drive(self, steps: dict[int, Steps[Any]]) -> dict[int, Any]:
+    def drive(self, steps: dict[int, TierGenerator[Any]]) -> dict[int, Any]:
         """Run every row's generator to its end; returns each row's result."""
         pending: dict[int, ForwardRequest] = {}
         results: dict[int, Any] = {}

@@ -8,7 +8,7 @@
         3. Force 3 scores every active row's candidates in one forward (`force3.Force3`, `force3.RaggedForce3`)
         4. per active row, in row order: exact verification against its own p (min(1, p/q), residual
            resampling; a tree's SpecInfer rule), its cache kept to what it accepted, commit token by token
-           (its `Output`: stop criteria, streamer, scores), its level told (rollback / refresh)
+           (its `CommittedSequence`: stop criteria, streamer, scores), its level told (rollback / refresh)
         5. the policy told what the step cost and how each level did
     -> each row's sequence and statistics, the call's (`DecodeResult`)
 
@@ -35,17 +35,16 @@ from transformers import LogitsProcessorList, StoppingCriteriaList
 from .. import compat
 from ..caches.buffer import BufferCache
 from ..config import TriForceConfig
-from ..drafters.registry import drafting_sequence
 from ..forwards.forward import Clock, device_clock
 from ..kernels.call_kernels import CallKernels
-from ..kernels.row_mixing import RowsApart
+from ..kernels.row_mixing import RowByRowMixingLayers
 from ..stats import TriForceStats
 from ..tokens import append_tokens
 from ..verification.sampling import ChainVerifier, Sampler, TorchSampler, scores_to_probs
 from ..verification.scoring import deferred_nan_checks, process_positions, read_back, row_processors
 from ..verification.tree import TreeVerifier
 from .hierarchy import Hierarchy
-from .levels import Candidates
+from .levels import Candidates, drafting_sequence
 from .policy import Plan
 from .report import StepRecorder, aggregate, proposed_of
 from .resolved import ResolvedConfig, resolve
@@ -86,7 +85,7 @@ class PaddedView:
         return Padded(processors)
 
 
-class Output:
+class CommittedSequence:
     """One row's committed sequence, with what ``generate`` does per token: scores/logits, streamer, stop check."""
 
     def __init__(self, input_ids: torch.LongTensor, view: PaddedView, criteria: StoppingCriteriaList | None,
@@ -156,7 +155,7 @@ class Row:
     (a retrieval selection's input), whether it stopped."""
 
     index: int
-    out: Output
+    out: CommittedSequence
     queries: dict[int, torch.Tensor]
     done: bool = False
 
@@ -228,9 +227,9 @@ class Decoder:
             lean_forward = self.force3.lean_forward
             fixed_shapes += [lean_forward.fixed_shape] if lean_forward is not None else []
             before = [(f.calls, f.compiles, f.compile_seconds) for f in fixed_shapes]
-            rows_apart = kernels.switch_linear(models)
+            row_by_row = kernels.switch_linear(models)
             stack.enter_context(deferred_nan_checks())  # NaN checks read with the verifications' readbacks
-            rows = self._start(prompts, prefix_cache, streamer, keep_scores, keep_logits, rows_apart)
+            rows = self._start(prompts, prefix_cache, streamer, keep_scores, keep_logits, row_by_row)
             while active := [row for row in rows if not row.done]:
                 self._step(active)
             result = self._result(prompts, rows)
@@ -242,7 +241,7 @@ class Decoder:
         return result
 
     def _start(self, prompts, prefix_cache, streamer, keep_scores: bool, keep_logits: bool,
-               rows_apart: RowsApart) -> list[Row]:
+               row_by_row: RowByRowMixingLayers) -> list[Row]:
         """Prefill every row's full cache and commit each row's first token (sampled from the prefill's last position:
         no Force-3 step) as soon as its row is prefilled, rows in order (a batch's first row streams before the next
         prefills); the policy seeded with what the prefill measured (`Hierarchy.seed_policy`)."""
@@ -250,8 +249,8 @@ class Decoder:
 
         def first_token(b: int, logits: torch.Tensor, queries: dict) -> None:
             ids = prompts[b]
-            row = Row(b, Output(ids, self.views[b], self.criteria, self.max_lengths[b], streamer, keep_scores,
-                                keep_logits), queries)
+            row = Row(b, CommittedSequence(ids, self.views[b], self.criteria, self.max_lengths[b], streamer,
+                                           keep_scores, keep_logits), queries)
             scores = process_positions(self.processors[b], ids, logits, ids.shape[1])
             first = self.sampler.categorical(scores_to_probs(scores)[0]) if self.do_sample else int(scores[0].argmax())
             row.done = row.out.commit(first, scores[0], logits[0])
@@ -262,7 +261,7 @@ class Decoder:
         self.prefill_seconds = time.perf_counter() - began
         if [row.index for row in rows] != list(range(len(prompts))):
             raise RuntimeError(f"Force 3's prefill handed up rows {[row.index for row in rows]}, not each row in order")
-        rows_apart.enable()  # after the prefill (plain generate prefills with rows together too)
+        row_by_row.enable()  # after the prefill (plain generate prefills with rows together too)
         self.hierarchy.seed_policy(seconds_per_token, max(ids.shape[1] for ids in prompts))
         return rows
 
@@ -286,9 +285,9 @@ class Decoder:
         recorder.scored(began, scored)
         # 4. per row: verify against its own p, keep what Force 3 accepted, commit, its level told
         for row in active:
-            level, found = levels[row.index], candidates[row.index]
-            accepted, committed = self._verify_row(row, plan, level, found, *scored[row.index])
-            recorder.row(row.index, level.take_report() if level is not None else None, found, accepted, committed)
+            level, proposal = levels[row.index], candidates[row.index]
+            accepted, committed = self._verify_row(row, plan, level, proposal, *scored[row.index])
+            recorder.row(row.index, level.take_report() if level is not None else None, proposal, accepted, committed)
         # 5. learn: the policy told what the step cost and how each row's levels did
         recorder.ended(candidates)
 

@@ -8,7 +8,7 @@ as counters.
 
 Terms: *drafted*: Force-1 tokens proposed (a tree counts its depth, so that acceptance compares with chains');
 *verified* / *accepted*: of those, the ones Force 2 verified / accepted; *rejections*: Force-2 verifications that
-rejected a draft; *handed*: tokens handed up to Force 3; a *selection*: a re-selection of the retrieval cache's chunks.
+rejected a draft; *to_force3*: tokens handed up to Force 3; a *selection*: a re-selection of the retrieval chunks.
 
 The `StepRecorder`: timing and accounting of a call's Force-3 steps, in one place. A step hands it its facts as they
 happen (its plan, its levels' catch-ups, Force 3's forward, each row's outcome); the recorder counts them in each row's
@@ -39,7 +39,7 @@ from .policy import AdaptivePolicy, Choice, Plan
 @dataclass
 class LevelReport:
     drafted: int = 0
-    handed: int = 0
+    to_force3: int = 0
     force2_steps: int = 0
     force2_verified: int = 0
     force2_accepted: int = 0
@@ -72,7 +72,7 @@ class LevelReport:
         drafters: `Decoder`)."""
         self.read()
         stats.force1_proposed += self.drafted
-        stats.force2_proposed += self.handed
+        stats.force2_proposed += self.to_force3
         stats.force2_steps += self.force2_steps
         stats.force2_verified += self.force2_verified
         stats.force2_accepted += self.force2_accepted
@@ -215,8 +215,8 @@ class StepRecorder:
         levels did), counted now or a step late (module docstring)."""
         step = self.step
         if self.policy is not None:
-            trees = [found.tree for found in candidates.values() if found.tree is not None]  # batch size 1
-            width = len(trees[0]) + 1 if trees else 1 + max(len(found.tokens) for found in candidates.values())
+            trees = [proposal.tree for proposal in candidates.values() if proposal.tree is not None]  # batch size 1
+            width = len(trees[0]) + 1 if trees else 1 + max(len(proposal.tokens) for proposal in candidates.values())
             lower = sum(outcome.report.lower_seconds for outcome in self.outcomes if outcome.report is not None)
             repeated = self.lockstep.repeated_seconds_since(self.mark)
             step.record = StepRecord(self.plan, width, bool(trees), step.force3_seconds, self.outcomes,

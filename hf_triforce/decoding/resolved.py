@@ -4,7 +4,7 @@ every resolved choice and derived size. Everything downstream reads it; nothing 
     resolve(config, target, driver)
         draft_precision, tier_compile   concrete (`tiers.resolve_draft_precision`: "auto" by the models and device)
         retrieval_dtype                 concrete (`tiers.resolve_retrieval_dtype`: "auto" by Force 2's forward)
-        not_lean                        why ``draft_precision="auto"`` kept the models' eager forwards (None: not)
+        lean_unavailable_reason         why ``draft_precision="auto"`` kept the models' eager forwards (None: not)
         draft_name                      the configured drafter's name (``"model"`` for a draft model)
         lookup_gamma2, proposal_rows,   the sizes of `sizing`, for the loop that drives the hierarchy: ``"triforce"``
         recent_tokens, round_rows,      (the library's loop, whose adaptive policy may verify longer lookup chains) or
@@ -32,7 +32,7 @@ class ResolvedConfig:
 
     config: TriForceConfig  # draft_precision, tier_compile and retrieval_dtype concrete
     driver: str  # the loop that drives the hierarchy (`LOOPS`)
-    not_lean: str | None
+    lean_unavailable_reason: str | None
     draft_name: str
     lookup_gamma2: int  # most tokens a lookup drafter proposes straight to Force 3
     proposal_rows: int  # most rows Force 1 proposes for one Force-2 verification
@@ -58,13 +58,13 @@ def resolve(config: TriForceConfig | ResolvedConfig, target, driver: str = "trif
     if driver not in LOOPS:
         raise ValueError(f"driver must be one of {LOOPS}, got {driver!r}")
     config.validate()  # a field set after construction is checked here, before anything reads it
-    concrete, not_lean = resolve_draft_precision(config, target)
+    concrete, lean_unavailable_reason = resolve_draft_precision(config, target)
     concrete = resolve_retrieval_dtype(concrete, target)
     # transformers' loop asks for at most gamma2 candidates a step (no adaptive policy lengthens a lookup's chain)
     lookup = lookup_gamma2(concrete) if driver == "triforce" else concrete.gamma2
     rows = force3_rows(concrete) if driver == "triforce" else concrete.gamma2
     return ResolvedConfig(
-        config=concrete, driver=driver, not_lean=not_lean,
+        config=concrete, driver=driver, lean_unavailable_reason=lean_unavailable_reason,
         draft_name=concrete.draft if isinstance(concrete.draft, str) else MODEL_DRAFTER,
         lookup_gamma2=lookup, proposal_rows=proposal_rows(concrete), recent_tokens=recent_tokens(concrete),
         round_rows=round_rows(concrete), force3_rows=rows, force3_room=rows + 2,

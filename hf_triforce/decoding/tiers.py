@@ -265,13 +265,13 @@ def tier_forward(model, precision: str) -> str:
     return "eager" if why is None else f"eager ({why})"
 
 
-def tier_forwards(models: dict, precision: str, not_lean: str | None, force3: str) -> dict[str, str]:
+def tier_forwards(models: dict, precision: str, lean_unavailable_reason: str | None, force3: str) -> dict[str, str]:
     """`TriForceStats.tier_forwards`: per tier (``"force1 <drafter>"``, ``"force2"``) of ``models`` (tier -> the model
-    it ran), its `tier_forward`; where ``draft_precision="auto"`` fell back to the models as given (``not_lean``, the
-    reason `resolve_draft_precision` gave), that reason for every drafting tier; and ``"force3"``: ``force3``, what
-    Force 3's verification ran (`force3_forward`'s description)."""
-    if not_lean is not None:
-        drafting = dict.fromkeys(models, f"eager (draft_precision='auto': {not_lean})")
+    it ran), its `tier_forward`; where ``draft_precision="auto"`` fell back to the models as given
+    (``lean_unavailable_reason``, the reason `resolve_draft_precision` gave), that reason for every drafting tier;
+    and ``"force3"``: ``force3``, what Force 3's verification ran (`force3_forward`'s description)."""
+    if lean_unavailable_reason is not None:
+        drafting = dict.fromkeys(models, f"eager (draft_precision='auto': {lean_unavailable_reason})")
     else:
         drafting = {tier: tier_forward(model, precision) for tier, model in models.items()}
     return {**drafting, "force3": force3}

@@ -2,8 +2,8 @@
 
 Importing this package imports every module in it, and each drafter module registers itself (``self`` and
 ``model`` in `model`, ``ngram``, ``suffix``; a draft model object is the ``model`` drafter). `TriForceConfig`
-validation, the CLI and the bench read `DRAFTERS`: a new drafter is one new file here that calls
-`register_drafter` (or, outside the package, any module that does so before the config is built).
+validation, the CLI and the bench read `DRAFTERS`: a new drafter is one new file here, a `Drafter` subclass and a
+call of `register_drafter` (or, outside the package, any module that registers one before the config is built).
 """
 
 import importlib

@@ -7,14 +7,14 @@ import torch
 from ..caches.buffer import BufferCache
 from ..caches.sink_window import SinkWindowCache, copy_refusal, make_layer_rerotations
 from ..compat import layer_devices, num_layers
-from ..forwards.forward import Clock, ForwardRequest, HostClock, Seconds, Steps, run_inline
+from ..forwards.forward import Clock, ForwardRequest, HostClock, Seconds, TierGenerator, run_inline
 from ..kernels.lean import LeanModel
 from ..tokens import agreement, append_tokens
 from ..verification.draft_tree import DraftTree
 from ..verification.sampling import Sampler, scores_to_probs
 from ..verification.scoring import process_positions
 from .branching import branched_chain
-from .registry import MODEL_DRAFTER, DraftContext, register_drafter
+from .registry import MODEL_DRAFTER, DraftContext, Drafter, register_drafter
 
 # a drafter filling by copy refills once it is more than this many tokens behind the sequence (steps ran without
 # it); catching up costs a forward of that many rows, a copy a few milliseconds. One filling by forwards refills
@@ -27,7 +27,7 @@ COPY_REFILL_BEHIND = 8
 # The fill's cost both ways: docs/experiments.md, "Lean drafting tiers: weight-only int4 in groups of 32".
 
 
-class ModelDrafter:
+class ModelDrafter(Drafter):
     """A causal LM on a constant-size sink+window cache (`SinkWindowCache`, in-cache or absolute positions)."""
 
     def __init__(self, model, sink_tokens: int, window: int, processors, do_sample: bool, sampler: Sampler,
@@ -57,7 +57,7 @@ class ModelDrafter:
         self.do_sample = do_sample
         self.sampler = sampler
         self.sampled_siblings = sampled_siblings
-        self.seen = 0  # tokens of the sequence whose entries the cache holds (or has evicted)
+        self.fed = 0  # tokens of the sequence fed to it: their entries are in the cache (or evicted)
         self.drafted: tuple[int, list[int]] | None = None  # (position, chain) of the last tree's cached chain
         self.clock = clock if clock is not None else HostClock()
         self.seconds: float | Seconds = 0.0  # its forwards' (`clock.Seconds` on a CUDA device: read after the fact)
@@ -65,16 +65,16 @@ class ModelDrafter:
         self.prefill_seconds: float | Seconds = 0.0
         self.forwards = 0
 
-    def _forward_steps(self, tokens: torch.Tensor, model=None) -> Steps[torch.Tensor]:
+    def _forward_steps(self, tokens: torch.Tensor, model=None) -> TierGenerator[torch.Tensor]:
         """The last row's logits ``[1, vocab]`` of ``tokens`` fed at the next in-cache positions (by ``model``,
         default the drafting model)."""
         self.cache.make_room(tokens.shape[1])
-        start = self.seen if self.cache.positions == "absolute" else self.cache.length
+        start = self.fed if self.cache.positions == "absolute" else self.cache.length
         request = ForwardRequest(self.model if model is None else model, self.cache, tokens, start, 1, self.clock)
         logits = yield request
         self.seconds += request.seconds
         self.forwards += 1
-        self.seen += tokens.shape[1]
+        self.fed += tokens.shape[1]
         return logits
 
     def prefill(self, prompt: torch.Tensor) -> None:
@@ -82,7 +82,7 @@ class ModelDrafter:
         ``sink_tokens`` and last ``window`` tokens but the last; later (the levels of a call share one drafter, and
         each starts it) nothing: drafting catches up with the sequence (`_draft_steps`); a second fill would cost a
         272-row forward (docs/experiments.md, "Force 1: a window of 1024...")."""
-        if not self.seen:
+        if not self.fed:
             before = self.seconds
             self._fill(prompt)
             self.prefill_seconds = self.seconds - before
@@ -91,8 +91,8 @@ class ModelDrafter:
         """(Re)fill the cache with the prompt's first ``sink_tokens`` and last ``window`` tokens, except the last:
         copied from ``source`` as far as it holds them (drafting feeds the rest), else by a forward."""
         if self.source is not None and self.source.length:
-            self.seen = min(self.source.length, prompt.shape[1] - 1)
-            self.cache.copy_from(self.source, self.seen)
+            self.fed = min(self.source.length, prompt.shape[1] - 1)
+            self.cache.copy_from(self.source, self.fed)
             return
         self.cache.rollback(0)
         n = prompt.shape[1] - 1
@@ -100,28 +100,28 @@ class ModelDrafter:
         spans = [(0, n)] if n <= sink + window else [(0, sink), (n - window, n)]
         if self.cache.positions == "absolute":  # each span at its own positions
             for begin, end in spans:
-                self.seen = begin
+                self.fed = begin
                 if end > begin:
                     run_inline(self._forward_steps(prompt[:, begin:end], self.fill_model))
         else:  # one forward: the slots are the positions
             body = torch.cat([prompt[:, begin:end] for begin, end in spans], dim=1)
             if body.shape[1]:
                 run_inline(self._forward_steps(body, self.fill_model))
-        self.seen = n
+        self.fed = n
 
     def propose(self, sequence: torch.Tensor, n: int) -> tuple[list[int], torch.Tensor | None]:
         tokens, probs = run_inline(self.propose_steps(sequence, n))
         return (tokens.tolist() if isinstance(tokens, torch.Tensor) else tokens), probs
 
-    def propose_steps(self, sequence: torch.Tensor, n: int) -> Steps[tuple[list[int] | torch.Tensor,
-                                                                          torch.Tensor | None]]:
-        """`propose` as a generator of its forwards (`hf_triforce.forwards.forward`): a batch drafts its rows together.
-        The tokens stay on the device (a ``[n]`` tensor) until verification reads them with its own readback."""
+    def propose_steps(self, sequence: torch.Tensor, n: int) -> TierGenerator[tuple[list[int] | torch.Tensor,
+                                                                                  torch.Tensor | None]]:
+        """`Drafter.propose_steps`: the tokens stay on the device (a ``[n]`` tensor) until verification reads them
+        with its own readback."""
         tokens, _, probs = yield from self._draft_steps(sequence, n)
         return tokens, (torch.stack(probs) if probs else None)
 
-    def _draft_steps(self, sequence: torch.Tensor, n: int) -> Steps[tuple[list[int] | torch.Tensor,
-                                                                          list[torch.Tensor], list[torch.Tensor]]]:
+    def _draft_steps(self, sequence: torch.Tensor, n: int
+                     ) -> TierGenerator[tuple[list[int] | torch.Tensor, list[torch.Tensor], list[torch.Tensor]]]:
         """``n`` drafted tokens (a ``[n]`` tensor on the device), each row's processed scores, and (sampling) the law
         each token was drawn from."""
         if self.drafted is not None:  # a tree's side node may have been accepted: keep only what still agrees
@@ -129,11 +129,11 @@ class ModelDrafter:
             self.rollback(start + agreement(sequence[0, start : start + len(drafted)].tolist(), drafted))
             self.drafted = None
         behind = COPY_REFILL_BEHIND if self.source is not None else self.cache.window // 2
-        if sequence.shape[1] - self.seen > behind:  # far behind (steps ran without it)
+        if sequence.shape[1] - self.fed > behind:  # far behind (steps ran without it)
             self._fill(sequence)
         tokens: list[torch.Tensor] = []
         drafted_scores, probs = [], []  # per drafted token, its processed scores and (sampling) its law
-        pending = sequence[:, self.seen :]
+        pending = sequence[:, self.fed :]
         while len(tokens) < n:
             logits = yield from self._forward_steps(pending)
             current = sequence if not tokens or not self.processors else append_tokens(sequence, tokens)
@@ -170,9 +170,9 @@ class ModelDrafter:
         return branched_chain(tokens, laws, chain_laws, nodes, branch, sampler)
 
     def rollback(self, length: int) -> None:
-        if self.seen > length:
-            self.cache.rollback(self.cache.length - (self.seen - length))
-            self.seen = length
+        if self.fed > length:
+            self.cache.rollback(self.cache.length - (self.fed - length))
+            self.fed = length
 
     def nbytes(self) -> int:
         return self.cache.nbytes()

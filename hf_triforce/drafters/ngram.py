@@ -8,21 +8,21 @@ import numpy as np
 import torch
 
 from ..verification.draft_tree import DraftTree, TreeBuilder
-from .registry import host_row, register_drafter
+from .registry import Drafter, host_row, register_drafter
 
 # occurrences of one suffix size a tree looks at, most recent first: bounds the per-occurrence Python work of a
 # common short suffix in a long prompt (a budget, not a tuned value)
 TREE_OCCURRENCES = 64
 
 
-class NgramDrafter:
+class NgramDrafter(Drafter):
     """The longest suffix of ``ngram_max`` .. ``ngram_min`` tokens that occurred earlier (prompt or output)
     is continued as it continued at its most recent occurrence. Deterministic: point-mass proposals."""
 
+    host_sequence = True
+
     def __init__(self, ngram_max: int, ngram_min: int):
         self.ngram_max, self.ngram_min = ngram_max, ngram_min
-        self.seconds = 0.0
-        self.host_sequence = True  # proposes from the sequence's host copy (`registry.drafting_sequence`)
 
     def prefill(self, prompt: torch.Tensor) -> None:
         pass

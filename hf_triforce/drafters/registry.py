@@ -1,48 +1,65 @@
-"""The `Drafter` protocol and the registry of Force-1 drafters.
-
-Contract: ``propose(sequence, n)`` returns up to ``n`` proposed tokens and, row by row, the exact
-distribution each was drawn from (``None`` for a deterministic proposer: a point mass). ``rollback(length)``
-is called with the length of a committed prefix of the sequence; ``prefill(prompt)`` once, before the first
-proposal. ``seconds`` accumulates the time spent proposing. A ``"lookup"`` drafter's ``propose`` must have no
-side effects and draw no random numbers: the adaptive policy asks it every step what it would propose
-(counterfactual scoring), whether or not the step uses it. A drafter that runs a model may also offer
-``propose_steps(sequence, n)``, `propose` as a generator of its forwards (`hf_triforce.forwards.forward`), so that a
-batch drafts all its rows in one forward per token (`decoding.levels.proposal_steps` asks for either). A drafter that
-reads token values (the lookups) sets ``host_sequence = True`` and is then given the sequence's host copy, an int64
-NumPy array ``[1, n]``, where the decoder has one (`drafting_sequence`).
-"""
+"""The `Drafter` base class and the registry of Force-1 drafters (each drafter subclasses `Drafter`)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 import torch
 from transformers import LogitsProcessorList
 
-from ..forwards.forward import Clock, HostClock
+from ..forwards.forward import Clock, HostClock, Seconds, TierGenerator
+from ..verification.draft_tree import DraftTree
 from ..verification.sampling import Sampler
 
 
-class Drafter(Protocol):
-    seconds: float
+class Drafter:
+    """What Force 1 asks of a drafter: the four required methods below raise NotImplementedError; the optional
+    members have defaults a drafter overrides where it can do better.
 
-    def prefill(self, prompt: torch.Tensor) -> None: ...
+    A ``"lookup"`` drafter's ``propose`` must have no side effects and draw no random numbers: the adaptive policy
+    asks it every step what it would propose (counterfactual scoring), whether or not the step uses it.
+    """
 
-    def propose(self, sequence: torch.Tensor, n: int) -> tuple[list[int], torch.Tensor | None]: ...
+    seconds: float | Seconds = 0.0  # time spent proposing, accumulated (`clock.Seconds` on a CUDA device)
+    # proposes from the sequence's host copy, an int64 NumPy array ``[1, n]``, where the decoder has one
+    # (`decoding.levels.drafting_sequence`): a drafter that reads token values (the lookups); on an accelerator each
+    # read of a device ``sequence`` would wait for the device
+    host_sequence: bool = False
 
-    def rollback(self, length: int) -> None: ...
+    def prefill(self, prompt: torch.Tensor) -> None:
+        """Ready to propose after ``prompt`` ``[1, n]``; called before the first proposal (and again when a level
+        starts using it)."""
+        raise NotImplementedError(f"{type(self).__name__} must implement Drafter.prefill")
 
-    def nbytes(self) -> int: ...
+    def propose(self, sequence: torch.Tensor | np.ndarray, n: int) -> tuple[list[int], torch.Tensor | None]:
+        """Up to ``n`` proposed tokens after ``sequence`` ``[1, length]`` and, row by row, the exact distribution
+        ``[n, vocab]`` each was drawn from (``None`` for a deterministic proposer: point masses)."""
+        raise NotImplementedError(f"{type(self).__name__} must implement Drafter.propose")
 
+    def rollback(self, length: int) -> None:
+        """Forget everything past the sequence's first ``length`` tokens (a committed prefix)."""
+        raise NotImplementedError(f"{type(self).__name__} must implement Drafter.rollback")
 
-def drafting_sequence(drafter: Drafter, sequence: torch.Tensor, host: np.ndarray | None) -> torch.Tensor | np.ndarray:
-    """What ``drafter`` proposes from: ``host``, the sequence's host copy (int64 ``[1, n]``), for a drafter that reads
-    token values (``host_sequence``: the lookups; on an accelerator each read of ``sequence`` would wait for the
-    device), where the caller has one; else ``sequence``."""
-    return host if host is not None and getattr(drafter, "host_sequence", False) else sequence
+    def nbytes(self) -> int:
+        """Bytes of the state it holds (its cache)."""
+        raise NotImplementedError(f"{type(self).__name__} must implement Drafter.nbytes")
+
+    def propose_steps(self, sequence: torch.Tensor | np.ndarray,
+                      n: int) -> TierGenerator[tuple[list[int] | torch.Tensor, torch.Tensor | None]]:
+        """`propose` as a generator of its forwards (`hf_triforce.forwards.forward`), so that a batch drafts all
+        its rows in one forward per token (`decoding.levels.proposal_steps`); the tokens may be a ``[n]`` tensor
+        left on the device. Default: no forward to share; it yields nothing and returns `propose`'s answer."""
+        yield from ()
+        return self.propose(sequence, n)
+
+    def propose_tree(self, sequence: torch.Tensor | np.ndarray, depth: int, nodes: int, branch: int) -> DraftTree:
+        """A `DraftTree` of at most ``nodes`` nodes, ``depth`` deep, ``branch`` children per node, whose first path
+        is the chain `propose` would give; asked only of a drafter registered with ``trees=True`` (`DrafterSpec`).
+        Default: it proposes chains only."""
+        raise NotImplementedError(f"{type(self).__name__} proposes chains only (registered with trees=False)")
 
 
 def host_row(sequence: torch.Tensor | np.ndarray) -> np.ndarray:
@@ -120,5 +137,11 @@ def spec_of(draft: Any) -> DrafterSpec:
 
 
 def build_drafter(context: DraftContext) -> Drafter:
-    """The drafter ``context.config.draft`` names (a model object: the ``model`` drafter)."""
-    return spec_of(context.config.draft).build(context)
+    """The drafter ``context.config.draft`` names (a model object: the ``model`` drafter); TypeError naming the
+    drafter where its ``build`` returns something that is not a `Drafter`."""
+    spec = spec_of(context.config.draft)
+    drafter = spec.build(context)
+    if not isinstance(drafter, Drafter):
+        raise TypeError(f"the {spec.name!r} drafter's build returned a {type(drafter).__name__}, which does not "
+                        "subclass hf_triforce.drafters.Drafter")
+    return drafter

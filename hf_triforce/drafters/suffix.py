@@ -15,14 +15,14 @@ import numpy as np
 import torch
 
 from .ngram import occurrences
-from .registry import DraftContext, host_row, register_drafter
+from .registry import DraftContext, Drafter, host_row, register_drafter
 
 
-class SuffixDrafter:
+class SuffixDrafter(Drafter):
+    host_sequence = True
+
     def __init__(self, ngram_max: int, ngram_min: int):
         self.ngram_max, self.ngram_min = ngram_max, ngram_min
-        self.seconds = 0.0
-        self.host_sequence = True  # proposes from the sequence's host copy (`registry.drafting_sequence`)
 
     def prefill(self, prompt: torch.Tensor) -> None:
         pass

@@ -268,7 +268,7 @@ def prefill(model, tokens: torch.Tensor, cache, chunk_size: int, show_progress: 
 
 
 T = TypeVar("T")
-Steps = Generator["ForwardRequest", torch.Tensor, T]
+TierGenerator = Generator["ForwardRequest", torch.Tensor, T]
 
 
 @dataclass
@@ -294,7 +294,7 @@ class ForwardRequest:
         return logits
 
 
-def run_inline(steps: Steps[T]) -> T:
+def run_inline(steps: TierGenerator[T]) -> T:
     """Drive a tier's generator alone: every request runs as a batch-1 forward when it is yielded."""
     try:
         request = next(steps)

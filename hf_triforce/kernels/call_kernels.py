@@ -9,8 +9,8 @@ Both drivers (the library's loop and transformers' assisted loop) set a call up 
     (the driver builds what runs under them: the tiers' lean or int8 copies, the candidate generator; copies are made
     before any linear layer is switched, so that none copies a switched layer)
     linear      `switch_linear`: the given models' linear layers take the few-row route timed fastest on this CPU
-                (`linear_routes`), and the target's row-mixing layers run row by row (`row_mixing.RowsApart`, which
-                the driver enables after its prefill)
+                (`linear_routes`), and the target's row-mixing layers run row by row
+                (`row_mixing.RowByRowMixingLayers`, which the driver enables after its prefill)
     read out    `fill`: what was built, timed and installed, in a `TriForceStats`
 
 Everything installed is removed when the block ends; the routes' timings are kept for the models' later calls.
@@ -26,7 +26,7 @@ from ..stats import TriForceStats
 from . import cpu_kernels
 from .attention_routes import attention_routes, describe
 from .linear_routes import LinearRoutes, linear_routes
-from .row_mixing import RowsApart
+from .row_mixing import RowByRowMixingLayers
 
 
 class CallKernels:
@@ -50,15 +50,16 @@ class CallKernels:
     def __exit__(self, *exc) -> bool:
         return self._stack.__exit__(*exc)
 
-    def switch_linear(self, models: list[nn.Module]) -> RowsApart:
+    def switch_linear(self, models: list[nn.Module]) -> RowByRowMixingLayers:
         """For the rest of the block: ``models``' linear layers on their timed routes (timed now where not yet), the
-        target's row-mixing layers wrapped. Returns the `RowsApart`, for the driver to enable after its prefill."""
+        target's row-mixing layers wrapped. Returns the `RowByRowMixingLayers`, for the driver to enable after its
+        prefill."""
         self.linear = [linear_routes(model) for model in models]
         self._linear_calibrated = [routes.calibration_seconds for routes in self.linear]
         self._bypassed = dict(self.linear[0].bypassed) if self.linear else {}
         for routes in self.linear:
             self._stack.enter_context(routes.installed())
-        return self._stack.enter_context(RowsApart(self.target))
+        return self._stack.enter_context(RowByRowMixingLayers(self.target))
 
     def fill(self, stats: TriForceStats) -> None:
         """``stats``' kernel fields: the CPU kernels and their build seconds, the attention routes and this call's

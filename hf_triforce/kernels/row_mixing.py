@@ -8,7 +8,7 @@ call, so a draft row with an activation above the threshold changes the other ro
 tiny Llama whose norms produce such outliers: greedy output diverged from plain ``generate`` of the same
 8-bit model (tests/test_quantized_targets.py), and the sampled law would depend on the drafts.
 
-`RowsApart` makes those layers run calls of 2 to `ROW_INDEPENDENT_MAX_ROWS` rows one row at a time once
+`RowByRowMixingLayers` makes those layers run calls of 2 to `ROW_INDEPENDENT_MAX_ROWS` rows one row at a time once
 `enable` is called (after the prefill, which plain ``generate`` runs batched too); other layers are left
 as they are. 4-bit bitsandbytes layers, torchao weight-only int8 and the LLM.int8 layers with threshold 0
 quantize per row already.
@@ -29,7 +29,7 @@ def row_mixing_layers(model: nn.Module) -> list[str]:
     return [name for name, module in model.named_modules() if (bnb_outlier_threshold(module) or 0.0) > 0.0]
 
 
-class RowsApart:
+class RowByRowMixingLayers:
     """A context: while enabled, the row-mixing layers of ``model`` run calls of 2..64 rows row by row."""
 
     def __init__(self, model: nn.Module) -> None:
@@ -54,7 +54,7 @@ class RowsApart:
         self._saved.append((module, had))
         module.forward = forward
 
-    def __enter__(self) -> RowsApart:
+    def __enter__(self) -> RowByRowMixingLayers:
         for module in self.modules:
             self._wrap(module)
         return self
