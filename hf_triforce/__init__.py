@@ -9,7 +9,7 @@ from .candidates import TriForceCandidateGenerator
 from .config import TriForceConfig
 from .integration import TriForceGenerateOutput, disable, enable, triforce_generate
 from .kernels.gguf_weights import attach_gguf, detach_gguf, load_gguf
-from .stats import TriForceStats
+from .stats import TriForceDetail, TriForceStats
 
 __version__ = "0.1.0"
 __all__ = [
@@ -18,6 +18,7 @@ __all__ = [
     "TriForceCandidateGenerator",
     "TriForceConfig",
     "TriForceGenerateOutput",
+    "TriForceDetail",
     "TriForceStats",
     "attach_gguf",
     "detach_gguf",
