@@ -5,6 +5,10 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+# the properties `TriForceStats.to_dict` adds to the fields
+DERIVED = ("force2_acceptance", "force3_acceptance", "force2_position_acceptance", "force3_position_acceptance",
+           "tokens_per_force3_step")
+
 
 @dataclass(slots=True)
 class TriForceDetail:
@@ -149,6 +153,5 @@ class TriForceStats:
     def to_dict(self) -> dict:
         """The fields and the acceptances as plain values (JSON-ready), the detail's under ``"detail"``."""
         out = asdict(self)
-        detail, names = out.pop("detail"), ("force2_acceptance", "force3_acceptance", "force2_position_acceptance",
-                                            "force3_position_acceptance", "tokens_per_force3_step")
-        return {**out, **{name: getattr(self, name) for name in names}, "detail": detail}
+        detail = out.pop("detail")
+        return {**out, **{name: getattr(self, name) for name in DERIVED}, "detail": detail}
