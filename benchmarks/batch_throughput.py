@@ -151,8 +151,10 @@ def run(model, tokenizer, text, context, batch, mode, args, rounds: list, caches
             entry["decode_cpu_seconds"].append(CPU_SECONDS[-1])
             entry["sequences"] = sequences[:, ids.shape[1]:]
             if stats is not None:
-                entry["stats"] = {k: v for k, v in stats.to_dict().items() if not isinstance(v, dict)}
-                entry["plans"] = stats.plans
+                figures = stats.to_dict()
+                entry["stats"] = {k: v for k, v in figures.items() if not isinstance(v, dict)}
+                entry["stats"]["detail"] = {k: v for k, v in figures["detail"].items() if not isinstance(v, dict)}
+                entry["plans"] = stats.detail.plans
                 entry["row_acceptance"] = [round(s.force3_acceptance, 3) for s in out.triforce_row_stats]
                 entry["tokens_per_force3_step"] = [round(s.tokens_per_force3_step, 2) for s in out.triforce_row_stats]
     tokens = batch * args.new_tokens

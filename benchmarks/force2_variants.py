@@ -67,9 +67,10 @@ def row(name: str, run: Run, base: Run, greedy: bool) -> dict:
         out.update(force2_acceptance=s.force2_acceptance, force2_position_acceptance=s.force2_position_acceptance,
                    force3_acceptance=s.force3_acceptance, force3_position_acceptance=s.force3_position_acceptance,
                    tokens_per_force3_step=s.tokens_per_force3_step, plan_steps=s.plan_steps,
-                   retrieval_dtype=s.retrieval_dtype,
-                   ms_per_token={tier: 1000 * getattr(s, f"{tier}_seconds") / tokens
-                                 for tier in ("force1", "force2", "force3", "retrieval")})
+                   retrieval_dtype=s.detail.retrieval_dtype,
+                   ms_per_token={tier: 1000 * seconds / tokens for tier, seconds in (
+                       ("force1", s.force1_seconds), ("force2", s.force2_seconds), ("force3", s.force3_seconds),
+                       ("retrieval", s.detail.retrieval_seconds))})
     return out
 
 

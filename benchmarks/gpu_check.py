@@ -455,7 +455,7 @@ def _on_device(extra: dict, device: torch.device) -> dict:
 
 def _tier_ms(stats) -> dict:
     """Mean ms of one forward of each tier that ran (Force 1 per drafted token, Force 2/3 per verification)."""
-    counts = {"force1": stats.force1_proposed, "force2": stats.force2_steps, "force3": stats.force3_steps}
+    counts = {"force1": stats.detail.force1_proposed, "force2": stats.detail.force2_steps, "force3": stats.force3_steps}
     return {tier: round(getattr(stats, f"{tier}_seconds") / n * 1e3, 3) for tier, n in counts.items() if n}
 
 
@@ -491,7 +491,7 @@ def _library_rows(plan: Plan, dtype: torch.dtype, device: torch.device) -> list[
         out = model.generate(ids, **kwargs, **given)
         _sync(device)
         stats = getattr(out, "triforce_stats", None)
-        seconds = time.perf_counter() - start - (stats.prefix_copy_seconds if stats is not None else 0.0)
+        seconds = time.perf_counter() - start - (stats.detail.prefix_copy_seconds if stats is not None else 0.0)
         sequences = out.sequences if hasattr(out, "sequences") else out
         results[name] = (seconds, sequences[0, ids.shape[1]:].tolist(), stats)
     plain = results["plain"][1]
@@ -502,7 +502,7 @@ def _library_rows(plan: Plan, dtype: torch.dtype, device: torch.device) -> list[
         row = {"model": plan.library_model, "dtype": str(dtype).removeprefix("torch."), "context": ids.shape[1],
                "new_tokens": plan.new_tokens, "config": name, "host_syncs_per_call": syncs,
                "tier_ms": _tier_ms(stats), "stats": stats.to_dict(),
-               "force3_forward": stats.tier_forwards.get("force3", "-"),
+               "force3_forward": stats.detail.tier_forwards.get("force3", "-"),
                "triforce_tok_s": plan.new_tokens / seconds, "triforce_identical": tokens == plain,
                "triforce_agree": next((i for i, (a, b) in enumerate(zip(tokens, plain)) if a != b), len(plain))}
         for base in ("plain", "static"):
@@ -601,13 +601,13 @@ def render(data: dict) -> str:
                   "(agree) | ms per forward | Force 3 | host syncs per call | forwards |",
                   "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in data["library"]:
-            stats = r["stats"] or {}
+            detail = (r["stats"] or {}).get("detail", {})
             lines.append(f"| {r['model']} | {r['dtype']} | {r['context']} | {r.get('config', 'auto')} | "
                          f"{r['plain_tok_s']:.1f} | {r['static_tok_s']:.1f} | {r['triforce_tok_s']:.1f} | "
                          f"{r['triforce_identical']} ({r['triforce_agree']}/{r['new_tokens']}) | "
                          f"{r.get('tier_ms', '-')} | {r.get('force3_forward', '-')} | {r['host_syncs_per_call']} | "
-                         f"{stats.get('draft_precision', '-')}, {stats.get('tier_forwards', '-')}, tier_compile "
-                         f"{(stats.get('tier_compile') or {}).get('mode', 'off')} |")
+                         f"{detail.get('draft_precision', '-')}, {detail.get('tier_forwards', '-')}, tier_compile "
+                         f"{(detail.get('tier_compile') or {}).get('mode', 'off')} |")
         lines.append("")
     for r in data.get("hf_static", []):
         lines.append(f"transformers' static-cache `generate`, compiled, {r['model']} at {r['context']}: "

@@ -70,10 +70,10 @@ def main() -> None:
         rows.append(dict(text=text, prompt=prompt, context=context, new_tokens=int(expected.shape[0]),
                          differing=len(differ), first_difference=differ[0] if differ else None,
                          force3_steps=stats.force3_steps, tokens_per_force3_step=stats.tokens_per_force3_step,
-                         attention_kernel=stats.attention_kernel, cpu_kernels=stats.cpu_kernels,
-                         linear_routes=stats.linear_routes))
+                         attention_kernel=stats.detail.attention_kernel, cpu_kernels=stats.detail.cpu_kernels,
+                         linear_routes=stats.detail.linear_routes))
         tqdm.write(f"{text:12s} {prompt:8s} {context:6d}: {len(differ)} of {expected.shape[0]} new tokens differ"
-                   + (f" (first at {differ[0]})" if differ else "") + f"; attention {stats.attention_kernel}")
+                   + (f" (first at {differ[0]})" if differ else "") + f"; attention {stats.detail.attention_kernel}")
         if args.out:
             args.out.parent.mkdir(parents=True, exist_ok=True)
             args.out.write_text(json.dumps(dict(model="smollm2-135m", dtype="float32", new=args.new,

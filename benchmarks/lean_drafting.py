@@ -35,6 +35,7 @@ import json
 import os
 import statistics
 import time
+from operator import attrgetter
 from pathlib import Path
 
 import torch
@@ -188,16 +189,16 @@ def acceptance(model, ids, prefix, new: int, frequent: int, samples: int) -> dic
                     result = model.generate(ids, cache=prefix, triforce_config=config, max_new_tokens=new,
                                             min_new_tokens=new, return_dict_in_generate=True, **sampling)
                     runs.append((time.perf_counter() - start, result.triforce_stats))
-                total = {field: sum(getattr(stats, field) for _, stats in runs) for field in
-                         ("force1_proposed", "force2_verified", "force2_accepted", "force2_proposed", "force3_accepted",
-                          "force2_steps", "force1_seconds", "force2_seconds")}
+                total = {path.split(".")[-1]: sum(attrgetter(path)(stats) for _, stats in runs) for path in
+                         ("detail.force1_proposed", "force2_verified", "force2_accepted", "force3_proposed",
+                          "force3_accepted", "detail.force2_steps", "force1_seconds", "force2_seconds")}
                 out[f"{label} {mode}"] = row = {
                     "force2_acceptance": total["force2_accepted"] / max(total["force2_verified"], 1),
-                    "force3_acceptance": total["force3_accepted"] / max(total["force2_proposed"], 1),
+                    "force3_acceptance": total["force3_accepted"] / max(total["force3_proposed"], 1),
                     "runs": len(runs), "decode_seconds": [seconds for seconds, _ in runs],
                     "force1_seconds_per_draft": total["force1_seconds"] / max(total["force1_proposed"], 1),
                     "force2_seconds_per_verification": total["force2_seconds"] / max(total["force2_steps"], 1),
-                    "tier_forwards": runs[0][1].tier_forwards, "load": load()}
+                    "tier_forwards": runs[0][1].detail.tier_forwards, "load": load()}
                 print(f"  {label:28s} {mode:8s} F2 acc {row['force2_acceptance']:.3f}  F3 acc "
                       f"{row['force3_acceptance']:.3f}  decode {statistics.median(row['decode_seconds']):6.1f} s  F1 "
                       f"{1e3 * row['force1_seconds_per_draft']:6.2f} ms/draft  F2 "
@@ -228,7 +229,7 @@ def default_policy(model, ids, prefix, new: int) -> dict:
                                             "load": load()}
             if stats is not None:
                 row.update(plan_steps=stats.plan_steps, force2_acceptance=stats.force2_acceptance,
-                           force3_acceptance=stats.force3_acceptance, tier_forwards=stats.tier_forwards)
+                           force3_acceptance=stats.force3_acceptance, tier_forwards=stats.detail.tier_forwards)
             print(f"  {mode:8s} {label:32s} {new / seconds:6.2f} tok/s "
                   + ("" if stats is None else f"steps by levels {stats.plan_steps} F2 {stats.force2_acceptance:.2f} "
                      f"F3 {stats.force3_acceptance:.2f}") + f" load {load()}", flush=True)

@@ -46,7 +46,7 @@ def _seconds(call, model, ids: torch.Tensor, prefix, tokens: int) -> float:
     start = time.perf_counter()
     out = call(model, ids, prefix, tokens)
     stats = getattr(out, "triforce_stats", None)
-    return time.perf_counter() - start - (stats.prefix_copy_seconds if stats is not None else 0.0)
+    return time.perf_counter() - start - (stats.detail.prefix_copy_seconds if stats is not None else 0.0)
 
 
 def main() -> None:

@@ -38,7 +38,7 @@ static-cache ``generate`` of SmolLM2 at 16k measured 3.3-3.9 tok/s on 2026-11-29
 
 Points: ``static`` (static-cache ``generate``: one forward per token), ``plain`` (``generate`` on a DynamicCache: the
 forward plus a copy of the cache, `plain_generate_seconds`), ``plain steps in the loop`` (the adaptive policy's
-one-token steps, `TriForceStats.plans`), tier timings (``F1`` / ``F2`` / ``F3``: a fixed run's seconds / forwards,
+one-token steps, `TriForceDetail.plans`), tier timings (``F1`` / ``F2`` / ``F3``: a fixed run's seconds / forwards,
 rows = the average proposed + 1; F1 includes the drafter's first cache fill: unmodelled in the older runs, which do
 not record how it was filled, a forward of sink + window rows spread over the drafted tokens where the run records
 one; Force 1 / Force 2 at the run's ``draft_precision``, Force 3 the model as given), all tiers per Force-3 step and
@@ -240,7 +240,7 @@ def _budget(entry: dict, method: str) -> int:
 def _sink_window(stats: dict, model: ModelShape) -> int:
     """The drafter's sink + window entries: its cache's recorded bytes / the model's bytes per token, where the run
     records them (a whole number), else `SINK_WINDOW` (the older runs)."""
-    entries, remainder = divmod(stats.get("draft_cache_bytes") or 0, model.kv_bytes_per_token)
+    entries, remainder = divmod(stats["detail"].get("draft_cache_bytes") or 0, model.kv_bytes_per_token)
     return entries if entries and not remainder else SINK_WINDOW
 
 
@@ -248,7 +248,7 @@ def _fills_by_forward(stats: dict, drafter: str) -> bool:
     """Whether the run's Force-1 seconds include a forward filling the drafter's cache: recorded by the later runs
     (``draft_caches``: "filled by a forward" for a draft model, "a copy of the full cache's entries" for self); the
     older runs do not say, and their fill stays unmodelled (their F1 points read it as drafting)."""
-    recorded = stats.get("draft_caches") or {}
+    recorded = stats["detail"].get("draft_caches") or {}
     return drafter != "ngram" and any("filled by a forward" in how for how in recorded.values())
 
 
@@ -259,19 +259,20 @@ def _fixed_run_points(host: str, tag: str, method: str, context: int, new: int, 
     """One fixed-plan TriForce run: its tier timings (seconds / forwards), its forward seconds per Force-3 step
     (every tier's seconds / steps) and its tokens/s, both priced by the policy's own cost model at the per-level
     rates that reproduce the run's tokens per Force-3 step and per Force-2 round. Force 1 / Force 2 at the run's
-    drafting precision (``stats["draft_precision"]``; Force 2 at `FORCE2_PRECISION`'s), on the drafter's recorded
-    sink + window cache; a draft model's cache fill (one forward of sink + window rows, recorded runs only; by its
-    drafting copy, or at ``fill_precision``) is spread over the run's drafted tokens, as in the measured seconds."""
-    cached = context + new // 2
+    drafting precision (``stats["detail"]["draft_precision"]``; Force 2 at `FORCE2_PRECISION`'s), on the drafter's
+    recorded sink + window cache; a draft model's cache fill (one forward of sink + window rows, recorded runs only;
+    by its drafting copy, or at ``fill_precision``) is spread over the run's drafted tokens, as in the measured
+    seconds."""
+    cached, detail = context + new // 2, stats["detail"]
     drafter = "self" if "self" in method else "draft" if "draft" in method else "ngram"
     levels = 2 if method.startswith("streaming") else 3
     g1, g2 = gammas if levels == 3 else (1, STREAMING_GAMMA)
-    precision = stats.get("draft_precision") or "model"
+    precision = detail.get("draft_precision") or "model"
     force2_precision = FORCE2_PRECISION.get(precision, precision)
     config_budget, budget = budget, min(budget, cached)  # Force 2's cache holds at most the context
     f1_model = draft if drafter == "draft" else target
     window = _sink_window(stats, f1_model) if drafter != "ngram" else SINK_WINDOW
-    fills = _fills_by_forward(stats, drafter) and stats["force1_proposed"] > 0
+    fills = _fills_by_forward(stats, drafter) and detail["force1_proposed"] > 0
     fill_precision = fill_precision or precision
     points = []
 
@@ -284,31 +285,32 @@ def _fixed_run_points(host: str, tag: str, method: str, context: int, new: int, 
     def force1(d: Device) -> float:
         """Seconds per drafted token: one forward on the sink + window cache, plus the fill spread over the run's."""
         one = forward_seconds(f1_model, d, window, precision=precision)
-        return one + (fill_seconds(f1_model, d, window, fill_precision) / stats["force1_proposed"] if fills else 0.0)
+        return one + (fill_seconds(f1_model, d, window, fill_precision) / detail["force1_proposed"] if fills else 0.0)
 
     if stats["force3_steps"]:
-        rows = round(stats["force2_proposed" if levels == 3 else "force1_proposed"] / stats["force3_steps"]) + 1
+        proposed = stats["force3_proposed"] if levels == 3 else detail["force1_proposed"]
+        rows = round(proposed / stats["force3_steps"]) + 1
         add(f"F3 {rows} rows, {cached} cached", "ms", 1e3 * stats["force3_seconds"] / stats["force3_steps"],
             lambda p, r=rows: forward_seconds(target, dev(p), cached, r), fit_tiers)
-    if levels == 3 and stats["force2_steps"]:
-        rows = round(stats["force1_proposed"] / stats["force2_steps"]) + 1
+    if levels == 3 and detail["force2_steps"]:
+        rows = round(detail["force1_proposed"] / detail["force2_steps"]) + 1
         label = "" if force2_precision == "model" else f" {force2_precision}"
-        add(f"F2{label} {rows} rows, budget {budget}", "ms", 1e3 * stats["force2_seconds"] / stats["force2_steps"],
+        add(f"F2{label} {rows} rows, budget {budget}", "ms", 1e3 * stats["force2_seconds"] / detail["force2_steps"],
             lambda p, r=rows: forward_seconds(target, dev(p), budget, r, precision=force2_precision), fit_tiers)
-    if drafter != "ngram" and stats["force1_proposed"]:
+    if drafter != "ngram" and detail["force1_proposed"]:
         label = "" if precision == "model" else f" {precision}"
         by = "" if fill_precision == precision else f" by its {fill_precision} weights"
-        fill = (f" + its cache's fill by a forward of {window} rows{by} over {stats['force1_proposed']} drafted tokens"
+        fill = (f" + its cache's fill by a forward of {window} rows{by} over {detail['force1_proposed']} drafted tokens"
                 if fills else " (incl. its cache's first fill)" if window == SINK_WINDOW else "")
         add(f"F1 {f1_model.name}{label} on {window}{fill}", "ms",
-            1e3 * stats["force1_seconds"] / stats["force1_proposed"], lambda p: force1(dev(p)), fit_tiers, f1_model)
+            1e3 * stats["force1_seconds"] / detail["force1_proposed"], lambda p: force1(dev(p)), fit_tiers, f1_model)
         if not fills and window == SINK_WINDOW:
             points[-1].note_if = "faster"
             points[-1].note = (f"the measured seconds include the cache's first fill (a forward of {window} rows in "
                                "these runs, not recorded apart), which this point does not price")
     per_step = min(max(stats.get("force3_tokens", new - 1) / stats["force3_steps"], 1.0), g2 + 1)
     rate3 = rate_for_tokens(per_step, g2)
-    rate1 = rate_for_tokens(min(max(stats["force2_proposed"] / stats["force2_steps"], 1.0), g1 + 1), g1) \
+    rate1 = rate_for_tokens(min(max(stats["force3_proposed"] / detail["force2_steps"], 1.0), g1 + 1), g1) \
         if levels == 3 else 0.0
     # the policy prices three levels only where the context exceeds the budget: a fixed three-level run at a context
     # within the budget (2k, budget 4096) is priced at the budget its Force 2 saw (the whole context), under it
@@ -326,10 +328,10 @@ def _fixed_run_points(host: str, tag: str, method: str, context: int, new: int, 
         policy = planning_policy(tiers, cached, rate3, {drafter: rate3}, {drafter: rate1}, config)
         return policy.predict(Plan(3, drafter, g1, g2))
 
-    spent = sum(stats[k] for k in ("force1_seconds", "force2_seconds", "force3_seconds", "retrieval_seconds"))
+    spent = sum(stats[k] for k in ("force1_seconds", "force2_seconds", "force3_seconds")) + detail["retrieval_seconds"]
     note = ""
-    if levels == 3 and drafter != "ngram" and stats["force2_steps"]:
-        drafted = stats["force1_proposed"] / stats["force2_steps"]
+    if levels == 3 and drafter != "ngram" and detail["force2_steps"]:
+        drafted = detail["force1_proposed"] / detail["force2_steps"]
         note = (f"the policy's plan arithmetic prices {g1} drafted tokens and a {g1 + 1}-row Force-2 forward in every "
                 f"Force-2 round; this run drafted {drafted:.2f} a round (a step's last round drafts only what gamma2 "
                 "still wants)")
@@ -392,25 +394,26 @@ def cpu_points(host: str) -> tuple[list[Point], list[str], list[str]]:
                                         False, target.name, note, "faster"))
                 elif method in ("default", "default-draft", "triforce-auto"):
                     if host in F3_FROM_DEFAULT_RUNS and stats.get("force3_steps"):
-                        rows = round(stats["force2_proposed"] / stats["force3_steps"]) + 1
+                        rows = round(stats["force3_proposed"] / stats["force3_steps"]) + 1
                         points.append(Point(
                             host, f"{source} {method} {context}", f"F3 {rows} rows, {cached} cached", "ms",
                             1e3 * stats["force3_seconds"] / stats["force3_steps"],
                             lambda p, c=cached, r=rows, t=target, dv=dev: forward_seconds(t, dv(p), c, r), True,
                             target.name))
-                    plain = stats.get("plans", {}).get("plain", {"steps": 0})
+                    plain = stats["detail"].get("plans", {}).get("plain", {"steps": 0})
                     if plain["steps"] >= 5:
                         points.append(Point(host, f"{source} {method} {context}",
                                             f"plain steps in the loop ({plain['steps']}), {cached} cached", "tok/s",
                                             plain["measured_tokens_per_second"],
                                             lambda p, c=cached, t=target, dv=dev: forward_seconds(t, dv(p), c),
                                             False, target.name))
-                    elif host not in F3_FROM_DEFAULT_RUNS and "plain" in stats.get("plans", {}):
+                    elif host not in F3_FROM_DEFAULT_RUNS and "plain" in stats["detail"].get("plans", {}):
                         skipped.append(f"{source} {method} {context} (a mix of plans; {plain['steps']} plain steps)")
                     elif host not in F3_FROM_DEFAULT_RUNS:
                         skipped.append(f"{source} {method} {context}")
                 elif (method.startswith(("triforce-self", "triforce-ngram", "triforce-draft", "streaming-self"))
-                      and (stats.get("draft_precision") or "model") in MODELLED_PRECISIONS.get(host, ("model",))
+                      and (stats["detail"].get("draft_precision") or "model")
+                      in MODELLED_PRECISIONS.get(host, ("model",))
                       and "-int8" not in method):
                     drafter = "self" if "self" in method else "draft" if "draft" in method else "ngram"
                     points += _fixed_run_points(host, f"{source} {method} {context}", method, context,
@@ -612,12 +615,12 @@ def measured_rates() -> dict:
     for folder in ("natural-1k-8k", "natural-16k"):
         for entry in RESULTS[f"calibration/{AVX2_1130}/{folder}"]:
             stats = entry["methods"]["triforce-self"]["stats"]
-            force2.append(rate_for_tokens(stats["force2_proposed"] / stats["force2_steps"], 2))
+            force2.append(rate_for_tokens(stats["force3_proposed"] / stats["detail"]["force2_steps"], 2))
     first = {name: RESULTS[f"calibration/{AVX2_1129}/{name}"][0]["methods"] for name in ("16k", "qwen-2k")}
     streaming, qwen = first["16k"]["streaming-self"]["stats"], first["qwen-2k"]["triforce-draft"]["stats"]
     return {"force2": float(np.mean(force2)), "force2_runs": [round(r, 3) for r in force2],
             "streaming": rate_for_tokens(streaming["tokens_per_force3_step"], STREAMING_GAMMA),
-            "draft": rate_for_tokens(qwen["force2_proposed"] / qwen["force2_steps"], 2)}
+            "draft": rate_for_tokens(qwen["force3_proposed"] / qwen["detail"]["force2_steps"], 2)}
 
 
 # Force 2 -> Force 3 at a 4096 budget: teacher-forced per-token agreement at 32k (docs/results.md, "Force 2: re-select

@@ -75,14 +75,15 @@ def breakdown(results: list[dict]) -> str:
             if not stats or not stats["force3_steps"]:
                 continue
             tokens = max(stats["new_tokens"], 1)
-            decoding = (stats["force1_seconds"] - stats["draft_prefill_seconds"], stats["force2_seconds"],
-                        stats["force3_seconds"], stats["retrieval_seconds"])  # the draft's pass over the prompt apart
+            detail = stats["detail"]  # the draft's pass over the prompt apart
+            decoding = (stats["force1_seconds"] - detail["draft_prefill_seconds"], stats["force2_seconds"],
+                        stats["force3_seconds"], detail["retrieval_seconds"])
             seconds = " / ".join(f"{value / tokens:.3f}" for value in decoding)
             steps = "/".join(str(stats["plan_steps"].get(str(levels), stats["plan_steps"].get(levels, 0)))
                              for levels in (1, 2, 3))
             lines.append(f"| {result['context']} | {mode} | {name} | {method['decode_tokens_per_second']:.2f} | "
                          f"{ratios[name]:.2f}x | {seconds} | {acceptance(stats, 'force2')} | "
-                         f"{acceptance(stats, 'force3')} | {stats['force2_proposed'] / stats['force3_steps']:.2f} / "
+                         f"{acceptance(stats, 'force3')} | {stats['force3_proposed'] / stats['force3_steps']:.2f} / "
                          f"{stats['tokens_per_force3_step']:.2f} | {steps} |")
     return "\n".join(lines)
 

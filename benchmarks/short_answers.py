@@ -54,7 +54,7 @@ def main() -> None:
                 start = time.perf_counter()
                 out = model.generate(ids, cache=prefix, triforce_config=TriForceConfig(),
                                      return_dict_in_generate=True, **kwargs)
-                triforce = time.perf_counter() - start - out.triforce_stats.prefix_copy_seconds
+                triforce = time.perf_counter() - start - out.triforce_stats.detail.prefix_copy_seconds
                 if round_:
                     seconds["static"].append(static)
                     seconds["triforce"].append(triforce)

@@ -40,8 +40,8 @@ LEVELS = {"2 levels (g 6)": dict(levels=2, gamma1=2, gamma2=6),
           "3 levels (g 6/12)": dict(levels=3, gamma1=6, gamma2=12)}
 RULES = {"shallowest, top-k": "self-shallowest", "least certain, top-k": "self-topk",
          "least certain, sampled": "self-sampled"}
-COUNTED = ("force3_tokens", "force3_steps", "force1_proposed", "force2_accepted", "force2_steps", "force2_proposed",
-           "force3_accepted", "tree_nodes", "tree_side_accepts")
+COUNTED = ("force3_tokens", "force3_steps", "force2_accepted", "force3_proposed", "force3_accepted")
+COUNTED_DETAIL = ("force1_proposed", "force2_steps", "tree_nodes", "tree_side_accepts")
 
 
 class ShallowestFirst(ModelDrafter):
@@ -89,12 +89,13 @@ def decode(model, ids, prefix, config, new_tokens, sampling, seed):
 
 
 def row(mode, level, method, total: TriForceStats) -> dict:
-    out = dict(mode=mode, levels=level, method=method, force3_steps=total.force3_steps,
+    steps, detail = total.force3_steps, total.detail
+    out = dict(mode=mode, levels=level, method=method, force3_steps=steps,
                tokens_per_force3_step=round(total.tokens_per_force3_step, 3),
                force3_acceptance=round(total.force3_acceptance, 3),
-               nodes_per_force3_step=round(total.tree_nodes / total.force3_steps, 1) if total.force3_steps else 0,
-               side_accepts=total.tree_side_accepts)
-    if total.force2_steps:
+               nodes_per_force3_step=round(detail.tree_nodes / steps, 1) if steps else 0,
+               side_accepts=detail.tree_side_accepts)
+    if total.detail.force2_steps:
         out["force2_acceptance"] = round(total.force2_acceptance, 3)
     return out
 
@@ -146,6 +147,8 @@ def main() -> None:
                     sequences, stats = decode(model, ids, prefix, config, args.new_tokens, sampling, seed)
                     for name in COUNTED:
                         setattr(total, name, getattr(total, name) + getattr(stats, name))
+                    for name in COUNTED_DETAIL:
+                        setattr(total.detail, name, getattr(total.detail, name) + getattr(stats.detail, name))
                     if mode == "greedy":
                         identical = bool(torch.equal(sequences, plain))
                 result = row(mode, level, method, total)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from dataclasses import fields
 
 import torch
 
@@ -61,9 +62,10 @@ def triforce_run(model, ids, prefix, config, new_tokens, sampling, seed, run: Ru
 def pool(stats: list[TriForceStats]) -> TriForceStats:
     """The rounds' counts and seconds added up (acceptances and tokens per step over every round)."""
     total = TriForceStats()
-    for name, value in vars(total).items():
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            setattr(total, name, sum(getattr(s, name) for s in stats))
+    for held, rows in ((total, stats), (total.detail, [s.detail for s in stats])):
+        for f in fields(held):
+            if isinstance(value := getattr(held, f.name), (int, float)) and not isinstance(value, bool):
+                setattr(held, f.name, sum(getattr(row, f.name) for row in rows))
     return total
 
 
@@ -75,15 +77,16 @@ def table_row(mode: str, name: str, run: Run, stats: list[TriForceStats], plain:
         s = pool(stats)
         steps = max(s.force3_steps, 1)
         row.update(tokens_per_force3_step=round(s.tokens_per_force3_step, 2),
-                   force2_acceptance=round(s.force2_acceptance, 2) if s.force2_steps else None,
+                   force2_acceptance=round(s.force2_acceptance, 2) if s.detail.force2_steps else None,
                    force3_acceptance=round(s.force3_acceptance, 2),
-                   tree_nodes_per_step=round(s.tree_nodes / steps, 1), side_accepts_per_step=round(
-                       s.tree_side_accepts / steps, 2),
-                   ms_per_step={tier: round(1000 * getattr(s, f"{tier}_seconds") / steps)
-                                for tier in ("force1", "force2", "force3", "retrieval")})
+                   tree_nodes_per_step=round(s.detail.tree_nodes / steps, 1), side_accepts_per_step=round(
+                       s.detail.tree_side_accepts / steps, 2),
+                   ms_per_step={tier: round(1000 * seconds / steps) for tier, seconds in (
+                       ("force1", s.force1_seconds), ("force2", s.force2_seconds), ("force3", s.force3_seconds),
+                       ("retrieval", s.detail.retrieval_seconds))})
         plans: dict[str, int] = {}  # policy="auto": steps per plan over the rounds
         for round_stats in stats:
-            for plan, record in (round_stats.plans or {}).items():
+            for plan, record in (round_stats.detail.plans or {}).items():
                 plans[plan] = plans.get(plan, 0) + record["steps"]
         if plans:
             row["plan_steps"] = dict(sorted(plans.items(), key=lambda item: -item[1]))

@@ -10,7 +10,7 @@ from .candidates import TriForceCandidateGenerator
 from .config import TriForceConfig
 from .integration import TriForceGenerateOutput, disable, enable, triforce_generate
 from .kernels.gguf_weights import attach_gguf, detach_gguf, load_gguf
-from .stats import TriForceStats
+from .stats import TriForceDetail, TriForceStats
 
 __version__ = "0.1.0"
 __all__ = [
@@ -20,6 +20,7 @@ __all__ = [
     "TriForceCandidateGenerator",
     "TriForceConfig",
     "TriForceGenerateOutput",
+    "TriForceDetail",
     "TriForceStats",
     "attach_gguf",
     "detach_gguf",

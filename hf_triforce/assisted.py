@@ -121,5 +121,5 @@ def run_assisted(model, ids: torch.LongTensor, processors, criteria, generation_
         with recording(generator.recorder):
             out = compat.assisted_decoding(model, generator, ids, processors, criteria, generation_config, streamer,
                                            cache=cache, use_cache=True, logits_to_keep=1)
-    kernels.fill(generator.stats)
+    kernels.fill(generator.stats.detail)
     return out, generator

@@ -149,7 +149,7 @@ class TriForceCandidateGenerator(compat.CandidateGenerator):
         self.criteria = stopping_criteria
         self.sampler = sampler if sampler is not None else TorchSampler()
         processors = row_processors(logits_processor or LogitsProcessorList(), 0, 1)
-        self.stats = TriForceStats(draft_precision=config.draft_precision)
+        self.stats = TriForceStats()
         self.recorder = QueryRecorder()
         clock = device_clock(model)  # times the tiers' forwards (read with the stats, after the verification)
         self.hierarchy = Hierarchy(model, config, [processors], self.do_sample, self.sampler, clock,
@@ -157,15 +157,10 @@ class TriForceCandidateGenerator(compat.CandidateGenerator):
         plan = Plan(config.levels, config.draft_name, config.gamma1, config.gamma2)
         self.drafter = self.hierarchy.drafter(0, config.draft_name)
         self.level = self.hierarchy.level(0, plan)
-        self.stats.draft_caches.update(self.hierarchy.draft_caches())
-        # per tier that runs a drafting forward, the forward it runs (as `Decoder.tier_forwards` reports it); Force 3
-        # is transformers' assisted loop's forward of the model
-        tiers = {f"force1 {config.draft_name}"} | ({"force2"} if config.levels == 3 else set())
-        self.stats.tier_forwards = self.hierarchy.tier_forwards(tiers, "eager")
         # where hf_triforce's own loop set the call up, its timed routes; where transformers built this generator, none
         # are installed and every call takes ATen's route (`attention_routes.takes_kernel`)
         routes = attention_routes.active()
-        self.stats.attention_kernel = attention_routes.describe(model) if routes is not None else \
+        self.stats.detail.attention_kernel = attention_routes.describe(model) if routes is not None else \
             attention_routes.NOT_SET_UP if attention_routes.cpu_dtype(model) is not None else ""
         self.queries: dict[int, torch.Tensor] | None = None  # per layer, the query of the last cached token
         self.proposed, self.ran, self.length, self.handed_to_loop_at = 0, False, 0, 0.0
@@ -279,18 +274,10 @@ class TriForceCandidateGenerator(compat.CandidateGenerator):
             self.queries = self.recorder.at(-1)
 
     def finish(self, new_tokens: int) -> TriForceStats:
-        """The call's `TriForceStats`, with the caches' sizes."""
-        stats = self.stats
-        stats.new_tokens = new_tokens
-        stats.force1_seconds = float(self.drafter.seconds)
-        stats.draft_prefill_seconds = self.hierarchy.draft_prefill_seconds(0)
-        stats.force2_sees_whole_cache = self.hierarchy.force2_sees_whole_cache(0)
-        stats.draft_cache_bytes = self.hierarchy.draft_cache_bytes(0)
-        stats.retrieval_cache_bytes = self.hierarchy.retrieval_cache_bytes(0)
-        stats.retrieval_dtype = self.hierarchy.retrieval_dtype(0)
-        stats.retrieval_summary_bytes = self.hierarchy.retrieval_summary_bytes(0)
-        if hasattr(self.full, "nbytes"):
-            stats.full_cache_bytes = self.full.nbytes()
-            stats.device_resident_bytes = (self.full.resident_bytes() + stats.retrieval_cache_bytes
-                                           + stats.draft_cache_bytes + stats.retrieval_summary_bytes)
+        """The call's `TriForceStats` (`Hierarchy.finish_row`); its tiers' forwards as `Decoder.tier_forwards` reports
+        them, Force 3's transformers' forward of the model."""
+        config, stats = self.config, self.stats
+        tiers = {f"force1 {config.draft_name}"} | ({"force2"} if config.levels == 3 else set())
+        self.hierarchy.finish_row(stats, 0, new_tokens, self.hierarchy.tier_forwards(tiers, "eager"))
+        self.hierarchy.count_cache_bytes(stats)
         return stats

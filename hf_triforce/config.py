@@ -79,12 +79,12 @@ class TriForceConfig:
     draft_precision: how Force 1 and Force 2 run (Force 3 computes the target itself: ``force3_compile``).
         ``"auto"`` (default): ``"lean-int4"`` where the lean forward covers the target (and a draft model): fp32 or
         bf16 Llama, Mistral and Qwen2 models on the CPU; ``"native"`` for those models on a CUDA device; else
-        ``"model"`` (``TriForceStats.draft_precision`` says which ran, ``tier_forwards`` per tier what forward ran
+        ``"model"`` (``TriForceDetail.draft_precision`` says which ran, ``tier_forwards`` per tier what forward ran
         and why not lean). ``"model"``: the models as given. ``"int8"``: a cached int8 copy of each fp32 model's
         linear layers (CPU only). ``"lean"``, ``"lean-int8"``, ``"lean-int4"``: a lean forward over a cached copy of
         the weights in fp32, weight-only int8, or weight-only int4 with an int8 output layer (CPU). ``"native"``:
         the lean forward on the model's own weights, read in place (`hf_triforce.kernels.lean`). Families the lean
-        forward does not cover draft with their eager forward, and ``TriForceStats.tier_forwards`` says so.
+        forward does not cover draft with their eager forward, and ``TriForceDetail.tier_forwards`` says so.
     tier_compile: how the lean tier forwards run (a lean or ``"auto"`` ``draft_precision`` only;
         `hf_triforce.kernels.fixed_shape`). ``"auto"`` (default): ``"graph"`` where the tiers run the native lean
         forward on a CUDA device, else ``"off"``. ``"off"``: through the caches' own ``update``. ``"fixed"``: on
@@ -92,7 +92,7 @@ class TriForceConfig:
         with ``torch.compile`` and reused by every later step and call; on the CPU it pays only over long or many
         generations (docs/results.md, "Tier forwards compiled"). ``"graph"`` (CUDA): the fixed-shape forward
         captured as a CUDA graph per row count and cache. Batches and candidate trees run the lean forward;
-        ``TriForceStats.tier_compile`` reports what was compiled and its seconds. On a CUDA device Force 3's
+        ``TriForceDetail.tier_compile`` reports what was compiled and its seconds. On a CUDA device Force 3's
         verification follows ``"graph"`` and ``"compile"`` by default (``force3_compile``).
     full_cache_device: where Force 3's full cache lives. ``None`` (default): each layer's entries on that layer's
         execution device, next to the model. ``"cpu"``: host memory (pinned for a GPU), streamed to the compute device
@@ -119,7 +119,7 @@ class TriForceConfig:
         as they are copied in or computed, so that a Force-2 forward reads half the cache bytes of an fp32 model's;
         Force 2 only proposes, so every output stays exact. It needs Force 2's lean forward (a lean
         ``draft_precision``, or ``"auto"`` where it resolves to one). ``"auto"``: ``"bfloat16"`` where Force 2 runs
-        the lean forward on the CPU over an fp32 model, else ``"model"`` (`TriForceStats.retrieval_dtype` says which
+        the lean forward on the CPU over an fp32 model, else ``"model"`` (`TriForceDetail.retrieval_dtype` says which
         ran).
     refresh_every: ``None`` (default) or an integer >= 1: re-select the retrieval chunks every this many Force-3 steps
         (between re-selections the committed tokens' exact entries are copied in after every step). ``None``: every
@@ -153,7 +153,7 @@ class TriForceConfig:
         mode (`hf_triforce.kernels.fixed_shape`), whatever ``tier_compile`` is; a model or call it cannot serve
         (a family or sliding windows the lean forward does not cover, ``device_map=``, ``full_cache_device="cpu"``,
         a batch, ``"graph"`` off CUDA) raises a ValueError naming why. A candidate tree's verification stays on
-        transformers' forward. ``TriForceStats.tier_forwards["force3"]`` says what ran (``"graph (native)"``,
+        transformers' forward. ``TriForceDetail.tier_forwards["force3"]`` says what ran (``"graph (native)"``,
         ``"eager"``), ``tier_compile["force3"]`` what it compiled.
 
     Experimental

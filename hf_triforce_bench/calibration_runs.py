@@ -20,12 +20,15 @@ from pathlib import Path
 BENCH = Path(__file__).resolve().parents[1] / "docs" / "bench"
 RUNS = BENCH / "calibration" / "runs.csv"
 ENTRY = ("context", "model", "draft_model", "dtype")  # a result's own fields, kept as they are
-STATS = ("force1_seconds", "force2_seconds", "force3_seconds", "retrieval_seconds", "force1_proposed",
-         "force2_proposed", "force2_steps", "force3_steps", "force3_tokens", "tokens_per_force3_step",
-         "draft_precision", "draft_cache_bytes", "full_cache_bytes")
+# the statistics kept: of `TriForceStats`' top level (with its derived tokens_per_force3_step) and of its detail
+TOP = ("force1_seconds", "force2_seconds", "force3_seconds", "force3_proposed", "force3_steps", "force3_tokens",
+       "tokens_per_force3_step")
+DETAIL = ("retrieval_seconds", "force1_proposed", "force2_steps", "draft_precision", "draft_cache_bytes",
+          "full_cache_bytes")
+STATS = TOP + DETAIL
 COLUMNS = ("folder", "result", *ENTRY, "sampled", "gammas_model", "gammas_ngram", "budget", "method", "new_tokens",
            "decode_tokens_per_second", *STATS, "draft_filled_by_forward", "plain_steps", "plain_tokens_per_second")
-FILLED = "filled by a forward"  # how `TriForceStats.draft_caches` says a drafter's cache was filled by a forward
+FILLED = "filled by a forward"  # how `TriForceDetail.draft_caches` says a drafter's cache was filled by a forward
 INTEGER = re.compile(r"-?\d+")
 
 
@@ -79,15 +82,16 @@ def rows(folder: str, results: list[dict]) -> list[dict]:
         ngram = gammas.get("ngram") or gammas.get("lookup")
         for method, run in result["methods"].items():
             stats = run.get("stats") or {}
-            plans = stats.get("plans") or {}
+            detail = stats.get("detail") or {}
+            plans = detail.get("plans") or {}
             plain = plans.get("plain")
-            caches = stats.get("draft_caches") or {}
+            caches = detail.get("draft_caches") or {}
             out.append({
                 "folder": folder, "result": index, **{key: result.get(key) for key in ENTRY},
                 "sampled": bool(result.get("sampling")), "gammas_model": gammas.get("model"), "gammas_ngram": ngram,
                 "budget": (result.get("budgets") or [None])[0], "method": method, "new_tokens": run["new_tokens"],
                 "decode_tokens_per_second": run.get("decode_tokens_per_second"),
-                **{key: stats.get(key) for key in STATS},
+                **{key: stats.get(key) for key in TOP}, **{key: detail.get(key) for key in DETAIL},
                 "draft_filled_by_forward": any(FILLED in how for how in caches.values()) if caches else None,
                 "plain_steps": None if plain is None else plain["steps"],
                 "plain_tokens_per_second": None if plain is None else plain.get("measured_tokens_per_second")})
@@ -109,14 +113,15 @@ def read(path: Path = RUNS) -> dict[str, list[dict]]:
                     **{key: value[key] for key in ENTRY}, "sampling": bool(value["sampled"]) or None,
                     "gammas": gammas or None, "budgets": None if value["budget"] is None else [value["budget"]],
                     "methods": {}}
-            stats = {key: value[key] for key in STATS if value[key] is not None}
+            detail = {key: value[key] for key in DETAIL if value[key] is not None}
+            stats = {**{key: value[key] for key in TOP if value[key] is not None}, "detail": detail}
             if value["draft_filled_by_forward"] is not None:
-                stats["draft_caches"] = {"draft": FILLED if value["draft_filled_by_forward"] else "a copy"}
+                detail["draft_caches"] = {"draft": FILLED if value["draft_filled_by_forward"] else "a copy"}
             if value["plain_steps"] is not None:
                 plain = {"steps": value["plain_steps"]}
                 if value["plain_tokens_per_second"] is not None:
                     plain["measured_tokens_per_second"] = value["plain_tokens_per_second"]
-                stats["plans"] = {"plain": plain}
+                detail["plans"] = {"plain": plain}
             results[value["result"]]["methods"][row["method"]] = {
                 "new_tokens": value["new_tokens"], "decode_tokens_per_second": value["decode_tokens_per_second"],
                 "stats": stats}

@@ -175,7 +175,7 @@ def _decode(args) -> int:
                                             engines)
             kernels = kernels_note(runs)  # TriForce's; plain and static run transformers' own
             attention_note = f", {kernels}" if kernels else ""
-            attention = next((run.stats.attention_kernel for run in runs if run.stats is not None), "")
+            attention = next((run.stats.detail.attention_kernel for run in runs if run.stats is not None), "")
             engine_prefill = "".join(f", {m} crashed" if e.crashed else f", {m} prefill {e.prefill_seconds:.1f} s"
                                      for m, e in engines.items())
             rendered = (f"### context {context} tokens, {text}, prompt '{args.prompt}', {described} "

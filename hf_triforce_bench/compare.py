@@ -188,7 +188,7 @@ def measure(model, ids, prefix, method: str, new_tokens: int, budget: int, run: 
     prefill the prompt themselves (and assisted its draft model): they are timed from their first new token on
     (`DecodeClock`: decoding is timed, not prompt processing). Every other method starts from the shared prefix
     with its copy made before the clock (plain's deep copy, static's StaticCache); a TriForce method copies it inside
-    `generate`, and that copy (`TriForceStats.prefix_copy_seconds`) is not timed either.
+    `generate`, and that copy (`TriForceDetail.prefix_copy_seconds`) is not timed either.
     Methods of another engine run on ``engines[method]`` (prefilled already). ``cache_tokens``: new tokens the static
     caches make room for (default ``new_tokens``): a short warm-up compiles the shape of the timed run."""
     if method_named(method).other_engine:
@@ -217,8 +217,8 @@ def measure(model, ids, prefix, method: str, new_tokens: int, budget: int, run: 
     # before the clock), a draft model's pass over the prompt (prompt processing, as assisted generation's draft
     # prefill), and what a model's first call in a process pays once (a warm-up call pays it where one runs, and where
     # none does, `warms_up`, it is not decoding either)
-    if run.stats is not None and run.copy_seconds is None and run.stats.draft_copy_seconds:
-        run.copy_seconds = run.stats.draft_copy_seconds
+    if run.stats is not None and run.copy_seconds is None and run.stats.detail.draft_copy_seconds:
+        run.copy_seconds = run.stats.detail.draft_copy_seconds
     run.seconds.append(seconds)
     sequences = out.sequences if hasattr(out, "sequences") else out
     run.new_tokens = sequences.shape[1] - ids.shape[1]
@@ -269,7 +269,7 @@ def compare(model, ids, methods, new_tokens: int, repeats: int, budget: int | li
             if spec.compiled:
                 run.compile_seconds = time.perf_counter() - start
             else:
-                run.copy_seconds = warm_up.stats.draft_copy_seconds
+                run.copy_seconds = warm_up.stats.detail.draft_copy_seconds
     for round_index in tqdm(range(repeats), desc=f"decode {ids.shape[1]} ctx", unit="round"):
         for run in runs:
             measure(model, ids, prefix, run.method, new_tokens, run.budget or budgets[0], run, draft_model, sampling,
@@ -307,8 +307,8 @@ def table(runs: list[Run], sampled: bool = False) -> str:
         s = run.stats
         cells = [f"{s.force2_acceptance:.2f} ({s.force2_position_acceptance:.2f})",
                  f"{s.force3_acceptance:.2f} ({s.force3_position_acceptance:.2f})", f"{s.tokens_per_force3_step:.2f}",
-                 f"{s.full_cache_bytes / 2**20:.0f}/{s.retrieval_cache_bytes / 2**20:.1f}/"
-                 f"{s.draft_cache_bytes / 2**20:.1f}",
+                 f"{s.detail.full_cache_bytes / 2**20:.0f}/{s.detail.retrieval_cache_bytes / 2**20:.1f}/"
+                 f"{s.detail.draft_cache_bytes / 2**20:.1f}",
                  "/".join(str(s.plan_steps.get(levels, 0)) for levels in (1, 2, 3))] if s else ["-"] * 5
         vs_best = f"{run.tokens_per_second / best.tokens_per_second:.2f}x" if best else "-"
         same = "n/a (sampled)" if sampled else identity(run, base)
@@ -324,21 +324,21 @@ def table(runs: list[Run], sampled: bool = False) -> str:
 def kernels_note(runs: list[Run]) -> str:
     """What a TriForce run among ``runs`` ran on the CPU, for a table's heading: the kernels' build target and
     status, the target's weights (as the model holds them, or the layers with GGUF blocks for the ``"gguf"`` route:
-    `cpu_kernels["gguf"]`), the attention route (`TriForceStats.attention_kernel`), the linear routes by group and row
-    count, and the calls that left their route (`TriForceStats.linear_bypassed`); "" where no TriForce run served a
+    `cpu_kernels["gguf"]`), the attention route (`TriForceDetail.attention_kernel`), the linear routes by group and row
+    count, and the calls that left their route (`TriForceDetail.linear_bypassed`); "" where no TriForce run served a
     CPU model."""
-    stats = next((run.stats for run in runs if run.stats is not None and run.stats.cpu_kernels), None)
-    if stats is None:
+    detail = next((run.stats.detail for run in runs if run.stats is not None and run.stats.detail.cpu_kernels), None)
+    if detail is None:
         return ""
-    kernels = stats.cpu_kernels
+    kernels = detail.cpu_kernels
     routes = "; ".join(f"{group} " + " ".join(f"{rows}:{route}" for rows, route in by_rows.items())
-                       for group, by_rows in stats.linear_routes.items() if by_rows) or "none timed"
-    bypassed = "".join(f", {calls} calls by F.linear ({why})" for why, calls in stats.linear_bypassed.items())
+                       for group, by_rows in detail.linear_routes.items() if by_rows) or "none timed"
+    bypassed = "".join(f", {calls} calls by F.linear ({why})" for why, calls in detail.linear_bypassed.items())
     gguf = kernels.get("gguf")
     weights = ("target weights as the model holds them" if gguf is None else "target weights at GGUF stored width ("
                + ", ".join(f"{kind} {count} layers" for kind, count in gguf["layers"].items())
                + f"; kernel {gguf['kernel']})")
-    return (f"TriForce CPU kernels built for {kernels['target']}: {weights}, attention {stats.attention_kernel}, "
+    return (f"TriForce CPU kernels built for {kernels['target']}: {weights}, attention {detail.attention_kernel}, "
             f"linear kernel {kernels['linear']}, linear routes {routes}{bypassed}")
 
 

@@ -56,8 +56,8 @@ def assert_identical(model, prompt, config=None, **gen):
 def test_three_levels_greedy_identical_across_families(family):
     out = assert_identical(make_model(family), random_prompt(150, period=37))
     stats = out.triforce_stats
-    assert stats.plan_steps.get(3, 0) > 0 and stats.force2_proposed > 0 and stats.retrieval_selections > 0
-    assert not stats.force2_sees_whole_cache and stats.new_tokens == 40
+    assert stats.plan_steps.get(3, 0) > 0 and stats.force3_proposed > 0 and stats.detail.retrieval_selections > 0
+    assert not stats.detail.force2_sees_whole_cache and stats.new_tokens == 40
     assert out.cache.get_seq_length() == 150 + 40 - 1  # the committed sequence but its last token
 
 
@@ -66,7 +66,7 @@ def test_default_lean_tiers_and_other_drafters(model):
     assert_identical(model, prompt, TriForceConfig(**{**BASE, "draft_precision": "auto"}))
     for draft, levels in (("ngram", 3), ("ngram", 2), ("self", 2), ("suffix", 3)):
         stats = assert_identical(model, prompt, TriForceConfig(**{**BASE, "draft": draft, "levels": levels}))
-        assert stats.triforce_stats.force2_proposed > 0, (draft, levels)
+        assert stats.triforce_stats.force3_proposed > 0, (draft, levels)
 
 
 def test_draft_model_and_sliding_window_family():

@@ -77,12 +77,12 @@ def test_routes_are_timed_at_set_up_once_per_model(monkeypatch):
     assert sorted((rows, length) for rows, length, _ in timed) == \
         sorted((rows, length) for rows in (1, 2, 4, 8) for length in (1024, 2048))
     assert prefills and all(ran == 0 for _, _, ran in timed)  # before the prefill, so before every decoding step
-    assert stats.attention_calibration_seconds > 0
-    table = next(iter(stats.attention_routes.values()))
+    assert stats.detail.attention_calibration_seconds > 0
+    table = next(iter(stats.detail.attention_routes.values()))
     assert set(table) == {1, 2, 4, 8} and all(set(by_length) == {1024, 2048} for by_length in table.values())
     again = assert_identical(model, prompt, CONFIG, max_new_tokens=8)
-    assert len(timed) == 8 and again.attention_calibration_seconds == 0  # kept for the model
-    assert again.attention_routes == stats.attention_routes
+    assert len(timed) == 8 and again.detail.attention_calibration_seconds == 0  # kept for the model
+    assert again.detail.attention_routes == stats.detail.attention_routes
 
 
 def _slowed(run, seconds: float):
@@ -128,7 +128,7 @@ def test_a_kernel_timed_slower_never_runs(monkeypatch):
     stats = assert_identical(_long_model(), random_prompt(cpu_attention.MIN_CACHED + 80, period=61), CONFIG,
                              max_new_tokens=24)
     assert calls == []
-    assert stats.attention_kernel == "sdpa (cpu kernel slower at all 4 timed classes)"
+    assert stats.detail.attention_kernel == "sdpa (cpu kernel slower at all 4 timed classes)"
     assert stats.force3_steps > 0
 
 
@@ -141,7 +141,7 @@ def test_each_class_takes_its_own_route(monkeypatch):
     stats = assert_identical(_long_model(), random_prompt(cpu_attention.MIN_CACHED + 80, period=61), CONFIG,
                              max_new_tokens=24)
     assert calls and set(calls) == {1}
-    assert stats.attention_kernel == "cpu kernel where faster (1 of 4 timed classes, sdpa elsewhere)"
+    assert stats.detail.attention_kernel == "cpu kernel where faster (1 of 4 timed classes, sdpa elsewhere)"
 
 
 @needs_kernel
@@ -171,9 +171,9 @@ def test_kernels_are_built_at_set_up_and_reported(monkeypatch):
     stats = _identical_counting_from_triforce(model, random_prompt(150, period=37), CONFIG, prefills, 12, loaded)
     assert prefills and loaded and loaded[0] == 0  # built before the prefill, so before every decoding step
     off = "off (HF_TRIFORCE_CPU_LINEAR=off)"
-    assert stats.cpu_kernels == {"target": native_build.build_target(), "attention": "on", "linear": off}
-    assert "stream" not in str(stats.linear_routes)  # the linear kernel off: no route of it was timed
-    assert stats.attention_kernel.startswith("sdpa (head dim 8")  # the tiny model's heads: not the kernel's
+    assert stats.detail.cpu_kernels == {"target": native_build.build_target(), "attention": "on", "linear": off}
+    assert "stream" not in str(stats.detail.linear_routes)  # the linear kernel off: no route of it was timed
+    assert stats.detail.attention_kernel.startswith("sdpa (head dim 8")  # the tiny model's heads: not the kernel's
     note = bench.kernels_note([bench.Run("triforce", stats=stats)])
     assert f"built for {native_build.build_target()}" in note and f"linear kernel {off}" in note
     assert "attention sdpa (head dim 8" in note and "decoder 1:" in note

@@ -89,8 +89,8 @@ def test_greedy_rows_equal_each_row_alone(family, draft, levels):
         assert torch.equal(out.sequences[row, ids.shape[1]:], alone), row
     assert torch.equal(out.sequences[:, : ids.shape[1]], ids)
     if draft == "self" or levels == 3:  # the rows' lower-tier forwards ran together (hf_triforce.decoding.lockstep)
-        stats = out.triforce_stats
-        assert stats.lockstep_forwards > 0 and stats.lockstep_requests >= 1.5 * stats.lockstep_forwards
+        detail = out.triforce_stats.detail
+        assert detail.lockstep_forwards > 0 and detail.lockstep_requests >= 1.5 * detail.lockstep_forwards
     rows = out.triforce_row_stats
     assert len(rows) == 3 and all(s.new_tokens == 40 and s.force3_steps > 0 for s in rows)
     assert out.triforce_stats.new_tokens == 120
@@ -211,7 +211,7 @@ def test_enumerated_joint_law_is_the_product_of_row_target_laws(enum_setup, draf
     law, paths, stats = joint_law(model, prompts, config, processors)
     exact = product_law(model, prompts, processors)
     assert abs(sum(law.values()) - 1.0) < 1e-6 and paths > 50
-    assert any(0 < s.force3_accepted < s.force2_proposed for s in stats)
+    assert any(0 < s.force3_accepted < s.force3_proposed for s in stats)
     assert max(abs(law.get(k, 0.0) - exact[k]) for k in exact) < 1e-5
 
 
@@ -305,8 +305,8 @@ def test_auto_policy_batch_rows_equal_each_row_alone(draft):
         alone = model.generate(prompt, max_new_tokens=40, do_sample=False)[0, prompt.shape[1]:]
         assert torch.equal(out.sequences[row, ids.shape[1]:], alone), row
     stats = out.triforce_stats
-    assert sum(p["steps"] for p in stats.plans.values()) == stats.force3_steps
-    assert len(stats.plans) >= 2, "exploration must try more than one plan"
+    assert sum(p["steps"] for p in stats.detail.plans.values()) == stats.force3_steps
+    assert len(stats.detail.plans) >= 2, "exploration must try more than one plan"
     for row in out.triforce_row_stats:
         assert sum(row.plan_steps.values()) == row.force3_steps
 

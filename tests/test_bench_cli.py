@@ -90,18 +90,18 @@ def test_bench_with_a_draft_model_and_sampling(tmp_path, capsys):
     rows = [line for line in (out_dir / "results.md").read_text().splitlines() if line.startswith("| ")]
     assert all(line.endswith("| yes |") for line in rows[1:]), rows  # greedy: every method equals plain
     stats = greedy["methods"]["triforce-draft"]["stats"]
-    assert stats["force1_proposed"] > 0 and len(greedy["methods"]["assisted"]["seconds"]) == 2
+    assert stats["detail"]["force1_proposed"] > 0 and len(greedy["methods"]["assisted"]["seconds"]) == 2
     # vanilla speculative decoding: the draft on a cache holding the whole sequence, two levels; its pass over the
     # prompt is prompt processing, reported and not timed
     vanilla = greedy["methods"]["vanilla"]["stats"]
-    assert vanilla["plan_steps"] == {"2": vanilla["force3_steps"]} and vanilla["draft_prefill_seconds"] > 0
+    assert vanilla["plan_steps"] == {"2": vanilla["force3_steps"]} and vanilla["detail"]["draft_prefill_seconds"] > 0
     # no warm-up call repeats the draft's pass over the prompt: its first timed call makes the copies, reported and
     # subtracted with the other one-off set-up seconds
     from hf_triforce_bench.compare import warms_up
     from hf_triforce_bench.methods import method_named
     assert not warms_up(method_named("vanilla")) and warms_up(method_named("triforce-draft"))
     assert warms_up(method_named("static-compiled")) and not warms_up(method_named("plain"))
-    assert vanilla["draft_precision"] == "lean-int4" and greedy["methods"]["vanilla"]["copy_seconds"] > 0
+    assert vanilla["detail"]["draft_precision"] == "lean-int4" and greedy["methods"]["vanilla"]["copy_seconds"] > 0
     # default methods with a draft model: all of them; sampling: seeded, no identity claim
     assert main(argv + ["--sample", "--temperature", "0.7", "--top-p", "0.9"]) == 0
     sampled = json.loads((out_dir / "results.json").read_text())[0]
@@ -112,9 +112,9 @@ def test_bench_with_a_draft_model_and_sampling(tmp_path, capsys):
     # a first call's drafting weight copies (the default's lean-int4 copy of the fp32 target) made by a warm-up call
     # outside the timed rounds, and reported; the library default with the draft model drafts with it
     default = sampled["methods"]["default"]
-    assert default["stats"]["draft_precision"] == "lean-int4" and default["copy_seconds"] > 0
+    assert default["stats"]["detail"]["draft_precision"] == "lean-int4" and default["copy_seconds"] > 0
     assert sampled["methods"]["plain"]["copy_seconds"] is None  # a baseline: no warm-up
-    assert "model" in sampled["methods"]["default-draft"]["stats"]["draft_caches"]
+    assert "model" in sampled["methods"]["default-draft"]["stats"]["detail"]["draft_caches"]
     assert f"vs best plain ({sampled['best_plain']})" in (out_dir / "results.md").read_text()
     assert sampled["sampling"] == {"do_sample": True, "temperature": 0.7, "top_p": 0.9}
     assert all(m["new_tokens"] == 4 for m in sampled["methods"].values())
@@ -248,21 +248,21 @@ def test_bench_llama_cpp_methods_need_a_bundled_gguf(tmp_path):
 
 def test_bench_times_no_methods_prefix_copy(monkeypatch):
     """Every method starts from the bench's shared prefix; static and plain copy it before the clock, so a TriForce
-    run's own copy of it (`TriForceStats.prefix_copy_seconds`, measured in `generate`) is not timed either."""
+    run's own copy of it (`TriForceDetail.prefix_copy_seconds`, measured in `generate`) is not timed either."""
     model = make_model()
     prompt = torch.randint(0, model.config.vocab_size, (1, 40))
     prefix = bench.prefill_prefix(model, prompt)
     out = model.generate(prompt, cache=bench.prefill_prefix(model, prompt), max_new_tokens=3, do_sample=False,
                          triforce_config=METHODS["default"].config(64), return_dict_in_generate=True)
-    assert out.triforce_stats.prefix_copy_seconds > 0
+    assert out.triforce_stats.detail.prefix_copy_seconds > 0
     assert model.generate(prompt, max_new_tokens=3, do_sample=False, triforce_config=METHODS["default"].config(64),
-                          return_dict_in_generate=True).triforce_stats.prefix_copy_seconds == 0
+                          return_dict_in_generate=True).triforce_stats.detail.prefix_copy_seconds == 0
     generate = model.generate
 
     def slow_generate(*args, **kwargs):  # 0.3 s at least, of which its copy says 0.25 s
         time.sleep(0.3)
         result = generate(*args, **kwargs)
-        result.triforce_stats.prefix_copy_seconds = 0.25
+        result.triforce_stats.detail.prefix_copy_seconds = 0.25
         return result
 
     monkeypatch.setattr(model, "generate", slow_generate)

@@ -75,18 +75,18 @@ def _stats(model, length, **cfg):
 def test_force1_memory_is_independent_of_context_and_force2_depends_only_on_budget():
     model = make_model("llama-gqa")
     short, long = _stats(model, 200), _stats(model, 1200)
-    assert short.draft_cache_bytes == long.draft_cache_bytes > 0
-    assert short.retrieval_cache_bytes == long.retrieval_cache_bytes > 0
-    assert long.full_cache_bytes > short.full_cache_bytes
+    assert short.detail.draft_cache_bytes == long.detail.draft_cache_bytes > 0
+    assert short.detail.retrieval_cache_bytes == long.detail.retrieval_cache_bytes > 0
+    assert long.detail.full_cache_bytes > short.detail.full_cache_bytes
     bigger = _stats(model, 1200, retrieval_budget=64)
-    assert bigger.retrieval_cache_bytes > long.retrieval_cache_bytes
-    assert bigger.draft_cache_bytes == long.draft_cache_bytes
+    assert bigger.detail.retrieval_cache_bytes > long.detail.retrieval_cache_bytes
+    assert bigger.detail.draft_cache_bytes == long.detail.draft_cache_bytes
 
 
 def test_short_prompt_lets_force2_see_the_whole_cache():
     model = make_model("llama-gqa")
-    assert _stats(model, 20).force2_sees_whole_cache
-    assert not _stats(model, 200).force2_sees_whole_cache
+    assert _stats(model, 20).detail.force2_sees_whole_cache
+    assert not _stats(model, 200).detail.force2_sees_whole_cache
 
 
 def test_sink_window_keeps_sinks_and_latest_entries():
@@ -272,4 +272,4 @@ def test_force2_reselects_every_refresh_interval_steps(budget, refresh_every, in
                          return_dict_in_generate=True)
     stats = out.triforce_stats
     assert stats.force3_steps > 2 * interval
-    assert stats.retrieval_selections == 1 + (stats.force3_steps - 1) // interval
+    assert stats.detail.retrieval_selections == 1 + (stats.force3_steps - 1) // interval

@@ -9,9 +9,11 @@ import pytest
 
 from hf_triforce_bench import calibration_runs as runs
 
-STATS = dict(force1_seconds=0.5, force2_seconds=1.25, force3_seconds=3.0, retrieval_seconds=0.0, force1_proposed=40,
-             force2_proposed=30, force2_steps=16, force3_steps=9, force3_tokens=63, tokens_per_force3_step=7.0,
-             draft_precision="lean-int4", draft_cache_bytes=1_474_560, full_cache_bytes=1_480_919_040)
+TOP = dict(force1_seconds=0.5, force2_seconds=1.25, force3_seconds=3.0, force3_proposed=30, force3_steps=9,
+           force3_tokens=63, tokens_per_force3_step=7.0)
+DETAIL = dict(retrieval_seconds=0.0, force1_proposed=40, force2_steps=16, draft_precision="lean-int4",
+              draft_cache_bytes=1_474_560, full_cache_bytes=1_480_919_040)
+STATS = {**TOP, "detail": DETAIL}  # `TriForceStats.to_dict`'s layout, the fields the calibration reads
 RESULTS = [
     {"context": 8000, "model": "qwen2.5-coder-1.5b", "draft_model": "qwen2.5-coder-0.5b", "dtype": "bfloat16",
      "sampling": {"temperature": 0.6, "top_p": 0.9}, "gammas": {"lookup": [3, 8], "model": [2, 6]},
@@ -19,16 +21,17 @@ RESULTS = [
      "methods": {
          "static": {"decode_tokens_per_second": 5.0, "new_tokens": 64, "seconds": [1.0], "stats": None},
          "triforce-draft": {"decode_tokens_per_second": 6.123456789012345, "new_tokens": 64,
-                            "stats": {**STATS, "force2_acceptance": 0.7,
-                                      "draft_caches": {"draft": "absolute positions, filled by a forward of 1040"}}},
+                            "stats": {**TOP, "force2_acceptance": 0.7, "detail": {**DETAIL, "draft_caches": {
+                                "draft": "absolute positions, filled by a forward of 1040"}}}},
          "default": {"decode_tokens_per_second": 7.5, "new_tokens": 64,
-                     "stats": {**STATS, "plans": {"plain": {"steps": 6, "tokens": 6,
-                                                            "measured_tokens_per_second": 4.25},
-                                                  "ngram g1": {"steps": 3}}}}}},
+                     "stats": {**TOP, "detail": {**DETAIL, "plans": {
+                         "plain": {"steps": 6, "tokens": 6, "measured_tokens_per_second": 4.25},
+                         "ngram g1": {"steps": 3}}}}}}},
     {"context": 1024, "sampling": None, "methods": {
-        "default": {"decode_tokens_per_second": 9.0, "new_tokens": 32, "stats": {**STATS, "plans": {}}},
-        "triforce-self": {"decode_tokens_per_second": 8.0, "new_tokens": 32,
-                          "stats": {**STATS, "draft_caches": {"self": "a copy of the full cache's entries"}}}}},
+        "default": {"decode_tokens_per_second": 9.0, "new_tokens": 32,
+                    "stats": {**TOP, "detail": {**DETAIL, "plans": {}}}},
+        "triforce-self": {"decode_tokens_per_second": 8.0, "new_tokens": 32, "stats": {**TOP, "detail": {
+            **DETAIL, "draft_caches": {"self": "a copy of the full cache's entries"}}}}}},
 ]
 
 
@@ -47,16 +50,19 @@ def test_a_run_reads_back_with_the_fields_the_calibration_reads(tmp_path):
         "budgets": [4096]}
     assert first["sampling"] and first["gammas"] == {"model": [2, 6], "ngram": [3, 8]}  # lookup read as ngram
     assert list(first["methods"]) == ["static", "triforce-draft", "default"]  # the results' order
-    assert first["methods"]["static"] == {"new_tokens": 64, "decode_tokens_per_second": 5.0, "stats": {}}
+    assert first["methods"]["static"] == {"new_tokens": 64, "decode_tokens_per_second": 5.0,
+                                          "stats": {"detail": {}}}
     draft = first["methods"]["triforce-draft"]
     assert draft["decode_tokens_per_second"] == 6.123456789012345  # every digit
-    kept = {k: draft["stats"][k] for k in STATS}
-    assert kept == STATS and [type(v) for v in kept.values()] == [type(v) for v in STATS.values()]
-    assert "filled by a forward" in draft["stats"]["draft_caches"]["draft"]
-    assert first["methods"]["default"]["stats"]["plans"] == {"plain": {"steps": 6, "measured_tokens_per_second": 4.25}}
+    kept = {**{k: draft["stats"][k] for k in TOP}, **{k: draft["stats"]["detail"][k] for k in DETAIL}}
+    expected = {**TOP, **DETAIL}
+    assert kept == expected and [type(v) for v in kept.values()] == [type(v) for v in expected.values()]
+    assert "filled by a forward" in draft["stats"]["detail"]["draft_caches"]["draft"]
+    assert first["methods"]["default"]["stats"]["detail"]["plans"] == {
+        "plain": {"steps": 6, "measured_tokens_per_second": 4.25}}
     assert second["sampling"] is None and second["gammas"] is None and second["budgets"] is None
-    assert "plans" not in second["methods"]["default"]["stats"]  # no plain steps recorded: none read back
-    assert "filled by a forward" not in second["methods"]["triforce-self"]["stats"]["draft_caches"]["draft"]
+    assert "plans" not in second["methods"]["default"]["stats"]["detail"]  # no plain steps recorded: none read back
+    assert "filled by a forward" not in second["methods"]["triforce-self"]["stats"]["detail"]["draft_caches"]["draft"]
 
 
 def test_a_folder_written_again_replaces_its_rows_and_keeps_the_others(tmp_path):

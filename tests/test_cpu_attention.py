@@ -12,7 +12,7 @@
   new token one key more (or less) moves the result by far more than the tolerance;
 * the attention wrapper routes fp32 and bf16 CPU calls over a long cache to it (a model with head dim 64 and a
   1100-token prompt), and TriForce's greedy output stays identical to plain ``generate`` in the model's dtype;
-  `TriForceStats.attention_kernel` says so;
+  `TriForceDetail.attention_kernel` says so;
 * the kernel is off under ``HF_TRIFORCE_CPU_ATTENTION=off``, and a failing build leaves it off with the
   compiler's error in `status` (ATen's paths then run), never a silent stop: `tests/test_native_build.py`.
 """
@@ -149,7 +149,7 @@ def test_routed_and_greedy_identical(monkeypatch, dtype):
     monkeypatch.setattr(cpu_attention, "attend", lambda *args: calls.append(args[0].shape[2]) or attend(*args))
     stats = assert_identical(model, prompt, TriForceConfig(draft="ngram", levels=2, policy="fixed", gamma2=4),
                              max_new_tokens=24)
-    assert stats.attention_kernel == "cpu kernel"
+    assert stats.detail.attention_kernel == "cpu kernel"
     assert calls and max(calls) > 1 and 1 in calls  # verifications and the one-row first step
 
 

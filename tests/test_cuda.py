@@ -76,7 +76,7 @@ def _cuda_exact(family, draft, prompt_len=600, new_tokens=40, levels=3, force3_c
                          return_dict_in_generate=True)
     assert torch.equal(out.sequences, expected), (out.sequences[0, prompt_len:], expected[0, prompt_len:])
     stats = out.triforce_stats
-    assert stats.force3_steps > 0 and not stats.force2_sees_whole_cache
+    assert stats.force3_steps > 0 and not stats.detail.force2_sees_whole_cache
     return model, prompt, config, expected
 
 
@@ -101,9 +101,9 @@ def test_cuda_force3_verifies_in_cuda_graphs(family):
         out = model.generate(prompt, max_new_tokens=40, do_sample=False, triforce_config=config,
                              return_dict_in_generate=True)
         assert torch.equal(out.sequences, expected)
-        stats = out.triforce_stats
-        assert stats.tier_forwards["force3"] == "graph (native)" and stats.tier_compile["force3"]["mode"] == "graph"
-        assert stats.tier_compile["force3"]["forwards"] == stats.force3_steps > 3 and stats.force2_accepted > 0
+        stats, detail = out.triforce_stats, out.triforce_stats.detail
+        assert detail.tier_forwards["force3"] == "graph (native)" and detail.tier_compile["force3"]["mode"] == "graph"
+        assert detail.tier_compile["force3"]["forwards"] == stats.force3_steps > 3 and stats.force2_accepted > 0
 
 
 @cuda
@@ -148,7 +148,7 @@ def test_cuda_fp32_trees_at_both_levels_are_exact(policy):
     out = model.generate(prompt, max_new_tokens=40, do_sample=False, triforce_config=config,
                          return_dict_in_generate=True)
     assert torch.equal(out.sequences, expected)
-    assert out.triforce_stats.tree_nodes > 0
+    assert out.triforce_stats.detail.tree_nodes > 0
 
 
 @cuda
@@ -317,7 +317,7 @@ def test_cuda_fp32_trees_exact_with_flex(route):
         out = model.generate(prompt, max_new_tokens=40, do_sample=False, triforce_config=config,
                              return_dict_in_generate=True)
     assert torch.equal(out.sequences, expected)
-    assert out.triforce_stats.tree_nodes > 0
+    assert out.triforce_stats.detail.tree_nodes > 0
 
 
 @cuda

@@ -62,7 +62,7 @@ def test_disk_offloaded_layers(dispatched, prompt, draft, precision):
     out = _assert_identical(dispatched, prompt, _config(draft=draft, draft_precision=precision))
     assert out.cache.devices() == layer_devices(dispatched)  # every full-cache layer on its execution device
     assert dispatched.model.layers[1].self_attn.q_proj.weight.device.type == "meta"  # the map is unchanged
-    assert out.triforce_stats.force2_steps > 0
+    assert out.triforce_stats.detail.force2_steps > 0
 
 
 def test_int8_copy_of_an_offloaded_model(dispatched):

@@ -64,9 +64,9 @@ def check(draft, gen, processors, levels=3, **config_kw):
     observed = torch.tensor([counts.get(k, 0) for k in keys], dtype=torch.float64)
     expected = torch.tensor([exact[k] for k in keys], dtype=torch.float64)
     assert set(counts) <= {k for k in keys if exact[k] > 0}, "sampled a sequence of probability zero"
-    proposed2 = sum(s.force1_proposed for s in stats)
+    proposed2 = sum(s.detail.force1_proposed for s in stats)
     accepted2 = sum(s.force2_accepted for s in stats)
-    proposed3 = sum(s.force2_proposed for s in stats)
+    proposed3 = sum(s.force3_proposed for s in stats)
     accepted3 = sum(s.force3_accepted for s in stats)
     # Both levels must see acceptances and rejections, or the test would not exercise the residuals.
     assert 0 < accepted3 < proposed3

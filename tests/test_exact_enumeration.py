@@ -93,10 +93,11 @@ EXERCISED_MASS = 1e-3
 def exercised(stats: PathStats, levels: int) -> None:
     """Both levels must see acceptances and rejections on paths of probability > `EXERCISED_MASS`, or the residuals
     go untested."""
-    assert stats.mass(lambda s: 0 < s.force3_accepted < s.force2_proposed) > EXERCISED_MASS, "no partial Force-3 accept"
+    assert stats.mass(lambda s: 0 < s.force3_accepted < s.force3_proposed) > EXERCISED_MASS, "no partial Force-3 accept"
     assert stats.mass(lambda s: s.force3_accepted == 0) > EXERCISED_MASS, "Force 3 never rejected all"
     if levels == 3:
-        assert stats.mass(lambda s: s.force2_accepted < s.force1_proposed) > EXERCISED_MASS, "Force 2 never rejected"
+        rejected = stats.mass(lambda s: s.force2_accepted < s.detail.force1_proposed)
+        assert rejected > EXERCISED_MASS, "Force 2 never rejected"
         assert stats.mass(lambda s: 0 < s.force2_accepted) > EXERCISED_MASS, "Force 2 never accepted"
 
 
@@ -123,7 +124,7 @@ def test_enumerated_law_equals_the_target_law(setup, case):
     assert distance(law, exact) < TOLERANCE
     exercised(stats, config.levels)
     if extra.get("draft_precision") == "auto":  # the default tiers: Force 2 reads its entries in bf16
-        assert stats.mass(lambda s: s.retrieval_dtype == "bfloat16") > 1 - 1e-6
+        assert stats.mass(lambda s: s.detail.retrieval_dtype == "bfloat16") > 1 - 1e-6
 
 
 def middle_resamples_from_q(decoder):

@@ -84,7 +84,7 @@ def test_triforce_on_the_kernel_keeps_greedy_identity(monkeypatch, dtype):
     model = make_model("qwen2").to(dtype)
     stats = assert_identical(model, random_prompt(150, period=37), _config("self"))
     assert stats.force3_steps > 0
-    assert set(stats.linear_routes["decoder"].values()) == {"stream"}
+    assert set(stats.detail.linear_routes["decoder"].values()) == {"stream"}
 
 
 @needs_kernel
@@ -97,10 +97,10 @@ def test_routes_timed_in_fp32_are_timed_again_after_double(monkeypatch):
     model = make_model("llama-gqa")
     prompt = random_prompt(150, period=37)
     stats = assert_identical(model, prompt, _config("self"), max_new_tokens=12)
-    assert {route for by_rows in stats.linear_routes.values() for route in by_rows.values()} == {"stream"}
+    assert {route for by_rows in stats.detail.linear_routes.values() for route in by_rows.values()} == {"stream"}
     model.double()
     stats = assert_identical(model, prompt, _config("self"), max_new_tokens=12)
-    assert {route for by_rows in stats.linear_routes.values() for route in by_rows.values()} == {"left"}
+    assert {route for by_rows in stats.detail.linear_routes.values() for route in by_rows.values()} == {"left"}
 
 
 @needs_kernel

@@ -12,6 +12,8 @@
 
 from __future__ import annotations
 
+from operator import attrgetter
+
 import pytest
 import torch
 from transformers import LogitsProcessorList
@@ -27,7 +29,7 @@ from .families import make_family
 from .test_exact_enumeration import decoded_law, distance, exercised, target_law
 from .test_greedy_identity import assert_identical
 
-COUNTS = ("force1_proposed", "force2_accepted", "force3_accepted", "force3_steps")
+COUNTS = ("detail.force1_proposed", "force2_accepted", "force3_accepted", "force3_steps")
 
 
 def _config(**kw):
@@ -43,9 +45,9 @@ def test_fixed_shapes_draft_what_the_lean_forward_drafts(family, levels):
     prompt = random_prompt(150, period=37)
     lean = assert_identical(model, prompt, _config(draft_precision="lean", levels=levels))
     fixed = assert_identical(model, prompt, _config(draft_precision="lean", levels=levels, tier_compile="fixed"))
-    assert {c: getattr(fixed, c) for c in COUNTS} == {c: getattr(lean, c) for c in COUNTS}
-    assert fixed.tier_compile["mode"] == "fixed" and fixed.tier_compile["forwards"] > 20
-    assert fixed.tier_compile["compiles"] == 0 and lean.tier_compile == {}
+    assert {c: attrgetter(c)(fixed) for c in COUNTS} == {c: attrgetter(c)(lean) for c in COUNTS}
+    assert fixed.detail.tier_compile["mode"] == "fixed" and fixed.detail.tier_compile["forwards"] > 20
+    assert fixed.detail.tier_compile["compiles"] == 0 and lean.detail.tier_compile == {}
 
 
 def test_stale_entries_past_a_row_contribute_nothing():
@@ -83,15 +85,16 @@ def test_compiled_tiers_keep_greedy_identity_and_never_recompile(precision):
     model = make_model("llama-gqa", logit_scale=3.0, num_hidden_layers=2, seed=11)
     config = _config(draft_precision=precision, tier_compile="compile")
     first = assert_identical(model, random_prompt(150, period=37), config)
-    assert first.draft_precision == precision
-    assert first.tier_compile["compiles"] >= 1 and first.tier_compile["compile_seconds"] > 0
-    assert first.force2_accepted > 0 and first.tier_compile["forwards"] > 20
+    assert first.detail.draft_precision == precision
+    assert first.detail.tier_compile["compiles"] >= 1 and first.detail.tier_compile["compile_seconds"] > 0
+    assert first.force2_accepted > 0 and first.detail.tier_compile["forwards"] > 20
     for length, new in ((97, 25), (203, 41)):
         later = assert_identical(model, random_prompt(length, period=29, seed=length), config, max_new_tokens=new)
-        assert later.tier_compile["compiles"] == 0 and later.tier_compile["forwards"] > 10, later.tier_compile
+        compiled = later.detail.tier_compile
+        assert compiled["compiles"] == 0 and compiled["forwards"] > 10, compiled
     sampled = model.generate(random_prompt(120, period=31), max_new_tokens=20, do_sample=True, top_k=20,
                              triforce_config=config, return_dict_in_generate=True).triforce_stats
-    assert sampled.tier_compile["compiles"] == 0 and sampled.tier_compile["forwards"] > 10
+    assert sampled.detail.tier_compile["compiles"] == 0 and sampled.detail.tier_compile["forwards"] > 10
 
 
 @pytest.mark.parametrize("tier_compile, levels", [("fixed", 2), ("fixed", 3), ("compile", 3)])
@@ -107,8 +110,8 @@ def test_batches_run_under_tier_compile(tier_compile, levels):
     out = model.generate(ids, do_sample=False, triforce_config=config, return_dict_in_generate=True, **gen)
     assert torch.equal(out.sequences, model.generate(ids, do_sample=False, **gen))
     stats = out.triforce_stats
-    assert stats.force3_accepted > 0 and stats.tier_compile["mode"] == tier_compile
-    assert stats.tier_compile["forwards"] == 0  # the stats say that no forward ran at fixed shapes
+    assert stats.force3_accepted > 0 and stats.detail.tier_compile["mode"] == tier_compile
+    assert stats.detail.tier_compile["forwards"] == 0  # the stats say that no forward ran at fixed shapes
     sampled = model.generate(ids, do_sample=True, top_k=20, num_return_sequences=2, triforce_config=config, **gen)
     assert sampled.shape == (4, ids.shape[1] + 16)
 
@@ -136,8 +139,8 @@ def test_enumerated_law_equals_the_target_law(tier_compile, free):
     assert abs(sum(law.values()) - 1.0) < 1e-6 and paths > 10
     assert distance(law, exact) < 1e-5
     exercised(stats, 3)
-    assert max(s.force1_proposed / max(s.force2_steps, 1) for s in stats) >= 2  # rounds of 2 drafts ran
-    assert all(s.tier_compile["forwards"] > 0 for s in stats)
+    assert max(s.detail.force1_proposed / max(s.detail.force2_steps, 1) for s in stats) >= 2  # rounds of 2 drafts ran
+    assert all(s.detail.tier_compile["forwards"] > 0 for s in stats)
 
 
 def test_bad_settings_are_refused():
@@ -172,8 +175,9 @@ def test_native_tiers_compile_once_in_bf16():
     for length, new in ((150, 30), (97, 25), (203, 41)):
         stats = model.generate(random_prompt(length, period=29, seed=length), max_new_tokens=new,
                                triforce_config=config, return_dict_in_generate=True).triforce_stats
-        assert stats.draft_precision == "native" and stats.tier_compile["forwards"] > 10, stats.tier_compile
-        compiles.append(stats.tier_compile["compiles"])
+        compiled = stats.detail.tier_compile
+        assert stats.detail.draft_precision == "native" and compiled["forwards"] > 10, compiled
+        compiles.append(stats.detail.tier_compile["compiles"])
     assert compiles[0] >= 1 and compiles[1:] == [0, 0], compiles
 
 
@@ -182,9 +186,9 @@ def test_native_fixed_shapes_draft_what_the_native_forward_drafts():
     prompt = random_prompt(150, period=37)
     native = assert_identical(model, prompt, _config(draft_precision="native"))
     fixed = assert_identical(model, prompt, _config(draft_precision="native", tier_compile="fixed"))
-    assert {c: getattr(fixed, c) for c in COUNTS} == {c: getattr(native, c) for c in COUNTS}
-    assert native.tier_forwards == {"force1 self": "lean", "force2": "lean", "force3": "eager"}
-    assert native.tier_compile == {}
+    assert {c: attrgetter(c)(fixed) for c in COUNTS} == {c: attrgetter(c)(native) for c in COUNTS}
+    assert native.detail.tier_forwards == {"force1 self": "lean", "force2": "lean", "force3": "eager"}
+    assert native.detail.tier_compile == {}
 
 
 def test_graph_mode_and_auto_on_the_cpu():
@@ -196,4 +200,4 @@ def test_graph_mode_and_auto_on_the_cpu():
                        triforce_config=_config(draft_precision="native", tier_compile="graph"))
     stats = model.generate(random_prompt(150, period=37), max_new_tokens=8, return_dict_in_generate=True,
                            triforce_config=_config()).triforce_stats
-    assert stats.draft_precision == "lean-int4" and stats.tier_compile == {}
+    assert stats.detail.draft_precision == "lean-int4" and stats.detail.tier_compile == {}

@@ -16,6 +16,8 @@
 
 from __future__ import annotations
 
+from operator import attrgetter
+
 import pytest
 import torch
 from transformers import LogitsProcessorList, TopKLogitsWarper
@@ -36,7 +38,7 @@ from .families import make_family
 from .test_exact_enumeration import CONFIG, VOCAB, decoded_law, distance, exercised, target_law
 from .test_greedy_identity import assert_identical
 
-COUNTS = ("force1_proposed", "force2_accepted", "force3_accepted", "force3_steps")
+COUNTS = ("detail.force1_proposed", "force2_accepted", "force3_accepted", "force3_steps")
 
 
 def _config(**kw):
@@ -114,12 +116,12 @@ def test_greedy_identity_and_the_same_drafts(family, plan):
     model = make_model(family, logit_scale=3.0)
     prompt = random_prompt(150, period=37)
     fixed = assert_identical(model, prompt, _config(force3_compile="fixed", **plan))
-    assert fixed.tier_forwards["force3"] == "fixed (native)"
-    assert fixed.tier_compile["force3"]["forwards"] == fixed.force3_steps > 5
+    assert fixed.detail.tier_forwards["force3"] == "fixed (native)"
+    assert fixed.detail.tier_compile["force3"]["forwards"] == fixed.force3_steps > 5
     if plan.get("policy") != "auto":  # the adaptive policy's plans follow timings: its drafts are not comparable
         eager = assert_identical(model, prompt, _config(**plan))
-        assert eager.tier_forwards["force3"] == "eager"
-        assert {c: getattr(fixed, c) for c in COUNTS} == {c: getattr(eager, c) for c in COUNTS}
+        assert eager.detail.tier_forwards["force3"] == "eager"
+        assert {c: attrgetter(c)(fixed) for c in COUNTS} == {c: attrgetter(c)(eager) for c in COUNTS}
 
 
 def test_compiled_once_across_prompt_lengths_and_steps():
@@ -130,18 +132,20 @@ def test_compiled_once_across_prompt_lengths_and_steps():
     model = make_model("llama-gqa", logit_scale=3.0, num_hidden_layers=1, seed=7)
     config = _config(levels=2, force3_compile="compile")
     first = assert_identical(model, random_prompt(150, period=37), config)
-    assert first.tier_forwards["force3"] == "compile (native)"
-    assert first.tier_compile["force3"]["compiles"] >= 1 and first.tier_compile["force3"]["compile_seconds"] > 0
+    assert first.detail.tier_forwards["force3"] == "compile (native)"
+    compiled = first.detail.tier_compile["force3"]
+    assert compiled["compiles"] >= 1 and compiled["compile_seconds"] > 0
     one_row = assert_identical(model, random_prompt(60, period=37), config, max_new_tokens=2)  # no room: 1 row
-    assert one_row.force3_steps == one_row.tier_compile["force3"]["forwards"] == 1
-    assert first.tier_compile["force3"]["compiles"] + one_row.tier_compile["force3"]["compiles"] == 2
+    assert one_row.force3_steps == one_row.detail.tier_compile["force3"]["forwards"] == 1
+    assert first.detail.tier_compile["force3"]["compiles"] + one_row.detail.tier_compile["force3"]["compiles"] == 2
     for length, new in ((97, 25), (203, 41)):
         later = assert_identical(model, random_prompt(length, period=29, seed=length), config, max_new_tokens=new)
-        assert later.tier_compile["force3"]["compiles"] == 0 and later.tier_compile["force3"]["forwards"] > 5
+        compiled = later.detail.tier_compile["force3"]
+        assert compiled["compiles"] == 0 and compiled["forwards"] > 5
     sampled = model.generate(random_prompt(120, period=31), max_new_tokens=20, do_sample=True, top_k=20,
                              triforce_config=config, return_dict_in_generate=True).triforce_stats
-    assert sampled.tier_compile["force3"]["compiles"] == 0
-    assert sampled.force3_steps == sampled.tier_compile["force3"]["forwards"] > 3
+    assert sampled.detail.tier_compile["force3"]["compiles"] == 0
+    assert sampled.force3_steps == sampled.detail.tier_compile["force3"]["forwards"] > 3
 
 
 # the default drafting tiers (lean-int4 here: drafts rejected often, so paths end early and the enumeration is short)
@@ -163,7 +167,8 @@ def test_enumerated_law_equals_the_target_law(small):
     assert abs(sum(law.values()) - 1.0) < 1e-6 and paths > 10
     assert distance(law, target_law(model, prompt, PROCESSORS, 4)) < 1e-5
     exercised(stats, 3)
-    assert all(s.tier_forwards["force3"] == "fixed (native)" and s.tier_compile["force3"]["forwards"] for s in stats)
+    assert all(s.detail.tier_forwards["force3"] == "fixed (native)" and s.detail.tier_compile["force3"]["forwards"]
+               for s in stats)
 
 
 def test_the_enumeration_catches_logits_one_row_off(small, monkeypatch):
@@ -190,7 +195,7 @@ def test_auto_is_transformers_forward_on_the_cpu():
     model = make_model("llama-gqa", logit_scale=3.0)
     stats = model.generate(random_prompt(100, period=37), max_new_tokens=8, return_dict_in_generate=True,
                            triforce_config=_config(draft="ngram", levels=2, policy="auto")).triforce_stats
-    assert stats.tier_forwards["force3"] == "eager" and "force3" not in stats.tier_compile
+    assert stats.detail.tier_forwards["force3"] == "eager" and "force3" not in stats.detail.tier_compile
     for tier_compile in ("fixed", "compile"):
         assert force3_forward(model, TriForceConfig(tier_compile=tier_compile)) == (None, "eager")
 
@@ -242,5 +247,5 @@ def test_trees_stay_on_transformers_forward():
     model = make_model("llama-gqa", logit_scale=3.0)
     config = _config(draft="ngram", levels=2, tree_nodes=4, tree_branch=2, force3_compile="fixed")
     stats = assert_identical(model, random_prompt(150, period=37), config, max_new_tokens=24)
-    assert stats.tier_forwards["force3"] == "fixed (native); candidate trees: eager (a tree's own mask)"
-    assert stats.tree_nodes > 0
+    assert stats.detail.tier_forwards["force3"] == "fixed (native); candidate trees: eager (a tree's own mask)"
+    assert stats.detail.tree_nodes > 0

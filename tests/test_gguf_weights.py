@@ -63,9 +63,9 @@ def test_triforce_at_stored_width_keeps_greedy_identity(monkeypatch, gguf_model)
     prompt = random_prompt(150, vocab_size=VOCAB, period=37)
     stats = assert_identical(gguf_model, prompt, _config("self"))
     assert stats.force3_steps > 0
-    assert {route for by_rows in stats.linear_routes.values() for route in by_rows.values()} == {"gguf"}
-    assert set(stats.linear_routes) == {"head", "decoder"}
-    assert stats.cpu_kernels["gguf"] == {"kernel": "on", "layers": gguf_weights.describe(gguf_model)}
+    assert {route for by_rows in stats.detail.linear_routes.values() for route in by_rows.values()} == {"gguf"}
+    assert set(stats.detail.linear_routes) == {"head", "decoder"}
+    assert stats.detail.cpu_kernels["gguf"] == {"kernel": "on", "layers": gguf_weights.describe(gguf_model)}
     note = bench.kernels_note([bench.Run("triforce", stats=stats)])
     assert ("target weights at GGUF stored width (Q4_0 2 layers, Q4_1 2 layers, Q4_K 4 layers, Q5_0 2 layers, "
             "Q5_1 2 layers, Q6_K 2 layers, Q8_0 1 layers; kernel on)") in note
@@ -185,8 +185,8 @@ def test_a_weight_written_through_data_is_refused_then_runs_detached(monkeypatch
         model.generate(prompt, triforce_config=_config("self"), max_new_tokens=8, do_sample=False)
     detach_gguf(model)
     stats = assert_identical(model, prompt, _config("self"))
-    assert "gguf" not in stats.cpu_kernels
-    assert "gguf" not in {route for by_rows in stats.linear_routes.values() for route in by_rows.values()}
+    assert "gguf" not in stats.detail.cpu_kernels
+    assert "gguf" not in {route for by_rows in stats.detail.linear_routes.values() for route in by_rows.values()}
 
 
 @needs_kernel
@@ -196,8 +196,8 @@ def test_routes_timed_on_the_blocks_are_timed_again_once_detached(monkeypatch, g
     monkeypatch.setattr(linear_routes.LinearRoutes, "calibrate", _last_offered)
     prompt = random_prompt(150, vocab_size=VOCAB, period=37)
     stats = assert_identical(gguf_model, prompt, _config("self"), max_new_tokens=12)
-    assert {route for by_rows in stats.linear_routes.values() for route in by_rows.values()} == {"gguf"}
+    assert {route for by_rows in stats.detail.linear_routes.values() for route in by_rows.values()} == {"gguf"}
     detach_gguf(gguf_model)
     stats = assert_identical(gguf_model, prompt, _config("self"), max_new_tokens=12)
-    assert "gguf" not in {route for by_rows in stats.linear_routes.values() for route in by_rows.values()}
-    assert stats.linear_routes and set(stats.linear_routes) == {"head", "decoder"}
+    assert "gguf" not in {route for by_rows in stats.detail.linear_routes.values() for route in by_rows.values()}
+    assert stats.detail.linear_routes and set(stats.detail.linear_routes) == {"head", "decoder"}

@@ -31,7 +31,7 @@ def test_families_and_draft_modes(family, draft):
     model = make_model(family)
     prompt = random_prompt(150, period=37)
     stats = assert_identical(model, prompt, _config(draft))
-    assert stats.force3_steps > 0 and not stats.force2_sees_whole_cache
+    assert stats.force3_steps > 0 and not stats.detail.force2_sees_whole_cache
 
 
 @pytest.mark.parametrize("budget", [16, 48, 256])
@@ -39,7 +39,7 @@ def test_families_and_draft_modes(family, draft):
 def test_budgets_and_gammas(gqa_model, budget, gammas):
     prompt = random_prompt(120)
     stats = assert_identical(gqa_model, prompt, _config("self", budget=budget, gamma1=gammas[0], gamma2=gammas[1]))
-    assert stats.force2_sees_whole_cache == (budget >= 120)
+    assert stats.detail.force2_sees_whole_cache == (budget >= 120)
 
 
 def test_draft_model_with_fewer_layers():
@@ -51,7 +51,7 @@ def test_draft_model_with_fewer_layers():
 @pytest.mark.parametrize("draft", ["self", "ngram"])
 def test_two_level_baseline(gqa_model, draft):
     stats = assert_identical(gqa_model, random_prompt(140, period=29), _config(draft, levels=2))
-    assert stats.retrieval_cache_bytes == 0 and stats.force2_proposed > 0
+    assert stats.detail.retrieval_cache_bytes == 0 and stats.force3_proposed > 0
 
 
 def test_refresh_policies(gqa_model):

@@ -95,7 +95,8 @@ def count_reads(model, monkeypatch, prompt, mode="greedy", **config):
     def marked(decoder, active):
         step(decoder, active)
         (row,) = active
-        marks.append((reads.total, decoder.stats[row.index].force2_steps + decoder.stats[row.index].force3_steps))
+        stats = decoder.stats[row.index]
+        marks.append((reads.total, stats.detail.force2_steps + stats.force3_steps))
 
     def proposals(decoder, row):
         proposed = lookup_proposals(decoder, row)
@@ -125,13 +126,13 @@ def test_one_host_read_per_verification(model, monkeypatch, name, mode):
     stats = out.triforce_stats
     assert stats.force3_steps >= 8
     if "force3_compile" in CONFIGS[name]:
-        assert stats.tier_forwards["force3"] == "fixed (native)"
+        assert stats.detail.tier_forwards["force3"] == "fixed (native)"
     if CONFIGS[name].get("policy") == "auto":
         assert len(lookups) >= stats.force3_steps // 2  # the lookup proposed (and was scored) on most steps
     else:
         assert stats.plan_steps == {CONFIGS[name]["levels"]: stats.force3_steps} and not lookups
     if CONFIGS[name].get("tree_nodes"):
-        assert stats.tree_nodes > stats.force1_proposed  # trees with siblings were verified
+        assert stats.detail.tree_nodes > stats.detail.force1_proposed  # trees with siblings were verified
     (first_reads, first_verifications), (last_reads, last_verifications) = marks[0], marks[-1]
     steps, counted = len(marks) - 1, last_reads - first_reads
     bound = last_verifications - first_verifications + STEP_READS * steps

@@ -52,7 +52,7 @@ def test_family_greedy_identity(family):
     """Three levels (self draft on the sink+window cache, retrieval, full cache) on every family."""
     model = make_family(family)
     stats = assert_identical(model, random_prompt(PROMPT, VOCAB, period=37), _config()).triforce_stats
-    assert stats.force3_steps > 0 and stats.force1_proposed > 0 and not stats.force2_sees_whole_cache
+    assert stats.force3_steps > 0 and stats.detail.force1_proposed > 0 and not stats.detail.force2_sees_whole_cache
 
 
 @pytest.mark.parametrize("family", ["gemma3", "mistral-sliding", "gpt-oss"])
@@ -73,7 +73,7 @@ def test_verification_blocks_longer_than_the_window(draft, levels, family="gemma
     prompt = random_prompt(PROMPT, VOCAB, seed=2, period=7)
     out = assert_identical(model, prompt, _config(draft, levels=levels, gamma1=3, gamma2=6), max_new_tokens=40)
     stats = out.triforce_stats
-    rejected = stats.force3_accepted < stats.force2_proposed or stats.force2_accepted < stats.force1_proposed
+    rejected = stats.force3_accepted < stats.force3_proposed or stats.force2_accepted < stats.detail.force1_proposed
     assert stats.force3_accepted >= 3 and rejected  # accepted runs across the window edge, and rollbacks
 
 
@@ -126,8 +126,8 @@ def test_latent_attention_with_values_narrower_than_keys(monkeypatch, attn, plan
     assert attention.v_head_dim < attention.qk_head_dim
     stats = assert_identical(model, random_prompt(PROMPT, VOCAB, period=37), _config(**NARROW_VALUES[plan]),
                              max_new_tokens=40).triforce_stats
-    assert stats.force3_steps > 0 and stats.force1_proposed > 0
-    assert (stats.tree_nodes > 0) == (plan != "chain")
+    assert stats.force3_steps > 0 and stats.detail.force1_proposed > 0
+    assert (stats.detail.tree_nodes > 0) == (plan != "chain")
 
 
 def test_chunked_attention_is_refused_before_the_prefill():
@@ -235,8 +235,8 @@ def test_sampled_distribution_of_a_hybrid_model(runs=400, new=4):
     assert set(counts) <= {k for k in keys if exact[k] > 0}, "sampled a sequence of probability zero"
     observed = torch.tensor([counts.get(k, 0) for k in keys], dtype=torch.float64)
     expected = torch.tensor([exact[k] for k in keys], dtype=torch.float64)
-    assert sum(s.force3_accepted for s in stats) < sum(s.force2_proposed for s in stats)
-    assert 0 < sum(s.force2_accepted for s in stats) < sum(s.force1_proposed for s in stats)
+    assert sum(s.force3_accepted for s in stats) < sum(s.force3_proposed for s in stats)
+    assert 0 < sum(s.force2_accepted for s in stats) < sum(s.detail.force1_proposed for s in stats)
     assert chi_square_pvalue(observed, expected) > 1e-3
 
 

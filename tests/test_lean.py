@@ -12,6 +12,8 @@
 
 from __future__ import annotations
 
+from operator import attrgetter
+
 import pytest
 import torch
 from transformers import LogitsProcessorList, TopKLogitsWarper
@@ -60,15 +62,15 @@ def test_fp32_lean_drafts_what_the_eager_forward_drafts(family, lean_calls):
     sink+window cache evicting (window 24, 40 new tokens) and Force 2 on its retrieval cache."""
     model = make_model(family, logit_scale=3.0)
     prompt = random_prompt(150, period=37)
-    counts = ("force1_proposed", "force2_accepted", "force3_accepted", "force3_steps", "tree_nodes",
-              "tree_side_accepts")
+    counts = ("detail.force1_proposed", "force2_accepted", "force3_accepted", "force3_steps", "detail.tree_nodes",
+              "detail.tree_side_accepts")
     for extra in ({}, dict(tree_nodes=6, tree_branch=3, gamma1=3), dict(levels=2)):
         eager = assert_identical(model, prompt, _config(**extra))
         fast = assert_identical(model, prompt, _config(draft_precision="lean", **extra))
         tiers = ["force1 self"] + ["force2"] * (extra.get("levels", 3) == 3)
-        assert fast.tier_forwards == {**dict.fromkeys(tiers, "lean"), "force3": "eager"}
-        assert eager.tier_forwards == {**dict.fromkeys(tiers, "eager"), "force3": "eager"}
-        assert {c: getattr(fast, c) for c in counts} == {c: getattr(eager, c) for c in counts}, extra
+        assert fast.detail.tier_forwards == {**dict.fromkeys(tiers, "lean"), "force3": "eager"}
+        assert eager.detail.tier_forwards == {**dict.fromkeys(tiers, "eager"), "force3": "eager"}
+        assert {c: attrgetter(c)(fast) for c in counts} == {c: attrgetter(c)(eager) for c in counts}, extra
     assert "lean" in lean_calls
 
 
@@ -80,10 +82,10 @@ def test_fp32_lean_batch_drafts_what_the_eager_forward_drafts(lean_calls):
     eager = model.generate(ids, attention_mask=mask, triforce_config=_config(), **gen)
     fast = model.generate(ids, attention_mask=mask, triforce_config=_config(draft_precision="lean"), **gen)
     assert torch.equal(fast.sequences, eager.sequences)
-    assert fast.triforce_stats.lockstep_forwards > 0
+    assert fast.triforce_stats.detail.lockstep_forwards > 0
     for a, b in zip(fast.triforce_row_stats, eager.triforce_row_stats):
-        assert (a.force1_proposed, a.force2_accepted, a.force3_accepted) == \
-               (b.force1_proposed, b.force2_accepted, b.force3_accepted)
+        assert (a.detail.force1_proposed, a.force2_accepted, a.force3_accepted) == \
+               (b.detail.force1_proposed, b.force2_accepted, b.force3_accepted)
     assert "lean" in lean_calls
 
 
@@ -97,8 +99,8 @@ def test_greedy_identity_with_quantized_lean_tiers(family, precision, draft, lev
         draft = make_model(family, num_hidden_layers=1, seed=5)
     stats = assert_identical(model, random_prompt(150, period=37), _config(draft, levels=levels,
                                                                             draft_precision=precision))
-    assert stats.tier_forwards == {**dict.fromkeys(tiers, "lean"), "force3": "eager"}
-    assert stats.draft_precision == precision
+    assert stats.detail.tier_forwards == {**dict.fromkeys(tiers, "lean"), "force3": "eager"}
+    assert stats.detail.draft_precision == precision
     assert stats.force3_steps > 0 and lean_calls == [precision] * len(lean_calls)
     assert len(lean_calls) > 10
 
@@ -112,7 +114,7 @@ def test_greedy_batch_of_two_with_lean_tiers(precision, lean_calls):
     for row, prompt in enumerate(PROMPTS[:2]):
         alone = model.generate(prompt, max_new_tokens=30, do_sample=False)[0, prompt.shape[1]:]
         assert torch.equal(out.sequences[row, ids.shape[1]:], alone), row
-    assert out.triforce_stats.lockstep_forwards > 0 and lean_calls
+    assert out.triforce_stats.detail.lockstep_forwards > 0 and lean_calls
 
 
 @pytest.mark.parametrize("precision", QUANTIZED)
@@ -122,14 +124,14 @@ def test_greedy_trees_with_lean_tiers(precision, levels, lean_calls):
     config = _config(draft_precision=precision, levels=levels, tree_nodes=8, tree_branch=3, gamma1=3,
                      **(dict(force2_tree_nodes=9) if levels == 3 else {}))
     stats = assert_identical(model, random_prompt(150, period=37), config)
-    assert stats.tree_nodes > stats.force1_proposed and lean_calls
+    assert stats.detail.tree_nodes > stats.detail.force1_proposed and lean_calls
 
 
 def test_other_families_draft_with_their_eager_forward_and_say_so(lean_calls):
     model = make_model("gemma")
     stats = assert_identical(model, random_prompt(120, period=37), _config(draft_precision="lean-int4"))
-    assert set(stats.tier_forwards) == {"force1 self", "force2", "force3"} and not lean_calls
-    drafting = [stats.tier_forwards[tier] for tier in ("force1 self", "force2")]
+    assert set(stats.detail.tier_forwards) == {"force1 self", "force2", "force3"} and not lean_calls
+    drafting = [stats.detail.tier_forwards[tier] for tier in ("force1 self", "force2")]
     assert all(forward.startswith("eager (GemmaForCausalLM is not one of") for forward in drafting)
 
 
@@ -138,9 +140,10 @@ def test_a_draft_model_the_lean_forward_does_not_cover_drafts_eager_beside_a_lea
     Force 2."""
     target, draft = make_model("llama-gqa", logit_scale=3.0), make_model("gemma", seed=4, num_hidden_layers=1)
     stats = assert_identical(target, random_prompt(120, period=37), _config(draft, draft_precision="lean-int4"))
-    assert stats.draft_precision == "lean-int4" and set(stats.tier_forwards) == {"force1 model", "force2", "force3"}
-    assert stats.tier_forwards["force1 model"].startswith("eager (GemmaForCausalLM is not one of")
-    assert stats.tier_forwards["force2"] == "lean" and lean_calls == ["lean-int4"] * len(lean_calls) and lean_calls
+    detail = stats.detail
+    assert detail.draft_precision == "lean-int4" and set(detail.tier_forwards) == {"force1 model", "force2", "force3"}
+    assert detail.tier_forwards["force1 model"].startswith("eager (GemmaForCausalLM is not one of")
+    assert detail.tier_forwards["force2"] == "lean" and lean_calls == ["lean-int4"] * len(lean_calls) and lean_calls
 
 
 @pytest.mark.parametrize("policy", ["fixed", "auto"])
@@ -151,9 +154,9 @@ def test_lookup_drafts_verified_by_force3_alone_run_no_drafting_forward_and_copy
     model = make_model("llama-gqa", logit_scale=3.0, seed=8)  # fresh: no copy made by an earlier call
     config = _config("ngram", levels=2, policy=policy, draft_precision=precision)
     stats = assert_identical(model, random_prompt(150, period=37), config)
-    assert stats.force1_proposed > 0 and stats.plan_steps.get(2, 0) > 0
-    assert (stats.draft_precision, stats.tier_forwards) == ("none", {"force3": "eager"})
-    assert tiers.lean_copy_bytes(model) == 0 and stats.draft_copy_seconds < 0.01
+    assert stats.detail.force1_proposed > 0 and stats.plan_steps.get(2, 0) > 0
+    assert (stats.detail.draft_precision, stats.detail.tier_forwards) == ("none", {"force3": "eager"})
+    assert tiers.lean_copy_bytes(model) == 0 and stats.detail.draft_copy_seconds < 0.01
 
 
 # --- exactness of the sampled law -----------------------------------------------------------------------------
@@ -179,7 +182,7 @@ def test_enumerated_law_equals_the_target_law(tiny, precision, free, lean_calls)
     assert set(law) <= {k for k, p in exact.items() if p > 0}
     assert distance(law, exact) < 1e-5
     exercised(stats, 3)
-    assert max(s.force1_proposed / max(s.force2_steps, 1) for s in stats) >= 2  # rounds of 2 drafts ran
+    assert max(s.detail.force1_proposed / max(s.detail.force2_steps, 1) for s in stats) >= 2  # rounds of 2 drafts ran
     assert lean_calls
 
 
@@ -347,7 +350,8 @@ def test_the_default_precision_runs_lean_int4_where_the_lean_forward_covers_the_
     assert config.draft_precision == "auto"
     first = assert_identical(model, random_prompt(120, period=37), config)
     lean_tiers = {"force1 self": "lean", "force2": "lean", "force3": "eager"}
-    assert (first.draft_precision, first.tier_forwards) == ("lean-int4", lean_tiers) and first.draft_copy_seconds > 0
+    detail = first.detail
+    assert (detail.draft_precision, detail.tier_forwards) == ("lean-int4", lean_tiers) and detail.draft_copy_seconds > 0
     assert first.force2_accepted > 0
     copy = tiers.tier_model(model, "lean-int4", 1)
     made = []
@@ -355,18 +359,19 @@ def test_the_default_precision_runs_lean_int4_where_the_lean_forward_covers_the_
         real_init = LeanModel.__init__
         patch.setattr(LeanModel, "__init__", lambda self, *a, **k: made.append(a) or real_init(self, *a, **k))
         again = assert_identical(model, random_prompt(90, period=31, seed=2), config)
-    assert again.draft_precision == "lean-int4" and not made and tiers.tier_model(model, "lean-int4", 1) is copy
+    assert again.detail.draft_precision == "lean-int4" and not made and tiers.tier_model(model, "lean-int4", 1) is copy
     half = make_model("llama-gqa", logit_scale=3.0, seed=5).to(torch.float16)
     out = half.generate(random_prompt(60), max_new_tokens=6, triforce_config=config, return_dict_in_generate=True)
     stats = out.triforce_stats
-    assert stats.draft_precision == "model" and set(stats.tier_forwards) == set(lean_tiers)
-    assert stats.tier_forwards.pop("force3") == "eager"
+    assert stats.detail.draft_precision == "model" and set(stats.detail.tier_forwards) == set(lean_tiers)
+    assert stats.detail.tier_forwards.pop("force3") == "eager"
     assert all(forward.startswith("eager (draft_precision='auto': ") and "copies a float32 or bfloat16 model" in
-               forward for forward in stats.tier_forwards.values())
+               forward for forward in stats.detail.tier_forwards.values())
     gemma = make_family("gemma2")
     stats = gemma.generate(random_prompt(60), max_new_tokens=6, triforce_config=config,
                            return_dict_in_generate=True).triforce_stats
-    assert stats.draft_precision == "model" and "Gemma2ForCausalLM is not one of" in stats.tier_forwards["force2"]
+    detail = stats.detail
+    assert detail.draft_precision == "model" and "Gemma2ForCausalLM is not one of" in detail.tier_forwards["force2"]
 
 
 def test_a_bf16_model_drafts_on_a_quantized_lean_copy():
@@ -382,8 +387,8 @@ def test_a_bf16_model_drafts_on_a_quantized_lean_copy():
     config = TriForceConfig(draft="self", policy="fixed", retrieval_budget=64, chunk_size=8, sink_tokens=4,
                             window=24, gamma1=2, gamma2=4)
     stats = assert_identical(bf16, random_prompt(120, period=37), config)
-    assert stats.tier_forwards == {"force1 self": "lean", "force2": "lean", "force3": "eager"}
-    assert stats.draft_precision == "lean-int4"
+    assert stats.detail.tier_forwards == {"force1 self": "lean", "force2": "lean", "force3": "eager"}
+    assert stats.detail.draft_precision == "lean-int4"
     assert stats.force2_accepted > 0
     with pytest.raises(ValueError, match="'lean' copies a float32 model; parameter"):
         tiers.check_lean_eligible(bf16, "lean")

@@ -38,7 +38,7 @@ def test_identical_to_plain_generate_and_to_the_on_device_cache(model, draft, pr
     # streamed: every Force-3 forward copied every layer, all but the first prefetched during the one before
     assert cache.stream.copies >= out.triforce_stats.force3_steps * len(cache.layers)
     assert cache.stream.prefetched >= out.triforce_stats.force3_steps * (len(cache.layers) - 1)
-    assert out.triforce_stats.force2_steps > 0
+    assert out.triforce_stats.detail.force2_steps > 0
 
 
 def test_sampled_output_identical_to_the_on_device_cache(model):
@@ -58,17 +58,17 @@ def test_device_memory_independent_of_context(model):
         out = model.generate(random_prompt(length, period=37), triforce_config=_config(chunk_size=chunk),
                              return_dict_in_generate=True, **GEN)
         stats = out.triforce_stats
-        assert stats.full_cache_bytes > 0 and stats.device_resident_bytes < stats.full_cache_bytes
-        resident[length] = stats.device_resident_bytes - stats.retrieval_summary_bytes
+        assert stats.detail.full_cache_bytes > 0 and stats.detail.device_resident_bytes < stats.detail.full_cache_bytes
+        resident[length] = stats.detail.device_resident_bytes - stats.detail.retrieval_summary_bytes
         # the summaries: one fp32 mean key per complete chunk past the sink chunk, KV head and layer
         config = model.config
         head_dim = config.hidden_size // config.num_attention_heads
         per_chunk = config.num_key_value_heads * head_dim * 4 * config.num_hidden_layers
-        assert stats.retrieval_summary_bytes <= (length + GEN["max_new_tokens"]) // chunk * per_chunk
+        assert stats.detail.retrieval_summary_bytes <= (length + GEN["max_new_tokens"]) // chunk * per_chunk
     assert resident[120] == resident[400] > 0
     # with the cache next to the model, what stays resident grows with the context
     on_device = [model.generate(random_prompt(n, period=37), triforce_config=_config(full_cache_device=None),
-                                return_dict_in_generate=True, **GEN).triforce_stats.device_resident_bytes
+                                return_dict_in_generate=True, **GEN).triforce_stats.detail.device_resident_bytes
                  for n in (120, 400)]
     assert on_device[1] > on_device[0]
 
@@ -100,5 +100,5 @@ def test_cuda_offloaded_cache_streams_from_pinned_memory():
     for length in (300, 1200):
         stats = model.generate(random_prompt(length, period=37).cuda(), triforce_config=_config(),
                                return_dict_in_generate=True, **GEN).triforce_stats
-        resident.append(stats.device_resident_bytes - stats.retrieval_summary_bytes)
+        resident.append(stats.detail.device_resident_bytes - stats.detail.retrieval_summary_bytes)
     assert resident[0] == resident[1]

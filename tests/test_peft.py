@@ -48,7 +48,7 @@ def _assert_identical(model, prompt, config):
     out = model.generate(input_ids=prompt, triforce_config=config, return_dict_in_generate=True, **GEN)
     assert torch.equal(out.sequences, expected), (out.sequences[0, -GEN["max_new_tokens"]:],
                                                   expected[0, -GEN["max_new_tokens"]:])
-    assert out.triforce_stats.force3_steps > 0 and not out.triforce_stats.force2_sees_whole_cache
+    assert out.triforce_stats.force3_steps > 0 and not out.triforce_stats.detail.force2_sees_whole_cache
     return expected
 
 

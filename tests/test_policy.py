@@ -82,8 +82,8 @@ def test_auto_policy_is_greedy_identical(monkeypatch, family, draft):
     assert torch.equal(out.sequences, expected)
     stats = out.triforce_stats
     assert sum(stats.plan_steps.values()) == stats.force3_steps
-    assert sum(p["steps"] for p in stats.plans.values()) == stats.force3_steps
-    assert sum(p["tokens"] for p in stats.plans.values()) == stats.force3_tokens
+    assert sum(p["steps"] for p in stats.detail.plans.values()) == stats.force3_steps
+    assert sum(p["tokens"] for p in stats.detail.plans.values()) == stats.force3_tokens
     assert len(stats.plan_steps) >= 2, "exploration must try more than one kind of plan"
 
 
@@ -142,8 +142,9 @@ def test_three_level_drafters_share_one_force2(monkeypatch, period):
              Plan(3, "self", 1, 3), Plan(3, "", 0, 2)]
     out = run_cycle(monkeypatch, cycle, period, auto("self", window=24))
     stats = out.triforce_stats
-    assert {name.split(" g")[0] for name in stats.plans} >= {"triforce self", "triforce ngram", "force2"}, stats.plans
-    assert len(built) == 1 and stats.retrieval_cache_bytes == built[0].nbytes(), (len(built), stats.plans)
+    detail = stats.detail
+    assert {name.split(" g")[0] for name in detail.plans} >= {"triforce self", "triforce ngram", "force2"}, detail.plans
+    assert len(built) == 1 and detail.retrieval_cache_bytes == built[0].nbytes(), (len(built), detail.plans)
 
 
 def test_the_first_selection_is_set_up_not_a_step_cost(monkeypatch):
@@ -154,7 +155,7 @@ def test_the_first_selection_is_set_up_not_a_step_cost(monkeypatch):
     monkeypatch.setattr(AdaptivePolicy, "observe_forward",
                         lambda self, tier, rows, seconds: (observed.append(tier), observe(self, tier, rows, seconds)))
     out = run_cycle(monkeypatch, [Plan(3, "self", 2, 5), Plan(3, "", 0, 4)], 1, auto("self", window=24))
-    selections = out.triforce_stats.retrieval_selections
+    selections = out.triforce_stats.detail.retrieval_selections
     assert selections >= 3 and observed.count("select") == selections - 1, (selections, observed.count("select"))
 
 
@@ -197,8 +198,8 @@ def test_a_draft_model_config_also_drafts_with_the_target_s_lean_copy(monkeypatc
     cycle = [Plan(2, "model", gamma2=3), Plan(3, "self", 2, 5), Plan(1), Plan(2, "self", gamma2=2),
              Plan(3, "model", 2, 4), Plan(2, "ngram", gamma2=3)]
     out = run_cycle(monkeypatch, cycle, 2, config)
-    names = {name.split(" g")[0] for name in out.triforce_stats.plans}
-    assert names >= {"model", "self", "triforce self", "triforce model"}, out.triforce_stats.plans
+    names = {name.split(" g")[0] for name in out.triforce_stats.detail.plans}
+    assert names >= {"model", "self", "triforce self", "triforce model"}, out.triforce_stats.detail.plans
 
 
 def test_stats_count_and_name_per_tier_what_ran(monkeypatch):
@@ -246,7 +247,8 @@ def test_stats_count_and_name_per_tier_what_ran(monkeypatch):
     stats = run_cycle(monkeypatch, cycle, 1, auto(draft, draft_precision="lean-int4")).triforce_stats
     assert set(stats.plan_steps) == {1, 2, 3}
     assert stats.force2_verified == sum(n for n, _ in verified) and stats.force2_accepted == sum(a for _, a in verified)
-    assert 0 < stats.force2_verified < stats.force1_proposed  # two-level drafts are Force 1's, not Force 2's to verify
+    # two-level drafts are Force 1's, not Force 2's to verify
+    assert 0 < stats.force2_verified < stats.detail.force1_proposed
     assert stats.force2_acceptance == stats.force2_accepted / stats.force2_verified
     assert stats.force2_rejections == sum(a < n for n, a in verified) > 0
     force2 = [(n, a) for verifier, n, a in chains if any(verifier is v for v in force2_verifiers)]
@@ -256,10 +258,10 @@ def test_stats_count_and_name_per_tier_what_ran(monkeypatch):
     assert stats.force3_accepted == sum(a for _, a in force3)
     assert stats.force3_position_acceptance == stats.force3_accepted / (stats.force3_accepted
                                                                         + stats.force3_rejections)
-    assert stats.draft_precision == "lean-int4"
-    assert set(stats.tier_forwards) == {"force1 model", "force1 self", "force2", "force3"}
-    assert stats.tier_forwards["force1 model"].startswith("eager (GemmaForCausalLM is not one of")
-    assert stats.tier_forwards["force1 self"] == stats.tier_forwards["force2"] == "lean"
+    assert stats.detail.draft_precision == "lean-int4"
+    assert set(stats.detail.tier_forwards) == {"force1 model", "force1 self", "force2", "force3"}
+    assert stats.detail.tier_forwards["force1 model"].startswith("eager (GemmaForCausalLM is not one of")
+    assert stats.detail.tier_forwards["force1 self"] == stats.detail.tier_forwards["force2"] == "lean"
 
 
 def test_a_target_the_lean_forward_does_not_cover_does_not_self_draft_beside_a_draft_model():
@@ -295,8 +297,8 @@ def test_lookup_chains_may_be_longer_than_gamma2(monkeypatch):
     out = model.generate(prompt, max_new_tokens=60, do_sample=False, triforce_config=auto("ngram", gamma2=4),
                          return_dict_in_generate=True)
     assert torch.equal(out.sequences, expected)
-    longest = max(int(name.split(" g")[1]) for name in out.triforce_stats.plans if name.startswith("ngram g"))
-    assert longest > 4, out.triforce_stats.plans
+    longest = max(int(name.split(" g")[1]) for name in out.triforce_stats.detail.plans if name.startswith("ngram g"))
+    assert longest > 4, out.triforce_stats.detail.plans
 
 
 def test_a_drafter_that_fills_by_copy_has_no_setup_price(monkeypatch):
@@ -314,7 +316,7 @@ def test_a_drafter_that_fills_by_copy_has_no_setup_price(monkeypatch):
                              return_dict_in_generate=True)
         name = "self" if config.draft == "self" else "model"
         assert (name in seen[0]) == (name == "model"), seen[0]
-        assert out.triforce_stats.draft_caches[name].startswith("absolute positions, filled by a ")
+        assert out.triforce_stats.detail.draft_caches[name].startswith("absolute positions, filled by a ")
 
 
 def rotation_law(monkeypatch, plans: list[Plan], top_k: int, new: int, mutate=None, **config):
@@ -361,7 +363,7 @@ def test_force2_drafting_alone_keeps_the_law_exact(monkeypatch, wrong):
 
     gap, _, stats = rotation_law(monkeypatch, [Plan(3, "", 0, 2), Plan(1), Plan(3, "", 0, 2)], 3, 4,
                                  top_resamples_from_p if wrong else None)
-    assert all(s.force1_proposed == 0 for s in stats) and max(s.force2_proposed for s in stats) >= 2
+    assert all(s.detail.force1_proposed == 0 for s in stats) and max(s.force3_proposed for s in stats) >= 2
     assert (gap > 1e-3) if wrong else (gap < 1e-5), gap
 
 
@@ -714,8 +716,8 @@ TREE_CYCLE = [Plan(3, "self", 2, 5, force1_tree=True, force2_tree=True), Plan(1)
 def test_switches_between_tree_and_chain_plans_keep_greedy_identity(monkeypatch, period):
     out = run_cycle(monkeypatch, TREE_CYCLE, period, auto("self", tree_nodes=6, tree_branch=3, force2_tree_nodes=9))
     stats = out.triforce_stats
-    assert {name for name in stats.plans if "tree" in name.split()[-1]}, stats.plans
-    assert stats.tree_nodes > stats.force1_proposed and stats.tree_side_accepts > 0
+    assert {name for name in stats.detail.plans if "tree" in name.split()[-1]}, stats.detail.plans
+    assert stats.detail.tree_nodes > stats.detail.force1_proposed and stats.detail.tree_side_accepts > 0
 
 
 @pytest.mark.parametrize("draft", ["self", "ngram"])
@@ -727,7 +729,7 @@ def test_auto_policy_with_trees_is_greedy_identical(draft):
     out = model.generate(prompt, max_new_tokens=50, do_sample=False, triforce_config=config,
                          return_dict_in_generate=True)
     assert torch.equal(out.sequences, expected)
-    assert sum(p["steps"] for p in out.triforce_stats.plans.values()) == out.triforce_stats.force3_steps
+    assert sum(p["steps"] for p in out.triforce_stats.detail.plans.values()) == out.triforce_stats.force3_steps
 
 
 TREE_ROTATION = [Plan(3, "self", 1, 2, force2_tree=True), Plan(2, "ngram", gamma2=2, force1_tree=True), Plan(1),
@@ -741,7 +743,7 @@ def test_tree_and_chain_plans_chosen_from_the_past_keep_the_law_exact(monkeypatc
     assert gap < 1e-5
     chosen = {plan for _, plan in switches}
     assert any(plan.force1_tree for plan in chosen) and any(plan.force2_tree for plan in chosen)
-    assert any(s.tree_side_accepts for s in stats), "no path accepted a tree's alternative"
+    assert any(s.detail.tree_side_accepts for s in stats), "no path accepted a tree's alternative"
 
 
 def test_the_tree_rotation_catches_a_stale_residual(monkeypatch):

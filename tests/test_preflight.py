@@ -137,7 +137,7 @@ def test_falcon_runs_three_levels_where_its_attention_goes_through_the_interface
     out = model.generate(prompt, max_new_tokens=24, do_sample=False, triforce_config=_config(draft=draft),
                          return_dict_in_generate=True)
     assert torch.equal(out.sequences, expected)
-    assert out.triforce_stats.force2_steps > 0 and not out.triforce_stats.force2_sees_whole_cache
+    assert out.triforce_stats.detail.force2_steps > 0 and not out.triforce_stats.detail.force2_sees_whole_cache
 
 
 def alibi_falcon():
@@ -193,7 +193,7 @@ def test_rotary_falcon_is_not_mistaken_for_a_biased_mask():
     out = model.generate(prompt, max_new_tokens=24, do_sample=False, return_dict_in_generate=True,
                          triforce_config=_config(draft="ngram", levels=2, tree_nodes=6))
     assert torch.equal(out.sequences, expected)
-    assert out.triforce_stats.tree_nodes > 0, "no candidate tree was verified"
+    assert out.triforce_stats.detail.tree_nodes > 0, "no candidate tree was verified"
 
 
 def test_a_model_drafter_without_rotary_embeddings_is_refused_before_the_prefill(no_prefill):
@@ -207,7 +207,7 @@ def test_absolute_position_models_run_three_levels_with_a_lookup_drafter():
     out = model.generate(prompt, max_new_tokens=24, do_sample=False, triforce_config=_config(draft="ngram"),
                          return_dict_in_generate=True)
     assert torch.equal(out.sequences, expected)
-    assert out.triforce_stats.force2_steps > 0 and not out.triforce_stats.force2_sees_whole_cache
+    assert out.triforce_stats.detail.force2_steps > 0 and not out.triforce_stats.detail.force2_sees_whole_cache
 
 
 def moshi(**kw):
@@ -261,7 +261,7 @@ def test_a_multimodal_model_given_text_only_runs_three_levels():
     out = model.generate(prompt, max_new_tokens=16, do_sample=False, triforce_config=_config(draft="self"),
                          return_dict_in_generate=True)
     assert torch.equal(out.sequences, expected)
-    assert out.triforce_stats.force2_steps > 0 and not out.triforce_stats.force2_sees_whole_cache
+    assert out.triforce_stats.detail.force2_steps > 0 and not out.triforce_stats.detail.force2_sees_whole_cache
 
 
 def latent_attention():

@@ -45,7 +45,7 @@ def _assert_identical(model, prompt, config=CONFIG):
     expected = model.generate(prompt, **GEN)
     out = model.generate(prompt, triforce_config=config, return_dict_in_generate=True, **GEN)
     assert torch.equal(out.sequences, expected), (out.sequences[0, prompt.shape[1]:], expected[0, prompt.shape[1]:])
-    assert out.triforce_stats.force3_steps > 0 and out.triforce_stats.force2_steps > 0
+    assert out.triforce_stats.force3_steps > 0 and out.triforce_stats.detail.force2_steps > 0
     return out
 
 

@@ -60,8 +60,8 @@ def test_greedy_output_is_identical_and_force2_reads_half_the_bytes(family, poli
                              return_dict_in_generate=True)
         assert torch.equal(out.sequences, expected), dtype
         stats[dtype] = out.triforce_stats
-    assert stats["model"].retrieval_dtype == "float32" and stats["bfloat16"].retrieval_dtype == "bfloat16"
-    assert stats["bfloat16"].retrieval_cache_bytes * 2 == stats["model"].retrieval_cache_bytes
+    assert stats["model"].detail.retrieval_dtype == "float32" and stats["bfloat16"].detail.retrieval_dtype == "bfloat16"
+    assert stats["bfloat16"].detail.retrieval_cache_bytes * 2 == stats["model"].detail.retrieval_cache_bytes
     if policy == "fixed":
         assert stats["bfloat16"].force2_accepted > 0
 
@@ -73,7 +73,7 @@ def test_a_batch_shares_bf16_force2_caches_and_stays_identical():
     out = model.generate(ids, do_sample=False, triforce_config=TriForceConfig(**LEAN, retrieval_dtype="bfloat16"),
                          return_dict_in_generate=True, **gen)
     assert torch.equal(out.sequences, model.generate(ids, do_sample=False, **gen))
-    assert out.triforce_stats.retrieval_dtype == "bfloat16" and out.triforce_stats.force2_accepted > 0
+    assert out.triforce_stats.detail.retrieval_dtype == "bfloat16" and out.triforce_stats.force2_accepted > 0
 
 
 def test_auto_chooses_bf16_only_for_an_fp32_model_whose_force2_runs_lean():

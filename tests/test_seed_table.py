@@ -28,10 +28,10 @@ def test_rope_factor_is_the_smallest_power_of_two_that_holds_the_sequence(seed_t
 
 
 def _stats(force1, prefill, force3_steps, proposed, tokens):
-    return dict(force1_seconds=force1, draft_prefill_seconds=prefill, force2_seconds=0.0, force3_seconds=1.0,
-                retrieval_seconds=0.0, new_tokens=tokens, force3_steps=force3_steps, force2_proposed=proposed,
-                force2_acceptance=0.0, force3_acceptance=0.5, tokens_per_force3_step=tokens / force3_steps,
-                plan_steps={"2": force3_steps})
+    return dict(force1_seconds=force1, force2_seconds=0.0, force3_seconds=1.0, new_tokens=tokens,
+                force3_steps=force3_steps, force3_proposed=proposed, force2_acceptance=0.0, force3_acceptance=0.5,
+                tokens_per_force3_step=tokens / force3_steps, plan_steps={"2": force3_steps},
+                detail=dict(draft_prefill_seconds=prefill, retrieval_seconds=0.0))
 
 
 def _method(speed, ids, stats=None):

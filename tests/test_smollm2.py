@@ -71,8 +71,9 @@ def test_greedy_identical_at_4k_with_budget_512(smollm2, monkeypatch, draft, pre
     assert chunks == ([OWN_PREFILL // 2] * 2 if own_prefill else [1])
     print(draft, {k: round(v, 3) if isinstance(v, float) else v for k, v in stats.to_dict().items()})
     assert torch.equal(out.sequences, expected)
-    assert not stats.force2_sees_whole_cache
-    assert stats.draft_precision == precision and stats.linear_routes["head"]  # a multi-row head route timed
+    assert not stats.detail.force2_sees_whole_cache
+    # a multi-row head route timed
+    assert stats.detail.draft_precision == precision and stats.detail.linear_routes["head"]
     if draft == "self":
         assert stats.force3_acceptance >= 0.8
     if precision == "int8":  # a cheaper, less faithful Force 2: measured 0.63 here

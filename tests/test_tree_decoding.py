@@ -25,7 +25,7 @@ def test_greedy_identity_with_trees(family, draft, levels):
     model = make_model(family)
     prompt = random_prompt(150, period=37)
     stats = assert_identical(model, prompt, _config(draft, levels))
-    assert stats.tree_nodes > stats.force1_proposed  # trees, not chains, were verified
+    assert stats.detail.tree_nodes > stats.detail.force1_proposed  # trees, not chains, were verified
 
 
 @pytest.mark.parametrize("nodes, branch", [(1, 2), (4, 2), (16, 4), (32, 8)])
@@ -33,9 +33,9 @@ def test_greedy_identity_for_budgets(gqa_model, nodes, branch):
     side = 0
     for levels in (2, 3):
         ngram = _config("ngram", levels, nodes, branch, gamma1=4, gamma2=6)
-        side += assert_identical(gqa_model, random_prompt(120, period=17), ngram).tree_side_accepts
+        side += assert_identical(gqa_model, random_prompt(120, period=17), ngram).detail.tree_side_accepts
         own = _config("self", levels, nodes, branch)
-        side += assert_identical(gqa_model, random_prompt(120), own).tree_side_accepts
+        side += assert_identical(gqa_model, random_prompt(120), own).detail.tree_side_accepts
     assert side > 0 or nodes == 1  # siblings beyond the chain were accepted (trees did something)
 
 
@@ -52,12 +52,12 @@ def test_greedy_identity_with_force2_trees(family, draft, nodes):
     model = make_model(family)
     config = _config(draft, 3, nodes, 3, force2_tree_nodes=9)
     stats = assert_identical(model, random_prompt(150, period=37), config)
-    assert stats.tree_nodes > 0
+    assert stats.detail.tree_nodes > 0
 
 
 def test_force2_trees_accept_alternatives(gqa_model):
     side = sum(assert_identical(gqa_model, random_prompt(120, seed=seed), _config("self", 3, 0, 3,
-                                                                                 force2_tree_nodes=10)).tree_side_accepts
+                                                                                 force2_tree_nodes=10)).detail.tree_side_accepts
                for seed in range(3))
     assert side > 0, "Force 3 never accepted one of Force 2's alternatives"
 
@@ -88,7 +88,8 @@ def test_drafter_forgets_force2_chain_past_an_accepted_alternative(gqa_model, mo
     # the target's own weights draft (not a lean copy): entries copied from the full cache at the fill are what
     # a fresh drafter's forward computes
     config = _config("self", 3, 0, 3, force2_tree_nodes=10, window=256, draft_precision="model")
-    side = sum(assert_identical(gqa_model, random_prompt(60, seed=seed), config).tree_side_accepts for seed in range(3))
+    side = sum(assert_identical(gqa_model, random_prompt(60, seed=seed), config).detail.tree_side_accepts
+               for seed in range(3))
     assert side > 0 and checked
 
 
@@ -198,5 +199,5 @@ def test_greedy_identity_when_branching_at_the_least_certain_positions(monkeypat
     model = make_model("llama-gqa", logit_scale=30.0)  # sharp: some positions confident, others not
     config = _config("self", levels, nodes=10, branch=4, gamma1=5, gamma2=6)
     stats = assert_identical(model, random_prompt(120, seed=2), config)
-    assert stats.tree_side_accepts > 0
+    assert stats.detail.tree_side_accepts > 0
     assert any(not_shallowest_first(tree, 3) for tree in trees), "every tree branched shallowest first"

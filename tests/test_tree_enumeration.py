@@ -104,10 +104,10 @@ def test_enumerated_law_with_trees_equals_the_target_law(setup, monkeypatch, cas
     assert abs(sum(law.values()) - 1.0) < 1e-6 and paths > 10
     assert set(law) <= {k for k, p in exact.items() if p > 0}, "a sequence of probability zero was emitted"
     assert distance(law, exact) < TOLERANCE
-    assert any(s.tree_nodes > s.force1_proposed for s in stats), "no path verified a tree with siblings"
+    assert any(s.detail.tree_nodes > s.detail.force1_proposed for s in stats), "no path verified a tree with siblings"
     if case in FORCE2_TREES:
-        assert any(s.tree_side_accepts for s in stats), "Force 3 never accepted one of Force 2's alternatives"
-    assert any(0 < s.force3_accepted < s.force2_proposed for s in stats)
+        assert any(s.detail.tree_side_accepts for s in stats), "Force 3 never accepted one of Force 2's alternatives"
+    assert any(0 < s.force3_accepted < s.force3_proposed for s in stats)
     if case == "self sampled siblings, two levels":
         assert draws and max(draws) > 1
         assert len({shape for shape in shapes if sum(shape) == 2}) > 1, shapes

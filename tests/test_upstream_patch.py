@@ -220,8 +220,8 @@ out["triforce_candidate_generator"] = seq(
 out["triforce_candidate_generator_class"] = seq(
     model.generate(prompt, candidate_generator=TriForceCandidateGenerator, triforce_config=TRIFORCE, **greedy))
 stats = built[0].stats
-assert stats.force3_steps > 0 and stats.force2_proposed > 0 and stats.retrieval_selections > 1, stats
-assert not stats.force2_sees_whole_cache and built[0].queries is not None
+assert stats.force3_steps > 0 and stats.force3_proposed > 0 and stats.detail.retrieval_selections > 1, stats
+assert not stats.detail.force2_sees_whole_cache and built[0].queries is not None
 torch.manual_seed(0)
 sampled = model.generate(prompt, candidate_generator=TriForceCandidateGenerator, triforce_config=TRIFORCE,
                          max_new_tokens=NEW_TOKENS, do_sample=True, top_k=20)

@@ -85,7 +85,7 @@ class Force3:
         if prefix is not None:
             start = clock.start()
             cached = copy_prefix(prefix, self.cache)
-            stats[0].prefix_copy_seconds = float(clock.stop(start))
+            stats[0].detail.prefix_copy_seconds = float(clock.stop(start))
         start, chunks = clock.start(), []
         logits = prefill(self.model, input_ids[:, cached:], self.cache, config.prefill_chunk_size,
                          config.show_progress, self.recorder, chunks, clock)

@@ -21,6 +21,7 @@ from ..drafters import DRAFTERS, DraftContext, build_drafter
 from ..drafters.model import ModelDrafter
 from ..drafters.registry import MODEL_DRAFTER, spec_of
 from ..forwards.forward import Clock, TierGenerator, run_inline
+from ..stats import TriForceStats
 from ..verification.sampling import ChainVerifier, Sampler
 from ..verification.tree import TreeVerifier
 from .force3 import Force3, RaggedForce3
@@ -214,7 +215,7 @@ class Hierarchy:
         return [self.tier_model(model, tier) for model, tier in tiers]
 
     def draft_caches(self) -> dict[str, str]:
-        """`TriForceStats.draft_caches`: per model drafter built, its cache's positions and how it is filled."""
+        """`TriForceDetail.draft_caches`: per model drafter built, its cache's positions and how it is filled."""
         return {name: f"{rows[0].cache.positions} positions, filled by {rows[0].fill}"
                 for name, rows in self.drafters.items() if isinstance(rows[0], ModelDrafter)}
 
@@ -229,36 +230,39 @@ class Hierarchy:
                 models[tier] = drafter.model
         return tier_forwards(models, self.config.draft_precision, self.config.lean_unavailable_reason, force3)
 
-    def force1_seconds(self, b: int) -> float:
-        """Seconds row ``b``'s drafters spent (in a batch, the shared forwards it took part in)."""
-        return float(sum(drafters[b].seconds for drafters in self.drafters.values()))
-
-    def draft_prefill_seconds(self, b: int) -> float:
-        """Of `force1_seconds`, the seconds row ``b``'s model drafters spent filling their caches from the prompt."""
-        return float(sum(drafters[b].prefill_seconds for drafters in self.drafters.values()
-                         if isinstance(drafters[b], ModelDrafter)))
-
     def shared_force1_seconds(self) -> float:
         """Seconds every row's drafters spent, each shared forward once (lookups: rows one by one)."""
         shared = self.lockstep.seconds
         return float(sum(shared.get(f"draft:{name}", sum(drafter.seconds for drafter in drafters))
                          for name, drafters in self.drafters.items()))
 
-    def force2_sees_whole_cache(self, b: int) -> bool:
-        force2 = self.levels.get((3, ""), [])
-        return bool(force2) and force2[b].started and force2[b].cache.sees_whole_cache
+    def finish_row(self, stats: TriForceStats, b: int, new_tokens: int, tier_forwards: dict[str, str]) -> None:
+        """Row ``b``'s statistics at the call's end, as both drivers end a row: its ``new_tokens``, its drafters'
+        seconds (in a batch, the shared forwards it took part in; of those, a draft model's fill from the prompt), its
+        caches' sizes, fills and dtype, what its plans could draft with, the forward each tier ran (``tier_forwards``:
+        `tier_forwards`)."""
+        drafters, levels = [rows[b] for rows in self.drafters.values()], [rows[b] for rows in self.levels.values()]
+        force2 = self.levels[(3, "")][b] if (3, "") in self.levels else None
+        layer = force2.cache.layers[force2.cache.reference] if force2 is not None else None
+        three, models = self.drafting_tiers()
+        stats.new_tokens, stats.force1_seconds = new_tokens, float(sum(drafter.seconds for drafter in drafters))
+        detail = stats.detail
+        detail.draft_caches.update(self.draft_caches())
+        detail.tier_forwards = dict(tier_forwards)
+        detail.draft_precision = self.config.draft_precision if three or models else "none"
+        detail.draft_prefill_seconds = float(sum(drafter.prefill_seconds for drafter in drafters
+                                                 if isinstance(drafter, ModelDrafter)))
+        detail.force2_sees_whole_cache = force2 is not None and force2.started and force2.cache.sees_whole_cache
+        detail.retrieval_cache_bytes = sum(level.nbytes() for level in levels)
+        filled = layer is not None and layer.is_initialized
+        detail.retrieval_dtype = str(layer.keys.dtype).removeprefix("torch.") if filled else ""
+        detail.draft_cache_bytes = sum(drafter.nbytes() for drafter in drafters)
+        detail.retrieval_summary_bytes = sum(level.summary_bytes() for level in levels)
 
-    def retrieval_cache_bytes(self, b: int) -> int:
-        return sum(levels[b].nbytes() for levels in self.levels.values())
-
-    def retrieval_dtype(self, b: int) -> str:
-        """The dtype row ``b``'s Force-2 cache holds its entries in ("" where none was filled)."""
-        force2 = self.levels.get((3, ""), [])
-        layer = force2[b].cache.layers[force2[b].cache.reference] if force2 else None
-        return str(layer.keys.dtype).removeprefix("torch.") if layer is not None and layer.is_initialized else ""
-
-    def retrieval_summary_bytes(self, b: int) -> int:
-        return sum(levels[b].summary_bytes() for levels in self.levels.values())
-
-    def draft_cache_bytes(self, b: int) -> int:
-        return sum(drafters[b].nbytes() for drafters in self.drafters.values())
+    def count_cache_bytes(self, stats: TriForceStats) -> None:
+        """The full cache's bytes and the call's on the compute device, in ``stats`` (its rows `finish_row` ended)."""
+        full, detail = self.force3 if self.force3 is not None else self.external, stats.detail
+        if hasattr(full, "nbytes"):  # transformers' own cache (`candidates.CacheView`) does not count its bytes
+            detail.full_cache_bytes = full.nbytes()
+            detail.device_resident_bytes = (full.resident_bytes() + detail.retrieval_cache_bytes
+                                            + detail.draft_cache_bytes + detail.retrieval_summary_bytes)

@@ -133,7 +133,7 @@ class CommittedSequence:
 
 
 def fixed_shape_counts(fixed_shapes: list, before: list[tuple], tier_mode: str, lean_forward) -> dict:
-    """`TriForceStats.tier_compile`: what the drafting tiers' fixed-shape forwards ran and compiled since ``before``
+    """`TriForceDetail.tier_compile`: what the drafting tiers' fixed-shape forwards ran and compiled since ``before``
     (their counters then), and under ``"force3"`` what Force 3's lean forward (``lean_forward``'s, the last of
     ``fixed_shapes``) did."""
     def counts(pairs, mode: str) -> dict:
@@ -235,9 +235,9 @@ class Decoder:
             result = self._result(prompts, rows)
         compiled = fixed_shape_counts(fixed_shapes, before, self.config.tier_compile, lean_forward)
         for stats in {id(s): s for s in [*result.row_stats, result.stats]}.values():
-            kernels.fill(stats)
-            stats.tier_compile = dict(compiled)
-            stats.draft_copy_seconds = copy_seconds
+            kernels.fill(stats.detail)
+            stats.detail.tier_compile = dict(compiled)
+            stats.detail.draft_copy_seconds = copy_seconds
         return result
 
     def _start(self, prompts, prefix_cache, streamer, keep_scores: bool, keep_logits: bool,
@@ -326,7 +326,7 @@ class Decoder:
         if tree is not None:  # the accepted path's entries compacted into place
             path, next_token = self.force3_tree_verifier.verify(tree, p_scores)
             self.force3.keep_tree_path(b, length, path)
-            stats.tree_side_accepts += tree.side_nodes(path)
+            stats.detail.tree_side_accepts += tree.side_nodes(path)
             proposals, accepted, last = [tree.tokens[node] for node in path], len(path), path[-1] + 1 if path else 0
             positions = [0] + [node + 1 for node in path]  # the root's, then the accepted path's
             logits, p_scores = logits[positions], p_scores[positions]
@@ -356,30 +356,18 @@ class Decoder:
         self.recorder.finish()
         for row in rows:
             row.out.end()
-        forwards, (three, drafters) = self.tier_forwards(), self.hierarchy.drafting_tiers()
-        hierarchy = self.hierarchy
+        forwards, hierarchy = self.tier_forwards(), self.hierarchy
         for b, stats in enumerate(self.stats):
-            stats.draft_caches.update(hierarchy.draft_caches())
-            stats.tier_forwards = dict(forwards)
-            stats.draft_precision = self.config.draft_precision if three or drafters else "none"
-            stats.force1_seconds = hierarchy.force1_seconds(b)
-            stats.draft_prefill_seconds = hierarchy.draft_prefill_seconds(b)
-            stats.new_tokens = rows[b].out.sequence.shape[1] - prompts[b].shape[1]
-            stats.force2_sees_whole_cache = hierarchy.force2_sees_whole_cache(b)
-            stats.retrieval_cache_bytes = hierarchy.retrieval_cache_bytes(b)
-            stats.retrieval_dtype = hierarchy.retrieval_dtype(b)
-            stats.draft_cache_bytes = hierarchy.draft_cache_bytes(b)
-            stats.retrieval_summary_bytes = hierarchy.retrieval_summary_bytes(b)
+            hierarchy.finish_row(stats, b, rows[b].out.sequence.shape[1] - prompts[b].shape[1], forwards)
         total = aggregate(self.stats, float(self.recorder.force3_seconds), self.prefill_seconds)
         # the call's seconds count each shared forward once (a row's stats count every forward it took part in)
-        total.force2_seconds = float(hierarchy.lockstep.seconds.get("force2", total.force2_seconds))
+        lockstep, detail = hierarchy.lockstep, total.detail
+        total.force2_seconds = float(lockstep.seconds.get("force2", total.force2_seconds))
         total.force1_seconds = hierarchy.shared_force1_seconds()
-        total.lockstep_forwards, total.lockstep_requests = hierarchy.lockstep.forwards, hierarchy.lockstep.requests
-        total.full_cache_bytes = self.force3.nbytes()
-        total.device_resident_bytes = (self.force3.resident_bytes() + total.retrieval_cache_bytes
-                                       + total.draft_cache_bytes + total.retrieval_summary_bytes)
+        detail.lockstep_forwards, detail.lockstep_requests = lockstep.forwards, lockstep.requests
+        hierarchy.count_cache_bytes(total)
         if self.policy is not None:
-            total.plans = self.policy.summary()
+            detail.plans = self.policy.summary()
         row_stats = [total] if self.batch == 1 else self.stats
         result = DecodeResult([row.out.sequence for row in rows], row_stats, total)
         if self.batch == 1:

@@ -37,7 +37,7 @@ the call before any kind already measured (the interval doubles each time explor
 a plan with a set-up still to pay (a draft cache's fill; the retrieval cache's first selection, for three-level
 plans) is not explored, only chosen when predicted best with its set-up counted over the tokens left; and a try is
 made only while what it is predicted to lose is a small part of what the rest of the call is predicted to take.
-Each step's plan, predicted and measured tokens/s are in `TriForceStats.plans`.
+Each step's plan, predicted and measured tokens/s are in `TriForceDetail.plans`.
 """
 
 from __future__ import annotations

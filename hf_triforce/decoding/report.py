@@ -24,7 +24,7 @@ costs one step late. On an immediate clock they are counted when the step ends.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, is_dataclass
 
 import torch
 
@@ -71,17 +71,18 @@ class LevelReport:
         """Count this report in a row's statistics, its seconds `read` (Force 1's seconds are counted from its
         drafters: `Decoder`)."""
         self.read()
-        stats.force1_proposed += self.drafted
-        stats.force2_proposed += self.to_force3
-        stats.force2_steps += self.force2_steps
+        stats.force3_proposed += self.to_force3
         stats.force2_verified += self.force2_verified
         stats.force2_accepted += self.force2_accepted
         stats.force2_rejections += self.force2_rejections
-        stats.tree_nodes += self.tree_nodes
-        stats.tree_side_accepts += self.tree_side_accepts
         stats.force2_seconds += self.force2_seconds
-        stats.retrieval_selections += self.selections
-        stats.retrieval_seconds += self.selection_seconds
+        detail = stats.detail
+        detail.force1_proposed += self.drafted
+        detail.force2_steps += self.force2_steps
+        detail.tree_nodes += self.tree_nodes
+        detail.tree_side_accepts += self.tree_side_accepts
+        detail.retrieval_selections += self.selections
+        detail.retrieval_seconds += self.selection_seconds
 
 
 @dataclass
@@ -252,24 +253,24 @@ class StepRecorder:
             self.policy.observe(step.record.read())
 
 
+def _summed(values: list):
+    """One value of the rows' ``values`` (of one field): `TriForceStats` and `TriForceDetail` field by field, flags true
+    if true for any row, descriptions (the same in every row) kept, dicts key by key, counts and seconds summed."""
+    first = values[0]
+    if is_dataclass(first):
+        return type(first)(**{f.name: _summed([getattr(v, f.name) for v in values]) for f in fields(first)})
+    if isinstance(first, dict):
+        keys = dict.fromkeys(key for v in values for key in v)
+        return {key: _summed([v[key] for v in values if key in v]) for key in keys}
+    if isinstance(first, bool):
+        return any(values)
+    return first if isinstance(first, str) else sum(values)
+
+
 def aggregate(row_stats: list[TriForceStats], force3_seconds: float, prefill_seconds: float) -> TriForceStats:
-    """The call's statistics: counts and per-row seconds summed, flags true if true for any row, Force-3 and
-    prefill seconds of the call (`Decoder` then counts each shared lower-tier forward once)."""
-    total = TriForceStats(draft_precision=row_stats[0].draft_precision)
-    for f in fields(TriForceStats):
-        values = [getattr(s, f.name) for s in row_stats]
-        if isinstance(values[0], bool):
-            setattr(total, f.name, any(values))
-        elif isinstance(values[0], str):  # a description, the same in every row
-            setattr(total, f.name, values[0])
-        elif isinstance(values[0], (int, float)):
-            setattr(total, f.name, sum(values))
-        elif isinstance(values[0], dict):
-            merged: dict = {}
-            for value in values:
-                for key, count in value.items():  # counts summed; descriptions (the same in every row) kept
-                    merged[key] = count if isinstance(count, str) else merged.get(key, 0) + count
-            setattr(total, f.name, merged)
+    """The call's statistics: the rows' `_summed`, Force-3 steps (its forwards), Force-3 and prefill seconds of the call
+    (`Decoder` then counts each shared lower-tier forward once)."""
+    total = _summed(row_stats)
     total.force3_steps = max(s.force3_steps for s in row_stats)  # Force-3 forwards
     total.force3_seconds, total.prefill_seconds = force3_seconds, prefill_seconds
     return total

@@ -98,7 +98,7 @@ def lean_refusal(model: nn.Module, precision: str) -> Exception | None:
     if precision not in LEAN_PRECISIONS:
         return ValueError(f"draft_precision must be one of {tuple(LEAN_PRECISIONS)} here, got {precision!r}")
     if lean_support(model) is not None:
-        return None  # drafts with its eager forward (TriForceStats.tier_forwards says why)
+        return None  # drafts with its eager forward (TriForceDetail.tier_forwards says why)
     for name, module in model.named_modules():
         if compat.execution_device(module) is not None:
             return ValueError(f"TriForceConfig.draft_precision={precision!r} copies the weights of a model loaded in "
@@ -266,7 +266,7 @@ def tier_forward(model, precision: str) -> str:
 
 
 def tier_forwards(models: dict, precision: str, lean_unavailable_reason: str | None, force3: str) -> dict[str, str]:
-    """`TriForceStats.tier_forwards`: per tier (``"force1 <drafter>"``, ``"force2"``) of ``models`` (tier -> the model
+    """`TriForceDetail.tier_forwards`: per tier (``"force1 <drafter>"``, ``"force2"``) of ``models`` (tier -> the model
     it ran), its `tier_forward`; where ``draft_precision="auto"`` fell back to the models as given
     (``lean_unavailable_reason``, the reason `resolve_draft_precision` gave), that reason for every drafting tier;
     and ``"force3"``: ``force3``, what Force 3's verification ran (`force3_forward`'s description)."""
@@ -301,7 +301,7 @@ def weight_bytes(model) -> int:
 
 def force3_forward(model: nn.Module, config: TriForceConfig, batch: int = 1) -> tuple[LeanModel | None, str]:
     """Force 3's verification forward for ``config.force3_compile`` (``config`` resolved: `resolve_draft_precision`)
-    and its `TriForceStats.tier_forwards` entry: ``(view, description)``, ``view`` the target's `LeanModel.verifying`
+    and its `TriForceDetail.tier_forwards` entry: ``(view, description)``, ``view`` the target's `LeanModel.verifying`
     view that verifies its chains at fixed shapes, or None (transformers' forward of the model as given).
 
     ``"auto"``: the tiers' mode where they run as CUDA graphs or compiled on a CUDA device (``tier_compile``

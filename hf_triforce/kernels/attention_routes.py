@@ -197,7 +197,7 @@ def takes_kernel(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) ->
 
 
 def describe(model: nn.Module) -> str:
-    """`TriForceStats.attention_kernel` for ``model``'s calls: ``"cpu kernel"`` where the kernel took every class
+    """`TriForceDetail.attention_kernel` for ``model``'s calls: ``"cpu kernel"`` where the kernel took every class
     timed for the model's shape; ``"cpu kernel where faster (k of n timed classes, sdpa elsewhere)"``; ``"sdpa
     (<why>)"`` where it took none: slower at every timed class, not built (`cpu_attention.status`), a head dim it has
     no code for, or a cache too short for it; ``""`` for other devices and dtypes."""

@@ -11,7 +11,7 @@ Both drivers (the library's loop and transformers' assisted loop) set a call up 
     linear      `switch_linear`: the given models' linear layers take the few-row route timed fastest on this CPU
                 (`linear_routes`), and the target's row-mixing layers run row by row
                 (`row_mixing.RowByRowMixingLayers`, which the driver enables after its prefill)
-    read out    `fill`: what was built, timed and installed, in a `TriForceStats`
+    read out    `fill`: what was built, timed and installed, in a `TriForceDetail`
 
 Everything installed is removed when the block ends; the routes' timings are kept for the models' later calls.
 """
@@ -22,7 +22,7 @@ from contextlib import ExitStack
 
 from torch import nn
 
-from ..stats import TriForceStats
+from ..stats import TriForceDetail
 from . import cpu_kernels
 from .attention_routes import attention_routes, describe
 from .linear_routes import LinearRoutes, linear_routes
@@ -61,7 +61,7 @@ class CallKernels:
             self._stack.enter_context(routes.installed())
         return self._stack.enter_context(RowByRowMixingLayers(self.target))
 
-    def fill(self, stats: TriForceStats) -> None:
+    def fill(self, stats: TriForceDetail) -> None:
         """``stats``' kernel fields: the CPU kernels and their build seconds, the attention routes and this call's
         seconds timing them, the first switched model's linear routes and the calls that bypassed them, and this
         call's seconds timing every model's."""

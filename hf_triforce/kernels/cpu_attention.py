@@ -10,7 +10,7 @@ thread count and merged by their softmax maxima and sums.
 It is compiled on first use for the CPU it runs on and kept (`native_build`). Before first use it is checked against
 a float64 reference; a build, load or check that fails leaves `status` saying why,
 and the attention functions take ATen's paths; where it runs, each class of calls takes it only where it was timed
-cheaper than ATen's route on this CPU (`attention_routes`; `TriForceStats.attention_kernel` reports which ran).
+cheaper than ATen's route on this CPU (`attention_routes`; `TriForceDetail.attention_kernel` reports which ran).
 ``HF_TRIFORCE_CPU_ATTENTION=off`` turns it off.
 
 Numerics: every score, weight and sum in fp32; the softmax's order of summation differs from ATen's, so outputs differ

@@ -3,7 +3,7 @@
 A kernel is compiled on its first use in a process (`native_build`: seconds). `prepare` builds the kernels before
 the call's prefill for any model on the CPU (the GGUF one where a model has GGUF blocks attached: `gguf_weights`), so
 that no compile lands inside a timed forward (the adaptive policy's timings, a linear route's calibration);
-`describe` says which build target they were built for and whether each runs (`TriForceStats.cpu_kernels`).
+`describe` says which build target they were built for and whether each runs (`TriForceDetail.cpu_kernels`).
 """
 
 from __future__ import annotations
@@ -34,11 +34,11 @@ def prepare(models: list[nn.Module]) -> float:
 
 
 def describe(model: nn.Module) -> dict:
-    """`TriForceStats.cpu_kernels` for ``model``: ``{}`` where it is not `on_cpu`; else ``{"target": the build
+    """`TriForceDetail.cpu_kernels` for ``model``: ``{}`` where it is not `on_cpu`; else ``{"target": the build
     target (`native_build.build_target`), "attention": `cpu_attention.status`, "linear": `few_rows_linear.status`}``,
     a status ``"on"`` or why the kernel does not run (its calls then take ATen's routes); where GGUF blocks are
     attached to its layers, ``"gguf"``: ``{"kernel": `gguf_linear.status`, "layers": {type: layers attached}}`` (the
-    layers' ``"gguf"`` route, where `TriForceStats.linear_routes` names it, read them at their stored width)."""
+    layers' ``"gguf"`` route, where `TriForceDetail.linear_routes` names it, read them at their stored width)."""
     if not on_cpu(model):
         return {}
     described = {"target": native_build.build_target(), "attention": cpu_attention.status(),

@@ -9,7 +9,7 @@ the rows stay in the cache), the output columns split among torch's threads.
 
 It is built on first use for the CPU it runs on and kept (`native_build`), and checked against a float64 reference
 before first use; a build, load or check that fails leaves `status` saying why, and `linear_routes` then times ATen's
-routes only (`TriForceStats.linear_routes` reports the route each row count took). ``HF_TRIFORCE_CPU_LINEAR=off``
+routes only (`TriForceDetail.linear_routes` reports the route each row count took). ``HF_TRIFORCE_CPU_LINEAR=off``
 turns it off.
 
 Numerics: each output is its own dot product of one row with one weight row (rows never mix), in fp32, summed by

@@ -73,7 +73,7 @@ class FixedShapeForward:
     `LeanModel.fixed_shape_layers`, the tiers' hidden state; `LeanModel.fixed_shape_verify`, Force 3's logits and
     queries), eagerly or compiled (`TIER_COMPILE_MODES`); ``dynamic``: the cache capacity (a cache whose capacity
     changes between calls) and a row count above one are compiled as dynamic dimensions from the first call.
-    Counters (read by `TriForceStats.tier_compile`): ``calls`` (forwards it ran), ``compiles`` (graphs compiled),
+    Counters (read by `TriForceDetail.tier_compile`): ``calls`` (forwards it ran), ``compiles`` (graphs compiled),
     ``compile_seconds`` (wall of the calls that compiled)."""
 
     def __init__(self, mode: str, entry: str = "fixed_shape_layers", dynamic: bool = False) -> None:

@@ -21,8 +21,8 @@ group's under what it was timed on (`timed_on`: each layer's weight storage, dty
 are attached), timed again at a call that finds the group otherwise (``model.double()``, `detach_gguf`, replaced
 weights); calls of more than `MAX_ROUTED_ROWS` rows, the prefill's chunks, keep ``F.linear``, and so do calls under CPU
 autocast or of rows in another dtype than the weight (`bypass`: ``F.linear`` casts or raises as the model's own forward
-does; counted in `LinearRoutes.bypassed`, `TriForceStats.linear_bypassed`). The timings take ~1 s once per model and
-process (`TriForceStats.linear_calibration_seconds`).
+does; counted in `LinearRoutes.bypassed`, `TriForceDetail.linear_bypassed`). The timings take ~1 s once per model and
+process (`TriForceDetail.linear_calibration_seconds`).
 
 Exactness: each row's outputs are its own dot products under every route (the columns of ``W @ x.T`` never mix; the
 kernel's rows never mix), so a row does not depend on the values of the call's other rows; the route depends on the

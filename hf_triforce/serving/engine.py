@@ -292,7 +292,7 @@ class Engine:
                 force3_acceptance=stats.force3_acceptance,
                 tokens_per_force3_step=stats.tokens_per_force3_step,
                 plan_steps=stats.plan_steps,
-                plans=stats.plans,
+                plans=stats.detail.plans,
                 stats=stats.to_dict(),
             )
         return _json_safe(figures)
