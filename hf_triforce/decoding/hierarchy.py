@@ -261,7 +261,7 @@ class Hierarchy:
 
     def count_cache_bytes(self, stats: TriForceStats) -> None:
         """The full cache's bytes and the call's on the compute device, in ``stats`` (its rows `finish_row` ended)."""
-        full, detail = self.force3 if self.force3 is not None else self.external, stats.detail
+        full, detail = self.force3 if self.force3 is not None else self.loop_cache, stats.detail
         if hasattr(full, "nbytes"):  # transformers' own cache (`candidates.CacheView`) does not count its bytes
             detail.full_cache_bytes = full.nbytes()
             detail.device_resident_bytes = (full.resident_bytes() + detail.retrieval_cache_bytes
