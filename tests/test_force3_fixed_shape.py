@@ -99,7 +99,7 @@ def test_force2_gets_the_queries_of_the_rows_force3_verified():
     for mode in ("off", "fixed"):
         verifier = force3.Force3(model, resolve(_config(force3_compile=mode), model), 60, HostClock())
         with recording_attention(model):
-            verifier.prefill([prompt[:, :50]], None, [TriForceStats()])
+            verifier.prefill([prompt[:, :50]], None, [TriForceStats()], lambda b, logits, queries: None)
             verifier.score({0: prompt[:, :51]}, {0: Candidates(prompt[0, 51:55].tolist(), None)},
                            [LogitsProcessorList()])
         assert (verifier.stacked is None) == (mode == "off")
