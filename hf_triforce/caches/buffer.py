@@ -412,6 +412,12 @@ TAKEN_CACHES = ("a DynamicCache or StaticCache built for this model (its layers 
                 "returned")
 
 
+def full_attention_layer(layer) -> bool:
+    """Whether ``layer`` of a batch's ``cache=`` is a full-attention transformers cache layer with ``keys`` /
+    ``values``: what a batch copies its rows' prefixes from."""
+    return isinstance(layer, CacheLayerMixin) and not getattr(layer, "is_sliding", False) and hasattr(layer, "keys")
+
+
 def check_taken(source: Cache, name: str = "cache=") -> None:
     """ValueError naming ``name`` (the argument that gave ``source``) unless `copy_prefix` can read ``source``: a
     `QuantizedCache`'s layers keep their entries quantized (their ``keys`` / ``values`` hold only the unquantized

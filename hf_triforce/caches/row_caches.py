@@ -19,8 +19,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from ..compat import Cache, CacheLayerMixin
-from .buffer import check_taken
+from ..compat import Cache
+from .buffer import check_taken, full_attention_layer
 
 Row = Cache | None | Callable[[], Cache | None]
 
@@ -85,8 +85,7 @@ class RowCaches(Cache):
             raise ValueError(f"cache=RowCaches: row {b}'s cache has {len(row.layers)} layers, the model "
                              f"{self.num_layers}")
         for index, layer in enumerate(row.layers):
-            if not isinstance(layer, CacheLayerMixin) or getattr(layer, "is_sliding", False) \
-                    or getattr(layer, "keys", None) is None or layer.keys.shape[0] != 1:
+            if not full_attention_layer(layer) or layer.keys is None or layer.keys.shape[0] != 1:
                 raise ValueError(f"cache=RowCaches: row {b}'s layer {index} is a {type(layer).__name__}; a row "
                                  "holds the full-attention DynamicCache or StaticCache of its own prefill "
                                  "(batch size 1)")

@@ -32,9 +32,8 @@ import weakref
 import torch
 
 from .. import compat
-from ..caches.buffer import BufferCache, WindowLayer
+from ..caches.buffer import BufferCache, WindowLayer, full_attention_layer
 from ..caches.sink_window import make_layer_rerotations
-from ..compat import CacheLayerMixin
 from ..config import TriForceConfig
 from ..drafters.registry import spec_of
 from ..forwards.forward import forward_logits
@@ -219,7 +218,6 @@ def check_batch_request(model, config: TriForceConfig, generation_config, stream
         raise ValueError("triforce_config=: output_scores/output_logits support batch size 1 only")
     if prefix_cache is not None:
         for index, layer in enumerate(prefix_cache.layers):
-            if not isinstance(layer, CacheLayerMixin) or getattr(layer, "is_sliding", False) \
-                    or not hasattr(layer, "keys"):
+            if not full_attention_layer(layer):
                 raise ValueError(f"cache=: layer {index} is a {type(layer).__name__}; a batch continues from the "
                                  "DynamicCache or StaticCache of a forward of the same left-padded batch")

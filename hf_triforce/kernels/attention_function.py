@@ -39,11 +39,6 @@ def _plain_cpu_call(query, attention_mask, kwargs, module) -> bool:
     )
 
 
-def _wants_cpu_kernel(query, key, value, attention_mask, kwargs, module) -> bool:
-    """A call `cpu_attention.attend` takes: a decoding step or a few-row verification of a full-attention layer over a
-    long CPU cache of a dtype the kernel reads (batch 1, bottom-right causal: the mask, boolean or None, is not read),
-    of a class the kernel was timed cheaper for (`attention_routes.takes_kernel`)."""
-    return _plain_cpu_call(query, attention_mask, kwargs, module) and attention_routes.takes_kernel(query, key, value)
 
 
 def _make_wrapper(base: str):
@@ -70,8 +65,10 @@ def _make_wrapper(base: str):
             rows = ragged_attention.attend_rows(query, key, value, kwargs.get("scaling"))  # a ragged batch's forward
             if rows is not None:
                 return rows, None
-        if base == "sdpa" and not windowed and _wants_cpu_kernel(query, key, value, attention_mask, kwargs, module):
-            return cpu_attention.attend(query, key, value, kwargs.get("scaling")), None
+            # a decoding step or a few-row verification over a long cache (batch 1, bottom-right causal: the mask is
+            # not read), of a class the kernel was timed cheaper for
+            if attention_routes.takes_kernel(query, key, value):
+                return cpu_attention.attend(query, key, value, kwargs.get("scaling")), None
         if _wants_one_row(base, query, attention_mask, kwargs) and (attention_mask is None or not windowed):
             return attention.one_row_sdpa(module, query, key, value, attention_mask, **kwargs)
         if _wants_gqa_sdpa(base, query, key, attention_mask, kwargs):
