@@ -122,7 +122,7 @@ def triforce_generate(
     )
 
 
-def _move_stop_strings_to_criteria(model, kwargs: dict[str, Any]) -> None:
+def move_stop_strings_to_criteria(model, kwargs: dict[str, Any]) -> None:
     """``generate`` drops ``tokenizer=`` before building stop-string criteria for a ``custom_generate``
     callable (5.24, 5.25): build the `StopStringCriteria` here, from ``stop_strings=`` or the generation config."""
     stop_strings, tokenizer = kwargs.pop("stop_strings", None), kwargs.pop("tokenizer", None)
@@ -155,7 +155,7 @@ def _generate(self, *args, triforce_config: TriForceConfig | None = None, **kwar
         raise ValueError("triforce_config= cannot be combined with assistant_model: use TriForceConfig(draft=model)")
     kwargs["custom_generate"] = triforce_generate
     kwargs["triforce_streamer"] = kwargs.pop("streamer", None)
-    _move_stop_strings_to_criteria(self, kwargs)
+    move_stop_strings_to_criteria(self, kwargs)
     return compat.ORIGINAL_GENERATE(self, *args, triforce_config=triforce_config, **kwargs)
 
 

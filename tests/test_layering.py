@@ -30,6 +30,7 @@ LAYERS = (
     ("hf_triforce", "hf_triforce.__main__"),  # the package, python -m hf_triforce
     ("hf_triforce.tools",),  # the CLI, the demo and its timing
     ("hf_triforce.serving",),  # a server
+    ("hf_triforce.continuous",),  # requests joining and leaving one batch
     ("hf_triforce.integration",),  # generate(triforce_config=), custom_generate
     ("hf_triforce.assisted",),  # TriForceConfig(loop="assisted")
     ("hf_triforce.candidates",),  # the CandidateGenerator, transformers' candidate_generator= factory

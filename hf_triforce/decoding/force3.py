@@ -162,7 +162,6 @@ class RaggedForce3:
         done = {}
         self._check_prefix(prompts, prefix)
         for b, ids in enumerate(prompts):
-            recorder, began, row = QueryRecorder(), self.clock.start(), self.cache.row(b)
             entries = self._entries(prefix, b)  # per layer (keys, values) [1, kv_heads, held, head_dim]
             held = entries[0][0].shape[2] if entries else 0
             key = (tuple(ids[0].tolist()), tuple(self.paddings[b][0].tolist()), held)
@@ -170,14 +169,30 @@ class RaggedForce3:
                 self.cache.copy_row(done[key][0], b)
                 prefilled(b, *done[key][1:])
                 continue
-            for layer, (keys, values) in zip(row.layers, entries):
-                layer.write(keys, values)
-            logits = prefill(self.model, ids[:, held:], row, self.config.prefill_chunk_size, self.config.show_progress,
-                             recorder)
-            stats[b].prefill_seconds = float(self.clock.stop(began))  # copies: 0
-            done[key] = (b, logits, recorder.at(-1))
+            done[key] = (b, *self.prefill_row(b, ids, entries, stats[b]))
             prefilled(b, *done[key][1:])
         return None
+
+    def prefill_row(self, b: int, ids: torch.Tensor, entries: list, stats) -> tuple[torch.Tensor, dict]:
+        """Row ``b`` (empty) holds ``entries`` (per layer ``(keys, values)`` ``[1, kv_heads, held, head_dim]``, the
+        first ``held`` tokens of ``ids`` ``[1, n]``) and the rest of ``ids`` prefilled after them; returns the last
+        position's logits ``[1, vocab]`` and queries per layer. The other rows are not touched (a row may so join a
+        batch between two steps: `admit`)."""
+        recorder, began, row = QueryRecorder(), self.clock.start(), self.cache.row(b)
+        held = entries[0][0].shape[2] if entries else 0
+        for layer, (keys, values) in zip(row.layers, entries):
+            layer.write(keys, values)
+        logits = prefill(self.model, ids[:, held:], row, self.config.prefill_chunk_size, self.config.show_progress,
+                         recorder)
+        stats.prefill_seconds = float(self.clock.stop(began))
+        return logits, recorder.at(-1)
+
+    def admit(self, b: int, ids: torch.Tensor, entries: list, stats) -> tuple[torch.Tensor, dict]:
+        """Row ``b`` emptied and prefilled anew with an unpadded prompt ``ids`` ``[1, n]`` after ``entries``
+        (`prefill_row`): a request joining the batch in a free row."""
+        self.cache.set_length(b, 0)
+        self.paddings[b] = ids[:, :0]
+        return self.prefill_row(b, ids, entries, stats)
 
     def _check_prefix(self, prompts: list[torch.Tensor], prefix) -> None:
         """A padded batch's ``cache=`` must hold fewer columns than the batch and one row per prompt."""

@@ -108,17 +108,45 @@ class Hierarchy:
         """Row ``b``'s drafter ``name`` (``"model"``: the config's draft model); every row's built at once, and in a
         batch model drafters' caches share storage."""
         if name not in self.drafters:
-            config = self.config if name == self.config.draft_name else self.config.with_draft(name)
-            force1 = lambda model: self.tier_model(model, 1)  # noqa: E731
-            # every row's the same size (a batch's drafter caches share storage): the longest row's
-            rows_held = sink_window_rows(config, max(self.max_lengths) if self.max_lengths else None)
-            rows = [build_drafter(DraftContext(self.model, config, processors, self.do_sample, self.sampler,
-                                               self.full(r), self.clock, force1, rows_held))
-                    for r, processors in enumerate(self.processors)]
+            rows = self._new_drafters(name, range(self.batch))
             if self.batch > 1 and all(isinstance(drafter, ModelDrafter) for drafter in rows):
                 self.lockstep.share([drafter.cache for drafter in rows], f"draft:{name}")
             self.drafters[name] = rows
         return self.drafters[name][b]
+
+    def _new_drafters(self, name: str, rows) -> list:
+        """New drafters ``name`` for the rows ``rows``, every one the size of the longest row's (a batch's drafter
+        caches share storage)."""
+        config = self.config if name == self.config.draft_name else self.config.with_draft(name)
+        force1 = lambda model: self.tier_model(model, 1)  # noqa: E731
+        rows_held = sink_window_rows(config, max(self.max_lengths) if self.max_lengths else None)
+        return [build_drafter(DraftContext(self.model, config, self.processors[r], self.do_sample, self.sampler,
+                                           self.full(r), self.clock, force1, rows_held)) for r in rows]
+
+    def _new_levels(self, key: tuple[int, str], rows) -> list:
+        """New levels ``key`` (``(2, drafter)`` or ``(3, "")``) for the rows ``rows``."""
+        if key[0] == 2:
+            return [Force1Level(self.drafter(r, key[1]), self.config) for r in rows]
+        # Force 2's model (a lean copy is made here if not yet: only where a three-level step runs)
+        target = self.tier_model(self.model, 2)
+        return [Force2Level(target, NoDrafter(), self.config, self.processors[r], self.force2_verifier, self.full(r),
+                            self.clock, self.force2_tree_verifier) for r in rows]
+
+    def reset_row(self, b: int, processors) -> None:
+        """Row ``b`` made new for another request with ``processors``: new drafters and levels of every kind built
+        so far (a model drafter's and Force 2's caches laid into the row of the shared ones they leave), so that
+        nothing of the row's last request is left in them."""
+        self.processors[b] = processors
+        for name, drafters in self.drafters.items():
+            (drafter,) = self._new_drafters(name, [b])
+            if isinstance(drafter, ModelDrafter) and id(drafters[b].cache) in self.lockstep.rows:
+                self.lockstep.replace(drafters[b].cache, drafter.cache)
+            drafters[b] = drafter
+        for key, levels in self.levels.items():
+            (level,) = self._new_levels(key, [b])
+            if key[0] == 3 and id(levels[b].cache) in self.lockstep.rows:
+                self.lockstep.replace(levels[b].cache, level.cache)
+            levels[b] = level
 
     def level(self, b: int, plan: Plan):
         """Row ``b``'s level for ``plan``: None (plain), `Force1Level` or `Force2Level` (its retrieval cache synced
@@ -127,13 +155,7 @@ class Hierarchy:
             return None
         key = (plan.levels, plan.drafter if plan.levels == 2 else "")  # one Force 2 whoever drafts for it
         if key not in self.levels:
-            if plan.levels == 2:
-                rows = [Force1Level(self.drafter(r, plan.drafter), self.config) for r in range(self.batch)]
-            else:  # Force 2's model (a lean copy is made here if not yet: only where a three-level step runs)
-                target = self.tier_model(self.model, 2)
-                rows = [Force2Level(target, NoDrafter(), self.config, self.processors[r], self.force2_verifier,
-                                    self.full(r), self.clock, self.force2_tree_verifier)
-                        for r in range(self.batch)]
+            rows = self._new_levels(key, range(self.batch))
             if plan.levels == 3 and self.batch > 1:
                 self.lockstep.share([level.cache for level in rows], "force2")
             self.levels[key] = rows

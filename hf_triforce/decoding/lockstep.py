@@ -60,6 +60,18 @@ class Lockstep:
         self.tiers[id(shared)] = tier
         return shared
 
+    def replace(self, old: BufferCache, new: BufferCache) -> None:
+        """Lay ``new`` (empty, the layout ``old`` had) into the shared row ``old`` holds, emptied: a new request's
+        cache in the row a finished one leaves."""
+        shared, b = self.rows.pop(id(old))
+        if len(new.layers) != len(shared.layers) or new.capacity != shared.capacity:
+            raise ValueError("Lockstep.replace: the new cache differs from the shared one in layers or capacity")
+        if any(type(layer) is not BufferLayer or layer.is_initialized for layer in new.layers):
+            raise ValueError("Lockstep.replace: only an empty cache of plain BufferLayers can share storage")
+        shared.set_length(b, 0)
+        new.layers = [RowLayer(layer, b) for layer in shared.layers]
+        self.rows[id(new)] = (shared, b)
+
     def mark(self) -> tuple[float | Seconds, float | Seconds]:
         """``(row_seconds, seconds of every batched forward)`` now, for `repeated_seconds_since`."""
         return self.row_seconds, sum(self.seconds.values())

@@ -25,7 +25,8 @@ drawn from (docs/exactness.md). Statistics mean one thing for any batch size (`s
 from __future__ import annotations
 
 import time
-from contextlib import ExitStack
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -150,6 +151,26 @@ def fixed_shape_counts(fixed_shapes: list, before: list[tuple], tier_mode: str, 
 
 
 @dataclass
+class Session:
+    """A call's kernels and tier copies while it decodes (`Decoder.session`); ``fill`` writes what they did into a
+    row's statistics."""
+
+    kernels: CallKernels
+    fixed_shapes: list
+    before: list[tuple]  # each fixed-shape forward's (calls, compiles, compile seconds) when the call began
+    lean_forward: object
+    tier_compile: str
+    copy_seconds: float
+    row_by_row: RowByRowMixingLayers
+
+    def fill(self, stats: TriForceStats) -> None:
+        self.kernels.fill(stats.detail)
+        stats.detail.tier_compile = fixed_shape_counts(self.fixed_shapes, self.before, self.tier_compile,
+                                                       self.lean_forward)
+        stats.detail.draft_copy_seconds = self.copy_seconds
+
+
+@dataclass
 class Row:
     """Row ``index`` of the batch in the loop: its committed output, the verifier's queries at its last cached token
     (a retrieval selection's input), whether it stopped."""
@@ -157,6 +178,7 @@ class Row:
     index: int
     out: CommittedSequence
     queries: dict[int, torch.Tensor]
+    prompt_length: int
     done: bool = False
 
 
@@ -192,13 +214,15 @@ class Decoder:
         if config.trees and any(window is not None for window in compat.layer_windows(model.config)):
             raise ValueError("TriForceConfig.tree_nodes / force2_tree_nodes > 0: candidate trees are not supported "
                              "on models with sliding-window layers; use 0 (chains)")
-        self.hierarchy = Hierarchy(model, config, self.processors, do_sample, self.sampler, self.clock, max_lengths,
-                                   paddings)
+        # the rows' sizes as built (`admit` changes a row's own max length, never its caches')
+        self.hierarchy = Hierarchy(model, config, self.processors, do_sample, self.sampler, self.clock,
+                                   list(max_lengths), paddings)
         self.force3 = self.hierarchy.force3
         self.policy, self.fixed_plan = self.hierarchy.policy, self.hierarchy.fixed_plan
         # timing and accounting: each row's statistics, the call's Force-3 seconds, the policy's observations
         self.recorder = StepRecorder(self.stats, self.policy, self.clock, self.hierarchy.lockstep, do_sample)
         self.prefill_seconds = 0.0
+        self.admitted = False  # whether a row joined (`admit`): the policy is seeded on the first
 
     @property
     def batch(self) -> int:
@@ -216,8 +240,20 @@ class Decoder:
             keep_logits: bool = False) -> DecodeResult:
         """Decode ``prompts`` (per row ``[1, n_b]``, without padding); ``streamer``, ``keep_scores`` and
         ``keep_logits``: batch size 1."""
+        with self.session() as session:
+            rows = self._start(prompts, prefix_cache, streamer, keep_scores, keep_logits, session.row_by_row)
+            while active := [row for row in rows if not row.done]:
+                self._step(active)
+            result = self._result(prompts, rows)
+        for stats in {id(s): s for s in [*result.row_stats, result.stats]}.values():
+            session.fill(stats)
+        return result
+
+    @contextmanager
+    def session(self) -> Iterator[Session]:
+        """What a call holds while it decodes: the kernels built, the attention routes installed, the tiers' copies
+        made before the linear layers switch to their routes, NaN checks deferred to the verifications' readbacks."""
         models = [model for model in (self.model, self.config.draft) if not isinstance(model, str)]
-        # the kernels built, the attention routes installed; the tiers' copies made before the linear layers switch
         with CallKernels(self.model, models, max(self.max_lengths)) as kernels, ExitStack() as stack:
             began = time.perf_counter()
             tier_models = self.hierarchy.tier_copies()  # a lean or int8 copy is made on a model's first call, then kept
@@ -226,19 +262,10 @@ class Decoder:
                                  if f}.values())
             lean_forward = self.force3.lean_forward
             fixed_shapes += [lean_forward.fixed_shape] if lean_forward is not None else []
-            before = [(f.calls, f.compiles, f.compile_seconds) for f in fixed_shapes]
-            row_by_row = kernels.switch_linear(models)
-            stack.enter_context(deferred_nan_checks())  # NaN checks read with the verifications' readbacks
-            rows = self._start(prompts, prefix_cache, streamer, keep_scores, keep_logits, row_by_row)
-            while active := [row for row in rows if not row.done]:
-                self._step(active)
-            result = self._result(prompts, rows)
-        compiled = fixed_shape_counts(fixed_shapes, before, self.config.tier_compile, lean_forward)
-        for stats in {id(s): s for s in [*result.row_stats, result.stats]}.values():
-            kernels.fill(stats.detail)
-            stats.detail.tier_compile = dict(compiled)
-            stats.detail.draft_copy_seconds = copy_seconds
-        return result
+            session = Session(kernels, fixed_shapes, [(f.calls, f.compiles, f.compile_seconds) for f in fixed_shapes],
+                              lean_forward, self.config.tier_compile, copy_seconds, kernels.switch_linear(models))
+            stack.enter_context(deferred_nan_checks())
+            yield session
 
     def _start(self, prompts, prefix_cache, streamer, keep_scores: bool, keep_logits: bool,
                row_by_row: RowByRowMixingLayers) -> list[Row]:
@@ -248,13 +275,8 @@ class Decoder:
         rows: list[Row] = []
 
         def first_token(b: int, logits: torch.Tensor, queries: dict) -> None:
-            ids = prompts[b]
-            row = Row(b, CommittedSequence(ids, self.views[b], self.criteria, self.max_lengths[b], streamer,
-                                           keep_scores, keep_logits), queries)
-            scores = process_positions(self.processors[b], ids, logits, ids.shape[1])
-            first = self.sampler.categorical(scores_to_probs(scores)[0]) if self.do_sample else int(scores[0].argmax())
-            row.done = row.out.commit(first, scores[0], logits[0])
-            rows.append(row)
+            rows.append(self._first_token(b, prompts[b], logits, queries, self.criteria, streamer, keep_scores,
+                                          keep_logits))
 
         began = time.perf_counter()
         seconds_per_token = self.force3.prefill(prompts, prefix_cache, self.stats, first_token)
@@ -264,6 +286,58 @@ class Decoder:
         row_by_row.enable()  # after the prefill (plain generate prefills with rows together too)
         self.hierarchy.seed_policy(seconds_per_token, max(ids.shape[1] for ids in prompts))
         return rows
+
+    def _first_token(self, b: int, ids: torch.Tensor, logits: torch.Tensor, queries: dict, criteria, streamer=None,
+                     keep_scores: bool = False, keep_logits: bool = False) -> Row:
+        """Row ``b`` of prompt ``ids`` ``[1, n]`` prefilled (``logits`` ``[1, vocab]`` and ``queries`` at its last
+        position): its first token sampled from the prefill's last position (no Force-3 step) and committed."""
+        row = Row(b, CommittedSequence(ids, self.views[b], criteria, self.max_lengths[b], streamer, keep_scores,
+                                       keep_logits), queries, ids.shape[1])
+        scores = process_positions(self.processors[b], ids, logits, ids.shape[1])
+        first = self.sampler.categorical(scores_to_probs(scores)[0]) if self.do_sample else int(scores[0].argmax())
+        row.done = row.out.commit(first, scores[0], logits[0])
+        return row
+
+    def admit(self, b: int, ids: torch.LongTensor, entries: list, max_length: int,
+              criteria: StoppingCriteriaList | None, processors: LogitsProcessorList | None, streamer=None) -> Row:
+        """Row ``b`` of a batch, free (its last request's row stopped and `finish_row` ended it), takes a new request
+        between two steps: prompt ``ids`` ``[1, n]`` (no padding) after ``entries`` (per layer ``(keys, values)``
+        ``[1, kv_heads, held, head_dim]``: its first ``held`` tokens, held < n), up to ``max_length`` tokens,
+        stopped by ``criteria``, scored by ``processors`` (its own, as a batch-1 ``generate`` builds them). Its full
+        cache row, drafters, levels, statistics and stop are new; the other rows are not touched. Returns the row, its
+        first token committed (`Row.done` where that stopped it)."""
+        if self.batch < 2:
+            raise ValueError("Decoder.admit: rows join batches (a decoder of two rows or more)")
+        if not 0 <= b < self.batch:
+            raise ValueError(f"Decoder.admit: row {b} of a batch of {self.batch}")
+        if not ids.shape[1] < max_length <= self.hierarchy.max_lengths[b]:
+            raise ValueError(f"Decoder.admit: max_length {max_length} must exceed the prompt's {ids.shape[1]} tokens "
+                             f"and fit the row's {self.hierarchy.max_lengths[b]}")
+        self.recorder.finish()  # the last step's timings counted in the rows that took part in it
+        self.stats[b], self.max_lengths[b], self.views[b] = TriForceStats(), max_length, PaddedView(ids[:, :0])
+        self.processors[b] = processors if processors is not None else LogitsProcessorList()
+        self.hierarchy.reset_row(b, self.processors[b])
+        first = not self.admitted
+        self.admitted = True
+        logits, queries = self.force3.admit(b, ids, entries, self.stats[b])
+        if first:
+            self.hierarchy.seed_policy(None, ids.shape[1])
+        return self._first_token(b, ids, logits, queries, criteria, streamer)
+
+    def step(self, active: list[Row]) -> None:
+        """One Force-3 step of the ``active`` rows (not done; rows may join between steps: `admit`)."""
+        self._step(active)
+
+    def finish_row(self, row: Row, session: Session) -> TriForceStats:
+        """``row`` stopped: its streamer ended, its statistics completed (`Hierarchy.finish_row`, the call's kernels
+        and compiles so far); its batch row is free for `admit`."""
+        row.out.end()
+        self.recorder.finish()
+        stats = self.stats[row.index]
+        self.hierarchy.finish_row(stats, row.index, row.out.sequence.shape[1] - row.prompt_length,
+                                  self.tier_forwards())
+        session.fill(stats)
+        return stats
 
     def _step(self, active: list[Row]) -> None:
         """One Force-3 step of the ``active`` rows: the algorithm; what it costs goes to the recorder."""
