@@ -41,7 +41,7 @@ from .stats import TriForceStats
 from .verification.sampling import Sampler
 
 
-@dataclass
+@dataclass(eq=False)
 class BatchRequest:
     """One request of a `ContinuousBatch`: its prompt ``[1, n]``, what ``generate`` built for it, and, once it stopped
     (`done`), its ``sequences`` ``[1, n + new]`` and ``stats``."""

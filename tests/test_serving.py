@@ -144,17 +144,18 @@ def test_concurrent_greedy_answers_equal_generate(served):
         assert finish == "length", (kind, stream)
         assert text == expected[kind, content], (kind, stream)
         assert extension["enabled"] and extension["decode_tokens_per_second"] > 0
-        if "batch" not in extension:  # answered alone: its own statistics
-            assert set(extension["plan_steps"]) and 0.0 <= extension["force3_acceptance"] <= 1.0
-    batched = [extension["batch"]["rows"] for _, _, extension in answers if "batch" in extension]
-    assert batched and min(batched) >= 2, batched  # concurrent requests on a replica decoded together
+        assert set(extension["plan_steps"]) and 0.0 <= extension["force3_acceptance"] <= 1.0  # its own statistics
+        assert extension["stats"]["new_tokens"] == NEW_TOKENS
+    batched = [extension["batch"]["rows"] for _, _, extension in answers]
+    assert max(batched) >= 2, batched  # concurrent requests on a replica decoded together
     replicas = {}
-    for _ in range(20):  # each replica's latest batches, with the batch's TriForce statistics
+    for _ in range(20):  # each replica's latest batches
         figures = httpx.get(f"{url}/v1/triforce/replica", timeout=30).json()
         replicas[figures["replica"]] = figures
     assert all(figures["niceness"] == os.getpriority(os.PRIO_PROCESS, 0) for figures in replicas.values())
     batches = [batch for figures in replicas.values() for batch in figures["batches"]]
-    assert batches and all(batch["stats"]["new_tokens"] == batch["rows"] * NEW_TOKENS for batch in batches)
+    assert batches and all(batch["requests"] >= batch["rows"] >= 1 for batch in batches)
+    assert sum(batch["requests"] for batch in batches) <= 32
 
 
 def test_document_routing_and_prefix_reuse(served):

@@ -58,8 +58,13 @@ def test_concurrent_requests_decode_as_one_batch_each_row_its_own(sharp_model, t
     stop = tokenizer.decode(reference[stop_at : stop_at + 1])
     jobs = [Job(ids, {"max_new_tokens": limit, "do_sample": False, **({"stop_strings": [stop]} if b == 2 else {})},
                 triforce) for b, (ids, limit) in enumerate(zip(prompts, limits))]
-    prefills_began, real_prefill = [], engine.prefill
-    engine.prefill = lambda ids: prefills_began.append(time.perf_counter()) or real_prefill(ids)
+    prefills_began, real_prefill = [], engine.prefill_steps if triforce is not None else engine.prefill
+    if triforce is not None:
+        def traced(ids):  # the prefill begins with its first chunk
+            prefills_began.append(time.perf_counter())
+            return (yield from real_prefill(ids))
+
+        engine.prefill_steps = traced
     try:
         futures, streamed, completed = _submit_together(scheduler, jobs)
         answers = [future.result(timeout=300) for future in futures]
@@ -68,13 +73,15 @@ def test_concurrent_requests_decode_as_one_batch_each_row_its_own(sharp_model, t
     if triforce is not None:  # row 0's first token streamed before the last row's prefill began
         assert len(prefills_began) == 4
         assert jobs[0].submitted + answers[0].figures["time_to_first_token_seconds"] < prefills_began[3]
-    assert all(answer.figures["batch"]["rows"] == 4 for answer in answers)  # one batch
     assert all(set(answer.figures["batch"]) == {"rows", "started"} for answer in answers)  # not the batch's record
-    if triforce is not None:
-        assert engine.batches[-1]["stats"]["new_tokens"] == sum(len(answer.tokens) for answer in answers)
+    assert len({answer.figures["batch"]["started"] for answer in answers}) == 1  # one batch
+    if triforce is not None:  # rows joined as they were prefilled, each answered with its own statistics
+        assert engine.batches[-1]["requests"] == 4 and engine.batches[-1]["rows"] >= 2
+        assert all(answer.figures["stats"]["new_tokens"] == len(answer.tokens) for answer in answers)
         alone = [sharp_model.generate(ids, max_new_tokens=40, do_sample=False,
                                       triforce_config=triforce)[0, ids.shape[1]:] for ids in prompts]
     else:  # plain batched generate's own rows: padded matmuls may round apart from a row alone
+        assert all(answer.figures["batch"]["rows"] == 4 for answer in answers)
         from hf_triforce.serving.padded_batch import left_padded
 
         ids, mask = left_padded(prompts, 0)
@@ -115,7 +122,7 @@ def test_a_cancelled_row_leaves_the_others_decoding(sharp_model):
     assert cancel_after.is_set()
     for ids, answer in zip(prompts[1:], answers):
         alone = sharp_model.generate(ids, max_new_tokens=40, do_sample=False, triforce_config=CONFIG)
-        assert answer.tokens == alone[0, ids.shape[1]:].tolist() and answer.figures["batch"]["rows"] == 3
+        assert answer.tokens == alone[0, ids.shape[1]:].tolist() and answer.figures["batch"]["rows"] >= 2
 
 
 def test_seeded_requests_run_alone_and_refused_batches_run_one_by_one(sharp_model):

@@ -10,12 +10,11 @@ A request's prompt ``ids`` ([1, n]) runs as:
    last prompt token and decodes; without TriForce, ``generate`` on a `StaticCache` filled from it (plain decoding,
    the baseline).
 
-A batch (`Engine.run_batch`) runs one ``generate`` of the left-padded prompts: a ragged TriForce batch continuing from
-the rows' caches as they are (``cache=RowCaches(...)``, each row's steps 1-3 run in its turn, so that its first token
-streams before the next row prefills), each row exact (greedy
-identical to the request alone, its sampled law its own), or plain batched ``generate`` without TriForce, from the
-rows' caches laid side by side (`padded_batch`). One criterion
-(`RowStops`) stops each row on its own rules and answers it as soon as it stops, while the other rows decode on.
+Concurrent TriForce requests decode as one `joining.JoiningBatch` (a `ContinuousBatch`: each request joins at a step
+boundary after its steps 1-3, run one prefill chunk between two steps, and leaves when it stops), each row exact
+(greedy identical to the request alone, its sampled law its own). Concurrent plain requests decode as one plain
+batched ``generate`` (`Engine.run_batch`) from the rows' caches laid side by side (`padded_batch`). One criterion per
+batch (`RowStops`) stops each row on its own rules and answers it as soon as it stops, while the other rows decode on.
 """
 
 from __future__ import annotations
@@ -24,14 +23,13 @@ import math
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from transformers import DynamicCache, StaticCache, StoppingCriteriaList, StopStringCriteria
 
-from ..caches.row_caches import RowCaches
 from ..config import TriForceConfig
 from ..decoding.preflight import check_batch_request
 from .padded_batch import left_padded, padded_cache
@@ -143,18 +141,31 @@ class Engine:
 
     def prefill(self, ids: torch.Tensor) -> tuple[DynamicCache, int, float]:
         """A cache of ``ids`` ([1, n]) (steps 1-3): ``(cache, reused positions, seconds)``."""
-        start = time.perf_counter()
+        steps = self.prefill_steps(ids)
+        while True:
+            try:
+                next(steps)
+            except StopIteration as done:
+                return done.value
+
+    def prefill_steps(self, ids: torch.Tensor) -> Generator[None, None, tuple[DynamicCache, int, float]]:
+        """`prefill` one chunk at a time: a generator that yields after each chunk's forward (a batch decodes a step
+        in between) and returns ``(cache, reused positions, seconds of its own work)``."""
+        seconds, start = 0.0, time.perf_counter()
         tokens = ids[0]
         cache, reused = (self.store.lookup(tokens) if self.store is not None else (None, 0))
         if cache is None:
             cache = DynamicCache(config=self.model.config)
-        with torch.no_grad():
-            for begin in range(reused, tokens.shape[0], self.prefill_chunk_size):
+        for begin in range(reused, tokens.shape[0], self.prefill_chunk_size):
+            with torch.no_grad():
                 self.model(ids[:, begin : begin + self.prefill_chunk_size], cache=cache, use_cache=True,
                            logits_to_keep=1)
+            seconds += time.perf_counter() - start
+            yield
+            start = time.perf_counter()
         if self.store is not None and reused < tokens.shape[0]:
             self.store.put(tokens, cache)
-        return cache, reused, time.perf_counter() - start
+        return cache, reused, seconds + time.perf_counter() - start
 
     def run(self, job: Job, on_token: Callable[[int], None] | None = None) -> Answer:
         """Answer ``job``; ``on_token`` receives each new token as it is committed (streaming)."""
@@ -188,72 +199,72 @@ class Engine:
 
     def run_batch(self, jobs: list[Job], on_tokens: list[Callable[[int], None] | None],
                   on_answers: list[Callable[[Answer | BaseException], None]]) -> None:
-        """Answer ``jobs`` (two or more of one `Job.batch_key`, each batchable: `why_not_batched`) as one batch.
+        """Answer ``jobs`` (two or more plain ones of one `Job.batch_key`) as one plain batched ``generate`` from the
+        rows' caches laid side by side (`padded_batch`; TriForce jobs decode as a `JoiningBatch` instead).
         ``on_tokens[b]`` receives row ``b``'s tokens as they are committed; ``on_answers[b]`` its `Answer` the moment
         it stops (or `Cancelled` where its client left), while the other rows decode on. Raises what ``generate``
         raises (no row is then answered by this call)."""
         started = time.perf_counter()
         keys = {job.batch_key() for job in jobs}
-        if len(jobs) < 2 or len(keys) != 1 or None in keys:
-            raise ValueError(f"Engine.run_batch: two or more jobs of one batch key (got {len(jobs)} of {len(keys)})")
-        prefills: list[tuple[DynamicCache, int, float] | None] = [None] * len(jobs)  # each row's steps 1-3
-
-        def row_prefill(b: int) -> Callable[[], DynamicCache]:
-            def run() -> DynamicCache:
-                prefills[b] = self.prefill(jobs[b].ids[:, : jobs[b].ids.shape[1] - 1])
-                return prefills[b][0]
-            return run
-
+        if len(jobs) < 2 or len(keys) != 1 or None in keys or jobs[0].triforce is not None:
+            raise ValueError(f"Engine.run_batch: two or more plain jobs of one batch key (got {len(jobs)} of "
+                             f"{len(keys)})")
+        prefills = [self.prefill(job.ids[:, : job.ids.shape[1] - 1]) for job in jobs]  # each row's steps 1-3
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         ids, mask = left_padded([job.ids for job in jobs], pad)
         lengths = [job.ids.shape[1] for job in jobs]
         kwargs = {k: v for k, v in jobs[0].generate_kwargs.items() if k != "stop_strings"}
         kwargs["max_new_tokens"] = max(job.generate_kwargs["max_new_tokens"] for job in jobs)
-        eos = kwargs.get("eos_token_id")
-        eos = eos if eos is not None else self.model.generation_config.eos_token_id
-        eos = frozenset([] if eos is None else [eos] if isinstance(eos, int) else eos)
-        clocks: list[dict[str, float]] = [{} for _ in jobs]
         row_batch = {"rows": len(jobs), "started": time.time()}  # what each row's figures say of its batch
 
-        def row_rules(b: int, job: Job) -> RowRules:
-            def on_token(token: int) -> None:
-                now = time.perf_counter()
-                clocks[b].setdefault("first", now)
-                clocks[b]["last"] = now
-                if on_tokens[b] is not None:
-                    on_tokens[b](token)
+        def answered(b: int) -> Callable[[list[int], str, dict], None]:
+            def on_stop(tokens: list[int], reason: str, clock: dict) -> None:
+                answer = self.answer(jobs[b], started, clock, tokens, reason, prefills[b], None)
+                if isinstance(answer, Answer):
+                    answer.figures["batch"] = dict(row_batch)  # its own copy: the batch's record grows after
+                on_answers[b](answer)
+            return on_stop
 
-            def on_stop(tokens: list[int], reason: str) -> None:
-                if reason == "cancelled":
-                    on_answers[b](Cancelled())
-                    return
-                _, reused, seconds = prefills[b]
-                figures = self._figures(job, started, clocks[b], tokens, reused, seconds, None)
-                figures["batch"] = dict(row_batch)  # its own copy: the batch's record grows after the row answers
-                on_answers[b](Answer(tokens, reason, figures))
-
-            return RowRules(job.generate_kwargs["max_new_tokens"], eos, self._stop_criterion(job), job.cancelled,
-                            on_token, on_stop)
-
-        rules = [row_rules(b, job) for b, job in enumerate(jobs)]
+        rules = [self.row_rules(job, on_tokens[b], answered(b)) for b, job in enumerate(jobs)]
         kwargs.update(attention_mask=mask, pad_token_id=pad, stopping_criteria=StoppingCriteriaList([RowStops(ids,
                       rules)]), return_dict_in_generate=True)
-        batch = dict(row_batch)
-        triforce = jobs[0].triforce
-        if triforce is not None:
-            # each row's prefill made in its turn: its first token streams before the next row prefills
-            out = self.model.generate(ids, cache=RowCaches([row_prefill(b) for b in range(len(jobs))]),
-                                      triforce_config=triforce, **kwargs)
-            batch["stats"] = _json_safe(out.triforce_stats.to_dict())
-        else:
-            cache = padded_cache([row_prefill(b)() for b in range(len(jobs))], lengths, self.model.config)
-            out = self.model.generate(ids, cache=self._static_copy(cache, ids.shape[1] + kwargs["max_new_tokens"]),
-                                      **kwargs)
+        cache = padded_cache([cache for cache, _, _ in prefills], lengths, self.model.config)
+        out = self.model.generate(ids, cache=self._static_copy(cache, ids.shape[1] + kwargs["max_new_tokens"]),
+                                  **kwargs)
         for b, row in enumerate(rules):
             if not row.stopped or out.sequences[b, ids.shape[1]: ids.shape[1] + len(row.tokens)].tolist() != row.tokens:
                 raise RuntimeError(f"Engine.run_batch: row {b}'s committed tokens differ from generate's sequence")
-        batch["seconds"] = time.perf_counter() - started
-        self.batches.append(_json_safe(batch))
+        self.batches.append(_json_safe({**row_batch, "seconds": time.perf_counter() - started}))
+
+    def row_rules(self, job: Job, on_token: Callable[[int], None] | None,
+                  on_stop: Callable[[list[int], str, dict], None]) -> RowRules:
+        """``job``'s stop rules as a batch row (`RowStops`): ``on_token`` receives each committed token, ``on_stop``
+        its tokens, finish reason (``"cancelled"`` too) and clock (when its first and last tokens came) once it
+        stops."""
+        clock: dict[str, float] = {}
+        eos = job.generate_kwargs.get("eos_token_id")
+        eos = eos if eos is not None else self.model.generation_config.eos_token_id
+        eos = frozenset([] if eos is None else [eos] if isinstance(eos, int) else eos)
+
+        def token(value: int) -> None:
+            now = time.perf_counter()
+            clock.setdefault("first", now)
+            clock["last"] = now
+            if on_token is not None:
+                on_token(value)
+
+        return RowRules(job.generate_kwargs["max_new_tokens"], eos, self._stop_criterion(job), job.cancelled, token,
+                        lambda tokens, reason: on_stop(tokens, reason, clock))
+
+    def answer(self, job: Job, started: float, clock: dict, tokens: list[int], reason: str,
+               prefilled: tuple[DynamicCache, int, float], stats) -> Answer | Cancelled:
+        """A batch row's answer once it stopped (`row_rules`): `Cancelled` where its client left; ``started``: when
+        the engine took it up, ``prefilled``: its prefill's ``(cache, reused, seconds)``, ``stats``: its TriForce
+        statistics (None: plain)."""
+        if reason == "cancelled":
+            return Cancelled()
+        _, reused, seconds = prefilled
+        return Answer(tokens, reason, self._figures(job, started, clock, tokens, reused, seconds, stats))
 
     def _stop_criterion(self, job: Job) -> StopStringCriteria | None:
         """``job``'s stop strings as transformers' criterion (built once per list: it indexes the vocabulary)."""

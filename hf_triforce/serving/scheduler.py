@@ -1,13 +1,12 @@
 """`Scheduler`: a replica's one generation thread. Jobs come from any thread (`submit`) and run in arrival order;
-jobs waiting together that can share a batch (`Engine.why_not_batched`, `Job.batch_key`) decode as one.
+concurrent jobs that can share a batch (`Engine.why_not_batched`, `Job.batch_key`) decode as one.
 
-Batches form at request boundaries: when the engine is free it takes the oldest waiting job and, up to
-``max_batch_size``, every later waiting job of the same key, after waiting ``batch_wait_seconds`` from the oldest
-one's arrival for companions (clients that start together arrive a few milliseconds apart). A row answers the
-moment it stops (`RowStops`); a job that arrives while a batch decodes waits for that batch to end. Joining a
-running batch would need the decoder to take a row mid-call: its full cache, its Force-2 and Force-1 caches laid
-into the batch's shared buffers, and the plan policy's state for it; the library's batch runs a fixed set of rows
-per ``generate`` call.
+TriForce jobs batch continuously: the oldest waiting job opens a `JoiningBatch`, and every later job of its key joins
+it while it decodes (up to ``max_batch_size`` at once), its prefill run a chunk between two steps; a row leaves the
+moment it stops. A waiting job of another key (or too long for the batch's rows) stops the batch taking new jobs, so
+that it ends and the job runs next. Plain jobs batch at request boundaries: when the engine is free it takes the
+oldest waiting job and, up to ``max_batch_size``, every later waiting job of the same key, after waiting
+``batch_wait_seconds`` from the oldest one's arrival for companions, as one plain batched ``generate``.
 """
 
 from __future__ import annotations
@@ -20,6 +19,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 
 from .engine import Answer, Cancelled, Engine, Job
+from .joining import JoiningBatch
 
 log = logging.getLogger(__name__)
 
@@ -70,18 +70,68 @@ class Scheduler:
         self._thread.join(timeout)
 
     def _loop(self) -> None:
-        while (group := self._take()) is not None:
-            self._run(group)
+        while (first := self._oldest()) is not None:
+            if self.max_batch_size > 1 and first.job.triforce is not None and self.engine.why_not_batched(
+                    first.job) is None:
+                self._run_joining()
+            else:
+                self._run(self._take())
+
+    def _oldest(self) -> _Waiting | None:
+        """The oldest waiting job, left waiting (None once closed); waits for one."""
+        with self._changed:
+            while not self._waiting and not self._closed:
+                self._changed.wait()
+            return None if self._closed else self._waiting[0]
+
+    def _run_joining(self) -> None:
+        """Run a `JoiningBatch` opened for the oldest waiting job until it holds no job (module docstring)."""
+        with self._changed:
+            first = self._waiting[0]
+        try:
+            batch = JoiningBatch(self.engine, first.job, self.max_batch_size)
+        except ValueError:  # the job's own refusal: it runs alone, and is told there
+            self._run(self._take())
+            return
+        joined = self._joining(batch)
+        if not joined:  # too long for a batch of its own context: it runs alone
+            self._run(self._take())
+            return
+        try:
+            with batch:
+                while joined or not batch.idle:
+                    for item in joined:
+                        if item.future.set_running_or_notify_cancel():
+                            batch.join(item.job, self._token_hand(item), self._answer_hand(item))
+                    if not batch.idle:
+                        batch.advance()
+                    joined = self._joining(batch)
+        except Exception as error:  # answered rows keep their answers; the others learn why the batch ended
+            log.warning("a batch of %d requests failed (%s: %s)", len(batch.members), type(error).__name__, error)
+            batch.fail(error)
+
+    def _joining(self, batch: JoiningBatch) -> list[_Waiting]:
+        """The waiting jobs that join ``batch`` now, oldest first, up to the first that cannot (it runs next)."""
+        with self._changed:
+            taken = []
+            for item in self._waiting:
+                if self._closed or not batch.fits(item.job) or self.engine.why_not_batched(item.job) is not None:
+                    break
+                taken.append(item)
+            self._waiting = self._waiting[len(taken):]
+            return taken
 
     def _take(self) -> list[_Waiting] | None:
-        """The next group to run (None once closed): the oldest waiting job and the later ones it can batch with."""
+        """The next group to run (None once closed): the oldest waiting job and the later plain ones it can batch
+        with."""
         with self._changed:
             while not self._waiting and not self._closed:
                 self._changed.wait()
             if self._closed:
                 return None
             first = self._waiting[0]
-            if self.max_batch_size > 1 and self.engine.why_not_batched(first.job) is None:
+            if (self.max_batch_size > 1 and first.job.triforce is None
+                    and self.engine.why_not_batched(first.job) is None):
                 deadline = first.job.submitted + self.batch_wait_seconds
                 while (left := deadline - time.perf_counter()) > 0 and len(self._waiting) < self.max_batch_size:
                     self._changed.wait(left)
