@@ -11,6 +11,7 @@ import torch
 from hf_triforce import TriForceConfig
 from hf_triforce.serving import Engine, Job, PrefixStore
 from hf_triforce.serving.engine import Cancelled
+from hf_triforce.serving.joining import JoiningBatch
 from hf_triforce.serving.scheduler import Scheduler
 
 from .conftest import make_model, random_prompt
@@ -61,8 +62,16 @@ def test_concurrent_requests_decode_as_one_batch_each_row_its_own(sharp_model, t
     prefills_began, real_prefill = [], engine.prefill_steps if triforce is not None else engine.prefill
     if triforce is not None:
         def traced(ids):  # the prefill begins with its first chunk
-            prefills_began.append(time.perf_counter())
-            return (yield from real_prefill(ids))
+            prefill = real_prefill(ids)
+            run_chunk = prefill.run_chunk
+
+            def first_chunk():
+                if prefill.done == prefill.reused:
+                    prefills_began.append(time.perf_counter())
+                return run_chunk()
+
+            prefill.run_chunk = first_chunk
+            return prefill
 
         engine.prefill_steps = traced
     try:
@@ -140,3 +149,49 @@ def test_seeded_requests_run_alone_and_refused_batches_run_one_by_one(sharp_mode
                 future.result(timeout=300)
     finally:
         scheduler.close()
+
+
+def test_a_joining_prefill_stalls_the_decoding_rows_by_one_chunk_at_most(sharp_model):
+    """A long prompt joins while a row decodes: between two steps of the batch at most ``prefill_chunk_size``
+    tokens are prefilled, several short prefills share one step's turn, and both answers equal each request alone."""
+    engine = Engine(sharp_model, word_tokenizer(), None, prefill_chunk_size=64)
+    prompts = [random_prompt(40, seed=11), random_prompt(300, period=17, seed=12), random_prompt(20, seed=13),
+               random_prompt(25, seed=14)]
+    jobs = [Job(ids, {"max_new_tokens": 40 if b == 0 else 12, "do_sample": False}, CONFIG)
+            for b, ids in enumerate(prompts)]
+    events, answers = [], {}
+    real_prefill = engine.prefill_steps
+
+    def traced(ids):
+        prefill = real_prefill(ids)
+        run_chunk = prefill.run_chunk
+        prefill.run_chunk = lambda: events.append(run_chunk()) or events[-1]
+        return prefill
+
+    engine.prefill_steps = traced
+    batch = JoiningBatch(engine, jobs[0], max_rows=4)
+    real_step = batch.batch.step
+    batch.batch.step = lambda: events.append("step") or real_step()
+    with batch:
+        batch.join(jobs[0], None, lambda answer: answers.setdefault(0, answer))
+        batch.advance()  # row 0 prefilled and decoding
+        for b in (1, 2, 3):
+            batch.join(jobs[b], None, lambda answer, b=b: answers.setdefault(b, answer))
+        while not batch.idle:
+            batch.advance()
+    assert events.count("step") > 5
+    decoding = events[events.index("step"):]
+    turns, turn = [], 0
+    for event in decoding + ["step"]:
+        if event == "step":
+            turns.append(turn)
+            turn = 0
+        else:
+            turn += event
+    # the prompts but their last tokens: 299 = 4 x 64 + 43 tokens over several steps, none stalled more than a chunk
+    assert max(turns) <= 64 and sum(turns) == 299 + 19 + 24
+    assert sum(1 for turn in turns if turn) < 7  # of the 7 chunks, two that fit one chunk's budget shared a turn
+    for b, ids in enumerate(prompts):
+        alone = sharp_model.generate(ids, max_new_tokens=jobs[b].generate_kwargs["max_new_tokens"], do_sample=False,
+                                     triforce_config=CONFIG)
+        assert answers[b].tokens == alone[0, ids.shape[1]:].tolist(), b

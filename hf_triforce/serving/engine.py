@@ -4,7 +4,8 @@ the library's public generation API (``generate(..., triforce_config=, cache=, a
 
 A request's prompt ``ids`` ([1, n]) runs as:
 1. the longest stored prefix of ``ids[:, :n - 1]`` (`PrefixStore.lookup`), read through a view;
-2. the rest of ``ids[:, :n - 1]`` prefilled after it, into new tensors (chunks of ``prefill_chunk_size``);
+2. the rest of ``ids[:, :n - 1]`` prefilled after it, into new tensors (chunks of ``prefill_chunk_size``,
+   `ChunkedPrefill`);
 3. that cache of ``n - 1`` positions stored (`PrefixStore.put`): a later prompt sharing a prefix with it reuses it;
 4. ``generate(ids, cache=<it>, triforce_config=...)``, which reads the cache and never writes to it, prefills the
    last prompt token and decodes; without TriForce, ``generate`` on a `StaticCache` filled from it (plain decoding,
@@ -23,7 +24,7 @@ import math
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Generator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -112,6 +113,47 @@ def _json_safe(value: Any) -> Any:
     return str(value)
 
 
+class ChunkedPrefill:
+    """Steps 1-3 of a prompt ``ids`` ([1, n]) on ``engine``, a chunk at a time: the store is looked up when the first
+    chunk is asked for (`next_chunk`), so that it finds what other requests stored meanwhile; `run_chunk` runs the next
+    chunk; `result` stores the cache and returns ``(cache, reused positions, seconds of its own work)``."""
+
+    def __init__(self, engine: Engine, ids: torch.Tensor) -> None:
+        self.engine, self.ids = engine, ids
+        self.cache: DynamicCache | None = None
+        self.reused = self.done = 0
+        self.seconds = 0.0
+
+    def next_chunk(self) -> int:
+        """The next chunk's tokens (0: the prompt is prefilled)."""
+        if self.cache is None:
+            began, store = time.perf_counter(), self.engine.store
+            cache, self.reused = store.lookup(self.ids[0]) if store is not None else (None, 0)
+            self.cache = cache if cache is not None else DynamicCache(config=self.engine.model.config)
+            self.done = self.reused
+            self.seconds += time.perf_counter() - began
+        return min(self.engine.prefill_chunk_size, self.ids.shape[1] - self.done)
+
+    def run_chunk(self) -> int:
+        """Run the next chunk (`next_chunk` first); returns its tokens."""
+        tokens, began = self.next_chunk(), time.perf_counter()
+        with torch.no_grad():
+            self.engine.model(self.ids[:, self.done : self.done + tokens], cache=self.cache, use_cache=True,
+                              logits_to_keep=1)
+        self.done += tokens
+        self.seconds += time.perf_counter() - began
+        return tokens
+
+    def result(self) -> tuple[DynamicCache, int, float]:
+        if self.next_chunk():
+            raise RuntimeError("ChunkedPrefill.result before its last chunk")
+        began, store = time.perf_counter(), self.engine.store
+        if store is not None and self.reused < self.ids.shape[1]:
+            store.put(self.ids[0], self.cache)
+        self.seconds += time.perf_counter() - began
+        return self.cache, self.reused, self.seconds
+
+
 class Engine:
     """A model, its tokenizer and a `PrefixStore`, running `Job` s alone (`run`) or as one batch (`run_batch`);
     callers serialise the calls (the serving layer runs them on one thread, `Scheduler`).
@@ -141,31 +183,14 @@ class Engine:
 
     def prefill(self, ids: torch.Tensor) -> tuple[DynamicCache, int, float]:
         """A cache of ``ids`` ([1, n]) (steps 1-3): ``(cache, reused positions, seconds)``."""
-        steps = self.prefill_steps(ids)
-        while True:
-            try:
-                next(steps)
-            except StopIteration as done:
-                return done.value
+        prefill = self.prefill_steps(ids)
+        while prefill.next_chunk():
+            prefill.run_chunk()
+        return prefill.result()
 
-    def prefill_steps(self, ids: torch.Tensor) -> Generator[None, None, tuple[DynamicCache, int, float]]:
-        """`prefill` one chunk at a time: a generator that yields after each chunk's forward (a batch decodes a step
-        in between) and returns ``(cache, reused positions, seconds of its own work)``."""
-        seconds, start = 0.0, time.perf_counter()
-        tokens = ids[0]
-        cache, reused = (self.store.lookup(tokens) if self.store is not None else (None, 0))
-        if cache is None:
-            cache = DynamicCache(config=self.model.config)
-        for begin in range(reused, tokens.shape[0], self.prefill_chunk_size):
-            with torch.no_grad():
-                self.model(ids[:, begin : begin + self.prefill_chunk_size], cache=cache, use_cache=True,
-                           logits_to_keep=1)
-            seconds += time.perf_counter() - start
-            yield
-            start = time.perf_counter()
-        if self.store is not None and reused < tokens.shape[0]:
-            self.store.put(tokens, cache)
-        return cache, reused, seconds + time.perf_counter() - start
+    def prefill_steps(self, ids: torch.Tensor) -> ChunkedPrefill:
+        """`prefill` one chunk at a time (a batch decodes steps in between): `ChunkedPrefill`."""
+        return ChunkedPrefill(self, ids)
 
     def run(self, job: Job, on_token: Callable[[int], None] | None = None) -> Answer:
         """Answer ``job``; ``on_token`` receives each new token as it is committed (streaming)."""

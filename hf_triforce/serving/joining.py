@@ -1,8 +1,10 @@
 """`JoiningBatch`: a replica's TriForce requests of one `Job.batch_key` decoding as one `ContinuousBatch`.
 
 A request joins while others decode: its prefill (the engine's steps 1-3: the store's prefix, the rest of the prompt
-but its last token, the store's new entry) runs one chunk at a time, one chunk between two Force-3 steps of the
-decoding rows (`advance`), so a long new prompt delays each step by at most one chunk; once prefilled it is added to
+but its last token, the store's new entry) runs one chunk at a time, at most ``prefill_chunk_size`` tokens of the
+waiting requests' prefills between two Force-3 steps of the decoding rows (`advance`: a long new prompt delays each
+step by at most one chunk, and several short ones, a second question's after its stored document, run in one
+step's turn); once prefilled it is added to
 the batch (``cache=`` its prefill), which prefills its last token in a free row and commits its first token at the
 next step. Each row stops on its own rules (`RowStops`) and is answered with its own statistics the moment it stops.
 """
@@ -10,13 +12,13 @@ next step. Each row stops on its own rules (`RowStops`) and is answered with its
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Generator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from transformers import StoppingCriteriaList
 
 from ..continuous import BatchRequest, ContinuousBatch
-from .engine import Answer, Cancelled, Engine, Job
+from .engine import Answer, Cancelled, ChunkedPrefill, Engine, Job
 from .row_stops import RowRules, RowStops
 
 LENGTH_STEP = 1024  # a batch's rows hold the longest first request's tokens rounded up to a multiple of this
@@ -30,7 +32,7 @@ class _Member:
     on_token: Callable[[int], None] | None
     on_answer: Callable[[Answer | BaseException], None]
     started: float = field(default_factory=time.perf_counter)
-    prefill: Generator | None = None
+    prefill: ChunkedPrefill | None = None
     prefilled: tuple | None = None  # (cache, reused positions, seconds)
     request: BatchRequest | None = None
     rules: RowRules | None = None
@@ -73,16 +75,16 @@ class JoiningBatch:
         self.record["requests"] += 1
 
     def advance(self) -> None:
-        """One chunk of the oldest prefill under way (chunks until one row decodes, when none does), then one step of
-        the decoding rows; every row that stopped is answered. A job whose own request is refused is answered with the
-        refusal; what else fails raises (the caller fails every job of the batch: `fail`)."""
-        while True:
-            prefilling = next((m for m in self.members if m.prefill is not None), None)
-            if prefilling is not None:
-                self._prefill_chunk(prefilling)
+        """Prefill chunks of the oldest prefills under way, up to ``prefill_chunk_size`` tokens (until a row decodes,
+        when none does), then one step of the decoding rows; every row that stopped is answered. A job whose own
+        request is refused is answered with the refusal; what else fails raises (the caller fails every job of the
+        batch: `fail`)."""
+        budget = self.engine.prefill_chunk_size
+        while (prefilling := next((m for m in self.members if m.prefill is not None), None)) is not None:
             decoding = any(m.request is not None for m in self.members)
-            if decoding or not any(m.prefill is not None for m in self.members):
+            if decoding and prefilling.prefill.next_chunk() > budget:
                 break
+            budget -= self._prefill_chunk(prefilling)
         if not any(m.request is not None for m in self.members):
             return
         finished = {id(request) for request in self.batch.step()}
@@ -95,15 +97,15 @@ class JoiningBatch:
             if id(member.request) in finished:
                 self._answer(member)
 
-    def _prefill_chunk(self, member: _Member) -> None:
+    def _prefill_chunk(self, member: _Member) -> int:
+        """One chunk of ``member``'s prefill, or its request added to the batch once the prefill is done; returns the
+        chunk's tokens (0: none ran)."""
         if member.job.cancelled.is_set():
             self._leave(member, Cancelled())
-            return
-        try:
-            next(member.prefill)
-            return
-        except StopIteration as done:
-            member.prefill, member.prefilled = None, done.value
+            return 0
+        if member.prefill.next_chunk():
+            return member.prefill.run_chunk()
+        member.prefill, member.prefilled = None, member.prefill.result()
         job = member.job
         member.rules = self.engine.row_rules(job, member.on_token,
                                              lambda tokens, reason, clock: setattr(member, "stop",
@@ -115,6 +117,7 @@ class JoiningBatch:
             member.request = self.batch.add(job.ids, **kwargs)
         except ValueError as refused:  # the request's own refusal (generate's checks): its client is told
             self._leave(member, refused)
+        return 0
 
     def _answer(self, member: _Member) -> None:
         request = member.request
