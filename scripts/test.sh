@@ -23,7 +23,8 @@ python -m pytest -q -n auto --dist loadfile ${ARGS[@]+"${ARGS[@]}"}
 # and no build target is forced.
 AVX2_TESTS=(tests/test_native_build.py tests/test_few_rows_linear.py tests/test_gguf_linear.py
             tests/test_cpu_attention.py tests/test_cpu_kernels.py tests/test_attention_routes.py
-            tests/test_greedy_identity.py tests/test_gguf_weights.py tests/test_ragged_attention.py)
+            tests/test_greedy_identity.py tests/test_gguf_weights.py tests/test_ragged_attention.py
+            tests/test_continuous_batch.py)
 if [ "${#ARGS[@]}" -eq 0 ] || [ "${ARGS[*]}" = "-m extended or not extended" ]; then
     if grep -qw avx512f /proc/cpuinfo 2>/dev/null && [ -z "${HF_TRIFORCE_CPU_MARCH:-}" ]; then
         echo "the kernels' and exactness tests on the AVX2 build (HF_TRIFORCE_CPU_MARCH=x86-64-v3, ATEN_CPU_CAPABILITY=avx2)"
