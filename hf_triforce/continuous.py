@@ -11,8 +11,9 @@ it stops (continuous batching), each exactly what ``generate(..., triforce_confi
 Each `add` is prepared by ``generate`` itself (a ``custom_generate`` callable that returns the request instead of
 decoding it): its processors, stopping criteria, ``max_length`` and checks are those of the same ``generate`` call
 alone. `step` first lets waiting requests into free rows (each prefilled in its own row of Force 3's batch cache,
-after what its ``cache=`` holds, its first token committed), then runs one Force-3 step of every active row
-(`decoding.loop.Decoder`). A row that stops is answered at once and its row is free for the next request.
+after what its ``cache=`` holds, up to one prefill chunk per step while other rows decode, its first token committed
+once prefilled), then runs one Force-3 step of every decoding row (`decoding.loop.Decoder`). A row that stops is
+answered at once and its row is free for the next request.
 
 Exactness per row: a row's full-cache row, drafters, levels, processors, statistics and stop are its own and new when
 it joins (`Decoder.admit`); its forwards attend exactly over its own entries at its own positions; every random
@@ -24,6 +25,7 @@ are per request.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Generator
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 
@@ -54,6 +56,7 @@ class BatchRequest:
     entries: list = field(repr=False)  # per layer (keys, values) [1, kv_heads, held, head_dim] of its cache=
     streamer: object = None
     row: Row | None = field(default=None, repr=False)  # its row while it decodes
+    joining: Generator | None = field(default=None, repr=False)  # its prefill under way (`Decoder.admit_steps`)
     sequences: torch.LongTensor | None = None
     stats: TriForceStats | None = None
 
@@ -146,23 +149,34 @@ class ContinuousBatch:
         return request
 
     def step(self) -> list[BatchRequest]:
-        """Waiting requests join free rows (in arrival order, each prefilled), then one Force-3 step of every active
-        row; returns the requests that stopped (`BatchRequest.done`), their rows free."""
+        """Waiting requests take free rows (in arrival order) and are prefilled there, up to one prefill chunk's
+        tokens (``TriForceConfig.prefill_chunk_size``) while other rows decode (all of it while none does); then one
+        Force-3 step of every decoding row. Returns the requests that stopped (`BatchRequest.done`), their rows
+        free."""
         if self._session is None:
             raise RuntimeError("ContinuousBatch.step outside `with batch:`")
         finished = []
         with torch.no_grad():
             while self.waiting and None in self.rows:
                 b, request = self.rows.index(None), self.waiting.popleft()
-                request.row = self.decoder.admit(b, request.input_ids, request.entries, request.max_length,
-                                                 request.criteria, request.processors, request.streamer)
-                request.entries = []  # read: the request's cache= is no longer needed
+                request.joining = self.decoder.admit_steps(b, request.input_ids, request.entries, request.max_length,
+                                                           request.criteria, request.processors, request.streamer)
                 self.rows[b] = request
-            active = [request.row for request in self.rows if request is not None and not request.row.done]
+            budget = self.decoder.config.prefill_chunk_size
+            for request in self.rows:
+                while request is not None and request.joining is not None:
+                    if budget <= 0 and any(r is not None and r.row is not None for r in self.rows):
+                        break
+                    try:
+                        budget -= next(request.joining)
+                    except StopIteration as joined:
+                        request.row, request.joining, request.entries = joined.value, None, []
+            active = [request.row for request in self.rows
+                      if request is not None and request.row is not None and not request.row.done]
             if active:
                 self.decoder.step(active)
             for b, request in enumerate(self.rows):
-                if request is not None and request.row.done:
+                if request is not None and request.row is not None and request.row.done:
                     request.stats = self.decoder.finish_row(request.row, self._session)
                     request.sequences = request.row.out.sequence
                     self.rows[b] = None

@@ -125,8 +125,8 @@ def test_short_requests(model, new):
 def test_num_return_sequences_prefills_each_prompt_once(model, monkeypatch):
     ids, mask = left_padded(PROMPTS[:2])
     calls = []
-    real = forward_module.prefill
-    monkeypatch.setattr("hf_triforce.decoding.force3.prefill", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = forward_module.prefill_steps
+    monkeypatch.setattr("hf_triforce.decoding.force3.prefill_steps", lambda *a, **k: calls.append(1) or real(*a, **k))
     gen = dict(max_new_tokens=20, do_sample=True, pad_token_id=0, num_return_sequences=3)  # sampling only
     torch.manual_seed(0)
     sampled = model.generate(ids, attention_mask=mask, triforce_config=_config(), **gen)

@@ -181,3 +181,39 @@ def test_a_wrong_top_level_rule_is_caught_on_a_joining_request(joining_setup):
     law, _, _ = joining_law(model, prompts, config, processors, mutate=top_resamples_from_p)
     exact = target_law(model, prompts[1], processors, NEW)
     assert max(abs(law.get(k, 0.0) - exact[k]) for k in exact) > 1e-3
+
+
+def test_a_joining_prefill_runs_one_chunk_per_step_while_a_row_decodes(monkeypatch):
+    """A 150-token prompt joins while a row decodes: its prefill runs one chunk (``prefill_chunk_size``) per step, the
+    other row stepping between its chunks, and both requests equal each alone."""
+    from hf_triforce.decoding import force3
+
+    model = make_model("llama-gqa")
+    events = []
+    real = force3.prefill_steps
+
+    def traced(*args, **kwargs):
+        steps = real(*args, **kwargs)
+        while True:
+            try:
+                events.append(next(steps))
+            except StopIteration as done:
+                return done.value
+            yield events[-1]
+
+    monkeypatch.setattr(force3, "prefill_steps", traced)
+    batch = ContinuousBatch(model, _config(prefill_chunk_size=32), max_rows=2, max_length=200, do_sample=False)
+    real_step = batch.decoder.step
+    batch.decoder.step = lambda active: events.append(f"step {len(active)}") or real_step(active)
+    with batch:
+        first = batch.add(PROMPTS[3], max_new_tokens=60)
+        batch.step()
+        joining = batch.add(PROMPTS[0], max_new_tokens=10)
+        while not batch.idle:
+            batch.step()
+    chunks = [(i, event) for i, event in enumerate(events) if isinstance(event, int)]
+    joined = [i for i, _ in chunks if i > events.index("step 1")]
+    assert [events[i] for i in joined] == [32, 32, 32, 32, 22]  # the joining prompt's 150 tokens, chunk by chunk
+    assert all(events[i + 1] == "step 1" for i in joined[:-1])  # the decoding row stepped after each chunk
+    for request, prompt, new in ((first, PROMPTS[3], 60), (joining, PROMPTS[0], 10)):
+        assert torch.equal(request.sequences, model.generate(prompt, max_new_tokens=new, do_sample=False))

@@ -29,8 +29,8 @@ def _prefilled(model, prompt: torch.Tensor, tokens: int, kind: str = "dynamic"):
 @pytest.mark.parametrize("draft,levels", [("self", 3), ("ngram", 2)])
 def test_rows_continue_from_their_own_caches(monkeypatch, draft, levels):
     prefilled = []  # tokens of each Force-3 row prefill
-    real = force3.prefill
-    monkeypatch.setattr(force3, "prefill", lambda model, ids, *args, **kwargs: prefilled.append(ids.shape[1]) or
+    real = force3.prefill_steps
+    monkeypatch.setattr(force3, "prefill_steps", lambda model, ids, *args, **kwargs: prefilled.append(ids.shape[1]) or
                         real(model, ids, *args, **kwargs))
     model = make_model("llama-gqa")
     ids, mask = left_padded(PROMPTS)

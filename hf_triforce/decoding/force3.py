@@ -19,7 +19,7 @@ scores per row, row ``0`` predicting the token after the committed sequence), ke
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 
 import torch
 
@@ -29,7 +29,15 @@ from ..caches.offloaded import OffloadedBufferCache
 from ..caches.ragged import RaggedBufferCache
 from ..caches.row_caches import RowCaches
 from ..compat import layer_devices
-from ..forwards.forward import Clock, prefill, ragged_forward, score_continuation, score_fixed_shape
+from ..forwards.forward import (
+    Clock,
+    prefill,
+    prefill_steps,
+    ragged_forward,
+    run_inline_chunks,
+    score_continuation,
+    score_fixed_shape,
+)
 from ..kernels.attention import QueryRecorder
 from ..tokens import append_tokens
 from ..verification.scoring import process_positions
@@ -176,23 +184,38 @@ class RaggedForce3:
     def prefill_row(self, b: int, ids: torch.Tensor, entries: list, stats) -> tuple[torch.Tensor, dict]:
         """Row ``b`` (empty) holds ``entries`` (per layer ``(keys, values)`` ``[1, kv_heads, held, head_dim]``, the
         first ``held`` tokens of ``ids`` ``[1, n]``) and the rest of ``ids`` prefilled after them; returns the last
-        position's logits ``[1, vocab]`` and queries per layer. The other rows are not touched (a row may so join a
-        batch between two steps: `admit`)."""
-        recorder, began, row = QueryRecorder(), self.clock.start(), self.cache.row(b)
+        position's logits ``[1, vocab]`` and queries per layer. The other rows are not touched."""
+        return run_inline_chunks(self.prefill_row_steps(b, ids, entries, stats))
+
+    def prefill_row_steps(self, b: int, ids: torch.Tensor, entries: list,
+                          stats) -> Generator[int, None, tuple[torch.Tensor, dict]]:
+        """`prefill_row` a chunk at a time (`forward.prefill_steps`: a batch decodes steps in between)."""
+        recorder, seconds, row = QueryRecorder(), 0.0, self.cache.row(b)
         held = entries[0][0].shape[2] if entries else 0
         for layer, (keys, values) in zip(row.layers, entries):
             layer.write(keys, values)
-        logits = prefill(self.model, ids[:, held:], row, self.config.prefill_chunk_size, self.config.show_progress,
-                         recorder)
-        stats.prefill_seconds = float(self.clock.stop(began))
+        steps = prefill_steps(self.model, ids[:, held:], row, self.config.prefill_chunk_size,
+                              self.config.show_progress, recorder)
+        while True:
+            began = self.clock.start()
+            try:
+                tokens = next(steps)
+            except StopIteration as done:
+                logits = done.value
+                break
+            finally:
+                seconds = seconds + self.clock.stop(began)
+            yield tokens
+        stats.prefill_seconds = float(seconds)
         return logits, recorder.at(-1)
 
-    def admit(self, b: int, ids: torch.Tensor, entries: list, stats) -> tuple[torch.Tensor, dict]:
+    def admit_steps(self, b: int, ids: torch.Tensor, entries: list,
+                    stats) -> Generator[int, None, tuple[torch.Tensor, dict]]:
         """Row ``b`` emptied and prefilled anew with an unpadded prompt ``ids`` ``[1, n]`` after ``entries``
-        (`prefill_row`): a request joining the batch in a free row."""
+        (`prefill_row_steps`, a chunk at a time): a request joining the batch in a free row."""
         self.cache.set_length(b, 0)
         self.paddings[b] = ids[:, :0]
-        return self.prefill_row(b, ids, entries, stats)
+        return (yield from self.prefill_row_steps(b, ids, entries, stats))
 
     def _check_prefix(self, prompts: list[torch.Tensor], prefix) -> None:
         """A padded batch's ``cache=`` must hold fewer columns than the batch and one row per prompt."""

@@ -25,7 +25,7 @@ drawn from (docs/exactness.md). Statistics mean one thing for any batch size (`s
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 
@@ -36,7 +36,7 @@ from transformers import LogitsProcessorList, StoppingCriteriaList
 from .. import compat
 from ..caches.buffer import BufferCache
 from ..config import TriForceConfig
-from ..forwards.forward import Clock, device_clock
+from ..forwards.forward import Clock, device_clock, run_inline_chunks
 from ..kernels.call_kernels import CallKernels
 from ..kernels.row_mixing import RowByRowMixingLayers
 from ..stats import TriForceStats
@@ -306,6 +306,13 @@ class Decoder:
         stopped by ``criteria``, scored by ``processors`` (its own, as a batch-1 ``generate`` builds them). Its full
         cache row, drafters, levels, statistics and stop are new; the other rows are not touched. Returns the row, its
         first token committed (`Row.done` where that stopped it)."""
+        return run_inline_chunks(self.admit_steps(b, ids, entries, max_length, criteria, processors, streamer))
+
+    def admit_steps(self, b: int, ids: torch.LongTensor, entries: list, max_length: int,
+                    criteria: StoppingCriteriaList | None, processors: LogitsProcessorList | None,
+                    streamer=None) -> Generator[int, None, Row]:
+        """`admit` a prefill chunk at a time: yields each chunk's tokens (the other rows may step in between, row
+        ``b`` taking no part until it is returned)."""
         if self.batch < 2:
             raise ValueError("Decoder.admit: rows join batches (a decoder of two rows or more)")
         if not 0 <= b < self.batch:
@@ -317,10 +324,9 @@ class Decoder:
         self.stats[b], self.max_lengths[b], self.views[b] = TriForceStats(), max_length, PaddedView(ids[:, :0])
         self.processors[b] = processors if processors is not None else LogitsProcessorList()
         self.hierarchy.reset_row(b, self.processors[b])
-        first = not self.admitted
-        self.admitted = True
-        logits, queries = self.force3.admit(b, ids, entries, self.stats[b])
-        if first:
+        logits, queries = yield from self.force3.admit_steps(b, ids, entries, self.stats[b])
+        if not self.admitted:
+            self.admitted = True
             self.hierarchy.seed_policy(None, ids.shape[1])
         return self._first_token(b, ids, logits, queries, criteria, streamer)
 

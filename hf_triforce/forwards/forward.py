@@ -252,6 +252,15 @@ def prefill(model, tokens: torch.Tensor, cache, chunk_size: int, show_progress: 
     ``chunk_seconds``, if given, receives ``(tokens, seconds)`` per chunk, timed on ``clock`` (`clock.Seconds` on a
     CUDA device's, read by the caller: reading them waits for the chunk, outside any decoding step).
     """
+    return run_inline_chunks(prefill_steps(model, tokens, cache, chunk_size, show_progress, recorder, chunk_seconds,
+                                           clock))
+
+
+def prefill_steps(model, tokens: torch.Tensor, cache, chunk_size: int, show_progress: bool = False,
+                  recorder: QueryRecorder | None = None, chunk_seconds: list | None = None,
+                  clock: Clock | None = None) -> Generator[int, None, torch.Tensor]:
+    """`prefill` as a generator: yields each chunk's tokens after its forward (a batch may decode a step in between)
+    and returns the last row's logits; the same chunks, so the same entries, as `prefill`."""
     if chunk_seconds is not None and clock is None:
         raise ValueError("prefill: chunk_seconds needs the clock that times the chunks")
     start = int(cache.get_seq_length())
@@ -264,7 +273,17 @@ def prefill(model, tokens: torch.Tensor, cache, chunk_size: int, show_progress: 
         logits = forward_logits(model, piece, cache, start + begin, 1, recorder if begin == bounds[-1] else None)
         if chunk_seconds is not None:
             chunk_seconds.append((piece.shape[1], clock.stop(began)))
+        yield piece.shape[1]
     return logits
+
+
+def run_inline_chunks(steps: Generator[int, None, T]) -> T:
+    """Run a generator of chunks (`prefill_steps`) to its end; returns its value."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value
 
 
 T = TypeVar("T")
