@@ -163,11 +163,6 @@ class TierCosts:
         recent.append(seconds)
         self.seconds.setdefault(tier, {})[rows] = median_low(recent)
 
-    def assume(self, tier: str, rows: int, seconds: float) -> None:
-        """``seconds`` as the settled cost of ``rows`` rows of ``tier`` (a cost model's, not a timing)."""
-        for _ in range(self.priors.settled_timings):
-            self.observe(tier, rows, seconds)
-
     def estimate(self, tier: str, rows: int, fallback: float) -> float:
         """Measured, else scaled from the nearest measured row count, else ``fallback`` (a one-row cost)."""
         measured = self.seconds.get(tier)
@@ -605,33 +600,6 @@ class AdaptivePolicy:
         self.lookup_coverage[drafter].observe(1.0 if proposed else 0.0, 0.0 if proposed else 1.0)
         if proposed:
             self.direct[drafter].observe(acceptance, 1.0 - acceptance)
-
-    def assume_costs(self, tiers: dict[str, dict[int, float]]) -> None:
-        """Fix tier costs instead of measuring them (an offline projection, `hf_triforce_bench.roofline`): ``tiers[tier]
-        [rows]`` seconds of a forward of ``rows`` rows, each settled (`TierCosts.assume`)."""
-        for tier, by_rows in tiers.items():
-            for rows, seconds in by_rows.items():
-                self.costs.assume(tier, rows, seconds)
-
-    def assume_rates(self, force3: float | None = None, direct: dict[str, float] | None = None,
-                     force1: dict[str, float] | None = None, coverage: dict[str, float] | None = None) -> None:
-        """Fix acceptance rates instead of measuring them (an offline projection, `hf_triforce_bench.roofline`):
-        ``force3`` Force 2 -> Force 3; ``direct[d]`` drafter ``d`` -> Force 3 (two levels); ``force1[d]`` drafter
-        ``d`` -> Force 2 (three levels; a lookup without its own entry uses ``direct``); ``coverage[d]`` how often a
-        lookup proposes. Each rate is per token, geometric (`expected_tokens`), in [0, 1]."""
-        named = [("force3", {"": force3} if force3 is not None else {}, None), ("direct", direct or {}, self.direct),
-                 ("force1", force1 or {}, self.force2_rate), ("coverage", coverage or {}, self.lookup_coverage)]
-        for label, rates, table in named:
-            for name, rate in rates.items():
-                if not 0.0 <= rate <= 1.0:
-                    raise ValueError(f"assume_rates: {label} rate {name or ''} must be in [0, 1], got {rate}")
-                if table is not None and name not in table:
-                    raise ValueError(f"assume_rates: {label}: {name!r} is not among {tuple(table)}")
-        if force3 is not None:
-            self.force3_rate = AcceptanceRate(force3)
-        for rates, table in ((direct, self.direct), (force1, self.force2_rate), (coverage, self.lookup_coverage)):
-            for name, rate in (rates or {}).items():
-                table[name] = AcceptanceRate(rate)
 
     def summary(self) -> dict:
         return {name: record.to_dict() for name, record in self.records.items()}
