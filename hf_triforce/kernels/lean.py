@@ -128,18 +128,6 @@ class Projection:
             out = INT4_MM(x, self.weight, self.group_size, self.scales_zeros)
         return out if self.bias is None else out.float() + self.bias
 
-    def dequantized(self) -> torch.Tensor:
-        """The fp32 weight this projection multiplies by (for tests and agreement measurements)."""
-        if self.precision == "model":
-            return torch.cat(self.weights).float()
-        if self.precision == "fp32":
-            return self.weight
-        if self.precision == "int8":
-            return self.weight.float() * self.scales.float()[:, None]
-        eye = torch.eye(self.in_features, dtype=torch.bfloat16)
-        columns = INT4_MM(eye, self.weight, self.group_size, self.scales_zeros)
-        return columns.float().T.contiguous()
-
     def nbytes(self, shared: set[int] = frozenset()) -> int:
         """Bytes of its tensors, except those whose storage is in ``shared`` (data pointers of the model's)."""
         if self.precision == "model":
