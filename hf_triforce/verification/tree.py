@@ -39,15 +39,11 @@ class TreeVerifier:
     rows ``[rows, vocab]``; a field, like `ChainVerifier`'s, so that tests can substitute a wrong rule and see it
     caught.
 
-    Sampling, the walk runs on the device and the host reads its result once (`scoring.read_back`, like a chain's).
-    The coins of every node are known before the walk: node ``r``'s ``j``-th child is accepted with probability
-    ``a_rj = min(1, r_j(x_j) / q_j(x_j))`` given that its earlier children were rejected, where the residuals
-    ``r_j`` depend only on the node's ``p`` and its children's laws (`acceptance`). So at a node the walk tosses its
-    children's rejection coins, ``1 - a_rj``, in order and counts how many come up before the first acceptance
-    (`Sampler.leading_successes`): the child tried first that is accepted, with exactly the law of trying them one
-    by one; if none is, it draws from the residual after all of them (a leaf: from its ``p``). One level per depth,
-    ``depth + 1`` levels in all, each a fixed number of tensor operations; past the emitting node a level's coins
-    are certain rejections, so a sampler that tosses coins one at a time draws nothing there.
+    Sampling, the walk runs on the device and the host reads its result once (`scoring.read_back`): every node's
+    acceptance probabilities are computed before the walk (`acceptance`), and the walk takes one level per depth,
+    tossing a node's children's rejection coins in order (`Sampler.leading_successes`: the same law as trying them
+    one by one; docs/exactness.md, "On the device, one readback"); past the emitting node a level's coins are
+    certain rejections, so a sampler that tosses coins one at a time draws nothing there.
     """
 
     do_sample: bool
