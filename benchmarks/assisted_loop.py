@@ -23,6 +23,7 @@ from transformers import DynamicCache
 
 from hf_triforce import TriForceConfig, assets
 from hf_triforce.tools.prompts import document_prompt
+from hf_triforce_bench import texts
 
 SAMPLED = dict(do_sample=True, temperature=0.6, top_p=0.9)
 
@@ -53,7 +54,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     model, tokenizer = assets.load_smollm2()
-    prompt = document_prompt(tokenizer, assets.tragedies(), args.context)
+    prompt = document_prompt(tokenizer, texts.tragedies(), args.context)
     draft = truncated_draft(model, args.draft_layers)
     new = args.new_tokens
     for config in (TriForceConfig(), TriForceConfig(loop="assisted")):  # lean copies and route timings, made once

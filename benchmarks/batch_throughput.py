@@ -31,6 +31,7 @@ from transformers import DynamicCache, StaticCache
 
 from hf_triforce import TriForceConfig, assets
 from hf_triforce.tools.prompts import document_prompt
+from hf_triforce_bench import texts
 
 ROW_SHIFT, TEXT_SHIFT = 96, 40000
 METHODS = {
@@ -200,11 +201,11 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    overrides = assets.yarn_rope(args.rope_factor) if args.rope_factor else {}
+    overrides = texts.yarn_rope(args.rope_factor) if args.rope_factor else {}
     model, tokenizer = assets.load_smollm2(**overrides)
     if tokenizer.pad_token_id is None:
         raise ValueError("the tokenizer has no pad token")
-    text = assets.essays()
+    text = texts.essays()
     rounds: list = []
     caches: dict = {}
     for context in args.contexts:

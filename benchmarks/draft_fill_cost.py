@@ -22,6 +22,7 @@ from hf_triforce import assets
 from hf_triforce.config import TriForceConfig
 from hf_triforce.decoding.tiers import resolve_draft_precision, tier_model
 from hf_triforce.drafters.model import ModelDrafter
+from hf_triforce_bench import texts
 
 
 @torch.no_grad()
@@ -54,7 +55,7 @@ def main() -> None:
     model, tokenizer = assets.load_model(args.draft, dtype=getattr(torch, args.dtype))
     model.eval()
     config, why = resolve_draft_precision(TriForceConfig(), model)  # the default's drafting precision here
-    prompt = tokenizer(assets.python_source(), return_tensors="pt").input_ids[:, : args.context]
+    prompt = tokenizer(texts.python_source(), return_tensors="pt").input_ids[:, : args.context]
     drafting = tier_model(model, config.draft_precision, 1)
     result = {"draft": args.draft, "dtype": args.dtype, "draft_precision": config.draft_precision, "why": why,
               "rows_filled": min(prompt.shape[1] - 1, config.sink_tokens + config.window), "threads": args.threads,

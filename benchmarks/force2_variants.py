@@ -33,6 +33,7 @@ from hf_triforce import assets, attach_gguf
 from hf_triforce.decoding import levels, tiers
 from hf_triforce.kernels import cpu_attention
 from hf_triforce.tools.prompts import document_prompt
+from hf_triforce_bench import texts
 from hf_triforce_bench.compare import Run, measure, saved_prefix
 
 # Force 2's weights beside Force 1's int4, its cache entries' dtype (None: the model's), and the attention kernel's
@@ -78,7 +79,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--context", type=int, default=32000)
     parser.add_argument("--rope-factor", type=float, default=None)
-    parser.add_argument("--text", choices=sorted(assets.TEXTS), default="essays")
+    parser.add_argument("--text", choices=sorted(texts.TEXTS), default="essays")
     parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
@@ -90,8 +91,8 @@ def main() -> None:
     parser.add_argument("--json", default=None, help="write every row here")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    model, tokenizer = assets.load_smollm2(**(assets.yarn_rope(args.rope_factor) if args.rope_factor else {}))
-    ids = document_prompt(tokenizer, assets.TEXTS[args.text](), args.context)
+    model, tokenizer = assets.load_smollm2(**(texts.yarn_rope(args.rope_factor) if args.rope_factor else {}))
+    ids = document_prompt(tokenizer, texts.TEXTS[args.text](), args.context)
     prefix, seconds, source = saved_prefix(model, ids, Path(args.prefill_dir))
     print(f"prefill: {source} ({seconds:.1f} s)", flush=True)
     if args.gguf_stored_width:

@@ -16,6 +16,7 @@ import torch
 
 from hf_triforce import assets
 from hf_triforce.tools.timing import prefill_prefix
+from hf_triforce_bench import texts
 from hf_triforce_bench.compare import Run, measure
 
 
@@ -32,8 +33,8 @@ def main() -> None:
     args = parser.parse_args()
     settings = [tuple(int(g) for g in s.split(",")) for s in args.settings]
     torch.set_num_threads(args.threads)
-    model, tokenizer = assets.load_smollm2(**(assets.yarn_rope(4) if args.context > 8000 else {}))
-    text = tokenizer(assets.TEXTS["shakespeare"](), return_tensors="pt").input_ids
+    model, tokenizer = assets.load_smollm2(**(texts.yarn_rope(4) if args.context > 8000 else {}))
+    text = tokenizer(texts.TEXTS["shakespeare"](), return_tensors="pt").input_ids
     ids = text[:, args.offset : args.offset + args.context]
     start = time.perf_counter()
     prefix = prefill_prefix(model, ids)

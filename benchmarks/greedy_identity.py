@@ -3,7 +3,7 @@
 TriForce picks each greedy token as the ``argmax`` of its verification forward's logits, which differ from a one-row
 step's by float rounding; a token differs only where plain decoding's top two logits are closer than that rounding
 (docs/exactness.md, "Floating point"). This counts, over the texts and prompts the tests and benchmarks use
-(`assets.TEXTS` and Hamlet, ``continue`` and ``question`` prompts) and the given contexts, how many of the new tokens
+(`texts.TEXTS` and Hamlet, ``continue`` and ``question`` prompts) and the given contexts, how many of the new tokens
 differ and where the first difference falls. Plain ``generate`` runs as users run it (its own prefill of the whole
 prompt); TriForce (``TriForceConfig()`` with ``--budget``, the library's defaults otherwise) continues from a copy
 of plain ``generate``'s cache of the prompt but its last token (``cache=``), as `tests/test_smollm2.py` does, so the
@@ -27,8 +27,9 @@ from tqdm.auto import tqdm
 
 from hf_triforce import TriForceConfig, assets
 from hf_triforce.tools.prompts import PROMPTS, document_prompt
+from hf_triforce_bench import texts
 
-TEXTS = {**assets.TEXTS, "hamlet": lambda: assets.shakespeare("hamlet")}  # Hamlet: tests/test_smollm2.py's text
+TEXTS = {**texts.TEXTS, "hamlet": lambda: assets.shakespeare("hamlet")}  # Hamlet: tests/test_smollm2.py's text
 
 
 def differences(expected: torch.Tensor, got: torch.Tensor) -> list[int]:

@@ -52,6 +52,7 @@ from hf_triforce.kernels.quantized import int8_copy
 from hf_triforce.tools.prompts import document_prompt
 from hf_triforce.tools.timing import prefill_prefix, static_copy
 from hf_triforce.verification.sampling import TorchSampler
+from hf_triforce_bench import texts
 
 SAMPLING = dict(do_sample=True, temperature=0.6, top_p=0.9)
 
@@ -82,7 +83,7 @@ def drafting_models(model, prompt: torch.Tensor, frequent: int) -> dict:
 
 
 def agreement(model, tokenizer, names: dict, tokens: int) -> dict:
-    ids = torch.tensor([tokenizer(assets.essays()[30000:90000]).input_ids[:tokens]])
+    ids = torch.tensor([tokenizer(texts.essays()[30000:90000]).input_ids[:tokens]])
 
     def logits(drafting):
         cache = BufferCache(model.config.num_hidden_layers, tokens + 1)
@@ -256,7 +257,7 @@ def main() -> None:
         parser.error(f"--repeats must be at least 2 (the first round of timings is a warm-up), got {args.repeats}")
     torch.set_num_threads(args.threads)
     model, tokenizer = assets.load_smollm2()
-    ids = document_prompt(tokenizer, assets.essays(), args.context, "question")
+    ids = document_prompt(tokenizer, texts.essays(), args.context, "question")
     results = {"context": args.context, "threads": args.threads, "torch": torch.__version__, "load_start": load()}
     models = drafting_models(model, ids, args.vocab)
     if args.agreement:

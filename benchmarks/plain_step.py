@@ -26,6 +26,7 @@ from hf_triforce import TriForceConfig, assets
 from hf_triforce.decoding.policy import AdaptivePolicy, Plan
 from hf_triforce.tools.prompts import document_prompt
 from hf_triforce.tools.timing import prefill_prefix, static_copy
+from hf_triforce_bench import texts
 
 
 def static(model, ids: torch.Tensor, prefix, tokens: int):
@@ -54,7 +55,7 @@ def main() -> None:
     parser.add_argument("--contexts", type=int, nargs="+", default=[4000, 8000])
     parser.add_argument("--tokens", type=int, default=33)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--text", choices=sorted(assets.TEXTS), default="shakespeare")
+    parser.add_argument("--text", choices=sorted(texts.TEXTS), default="shakespeare")
     parser.add_argument("--prompt", choices=("question", "continue"), default="continue")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", type=Path, default=None)
@@ -62,9 +63,9 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     rows = []
     for context in args.contexts:
-        overrides = assets.yarn_rope(context / 8192 * 1.02) if context + args.tokens > 8192 else {}
+        overrides = texts.yarn_rope(context / 8192 * 1.02) if context + args.tokens > 8192 else {}
         model, tokenizer = assets.load_smollm2(**overrides)
-        ids = document_prompt(tokenizer, assets.TEXTS[args.text](), context, args.prompt)
+        ids = document_prompt(tokenizer, texts.TEXTS[args.text](), context, args.prompt)
         prefix = prefill_prefix(model, ids)
 
         per_token: dict[str, list[float]] = {"static": [], "library plain": []}

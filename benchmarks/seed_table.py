@@ -28,6 +28,7 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from hf_triforce import assets
+from hf_triforce_bench import texts
 from hf_triforce_bench.compare import plot, speedups
 
 DRAFT_METHODS = ("static", "assisted", "vanilla", "default", "default-draft")
@@ -124,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--methods", nargs="+", default=None,
                         help=f"default {' '.join(DRAFT_METHODS)} with --draft-model, else {' '.join(SELF_METHODS)}")
     parser.add_argument("--modes", nargs="+", default=["greedy", "sampled"], choices=["greedy", "sampled"])
-    parser.add_argument("--text", default="essays", choices=sorted(assets.TEXTS))
+    parser.add_argument("--text", default="essays", choices=sorted(texts.TEXTS))
     parser.add_argument("--prompt", default="question", choices=["question", "continue"])
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)

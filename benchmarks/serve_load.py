@@ -155,7 +155,7 @@ def table(results: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2-135m", help="a bundled model name or a model folder")
-    parser.add_argument("--text", default="wikipedia", help="the documents' text (hf_triforce.assets.TEXTS)")
+    parser.add_argument("--text", default="wikipedia", help="the documents' text (hf_triforce.texts.TEXTS)")
     parser.add_argument("--context", type=int, default=8000, help="document tokens (default 8000)")
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--clients", type=int, default=8)
@@ -169,7 +169,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--request-timeout", type=float, default=7200)
     parser.add_argument("--out", type=Path, default=Path("serve-load.json"))
     args = parser.parse_args(argv)
-    from hf_triforce.assets import TEXTS, load_model
+    from hf_triforce.assets import load_model
+    from hf_triforce_bench.texts import TEXTS
 
     args.out.parent.mkdir(parents=True, exist_ok=True)
     if args.text not in TEXTS:

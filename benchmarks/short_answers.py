@@ -24,6 +24,7 @@ import torch
 from hf_triforce import TriForceConfig, assets
 from hf_triforce.tools.prompts import document_prompt
 from hf_triforce.tools.timing import prefill_prefix, static_copy
+from hf_triforce_bench import texts
 
 
 def main() -> None:
@@ -31,16 +32,16 @@ def main() -> None:
     parser.add_argument("--contexts", type=int, nargs="+", default=[16000])
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 4, 16])
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--text", choices=sorted(assets.TEXTS), default="shakespeare")
+    parser.add_argument("--text", choices=sorted(texts.TEXTS), default="shakespeare")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     rows = []
     for context in args.contexts:
-        overrides = assets.yarn_rope(context / 8192 * 1.02) if context + max(args.tokens) > 8192 else {}
+        overrides = texts.yarn_rope(context / 8192 * 1.02) if context + max(args.tokens) > 8192 else {}
         model, tokenizer = assets.load_smollm2(**overrides)
-        ids = document_prompt(tokenizer, assets.TEXTS[args.text](), context, "question")
+        ids = document_prompt(tokenizer, texts.TEXTS[args.text](), context, "question")
         prefix = prefill_prefix(model, ids)
         for tokens in args.tokens:
             kwargs = dict(max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False)

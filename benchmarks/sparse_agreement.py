@@ -53,6 +53,7 @@ from hf_triforce.forwards.forward import forward_logits, prefill, run_inline
 from hf_triforce.integration import recording_attention
 from hf_triforce.kernels.attention import QueryRecorder
 from hf_triforce.tools.prompts import document_prompt
+from hf_triforce_bench import texts
 from hf_triforce_bench.compare import saved_prefix
 
 FORCE1_VARIANTS = {"forward-slots": (False, "slots"), "copy-slots": (True, "slots"),
@@ -156,7 +157,7 @@ def main() -> None:
     parser.add_argument("--scorings", nargs="+", default=["sum"], choices=list(SCORINGS))
     parser.add_argument("--selections", nargs="+", default=list(SELECTIONS), choices=list(SELECTIONS))
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--text", choices=sorted(assets.TEXTS), default="essays")
+    parser.add_argument("--text", choices=sorted(texts.TEXTS), default="essays")
     parser.add_argument("--force1-sink", type=int, default=16)
     parser.add_argument("--force1-window", type=int, nargs="+", default=[256],
                         help="Force 1's recent window(s), each scored from the same prefill; 0: no Force-1 rows")
@@ -171,11 +172,11 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     def load(name: str):
         asset = assets.MODELS[name]
-        return assets.load_model(name, **(assets.yarn_rope(args.rope_factor, asset) if args.rope_factor else {}))
+        return assets.load_model(name, **(texts.yarn_rope(args.rope_factor, asset) if args.rope_factor else {}))
 
     model, tokenizer = load(args.model)
     draft = load(args.draft_model)[0] if args.draft_model else None
-    ids = document_prompt(tokenizer, assets.TEXTS[args.text](), args.context)
+    ids = document_prompt(tokenizer, texts.TEXTS[args.text](), args.context)
     n, k = ids.shape[1], args.new_tokens
     layers = model.config.num_hidden_layers
     full = BufferCache(layers, n + k)

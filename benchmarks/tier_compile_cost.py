@@ -17,10 +17,11 @@ import time
 
 import torch
 
-from hf_triforce.assets import essays, load_smollm2
+from hf_triforce.assets import load_smollm2
 from hf_triforce.caches.buffer import BufferCache
 from hf_triforce.caches.sink_window import SinkWindowCache, make_layer_rerotations
 from hf_triforce.decoding.tiers import lean_model
+from hf_triforce_bench.texts import essays
 
 
 def timed(model, cache, tokens: torch.Tensor, start: int, reps: int) -> tuple[float, float]:

@@ -34,6 +34,7 @@ from hf_triforce.stats import TriForceStats
 from hf_triforce.tools.prompts import document_prompt
 from hf_triforce.tools.timing import prefill_prefix
 from hf_triforce.verification.draft_tree import DraftTree, TreeBuilder
+from hf_triforce_bench import texts
 
 FIXED = dict(policy="fixed", retrieval_budget=512, chunk_size=8, sink_tokens=16, window=256)
 LEVELS = {"2 levels (g 6)": dict(levels=2, gamma1=2, gamma2=6),
@@ -103,7 +104,7 @@ def row(mode, level, method, total: TriForceStats) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--context", type=int, default=4096)
-    parser.add_argument("--text", default="essays", choices=sorted(assets.TEXTS))
+    parser.add_argument("--text", default="essays", choices=sorted(texts.TEXTS))
     parser.add_argument("--new-tokens", type=int, default=96)
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1)
@@ -119,7 +120,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     model, tokenizer = assets.load_smollm2()
-    ids = document_prompt(tokenizer, assets.TEXTS[args.text](), args.context, "question")
+    ids = document_prompt(tokenizer, texts.TEXTS[args.text](), args.context, "question")
     prefix = prefill_prefix(model, ids)
     print(f"prompt {ids.shape[1]} tokens", flush=True)
     sampled = dict(do_sample=True, temperature=args.temperature, top_p=args.top_p)

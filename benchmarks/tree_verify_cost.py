@@ -24,6 +24,7 @@ from hf_triforce.decoding.tree_forward import tree_logits
 from hf_triforce.forwards.forward import forward_logits
 from hf_triforce.integration import recording_attention
 from hf_triforce.verification.draft_tree import DraftTree
+from hf_triforce_bench import texts
 
 
 def fill(model, cache: BufferCache, length: int) -> None:
@@ -74,7 +75,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                         help="the model's and cache's dtype (bfloat16: ATen's CPU kernels use AMX where present)")
     args = parser.parse_args()
-    model, _ = assets.load_smollm2(**assets.yarn_rope(4.0))
+    model, _ = assets.load_smollm2(**texts.yarn_rope(4.0))
     model = model.to(getattr(torch, args.dtype))
     tree = branches_tree(args.nodes, args.branches)
     print(f"| context | decode 1 tok ms | chain of {args.chain} ms | ratio | tree of {args.nodes} nodes ms | ratio |")

@@ -23,6 +23,7 @@ from hf_triforce import TriForceConfig, assets
 from hf_triforce.stats import TriForceStats
 from hf_triforce.tools.prompts import document_prompt
 from hf_triforce.tools.timing import prefill_prefix
+from hf_triforce_bench import texts
 from hf_triforce_bench.compare import Run, measure
 
 FIXED = dict(policy="fixed", retrieval_budget=512, chunk_size=8, sink_tokens=16, window=256)
@@ -96,7 +97,7 @@ def table_row(mode: str, name: str, run: Run, stats: list[TriForceStats], plain:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--context", type=int, default=8000)
-    parser.add_argument("--text", default="essays", choices=sorted(assets.TEXTS))
+    parser.add_argument("--text", default="essays", choices=sorted(texts.TEXTS))
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--threads", type=int, default=2)
@@ -111,8 +112,8 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     factor = args.rope_factor or (None if args.context <= 8192 else 2.0 if args.context <= 16384 else 4.0)
-    model, tokenizer = assets.load_smollm2(**(assets.yarn_rope(factor) if factor else {}))
-    ids = document_prompt(tokenizer, assets.TEXTS[args.text](), args.context, "question")
+    model, tokenizer = assets.load_smollm2(**(texts.yarn_rope(factor) if factor else {}))
+    ids = document_prompt(tokenizer, texts.TEXTS[args.text](), args.context, "question")
     start = time.perf_counter()
     prefix = prefill_prefix(model, ids)
     prefill_seconds = time.perf_counter() - start

@@ -22,6 +22,7 @@ from hf_triforce import assets
 from hf_triforce.caches import BufferCache
 from hf_triforce.integration import recording_attention
 from hf_triforce.kernels import attention
+from hf_triforce_bench import texts
 
 
 def fill(model, cache: BufferCache, length: int) -> None:
@@ -50,7 +51,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
-    model, _ = assets.load_smollm2(**assets.yarn_rope(4.0))
+    model, _ = assets.load_smollm2(**texts.yarn_rope(4.0))
     print(f"| context | decode 1 tok ms | verify {args.tokens} ms (transformers sdpa) | ratio | "
           f"verify {args.tokens} ms (GQA-native, one call) | ratio | verify {args.tokens} ms (split cache) | ratio |")
     print("|---|---|---|---|---|---|---|---|")

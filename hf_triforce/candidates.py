@@ -1,33 +1,18 @@
-"""`TriForceCandidateGenerator`: Force 1 and Force 2 as a transformers `CandidateGenerator`.
+"""`TriForceCandidateGenerator`: Force 1 and Force 2 as a transformers `CandidateGenerator` (docs/assisted.md).
 
-transformers' assisted-generation loop (``_assisted_decoding``) asks a candidate generator for candidate tokens,
-verifies them with the full model in one forward, crops its cache to what it accepted, and tells the generator.
-Here the candidates are what the library's own levels hand Force 3 (`levels.Force2Level` over a Force-1 drafter, or
-`levels.Force1Level` with ``levels=2``), so that loop's model is Force 3:
+transformers' assisted-generation loop (``_assisted_decoding``) is Force 3: ``get_candidates`` has the library's level
+(`levels.Force2Level` over a Force-1 drafter, or `levels.Force1Level` with ``levels=2``) propose up to gamma2 tokens
+with ``log q``, the processed law each was drawn from; transformers verifies them (greedy: the longest prefix equal
+to its argmax; sampling: `_speculative_sampling`, exact for tokens distributed as q); ``update_candidate_strategy``
+commits what it accepted (caches roll back by length, the retrieval cache syncs and re-selects). Deterministic
+proposals (an n-gram drafter with ``levels=2``) come without logits: the loop accepts a candidate when its own draw
+from p equals it, the same rule for a point mass.
 
-    get_candidates(input_ids)          the level proposes up to gamma2 tokens (Force 1 drafts, Force 2 verifies
-                                       with its exact rule) -> the tokens, and the log of the law each was drawn from
-    (transformers verifies: greedy, the longest prefix equal to its argmax; sampling, `_speculative_sampling`)
-    update_candidate_strategy(...)     the level commits what the model accepted: its caches roll back by length,
-                                       the retrieval cache syncs from the full cache and re-selects with the query
-                                       of the last cached token
-
-Exactness: every token Force 2 hands up is distributed exactly as Force 2's processed law q given the tokens before
-it (docs/exactness.md), and the candidate logits are ``log q``, the call's processors already applied. transformers
-accepts a candidate ``x`` with probability ``min(1, p(x) / q(x))`` (``q = softmax(candidate_logits)``, ``p`` the
-model's logits after the same processors) and resamples from ``norm(max(p - q, 0))``: the emitted token is
-distributed exactly as p. Deterministic proposals (an n-gram drafter with ``levels=2``) come without logits; the
-loop then accepts a candidate when its own draw from p equals it, which is the same rule for a point mass. Greedy:
-the candidates only decide how many tokens one forward commits, never which.
-
-The generator needs the full model's cache as the tiers read it (Force 1 copies its sink and window entries from
-it, Force 2 its retrieval selection) and the query of the last accepted token (`TriForceConfig(loop="assisted")`
-prefills a `BufferCache` and records queries through the attention wrapper; on a transformers with the upstream
-patch, ``generate(candidate_generator=TriForceCandidateGenerator)`` reads ``generate``'s own cache and gets the
-verification forward's queries as ``verifier_queries``).
-
-No `LogitsProcessor` comes with it: the call's own processors are applied to Force 2's logits here and to the model's
-in the loop, which is all the pair needs for both sides to be the same processed law.
+The generator reads the full model's cache and the query of the last accepted token: `TriForceConfig(loop="assisted")`
+prefills a `BufferCache` and records queries through the attention wrapper; with the upstream patch,
+``generate(candidate_generator=TriForceCandidateGenerator)`` reads ``generate``'s own cache and gets the
+verification forward's queries as ``verifier_queries``. No `LogitsProcessor` comes with it: the call's own
+processors are applied to Force 2's logits here and to the model's in the loop.
 """
 
 from __future__ import annotations

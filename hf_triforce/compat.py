@@ -62,18 +62,10 @@ from transformers.generation.candidate_generator import CandidateGenerator
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 
-# 5.25.0 audited against 5.24.0 (diffs of generation/utils.py, generation/candidate_generator.py,
-# generation/configuration_utils.py, cache_utils.py, masking_utils.py, integrations/sdpa_attention.py,
-# modeling_utils.py's AttentionInterface, the model files): every private name and behaviour listed above is
-# unchanged (`generate`/`_extract_generation_mode_kwargs`, `CacheLayerMixin`'s abstract methods,
-# `_preprocess_mask_arguments`, the sliding mask, `get_layer_types_and_kwargs`, `eager_attention_forward` per
-# model file, `rotary_emb`, `GenerateDecoderOnlyOutput`, `remove_quantization_config`,
-# `PrefixConstrainedLogitsProcessor`, `_compile_all_devices`, `_valid_auto_compile_criteria`). Around them in
-# 5.25: Falcon's attention goes through the AttentionInterface (three levels run it; ALiBi Falcon adds its position
-# bias to the attention mask, see `kernels.attention`), `_assisted_decoding` reads
-# `candidate_generator.num_drafting_tokens` and `_speculative_sampling` accepts with `r < p/q` (neither is used
-# here; the upstream patch follows them), and `from_pretrained` kernelizes by default (`kernels` is a requirement
-# of transformers).
+# 5.25 against 5.24: every private name and behaviour listed above is unchanged. Around them, Falcon's attention goes
+# through the AttentionInterface (ALiBi Falcon adds its position bias to the mask: `kernels.attention`),
+# `_assisted_decoding` reads `candidate_generator.num_drafting_tokens` and `_speculative_sampling` accepts with
+# `r < p/q` (neither used here; the upstream patch follows them), and `from_pretrained` kernelizes by default.
 TESTED_TRANSFORMERS = (">=5.24", "<5.26")
 ORIGINAL_GENERATE = GenerationMixin.generate
 # the cache layers of a `QuantizedCache`, which keep their entries quantized (``keys`` / ``values`` hold at most the

@@ -20,11 +20,12 @@ def _positive_float(value: str) -> float:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from hf_triforce.assets import MODELS, TEXTS
+    from hf_triforce.assets import MODELS
     from hf_triforce.tools.prompts import PROMPTS
 
     from .methods import METHODS, add_triforce_arguments
     from .roofline import add_arguments as add_project_arguments
+    from .texts import TEXTS
 
     model_help = f"one of {', '.join(MODELS)} or a local model folder"
 
@@ -93,6 +94,7 @@ def _decode(args) -> int:
     from hf_triforce.tools.prompts import document_prompt
     from hf_triforce.tools.timing import prefill_prefix
 
+    from . import texts
     from .compare import compare, kernels_note, saved_prefix, table, to_json, write_results
     from .methods import DEFAULT_EXCLUDED, METHODS, describe_gammas, knobs_from_args
 
@@ -111,7 +113,7 @@ def _decode(args) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     asset = assets.MODELS[args.model or "smollm2-135m"] if bundled else None
-    overrides = assets.yarn_rope(args.rope_factor, asset) if args.rope_factor else {}
+    overrides = texts.yarn_rope(args.rope_factor, asset) if args.rope_factor else {}
     if bundled:  # checked before the (slow) load
         _check_contexts(args, int(asset.positions * (args.rope_factor or 1)))
     engine_methods = [m for m in methods if METHODS[m].other_engine]
@@ -141,13 +143,13 @@ def _decode(args) -> int:
             raise SystemExit(f"{DECODE}: --gguf-stored-width: {error}") from error
         print(f"target linear layers at GGUF stored width: {attached}", flush=True)
     _check_contexts(args, getattr(model.config, "max_position_embeddings", None) or 1 << 30)
-    draft_overrides = assets.yarn_rope(args.rope_factor, assets.MODELS[args.draft_model]) \
+    draft_overrides = texts.yarn_rope(args.rope_factor, assets.MODELS[args.draft_model]) \
         if args.rope_factor and args.draft_model else {}
     draft_model = _load(DECODE, "--draft-model", args.draft_model, args.dtype, **draft_overrides)[0] \
         if args.draft_model else None
     prompts = {}
     for text in dict.fromkeys(args.text):
-        document = assets.TEXTS[text]()
+        document = texts.TEXTS[text]()
         try:
             prompts.update({(text, context): document_prompt(tokenizer, document, context, args.prompt)
                             for context in args.contexts})
@@ -233,6 +235,7 @@ def _check_contexts(args, limit: int) -> None:
 def _needle(args) -> int:
     from hf_triforce import assets
 
+    from . import texts
     from .needle import needle_prompt, tier_acceptance
 
     if args.context > 8192:
@@ -242,7 +245,7 @@ def _needle(args) -> int:
           f"full model answers | (context {args.context}, budget {args.budget})")
     print("|---|---|---|---|---|---|")
     for depth in args.depths:
-        prompt, answer = needle_prompt(tokenizer, assets.tragedies(), args.context, depth, code="4721-marmalade")
+        prompt, answer = needle_prompt(tokenizer, texts.tragedies(), args.context, depth, code="4721-marmalade")
         r = tier_acceptance(model, prompt, answer, args.budget)
         print(f"| {depth:.2f} | {r['retrieval_acceptance']:.3f} | {r['streaming_acceptance']:.3f} | "
               f"{r['retrieval_greedy']:.2f} | {r['streaming_greedy']:.2f} | {'yes' if r['answer_found'] else 'no'} |",

@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from hf_triforce.config import DRAFT_PRECISIONS
-from hf_triforce.decoding.policy import AdaptivePolicy, Plan, expected_tokens
+from hf_triforce.decoding.policy import AcceptanceRate, AdaptivePolicy, Plan, expected_tokens
 from hf_triforce.decoding.tiers import AUTO_PRECISION, FORCE2_PRECISION, LEAN_DTYPES
 from hf_triforce.kernels.lean import INT4_GROUP_SIZE, LEAN_PRECISIONS
 
@@ -527,6 +527,36 @@ def tier_seconds(target: ModelShape, dev: Device, context: int, config=None, dra
     return tiers
 
 
+def assume_costs(policy: AdaptivePolicy, tiers: dict[str, dict[int, float]]) -> None:
+    """Fix ``policy``'s tier costs instead of measuring them: ``tiers[tier][rows]`` seconds of a forward of ``rows``
+    rows, each settled (observed `PolicyPriors.settled_timings` times)."""
+    for tier, by_rows in tiers.items():
+        for rows, seconds in by_rows.items():
+            for _ in range(policy.priors.settled_timings):
+                policy.costs.observe(tier, rows, seconds)
+
+
+def assume_rates(policy: AdaptivePolicy, force3: float | None = None, direct: dict[str, float] | None = None,
+                 force1: dict[str, float] | None = None, coverage: dict[str, float] | None = None) -> None:
+    """Fix ``policy``'s acceptance rates instead of measuring them: ``force3`` Force 2 -> Force 3; ``direct[d]``
+    drafter ``d`` -> Force 3 (two levels); ``force1[d]`` drafter ``d`` -> Force 2 (three levels; a lookup without its
+    own entry uses ``direct``); ``coverage[d]`` how often a lookup proposes. Each rate is per token, geometric
+    (`expected_tokens`), in [0, 1]."""
+    named = [("force3", {"": force3} if force3 is not None else {}, None), ("direct", direct or {}, policy.direct),
+             ("force1", force1 or {}, policy.force2_rate), ("coverage", coverage or {}, policy.lookup_coverage)]
+    for label, rates, table in named:
+        for name, rate in rates.items():
+            if not 0.0 <= rate <= 1.0:
+                raise ValueError(f"assume_rates: {label} rate {name or ''} must be in [0, 1], got {rate}")
+            if table is not None and name not in table:
+                raise ValueError(f"assume_rates: {label}: {name!r} is not among {tuple(table)}")
+    if force3 is not None:
+        policy.force3_rate = AcceptanceRate(force3)
+    for rates, table in ((direct, policy.direct), (force1, policy.force2_rate), (coverage, policy.lookup_coverage)):
+        for name, rate in (rates or {}).items():
+            table[name] = AcceptanceRate(rate)
+
+
 def planning_policy(tiers: dict[str, dict[int, float]], context: int, force3: float, direct: dict[str, float],
                     force1: dict[str, float], config=None) -> AdaptivePolicy:
     """The adaptive policy's cost model holding ``tiers`` (each ``draft:<name>`` tier a drafter priced per token
@@ -537,9 +567,9 @@ def planning_policy(tiers: dict[str, dict[int, float]], context: int, force3: fl
     three = tuple(name for name in force1 if name in drafters) if context > config.retrieval_budget else ()
     policy = AdaptivePolicy(drafters, three, config.gamma1, config.gamma2, explore_every=config.explore_every,
                             refresh_every=config.refresh_interval)
-    policy.assume_costs(tiers)
-    policy.assume_rates(force3=force3, direct={k: v for k, v in direct.items() if k in drafters},
-                        force1={k: v for k, v in force1.items() if k in three})
+    assume_costs(policy, tiers)
+    assume_rates(policy, force3=force3, direct={k: v for k, v in direct.items() if k in drafters},
+                 force1={k: v for k, v in force1.items() if k in three})
     return policy
 
 

@@ -8,6 +8,7 @@ import sys
 import pytest
 
 from hf_triforce import assets
+from hf_triforce_bench import texts
 
 
 @pytest.fixture
@@ -59,8 +60,8 @@ def test_registered_models_and_texts():
     assert set(assets.MODELS) == {"smollm2-135m", "qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b"}
     assert len(assets.QWEN_CODER_1_5B.parts) == 22 and len(assets.QWEN_CODER_0_5B.parts) == 6
     assert all(len(a.sha256) == 64 for a in assets.MODELS.values())
-    assert "def " in assets.TEXTS["python"]()[:100000]
-    wikipedia = assets.TEXTS["wikipedia"]()
+    assert "def " in texts.TEXTS["python"]()[:100000]
+    wikipedia = texts.TEXTS["wikipedia"]()
     assert wikipedia.startswith("Normans\n\nThe Normans (Norman: Nourmands;") and len(wikipedia) > 900_000
     with pytest.raises(FileNotFoundError, match="must be one of"):
         assets.load_model("no-such-model")

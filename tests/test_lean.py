@@ -25,7 +25,7 @@ from hf_triforce.decoding import tiers
 from hf_triforce.decoding.tiers import forget_lean_copy, lean_copy_bytes, lean_model
 from hf_triforce.forwards.forward import ragged_forward
 from hf_triforce.kernels import lean
-from hf_triforce.kernels.lean import LEAN_PRECISIONS, LeanModel, Projection
+from hf_triforce.kernels.lean import INT4_MM, LEAN_PRECISIONS, LeanModel, Projection
 
 from .conftest import make_model, random_prompt
 from .enumeration_util import FreeThenGreedy
@@ -34,6 +34,20 @@ from .test_batch import PROMPTS, left_padded
 from .test_exact_enumeration import decoded_law, distance, exercised, target_law
 from .test_fixed_shape import ENUMERATION, FREE_POSITIONS, NEW, VOCAB
 from .test_greedy_identity import assert_identical
+
+
+def dequantized(projection: Projection) -> torch.Tensor:
+    """The fp32 weight ``projection`` multiplies by."""
+    if projection.precision == "model":
+        return torch.cat(projection.weights).float()
+    if projection.precision == "fp32":
+        return projection.weight
+    if projection.precision == "int8":
+        return projection.weight.float() * projection.scales.float()[:, None]
+    eye = torch.eye(projection.in_features, dtype=torch.bfloat16)
+    columns = INT4_MM(eye, projection.weight, projection.group_size, projection.scales_zeros)
+    return columns.float().T.contiguous()
+
 
 LEAN_FAMILIES = ["llama-gqa", "qwen2", "mistral"]  # Llama (GQA), Qwen2 (QKV biases), Mistral (MQA, no window)
 QUANTIZED = ["lean-int8", "lean-int4"]
@@ -301,13 +315,13 @@ def test_quantized_projections_multiply_by_their_documented_weights():
     weight, x = torch.randn(96, 128) * 0.1, torch.randn(3, 128)
     for kind in ("int8", "int4"):
         projection = Projection(weight, None, kind, group_size=32)
-        dequantized = projection.dequantized()
+        values = dequantized(projection)
         if kind == "int8":
             step = projection.scales.float()[:, None].expand_as(weight)
         else:  # per group of 32 inputs
             step = projection.scales_zeros[..., 0].float().T.repeat_interleave(32, dim=1)
-        assert ((dequantized - weight).abs() <= 0.5 * step + weight.abs().amax() * 2 ** -8).all()
-        expected = x.bfloat16().float() @ dequantized.T
+        assert ((values - weight).abs() <= 0.5 * step + weight.abs().amax() * 2 ** -8).all()
+        expected = x.bfloat16().float() @ values.T
         assert torch.allclose(projection(x).float(), expected, rtol=1e-2, atol=1e-2)
 
 
@@ -383,7 +397,7 @@ def test_a_bf16_model_drafts_on_a_quantized_lean_copy():
     bf16 = make_model("llama-gqa", logit_scale=3.0, seed=5).to(torch.bfloat16)
     wide, narrow = lean.LeanModel(fp32, "lean-int4"), lean.LeanModel(bf16, "lean-int4")
     for a, b in zip(wide.layers, narrow.layers):
-        torch.testing.assert_close(a.qkv.dequantized(), b.qkv.dequantized(), rtol=0, atol=0)
+        torch.testing.assert_close(dequantized(a.qkv), dequantized(b.qkv), rtol=0, atol=0)
     config = TriForceConfig(draft="self", policy="fixed", retrieval_budget=64, chunk_size=8, sink_tokens=4,
                             window=24, gamma1=2, gamma2=4)
     stats = assert_identical(bf16, random_prompt(120, period=37), config)

@@ -21,6 +21,7 @@ from hf_triforce.decoding.policy import (
 )
 from hf_triforce.decoding.tiers import weight_bytes
 from hf_triforce.integration import recording_attention
+from hf_triforce_bench.roofline import assume_costs, assume_rates
 
 from .conftest import FAMILIES, make_model, random_prompt
 from .test_exact_enumeration import CONFIG, decoded_law, distance, target_law
@@ -585,11 +586,11 @@ def test_three_level_rounds_are_priced_as_the_loop_drafts_them(gamma1, gamma2, r
     drafter, kind = ("ngram", "lookup") if coverage < 1 else ("self", "model")
     policy = AdaptivePolicy({drafter: kind}, (drafter,), gamma1, gamma2, explore_every=1000)
     force2 = {rows: 0.05 * (1 + 0.2 * (rows - 1)) for rows in range(1, gamma1 + 2)}
-    policy.assume_costs({"force2": force2, "force3": {1: 0.3, gamma2 + 1: 0.4},
-                         f"draft:{drafter}": {1: 0.0 if kind == "lookup" else 0.02}})
+    assume_costs(policy, {"force2": force2, "force3": {1: 0.3, gamma2 + 1: 0.4},
+                          f"draft:{drafter}": {1: 0.0 if kind == "lookup" else 0.02}})
     plan = Plan(3, drafter, gamma1, gamma2)
-    policy.assume_rates(force3=0.5, force1={drafter: rate} if kind == "model" else {},
-                        direct={drafter: rate}, coverage={drafter: coverage} if kind == "lookup" else {})
+    assume_rates(policy, force3=0.5, force1={drafter: rate} if kind == "model" else {},
+                 direct={drafter: rate}, coverage={drafter: coverage} if kind == "lookup" else {})
     _, seconds = policy.predict(plan)
     draft = 0.0 if kind == "lookup" else 0.02
     assert seconds == pytest.approx(literal_force2_seconds(gamma1, gamma2, rate, coverage, draft, force2) + 0.4)

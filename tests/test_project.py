@@ -14,6 +14,8 @@ from hf_triforce_bench.roofline import (
     DEVICES,
     Acceptance,
     Device,
+    assume_costs,
+    assume_rates,
     attention_seconds,
     cache_copy_seconds,
     device,
@@ -196,9 +198,9 @@ def test_plans_are_priced_by_the_policy_itself():
     tiers, plans = project_plans(target, dev, context, acceptance, config, draft)
     policy = AdaptivePolicy({"self": "model", "draft": "model", "vanilla": "model"}, ("self", "draft"),
                             config.gamma1, config.gamma2, explore_every=16, refresh_every=config.refresh_interval)
-    policy.assume_costs(tiers)
-    policy.assume_rates(force3=0.9, direct={"self": 0.6, "draft": 0.65, "vanilla": 0.65},
-                        force1={"self": 0.7, "draft": 0.65})
+    assume_costs(policy, tiers)
+    assume_rates(policy, force3=0.9, direct={"self": 0.6, "draft": 0.65, "vanilla": 0.65},
+                 force1={"self": 0.7, "draft": 0.65})
     best = {}
     for plan in policy.candidates():
         key = (plan.levels, plan.drafter)
@@ -276,10 +278,10 @@ def test_bad_input_names_the_parameter(call, message):
 def test_assume_rates_checks_its_input():
     policy = AdaptivePolicy({"self": "model"}, ("self",), 2, 6, explore_every=16)
     with pytest.raises(ValueError, match="force3 rate"):
-        policy.assume_rates(force3=1.2)
+        assume_rates(policy, force3=1.2)
     with pytest.raises(ValueError, match="'ngram' is not among"):
-        policy.assume_rates(direct={"ngram": 0.5})
-    policy.assume_rates(force3=0.8, direct={"self": 0.5}, force1={"self": 0.6})
+        assume_rates(policy, direct={"ngram": 0.5})
+    assume_rates(policy, force3=0.8, direct={"self": 0.5}, force1={"self": 0.6})
     assert (policy.force3_rate.rate, policy.direct["self"].rate, policy.force1_rate("self")) == (0.8, 0.5, 0.6)
 
 

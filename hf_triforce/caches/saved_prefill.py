@@ -1,25 +1,19 @@
 """A prompt's prefilled cache written to disk and read back: a long document prefilled once, reused across processes.
 
-A prefill of a long document costs minutes on a CPU (SmolLM2-135M, 2 cores: ~5 minutes at 32k tokens), while a
-question about it decodes in seconds. `save_prefill` writes the token ids and the cache's keys and values in one
-safetensors file; `load_prefill` reads them back into a `DynamicCache` for ``generate(ids, cache=cache, ...)``, which
-extends the cached prefix exactly as it extends a fresh prefill (the same values, byte for byte).
+`save_prefill` writes the token ids and the cache's keys and values in one safetensors file; `load_prefill` reads them
+back into a `DynamicCache` for ``generate(ids, cache=cache, ...)``, which extends the cached prefix exactly as it
+extends a fresh prefill (the same values, byte for byte).
 
 File layout (safetensors): ``ids`` ``[batch, length]`` int64; ``keys.{layer}`` and ``values.{layer}``
-``[batch, kv_heads, length, head_dim]`` in the model's dtype; metadata (strings): ``format``, ``model`` (a fingerprint
-of the architecture, the active and merged adapters and every byte of the weights: `model_fingerprint`), ``dtype``,
+``[batch, kv_heads, length, head_dim]`` in the model's dtype; metadata (strings): ``format``, ``model``
+(`model_fingerprint`: the architecture, the active and merged adapters and every byte of the weights), ``dtype``,
 ``rope`` (the RoPE configuration and the context length), ``length``, ``checksum`` (sha256 over every tensor's bytes
 in a fixed order).
 
 A file is refused with the field named when the model it was saved for differs from the one loading it (another model
-or other weights, another active adapter, another dtype, another RoPE configuration) and when its bytes do not match
-its checksum (a damaged or truncated file); the config's runtime flags (`RUNTIME_FIELDS`: ``pad_token_id``,
-``use_cache``, the output switches, ...) change no cached value and do not count. The fingerprint hashes the weights
-at each save and load: ~0.6 s per GB on one core, divided among torch's threads (`digests`; ~0.3 s per GB over 2
-threads, so ~1 s for a 1.5B model's 3 GB of bf16 weights), beside the file's own checksum over the cache.
-
-Sliding-window layers keep only their last window, which does not determine the prefix: models with them are refused
-by `save_prefill`.
+or other weights, adapter, dtype or RoPE configuration; the config's runtime flags, `RUNTIME_FIELDS`, do not count)
+and when its bytes do not match its checksum. The fingerprint hashes the weights at each save and load (`digests`).
+Models with sliding-window layers (which keep only their last window) are refused by `save_prefill`.
 """
 
 from __future__ import annotations

@@ -1,43 +1,28 @@
-"""The adaptive hierarchy (``TriForceConfig(policy="auto")``): a plan per Force-3 step from an online cost model.
+"""The adaptive hierarchy (``TriForceConfig(policy="auto")``): a plan per Force-3 step from an online cost model
+(docs/config.md, "The adaptive policy").
 
 A `Plan` is how one Force-3 step gets its candidates: ``plain`` (none: one-token decoding on the full cache),
 ``two-level`` (a drafter's chain verified by Force 3) or ``three-level`` (TriForce: Force 1 verified by Force 2,
-Force 2's chain verified by Force 3; without a drafter, ``force2``: Force 2 drafts alone, the target on its retrieval
-cache proposing to itself on the full one), with its gammas and, where the config allows candidate trees
-(``TriForceConfig.tree_nodes`` / ``force2_tree_nodes``), whether Force 1 proposes a tree and whether Force 2
-hands Force 3 a tree. Every plan is exact on its own, and the choice depends only on the past (timings and
-acceptances already observed), so the output law is the target's whatever is chosen; greedy output stays
-identical to plain ``generate``.
+Force 2's chain verified by Force 3; without a drafter, ``force2``: Force 2 drafts alone), with its gammas and,
+where the config allows candidate trees, whether Force 1 proposes a tree and whether Force 2 hands Force 3 one.
+Every plan is exact on its own, and the choice depends only on the past (timings and acceptances already
+observed), so the output law is the target's whatever is chosen; greedy output stays identical to plain
+``generate``.
 
-The cost model, measured online in the same call:
+The cost model, measured online in the same call: seconds per forward of each tier by rows (`TierCosts`; an
+unmeasured row count priced at a per-row slope, `PolicyPriors.row_cost_slope`, until the tier's own timings span
+``slope_span`` rows) and the per-step overhead; acceptance per level as a geometric rate (`AcceptanceRate`,
+`expected_tokens`); a tree priced from its own rate and its own cost tier (``force3-tree``, ``force2-tree``) at the
+most rows it can have (`tree_rows`); lookup drafters scored for free on every step against Force 3's distribution
+(counterfactual); and per plan kind a calibration of measured / predicted seconds (`AdaptivePolicy.calibration`,
+``calibration_bounds``).
 
-- seconds per forward of each tier by number of rows (`TierCosts`, exponential moving averages; an unmeasured
-  row count is priced from the nearest measured one at a per-row slope: the device's prior
-  (`PolicyPriors.row_cost_slope`), then the tier's own once its timings span ``slope_span`` rows), and the per-step
-  overhead;
-- acceptance per level as a geometric rate ``a = accepted / (accepted + rejections)`` (`AcceptanceRate`), so
-  a chain of ``g`` proposals yields ``(1 - a^(g+1)) / (1 - a)`` tokens per verification;
-- a candidate tree of depth ``g`` is priced the same way, from its own rate (measured on tree steps only:
-  accepted path length against depth; until then its chain's rate plus ``tree_prior_bonus``) and its own cost
-  tier (``force3-tree``, ``force2-tree``, by rows) at the most rows its tree can have (`tree_rows`);
-  so trees are chosen where their extra acceptance pays for their extra rows (a memory-bound verifier) and
-  not where it does not (a compute-bound one, e.g. long contexts on CPU, docs/results.md);
-- lookup drafters are scored for free on every step (counterfactual): the token the lookup would have
-  proposed next is checked against Force 3's own distribution (``p(x)`` when sampling, ``x == argmax p``
-  greedy), so the policy knows when a repetitive stretch begins without paying for a try.
-
-- what the tiers' costs leave out, per plan kind: the moving average of its steps' measured / predicted seconds
-  (`AdaptivePolicy.calibration`) scales its predicted seconds, so a plan that keeps running dearer than predicted
-  loses its near-ties (``calibration_bounds``).
-
-Predicted tokens/s of each candidate plan = expected tokens per step / predicted seconds per step; the best
-is run (the first step runs plain decoding: it measures Force 3, which every prediction needs). Every
-``explore_every`` steps the best plan of another kind runs once to refresh its numbers, a kind not yet run in
-the call before any kind already measured (the interval doubles each time exploring did not pay, up to 16x);
-a plan with a set-up still to pay (a draft cache's fill; the retrieval cache's first selection, for three-level
-plans) is not explored, only chosen when predicted best with its set-up counted over the tokens left; and a try is
-made only while what it is predicted to lose is a small part of what the rest of the call is predicted to take.
-Each step's plan, predicted and measured tokens/s are in `TriForceDetail.plans`.
+The best predicted tokens/s runs (the first step runs plain decoding: it measures Force 3). Every
+``explore_every`` steps the best plan of another kind runs once, a kind not yet run first (the interval doubles
+while exploring does not pay, up to 16x); a plan with a set-up still to pay (a draft cache's fill; the retrieval
+cache's first selection) is only chosen when predicted best with its set-up counted over the tokens left, and a try
+is made only while its predicted loss is a small part of the rest of the call (``explore_budget``). Each step's
+plan, predicted and measured tokens/s are in `TriForceDetail.plans`.
 """
 
 from __future__ import annotations
@@ -162,11 +147,6 @@ class TierCosts:
         recent = self._recent.setdefault((tier, rows), deque(maxlen=self.priors.recent_timings))
         recent.append(seconds)
         self.seconds.setdefault(tier, {})[rows] = median_low(recent)
-
-    def assume(self, tier: str, rows: int, seconds: float) -> None:
-        """``seconds`` as the settled cost of ``rows`` rows of ``tier`` (a cost model's, not a timing)."""
-        for _ in range(self.priors.settled_timings):
-            self.observe(tier, rows, seconds)
 
     def estimate(self, tier: str, rows: int, fallback: float) -> float:
         """Measured, else scaled from the nearest measured row count, else ``fallback`` (a one-row cost)."""
@@ -605,33 +585,6 @@ class AdaptivePolicy:
         self.lookup_coverage[drafter].observe(1.0 if proposed else 0.0, 0.0 if proposed else 1.0)
         if proposed:
             self.direct[drafter].observe(acceptance, 1.0 - acceptance)
-
-    def assume_costs(self, tiers: dict[str, dict[int, float]]) -> None:
-        """Fix tier costs instead of measuring them (an offline projection, `hf_triforce_bench.roofline`): ``tiers[tier]
-        [rows]`` seconds of a forward of ``rows`` rows, each settled (`TierCosts.assume`)."""
-        for tier, by_rows in tiers.items():
-            for rows, seconds in by_rows.items():
-                self.costs.assume(tier, rows, seconds)
-
-    def assume_rates(self, force3: float | None = None, direct: dict[str, float] | None = None,
-                     force1: dict[str, float] | None = None, coverage: dict[str, float] | None = None) -> None:
-        """Fix acceptance rates instead of measuring them (an offline projection, `hf_triforce_bench.roofline`):
-        ``force3`` Force 2 -> Force 3; ``direct[d]`` drafter ``d`` -> Force 3 (two levels); ``force1[d]`` drafter
-        ``d`` -> Force 2 (three levels; a lookup without its own entry uses ``direct``); ``coverage[d]`` how often a
-        lookup proposes. Each rate is per token, geometric (`expected_tokens`), in [0, 1]."""
-        named = [("force3", {"": force3} if force3 is not None else {}, None), ("direct", direct or {}, self.direct),
-                 ("force1", force1 or {}, self.force2_rate), ("coverage", coverage or {}, self.lookup_coverage)]
-        for label, rates, table in named:
-            for name, rate in rates.items():
-                if not 0.0 <= rate <= 1.0:
-                    raise ValueError(f"assume_rates: {label} rate {name or ''} must be in [0, 1], got {rate}")
-                if table is not None and name not in table:
-                    raise ValueError(f"assume_rates: {label}: {name!r} is not among {tuple(table)}")
-        if force3 is not None:
-            self.force3_rate = AcceptanceRate(force3)
-        for rates, table in ((direct, self.direct), (force1, self.force2_rate), (coverage, self.lookup_coverage)):
-            for name, rate in (rates or {}).items():
-                table[name] = AcceptanceRate(rate)
 
     def summary(self) -> dict:
         return {name: record.to_dict() for name, record in self.records.items()}

@@ -1,26 +1,20 @@
 """Before the prefill: can this model run on TriForce's caches? One probe forward of one token says (once per model
-and attention implementation: its findings are kept with the model, `_FINDINGS`).
+and attention implementation: its findings are kept with the model, `_FINDINGS`), through the same cache class and
+attention wrapper the tiers use, so that nothing fails after a prefill of minutes:
 
-A long prompt's prefill can take minutes, so whatever would fail after it is asked of the model first, on a
-one-token forward through the same cache class and attention wrapper the tiers use:
-
-- a model whose config declares sliding-window layers builds sliding-window masks for them (`compat.
-  builds_sliding_masks`; Moshi does not: its window is only its cache's truncation);
-- every decoder layer stores exactly one key/value entry per input token in its own cache layer (a model that
-  writes extra entries — CPM-Ant prepends its prompt embeddings — or that shares one layer's entries with
-  another cannot be rolled back by a length);
-- with three levels, every layer's attention goes through transformers' ``AttentionInterface``, where the
-  wrapper records the query Force-2 retrieval scores chunks with, and every layer Force 2 scores (the
-  full-attention ones) caches keys as wide as that query's heads (multi-head latent attention caches its
-  compressed latents, ``kv_lora_rank`` wide, not the keys the query meets); with two levels, a layer whose
+- a model whose config declares sliding-window layers builds sliding-window masks for them
+  (`compat.builds_sliding_masks`; Moshi's window is only its cache's truncation);
+- every decoder layer stores exactly one key/value entry per input token in its own cache layer (CPM-Ant prepends
+  its prompt embeddings; a layer sharing another's entries cannot be rolled back by a length);
+- with three levels, every layer's attention goes through transformers' ``AttentionInterface``, where the wrapper
+  records the query Force-2 retrieval scores chunks with, and every layer Force 2 scores caches keys as wide as that
+  query's heads (multi-head latent attention caches ``kv_lora_rank``-wide latents); with two levels, a layer whose
   attention bypasses the interface runs the model's eager attention (its own SDPA code may take a multi-token
-  forward over a longer cache as square-causal: transformers 5.24's Falcon gave other tokens), with chains and one
-  prompt only (the wrapper applies trees' and batches' masks);
+  forward over a longer cache as square-causal), with chains and one prompt only;
 - a model drafter (``draft="self"`` or a draft model) can re-rotate its keys (`make_layer_rerotations`);
-- with candidate trees or a batch, no layer's attention mask carries a bias (ALiBi Falcon adds its position bias
-  to the mask, transformers 5.25): a tree's nodes sit in cache slots, not at their positions, and its attention
-  replaces the mask; a batch's per-row 4-D mask is not one the model can derive its bias from. A second probe
-  (two tokens) reads the masks, only where trees or a batch are asked for.
+- with candidate trees or a batch, no layer's attention mask carries a bias (ALiBi Falcon): a tree's nodes sit in
+  cache slots, not at their positions, and a batch's per-row 4-D mask is not one the model can derive its bias
+  from. A second probe (two tokens) reads the masks, only where trees or a batch are asked for.
 
 Each failure is a ValueError naming the model, the layer and the option that avoids it.
 """

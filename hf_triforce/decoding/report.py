@@ -2,23 +2,18 @@
 `StepRecord` (what the adaptive policy learns from), and the `StepRecorder` that counts them.
 
 A level (`levels.Force2Level`, `levels.Force1Level`) fills its report as it drafts, verifies and re-selects; the
-`Decoder` takes it after each step (`take_report`) and hands it to the `StepRecorder`, which adds it to the row's
-`TriForceStats` and hands it to the policy with Force 3's verdict (`StepRecord`). Nothing is threaded through the loop
-as counters.
+`Decoder` takes it after each step (`take_report`) and hands it to the `StepRecorder`, which is handed the step's
+other facts as they happen (its plan, its levels' catch-ups, Force 3's forward, each row's outcome), counts them in
+each row's `TriForceStats`, sums the call's Force-3 seconds, notes which tiers ran, and tells the policy what each
+step cost and how each level did (`StepRecord`). Nothing is threaded through the loop as counters.
 
 Terms: *drafted*: Force-1 tokens proposed (a tree counts its depth, so that acceptance compares with chains');
 *verified* / *accepted*: of those, the ones Force 2 verified / accepted; *rejections*: Force-2 verifications that
 rejected a draft; *to_force3*: tokens handed up to Force 3; a *selection*: a re-selection of the retrieval chunks.
 
-The `StepRecorder`: timing and accounting of a call's Force-3 steps, in one place. A step hands it its facts as they
-happen (its plan, its levels' catch-ups, Force 3's forward, each row's outcome); the recorder counts them in each row's
-`TriForceStats`, sums the call's Force-3 seconds, notes which tiers ran, and tells the adaptive policy what each step
-cost and how each level did (`StepRecord`).
-
-On a device's clock (`forwards.forward`) a step's timings are read at the end of the next step (or of the call), after
-that step's readbacks have waited for the device: the work a step launched after its own last readback (a level's
-commit: a re-selection) has then finished, so reading its events waits for nothing, and the policy learns each step's
-costs one step late. On an immediate clock they are counted when the step ends.
+On a device's clock (`forwards.forward`) a step's timings are read at the end of the next step (or of the call),
+after that step's readbacks have waited for the device, so reading its events waits for nothing and the policy learns
+each step's costs one step late. On an immediate clock they are counted when the step ends.
 """
 
 from __future__ import annotations

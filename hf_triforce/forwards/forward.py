@@ -2,31 +2,18 @@
 clock that times them.
 
 Every tier calls the model through these, with explicit ``position_ids`` (a cache may hold a subset of the
-sequence) and, when the caller wants the queries (Force-2 selection), a `QueryRecorder`.
+sequence) and, when the caller wants the queries (Force-2 selection), a `QueryRecorder`. A tier's ``*_steps``
+method is a generator of forward requests (`ForwardRequest`): it yields each request, receives that forward's
+logits and returns its result. Batch size 1 drives it with `run_inline` (exactly a direct call);
+`hf_triforce.decoding.lockstep` drives a batch's rows together, running the requests of rows whose caches share
+storage in one batched forward.
 
-Tiers are written as generators of forward requests (`ForwardRequest`), so that a batch can run its rows' forwards
-together.
-
-A tier's ``*_steps`` method is a generator: each time it needs the model it yields a `ForwardRequest` and
-receives that forward's logits; its result is the generator's return value. Batch size 1 drives it with
-`run_inline` (each request runs when it is yielded: exactly a direct call). `hf_triforce.decoding.lockstep` drives
-every row of a batch together and runs the requests of rows whose caches share storage in one batched
-forward (each row's logits are its own, up to summation order).
-
-The clock (`Clock`) times each tier's forwards for the adaptive policy's cost model, without waiting for the device.
-A `Clock` marks the start of a timed region (``start``) and gives its seconds at its end (``stop``):
-
-- `HostClock` (a model on the CPU, or split over several CUDA devices): ``time.perf_counter``. On the CPU a forward's
-  work is done when the call returns, so the seconds are known at once (a float). Over several CUDA devices the
-  clock synchronises them at each ``stop`` (events on one device cannot time the others' work).
-- `EventClock` (a model on one CUDA device): a pair of ``torch.cuda.Event(enable_timing=True)`` recorded on the
-  device's current stream around the region. ``stop`` returns `Seconds` that are read (``float``) later: after the
-  step's acceptance readback has waited for the stream anyway, reading them costs no synchronisation.
-
-`Seconds` add, subtract and scale like floats (a tier's total, a forward's share per row), so the bookkeeping is the
-same on either clock; ``float(seconds)`` reads them. A clock is ``immediate`` where its seconds are known at once;
-`loop.Decoder` hands a step's timings to the policy when the step ends on an immediate clock, at the end of the next
-step otherwise (`report.StepRecorder`).
+The clock (`Clock`: ``start``, ``stop``) times each tier's forwards for the adaptive policy without waiting for the
+device: `HostClock` (``time.perf_counter``; a CPU model, whose seconds are known at once, or one split over several
+CUDA devices, synchronised at each ``stop``) and `EventClock` (one CUDA device: CUDA events on its current stream,
+giving `Seconds` read after the step's readback has waited for the stream anyway). `Seconds` add, subtract and
+scale like floats; ``float(seconds)`` reads them. A clock is ``immediate`` where its seconds are known at once
+(`report.StepRecorder` reads a step's timings when it ends, else at the end of the next step).
 """
 
 from __future__ import annotations

@@ -1,21 +1,19 @@
 """The attention function hf_triforce registers with transformers: ``triforce_<base>`` wraps the model's own
 attention implementation ``<base>`` (sdpa, eager, ...), records each layer's query (`attention.QueryRecorder`) and
-sends each call down its path.
+sends each call down its path (`attention`):
 
-Multi-token calls (verification, chunked prefill) stay GQA-native: on CUDA they take a mask-free fused kernel where
-`attention.fused_route` finds one; on CPU a few query rows over a long cache take `attention.split_kv_sdpa`; other
-masked SDPA calls on GQA models take `attention.gqa_sdpa`, which does not expand K/V. One-row calls (decoding steps of
-every tier) take `attention.one_row_sdpa`: no mask, GQA-native. On the CPU (fp32, bf16 or fp16), decoding steps and
-verifications of up to `cpu_attention.MAX_NEW_TOKENS` tokens over at least `cpu_attention.MIN_CACHED` cached entries
-take the library's compiled kernel (`cpu_attention.attend`) where it built and was timed cheaper than ATen's route for
-the call's class (`attention_routes`); a ragged batch's forward takes it row by row where every row's call would
-(`ragged_attention`). A candidate tree's forward takes `tree_attention`. Everything else is
-``<base>``.
+* multi-token calls (verification, chunked prefill) stay GQA-native: on CUDA a mask-free fused kernel where
+  `attention.fused_route` finds one; on the CPU a few query rows over a long cache take `attention.split_kv_sdpa`;
+  other masked SDPA calls on GQA models take `attention.gqa_sdpa`;
+* one-row calls (decoding steps of every tier) take `attention.one_row_sdpa`: no mask, GQA-native;
+* on the CPU, calls of up to `cpu_attention.MAX_NEW_TOKENS` tokens over at least `cpu_attention.MIN_CACHED` entries
+  take the library's kernel (`cpu_attention.attend`) where it built and was timed cheaper (`attention_routes`); a
+  ragged batch's forward takes it row by row where every row's call would (`ragged_attention`);
+* a candidate tree's forward takes `tree_attention`; everything else is ``<base>``.
 
-The paths are called through the `attention` module (``attention.split_kv_sdpa``, ...): what a test or a benchmark
-replaces there is what the wrapper runs. Sliding-window layers (`compat.module_window`) take only the paths that apply
-the mask transformers built for them (each row cut at its own window): `attention.gqa_sdpa` or ``<base>``, and
-`attention.one_row_sdpa` only when that mask is None (nothing cut).
+The paths are called through the `attention` module, so what a test or a benchmark replaces there is what the wrapper
+runs. Sliding-window layers (`compat.module_window`) take only the paths that apply the mask transformers built for
+them: `attention.gqa_sdpa` or ``<base>``, and `attention.one_row_sdpa` only when that mask is None.
 """
 
 from __future__ import annotations

@@ -1,24 +1,18 @@
 """Whether a CPU call of few query rows over a long cache takes the library's kernel or ATen's route: timed on the CPU.
 
 `cpu_attention`'s kernel reads each KV head's cache once for all the head's query rows; ATen's route
-(`attention.aten_attention`: one-row SDPA for a decoding step, else masked GQA SDPA or the cache split across threads)
-runs many small matrix products. Which is cheaper depends on the CPU and on the code the kernel was built into
-(`native_build.build_target`): the kernel built for an AVX-512 CPU is cheaper nearly everywhere, code built for
-x86-64-v3 from 512-bit paths far dearer (docs/experiments.md, "Attention over a long cache on the CPU: the library's
-kernel", both builds against ATen's route). So `AttentionRoutes` times both
-routes per shape class (dtype, head dim, KV heads, query heads per KV head, threads), row count (`CALIBRATED_ROWS`: a
-call of ``n`` new rows takes the route of the largest not above ``n``) and cache length (powers of two from
-`cpu_attention.MIN_CACHED`: a call takes the route of the largest not above its cached entries), at a call's set-up
-for every length the call can reach (`installed`), and keeps the choices for the model's later calls. The kernel takes
-a class only where it is cheaper by more than `MARGIN` (ties go to ATen's route). A class met first inside a forward
-(another model's shapes) is timed there, once.
+(`attention.aten_attention`) runs many small matrix products. Which is cheaper depends on the CPU and on the code the
+kernel was built into (`native_build.build_target`; docs/experiments.md, "Attention over a long cache on the CPU: the
+library's kernel"). So `AttentionRoutes` times both routes per shape class (dtype, head dim, KV heads, query heads per
+KV head, threads), row count (`CALIBRATED_ROWS`: a call of ``n`` new rows takes the route of the largest not above
+``n``) and cache length (powers of two from `cpu_attention.MIN_CACHED`, likewise), at a call's set-up for every
+length the call can reach (`installed`), and keeps the choices for the model's later calls. The kernel takes a class
+only where it is cheaper by more than `MARGIN`. A class met first inside a forward (another model's shapes) is timed
+there, once; outside `installed` every call takes ATen's route.
 
-Outside `installed` (a forward that no TriForce call set up) every call takes ATen's route: the kernel runs only where
-it was timed cheaper.
-
-Exactness: both routes compute the same attention, summed in fp32 in other orders (rounding; a bf16 or fp16 output
-rounded once to its dtype); the route of a call depends on its row count and cache length and on timings fixed before
-the call's tokens are drawn, not on the values (docs/exactness.md).
+Exactness: both routes compute the same attention, summed in fp32 in other orders; the route of a call depends on its
+row count, its cache length and timings fixed before the call's tokens are drawn, not on the values
+(docs/exactness.md).
 """
 
 from __future__ import annotations

@@ -1,23 +1,16 @@
 """A CPU kernel for attention of a few query rows over a long KV cache: decoding steps and verifications in fp32, bf16
-or fp16.
+or fp16 (docs/deployment.md, "The CPU kernels").
 
-ATen's CPU attention runs a decoding step or a few-row verification over a long cache as many small matrix products per
-block of keys, reading the cache at a fraction of the memory's speed (docs/experiments.md, "Attention over a long cache
-on the CPU: the library's kernel"). `csrc/decode_attention.c` reads each KV head's keys and values once for all its
-query rows (the group's query heads times the new tokens, two rows per pass over a block), in spans run on torch's
-thread count and merged by their softmax maxima and sums.
+`csrc/decode_attention.c` reads each KV head's keys and values once for all its query rows (the group's query heads
+times the new tokens), in spans run on torch's thread count and merged by their softmax maxima and sums, where ATen
+runs many small matrix products per block of keys. Compiled on first use and kept (`native_build`), checked against a
+float64 reference before first use (a failure leaves `status` saying why, and ATen's paths run); each class of calls
+takes it only where it was timed cheaper on this CPU (`attention_routes`). ``HF_TRIFORCE_CPU_ATTENTION=off`` turns
+it off.
 
-It is compiled on first use for the CPU it runs on and kept (`native_build`). Before first use it is checked against
-a float64 reference; a build, load or check that fails leaves `status` saying why,
-and the attention functions take ATen's paths; where it runs, each class of calls takes it only where it was timed
-cheaper than ATen's route on this CPU (`attention_routes`; `TriForceDetail.attention_kernel` reports which ran).
-``HF_TRIFORCE_CPU_ATTENTION=off`` turns it off.
-
-Numerics: every score, weight and sum in fp32; the softmax's order of summation differs from ATen's, so outputs differ
-from SDPA's by rounding (fp32: about ATen's own error against float64, docs/experiments.md, as above). A bf16 or
-fp16 cache is read as it is (half the bytes) and widened in registers (with AVX512-BF16, bf16 keys' dot products are
-taken in pairs by ``vdpbf16ps``); each product of two such values is exact in fp32, and the output is rounded once to
-the cache's dtype (`tolerance`).
+Numerics: every score, weight and sum in fp32, in another summation order than ATen's; a bf16 or fp16 cache is read
+as it is and widened in registers (``vdpbf16ps`` pairs with AVX512-BF16), each product exact in fp32, the output
+rounded once to the cache's dtype (`tolerance`).
 """
 
 from __future__ import annotations

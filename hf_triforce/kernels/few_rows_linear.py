@@ -1,25 +1,17 @@
 """A CPU kernel for a few rows times a weight matrix in fp32, bf16 or fp16: the linear layers of decoding and
-verification forwards.
+verification forwards (docs/deployment.md, "The CPU kernels").
 
-A decoding step or a verification of a few tokens multiplies 1-16 rows by every weight matrix of the model, and is
-bound by reading the weights. ATen's products (MKL's sgemm) read them at a fraction of the memory's speed for a few
-rows, this kernel at most of it (docs/experiments.md, "Linear layers of a few rows on the CPU").
-`csrc/few_rows_linear.c` reads each block of weight rows once and multiplies it into every input row (up to 8 a pass;
-the rows stay in the cache), the output columns split among torch's threads.
-
-It is built on first use for the CPU it runs on and kept (`native_build`), and checked against a float64 reference
-before first use; a build, load or check that fails leaves `status` saying why, and `linear_routes` then times ATen's
-routes only (`TriForceDetail.linear_routes` reports the route each row count took). ``HF_TRIFORCE_CPU_LINEAR=off``
+`csrc/few_rows_linear.c` reads each block of weight rows once and multiplies it into every input row (up to 8 a pass),
+the output columns split among torch's threads, where MKL reads the weights at a fraction of the memory's speed for a
+few rows. Built on first use and kept (`native_build`), checked against a float64 reference before first use (a
+failure leaves `status` saying why, and `linear_routes` times ATen's routes only). ``HF_TRIFORCE_CPU_LINEAR=off``
 turns it off.
 
-Numerics: each output is its own dot product of one row with one weight row (rows never mix), in fp32, summed by
-fused multiply-adds in 16 lanes (8 on an AVX2 CPU) then across them, the same operations in the same order for every
-number of rows and on every build (nothing is fused but what the source fuses), so a row's outputs are bit for bit
-the same alone and beside others. The order of summation is not MKL's, so outputs differ from ``F.linear``'s by
-rounding. bf16 and fp16 weights are read as they are (half the bytes) and widened in registers; the
-product of two such values is exact in fp32, the sums are fp32's, and each output is rounded once to the weights'
-dtype. Where the CPU has AVX512-BF16, bf16 rows and weights are multiplied in pairs by ``vdpbf16ps`` (fp32 sums that
-take values below fp32's normal range as 0). `error_bound` bounds all of it.
+Numerics: each output is its own fp32 dot product of one row with one weight row (rows never mix), summed by fused
+multiply-adds in 16 lanes (8 on AVX2) then across them, in the same order for every number of rows and on every
+build, so a row's outputs are bit for bit the same alone and beside others. bf16 and fp16 weights are read as they
+are and widened in registers (each product exact in fp32; with AVX512-BF16, bf16 pairs by ``vdpbf16ps``, which takes
+values below fp32's normal range as 0), each output rounded once to the weights' dtype. `error_bound` bounds it all.
 """
 
 from __future__ import annotations

@@ -1,31 +1,23 @@
 """Tier forwards at fixed shapes: the lean forward on whole cache buffers, compiled once per model.
 
-Force 1 runs on a sink+window cache of constant capacity (``sink_tokens + window``) and Force 2 on a retrieval
-cache of constant capacity (``retrieval_budget`` + its tail), so their forwards have fixed shapes once they read
-the whole buffer (`LeanModel.fixed_shape_layers`: new entries written at a position tensor with ``index_copy_``,
-entries past a row's own masked out -- the cache's length stays a Python integer outside, so a rejection is
-still a length). Such a forward can be compiled once and replayed at every step, length and call:
+Force 1's sink+window cache and Force 2's retrieval cache have constant capacities, so their forwards have fixed
+shapes once they read the whole buffer (`LeanModel.fixed_shape_layers`: new entries written at a position tensor
+with ``index_copy_``, entries past a row's own masked out; the cache's length stays a Python integer, so a rejection
+is still a length). Such a forward is made once and replayed at every step, length and call:
 
 * ``"fixed"``: the fixed-shape forward run eagerly (what the compiled form computes);
-* ``"compile"``: ``torch.compile`` (inductor, ``fullgraph=True``: a graph break raises instead of running
-  slower) -- on CUDA with CUDA graphs (inductor's ``reduce-overhead`` mode: cache buffers and weights are marked
-  static, so a replay copies nothing in). One graph for one-token forwards and one for several tokens per cache
-  capacity (dynamo makes the second dimension dynamic on its second size), all made in the first call of a
-  model: later steps, prompt lengths and calls reuse them (`compiles` counts them; tests assert no growth);
-* ``"graph"`` (CUDA): the fixed-shape forward captured as a CUDA graph (``torch.cuda.CUDAGraph``) per row count
-  and cache buffer, without compiling: a capture costs one forward, a replay launches every kernel at once (an
-  eager forward of a small model on a GPU is launch-bound). Inputs are copied into the graph's static tensors;
-  the weights and the cache buffers are read in place. What breaks a capture (a host read, a data-dependent
-  shape) breaks ``"compile"``'s ``fullgraph=True`` on the CPU first, where the tests run it.
+* ``"compile"``: ``torch.compile`` (inductor, ``fullgraph=True``: a graph break raises), on CUDA with CUDA graphs
+  (``reduce-overhead``; cache buffers and weights static). One graph for one-token forwards and one for several
+  tokens per cache capacity, all made in a model's first call (`compiles` counts them; tests assert no growth);
+* ``"graph"`` (CUDA): the forward captured as a ``torch.cuda.CUDAGraph`` per row count and cache buffer, without
+  compiling; inputs are copied into its static tensors, weights and cache buffers read in place. What breaks a
+  capture breaks ``"compile"``'s ``fullgraph=True`` on the CPU first, where the tests run it.
 
-Force 3's verification runs the same way (`LeanModel.fixed_shape_verify`, entry ``"fixed_shape_verify"``): over
-the full cache, whose capacity is fixed per call but not across calls, so that dimension is compiled dynamic
-(``dynamic``) and a CUDA graph is captured per row count for each call's cache; its outputs, the logits
-and the stacked queries, are copied out of the graph's memory.
-
-Exactness is unchanged: Force 1 and Force 2 hand up the law they drew from, whatever forward computed it
-(docs/exactness.md); every row still sees only its own and earlier entries, and a row's result does not depend on
-later rows (masked entries get probability exactly 0).
+Force 3's verification runs the same way (`LeanModel.fixed_shape_verify`, entry ``"fixed_shape_verify"``) over the
+full cache, whose capacity is fixed per call only: that dimension is compiled dynamic and a graph captured per row
+count for each call's cache; its logits and stacked queries are copied out of the graph's memory. Exactness is
+unchanged (docs/exactness.md): every row sees only its own and earlier entries (masked entries get probability
+exactly 0).
 """
 
 from __future__ import annotations

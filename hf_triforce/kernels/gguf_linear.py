@@ -1,24 +1,17 @@
-"""A CPU kernel for a few fp32 rows times a weight matrix kept in GGUF's quantized blocks (Q4_0, Q4_1, Q5_0, Q5_1,
-Q8_0, Q4_K, Q6_K): the linear layers of a GGUF model's decoding and verification forwards, read at their stored
-width.
+"""A CPU kernel for a few fp32 rows times a weight matrix kept in GGUF's quantized blocks (`TYPES`): the linear layers
+of a GGUF model's decoding and verification forwards, read at their stored width (docs/deployment.md, "The CPU
+kernels").
 
-A model loaded from a GGUF file holds weights that are 4 or 8 bits by construction; transformers dequantizes them to
-fp32 when it loads the file, and a one-row forward then reads 6.4x (Q4_1) the bytes the file holds. This kernel reads
-the blocks as the file stores them (`BlockMatrix`: 32 values a block with an fp16 scale, and for Q4_1 / Q5_1 an fp16
-minimum; the K-quants 256 values a block in sub-blocks with 6- or 8-bit scales) and widens each 32 values to fp32 in
-registers (`csrc/gguf_rows_linear.c`), up to 8 rows a pass over the weights, the output
-columns split among torch's threads, like `few_rows_linear`.
+`csrc/gguf_rows_linear.c` reads the blocks as the file stores them (`BlockMatrix`) and widens each 32 values to fp32
+in registers, up to 8 rows a pass over the weights, the output columns split among torch's threads.
 
 Exactness: the values it multiplies by are exactly the dequantized fp32 matrix's, bit for bit (what
-``gguf.dequantize`` computes and transformers loads: the products of scales and quantized values are exact in fp32
-but Q6_K's last one, and the one rounding gguf makes, ``+ m``, ``- dmin * mn`` or Q6_K's product, is made once here;
-`reference_dequantize`, and `dequantize` reads them back from the kernel's own code). Each output is an fp32 dot
-product of one row with one weight row (rows never mix), in another summation order than ``F.linear``'s: the same
-model, other rounding, as with any change of GEMM kernel (`error_bound`).
+``gguf.dequantize`` computes and transformers loads; `reference_dequantize`, and `dequantize` reads them back from
+the kernel's own code). Each output is an fp32 dot product of one row with one weight row (rows never mix), in another
+summation order than ``F.linear``'s (`error_bound`).
 
-Built on first use for the CPU it runs on (`native_build`), checked against float64 and the reference values before
-first use; a build, load or check that fails leaves `status` saying why, and `linear_routes` then does not offer the
-route. ``HF_TRIFORCE_CPU_GGUF=off`` turns it off.
+Built on first use (`native_build`), checked against float64 and the reference values before first use (a failure
+leaves `status` saying why, and `linear_routes` does not offer the route). ``HF_TRIFORCE_CPU_GGUF=off`` turns it off.
 """
 
 from __future__ import annotations

@@ -1,26 +1,18 @@
 """A GGUF model's linear layers read at their stored width: the file's quantized blocks attached to the weights they
-are, for `linear_routes`' ``"gguf"`` route (`gguf_linear`'s kernel).
+are, for `linear_routes`' ``"gguf"`` route (`gguf_linear`'s kernel; docs/deployment.md, "The CPU kernels").
 
-transformers loads a GGUF file (``from_pretrained(folder, gguf_file=...)``) by dequantizing every tensor to fp32, so a
-one-row forward of a 4-bit model reads 6-8x the bytes its file holds. `attach_gguf` reads the file's tensors of the
-types the kernel takes (`gguf_linear.TYPES`: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q6_K), puts their rows in the model's
-order (transformers' own tensor processor for the architecture: Llama's query and key rows are stored permuted) and
-keeps each beside the weight of the model's `nn.Linear` it was loaded into (a tied output layer included) -- after
-checking that the kernel's values are that weight's, bit for bit. So the model is exactly those values: the route
-multiplies by them with fp32 sums (another summation order than ``F.linear``'s), and the greedy output and the sampled
-law are the model's, as with any CPU kernel of the library (docs/deployment.md, "The CPU kernels").
+`attach_gguf` reads the file's tensors of the types the kernel takes (`gguf_linear.TYPES`), puts their rows in the
+model's order (transformers' own tensor processor: Llama's query and key rows are stored permuted) and keeps each
+beside the weight of the model's `nn.Linear` it was loaded into (a tied output layer included), after checking that
+the kernel's values are that weight's, bit for bit. Opt-in: `load_gguf` (a file loaded and attached) or `attach_gguf`
+(a model loaded otherwise from the same values).
 
-Opt-in: `load_gguf` (a GGUF file loaded and attached) or `attach_gguf` (a model loaded otherwise from the same values,
-e.g. the dequantized checkpoint `hf_triforce.assets` keeps). The attached blocks serve the weight tensor only while it
-holds their values, however it is written: `attach_gguf` keeps the sha256 of each weight's bytes, and `verify`, run
-once per call before any route is timed or taken (`linear_routes.LinearRoutes.installed`), hashes the weights again
-and refuses blocks whose weight holds other values (a write through ``.data``, which the version counter does not see:
-peft's ``merge_and_unload`` adds each adapter's product to ``base_layer.weight.data``), another dtype or shape
-(``model.double()``); `matrix_of` also refuses, at each forward, a weight whose version counter moved (an in-place
-write). Attach again, or `detach_gguf`. The hash costs a read of the attached fp32 weights per call (`digests`: ~0.6 s
-per GB on one core, divided among torch's threads; ~0.3 s for a 135M model's 0.5 GB on one core, the bytes of about
-one fp32 forward). Tensors of other types (F32, F16, Q2_K, Q3_K, Q5_K, the I-quants, ...) stay on the fp32 routes;
-`describe` counts what is attached.
+The blocks serve the weight only while it holds their values: `attach_gguf` keeps the sha256 of each weight's bytes,
+and `verify`, run once per call before any route is timed or taken, hashes them again and refuses blocks whose weight
+holds other values (a write through ``.data``, which the version counter does not see: peft's ``merge_and_unload``),
+another dtype or shape; `matrix_of` also refuses, at each forward, a weight whose version counter moved. Attach again,
+or `detach_gguf`. The hash costs a read of the attached fp32 weights per call (`digests`: ~0.6 s per GB on one core,
+divided among torch's threads). Tensors of other types stay on the fp32 routes; `describe` counts what is attached.
 """
 
 from __future__ import annotations

@@ -1,39 +1,29 @@
 """A lean forward for Llama-family decoders (Llama/SmolLM2, Mistral, Qwen2): the drafting tiers' and Force 3's.
 
-Force 1 and Force 2 may run any model, provided each hands up the exact law it drew from and that law is a
-deterministic function of the sequence so far (not of later drafts in the same forward, nor of other rows'
-values); Force 3 computes the target itself, so the output stays exactly the target's (docs/exactness.md): by
-transformers' forward, or by this forward's `LeanModel.verifying` view (the model's own weights read in place,
-activations in the model's dtype rounded where its forward rounds them, the verification at fixed shapes that a
-CUDA graph captures; the same values up to summation order). A drafting `LeanModel` is such a model: the
-target's (or a draft model's) weights copied once, run by a forward with little per-op overhead:
+Force 1 and Force 2 may run any model that hands up the exact law it drew from, a deterministic function of the
+sequence so far; Force 3 computes the target itself (docs/exactness.md): by transformers' forward, or by this
+forward's `LeanModel.verifying` view (the model's own weights read in place, activations rounded where its forward
+rounds them, at fixed shapes a CUDA graph captures; the same values up to summation order). A drafting `LeanModel`
+holds the target's (or a draft model's) weights copied once, run with little per-op overhead:
 
 * fused projections: one matrix for Q, K and V (and their biases: Qwen2), one for gate and up;
-* weights per `LEAN_PRECISIONS`: ``"lean"`` fp32 (``F.linear``), ``"lean-int8"`` weight-only int8 (per output
-  channel, ``aten._weight_int8pack_mm``), ``"lean-int4"`` weight-only int4 (asymmetric, `INT4_GROUP_SIZE` inputs
-  per scale and zero point, ``aten._weight_int4pack_mm_for_cpu``) with an int8 output layer; ``"native"`` the
-  model's own weights, read in place. The quantized products take bf16 activations: this torch's CPU kernels
-  for them are vectorized for bf16 only (fp32 activations take a scalar path, 10-25x slower than fp32
-  ``F.linear``; measured on SmolLM2 shapes, 1 thread); the residual stream, norms and rotary stay fp32,
-  attention and the cache run in the model's dtype (fp32; bf16 for a bf16 model's int8/int4 copy);
-* RMSNorm as one ``F.rms_norm``, the rotary's cos/sin computed once per forward by the model's own rotary
-  module (scaled RoPE types included), attention by SDPA over the cache's buffers (GQA-native: a KV head's
-  query heads are extra rows; on the CPU over at least 1024 entries, the library's kernel,
-  `cpu_attention`, where it was timed cheaper: `attention_routes`), written through the same cache objects the eager
-  forward uses (``cache.layers[i].update``: `SinkWindowCache`, `RetrievalCache`, the batch's `RaggedBufferCache`);
-  at fixed shapes over a long buffer, split-KV attention (`split_kv`: the buffer in spans merged by log-sum-exp)
-  where it pays.
+* weights per `LEAN_PRECISIONS`: ``"lean"`` fp32, ``"lean-int8"`` weight-only int8 per output channel,
+  ``"lean-int4"`` weight-only int4 (asymmetric, `INT4_GROUP_SIZE` inputs per scale and zero point) with an int8
+  output layer, ``"native"`` the model's own weights in place. The quantized products take bf16 activations (this
+  torch's CPU kernels for them are vectorized for bf16 only); the residual stream, norms and rotary stay fp32,
+  attention and the cache run in the model's dtype;
+* one ``F.rms_norm``, the rotary's cos/sin once per forward by the model's own rotary module, attention by SDPA over
+  the cache's buffers (GQA-native; on the CPU the library's kernel, `cpu_attention`, where `attention_routes` timed
+  it cheaper; at fixed shapes over a long buffer, `split_kv` where it pays), written through the same cache objects
+  the eager forward uses (``cache.layers[i].update``).
 
-Row independence (exactness): every product is weight-only (activations are never quantized with a scale
-shared across rows), the norms act per row, and attention is causal (bottom-right; the tree mask inside a
-candidate tree's forward; a batch's per-row mask), so a row's logits do not depend on the values of later
-rows or of other batch rows (tests/test_lean.py checks bit-identity). They do depend on how many rows a call
-has (kernel blocking), which is fixed before the call's tokens are drawn.
+Row independence (exactness): every product is weight-only, the norms act per row and attention is causal (the tree
+mask inside a candidate tree; a batch's per-row mask), so a row's logits do not depend on the values of later rows or
+of other batch rows (tests/test_lean.py checks bit-identity); they depend on how many rows a call has (kernel
+blocking), which is fixed before the call's tokens are drawn.
 
-This module computes only: which models the forward covers and can copy, and which precision each tier runs, are
-decided in `hf_triforce.decoding.tiers` (a model it does not cover, e.g. another family, sliding-window layers,
-adapters, another activation, drafts with its eager transformers forward; one it cannot copy raises a ValueError
-naming the setting).
+This module computes only: which models the forward covers and which precision each tier runs are decided in
+`hf_triforce.decoding.tiers`.
 """
 
 from __future__ import annotations
@@ -137,18 +127,6 @@ class Projection:
         else:
             out = INT4_MM(x, self.weight, self.group_size, self.scales_zeros)
         return out if self.bias is None else out.float() + self.bias
-
-    def dequantized(self) -> torch.Tensor:
-        """The fp32 weight this projection multiplies by (for tests and agreement measurements)."""
-        if self.precision == "model":
-            return torch.cat(self.weights).float()
-        if self.precision == "fp32":
-            return self.weight
-        if self.precision == "int8":
-            return self.weight.float() * self.scales.float()[:, None]
-        eye = torch.eye(self.in_features, dtype=torch.bfloat16)
-        columns = INT4_MM(eye, self.weight, self.group_size, self.scales_zeros)
-        return columns.float().T.contiguous()
 
     def nbytes(self, shared: set[int] = frozenset()) -> int:
         """Bytes of its tensors, except those whose storage is in ``shared`` (data pointers of the model's)."""

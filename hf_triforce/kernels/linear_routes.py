@@ -1,32 +1,27 @@
 """How the model's CPU `nn.Linear` layers multiply the few rows of a decoding forward, chosen by timing on this CPU.
 
-Three routes compute the same dot products in other summation orders (fp32 rounding, and for bf16 / fp16 weights one
+The routes compute the same dot products in other summation orders (fp32 rounding, and for bf16 / fp16 weights one
 rounding of each output to their dtype, like any change of GEMM kernel):
 
 - ``"linear"``: ``F.linear(x, W)``, i.e. ``x @ W.T`` (what the model does);
-- ``"left"``: weight on the left, ``(W @ x.T).T``; one row goes in as two identical columns and the first is kept
-  (MKL's one-column product takes a slower kernel than its two-column one on some CPUs);
-- ``"stream"``: the library's kernel (`few_rows_linear`: each weight row read once for all the rows), fp32, bf16 or
-  fp16 weights, where it is built;
-- ``"gguf"``: the weights' GGUF blocks read at their stored width (`gguf_linear`), where a GGUF file's blocks (Q4_0,
-  Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q6_K) were attached to every layer of the group (`gguf_weights.attach_gguf`):
-  exactly the fp32 weight's values, bit for bit, so the same dot products again.
+- ``"left"``: ``(W @ x.T).T``; one row goes in as two identical columns and the first is kept (MKL's one-column
+  product takes a slower kernel than its two-column one on some CPUs);
+- ``"stream"``: the library's kernel (`few_rows_linear`), fp32, bf16 or fp16 weights, where it is built;
+- ``"gguf"``: the weights' GGUF blocks read at their stored width (`gguf_linear`), where a GGUF file's blocks were
+  attached to every layer of the group (`gguf_weights.attach_gguf`): exactly the fp32 weight's values.
 
 Which is faster depends on the CPU, the shapes and the row count (docs/experiments.md, "Linear layers of a few rows on
-the CPU"). So `LinearRoutes` times the routes for each layer group (``"head"``: the output layer; ``"decoder"``: every
-other eligible layer) at 1, 2, 4 and 8 rows (`CALIBRATED_ROWS`; a call of ``n`` rows takes the route of the largest of
-them not above ``n``), on a working set of the group's own weights larger than a last-level cache, before the call
-decodes (so that no timed forward of the adaptive policy includes it), and keeps them for the model's later calls, each
-group's under what it was timed on (`timed_on`: each layer's weight storage, dtype and shape, and whether GGUF blocks
-are attached), timed again at a call that finds the group otherwise (``model.double()``, `detach_gguf`, replaced
-weights); calls of more than `MAX_ROUTED_ROWS` rows, the prefill's chunks, keep ``F.linear``, and so do calls under CPU
-autocast or of rows in another dtype than the weight (`bypass`: ``F.linear`` casts or raises as the model's own forward
-does; counted in `LinearRoutes.bypassed`, `TriForceDetail.linear_bypassed`). The timings take ~1 s once per model and
-process (`TriForceDetail.linear_calibration_seconds`).
+the CPU"). `LinearRoutes` times the routes per layer group (``"head"``: the output layer; ``"decoder"``: every other
+eligible layer) at `CALIBRATED_ROWS` (a call of ``n`` rows takes the route of the largest not above ``n``), on a
+working set larger than a last-level cache, before the call decodes, and keeps them for the model's later calls
+under what each group was timed on (`timed_on`), timed again at a call that finds the group otherwise. Calls of
+more than `MAX_ROUTED_ROWS` rows (the prefill's chunks), under CPU autocast or of rows in another dtype than the
+weight keep ``F.linear`` (`bypass`, counted in `TriForceDetail.linear_bypassed`). The timings take ~1 s once per
+model and process (`TriForceDetail.linear_calibration_seconds`).
 
-Exactness: each row's outputs are its own dot products under every route (the columns of ``W @ x.T`` never mix; the
-kernel's rows never mix), so a row does not depend on the values of the call's other rows; the route depends on the
-row count and on timings, both fixed before the call's tokens are drawn (docs/exactness.md).
+Exactness: each row's outputs are its own dot products under every route, so a row does not depend on the call's
+other rows; the route depends on the row count and on timings, both fixed before the call's tokens are drawn
+(docs/exactness.md).
 """
 
 from __future__ import annotations

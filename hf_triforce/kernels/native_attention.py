@@ -1,33 +1,26 @@
 """GPU attention without flash-attn: torch's own varlen FlashAttention kernels and FlexAttention.
 
-flash-attn has no wheel on PyPI (only its sdist: a long CUDA build), so most CUDA installs lack it; these routes
-give the same mask-free, GQA-native multi-token attention (Force 3's verification, chunked prefill, a candidate
-tree's cached prefix with its log-sum-exp) from torch alone. What each op supports (torch 2.11 and 2.13 read;
-`tests/test_native_attention.py` checks the CPU-visible parts, `tests/test_cuda.py` the kernels):
+flash-attn has no wheel on PyPI, so most CUDA installs lack it; these routes give the same mask-free, GQA-native
+multi-token attention (Force 3's verification, chunked prefill, a candidate tree's cached prefix with its
+log-sum-exp) from torch alone. What each op supports (torch 2.11 and 2.13 read; `tests/test_native_attention.py`
+checks the CPU-visible parts, `tests/test_cuda.py` the kernels):
 
 * ``torch.nn.attention.varlen.varlen_attn`` (a prototype API; `varlen_function` reads its signature): ATen's
-  vendored FlashAttention 2 (``aten::_flash_attention_forward``): **CUDA only** (no CPU kernel: "Could not run
-  ... from the 'CPU' backend"), fp16/bf16, sm80 or newer, one head dim for q, k and v, a multiple of 8 (SDPA
-  pads to it before calling the kernel; these routes do not) and at most 256. GQA: the kernel takes fewer KV
-  heads (torch 2.11 passes them through; 2.13 wants ``enable_gqa=True``). Causal is ``window_size=(-1, 0)``
-  (the wrapper tests ``window_size == (-1, 0)``: a tuple, not a list), aligned bottom-right
-  as FlashAttention 2 does (ATen's SDPA refuses non-square causal flash calls for that reason,
-  ``check_flash_causal_non_square_seqlens``). ``return_aux=AuxRequest(lse=True)`` returns the fp32
-  log-sum-exp as ``[heads, total_q]`` (its fake implementation; ROCm ``[batch, heads, max_q]``; the docstring's
-  ``(T_q, H)`` disagrees with both and is not followed: the CUDA test checks the values). No dropout.
-* ``torch.nn.attention.flex_attention.flex_attention`` (torch >= 2.5): CUDA (Triton, compiled; `_flex`),
-  CPU eagerly (unfused: the whole score matrix; compiled on the CPU it refuses the log-sum-exp, "torch.compile
-  on CPU only supports inference and `return_lse` is not supported yet"), fp32/bf16/fp16, any mask as a
-  ``mask_mod`` turned into a `BlockMask`, ``enable_gqa``, the natural-log log-sum-exp (``return_aux`` or
-  ``return_lse``). Its short-query kernel (split across the cache) needs a power-of-two GQA ratio, so the query
-  heads of a group are laid out as extra rows of their KV head here (SmolLM2's ratio is 3).
+  vendored FlashAttention 2, **CUDA only**, fp16/bf16, sm80 or newer, one head dim for q, k and v, a multiple of 8
+  (these routes do not pad) and at most 256. GQA: fewer KV heads (2.13 wants ``enable_gqa=True``). Causal is
+  ``window_size=(-1, 0)`` (a tuple, not a list), aligned bottom-right. ``return_aux=AuxRequest(lse=True)`` returns
+  the fp32 log-sum-exp as ``[heads, total_q]`` (its fake implementation; the docstring's ``(T_q, H)`` is not
+  followed: the CUDA test checks the values). No dropout.
+* ``torch.nn.attention.flex_attention.flex_attention`` (torch >= 2.5): CUDA (Triton, compiled; `_flex`), CPU eagerly
+  (unfused; compiled on the CPU it refuses the log-sum-exp), fp32/bf16/fp16, any mask as a ``mask_mod`` turned into
+  a `BlockMask`, ``enable_gqa``, the natural-log log-sum-exp. Its short-query kernel needs a power-of-two GQA ratio,
+  so a group's query heads are laid out as extra rows of their KV head here (SmolLM2's ratio is 3).
 
-Dispatch (`attention.fused_route`), on CUDA, for the batch-1 multi-token calls of full-attention layers:
-flash-attn when installed (fp16/bf16; the reference implementation these routes replace), then `varlen_attn`
-(fp16/bf16: the same FlashAttention 2 kernels, nothing to compile), then FlexAttention (what varlen cannot take:
-fp32, head dims it refuses, torch without it; compiled on first use, seconds per shape family), then the
-masked SDPA / matmul path. A route that fails raises (nothing is swallowed): pin another with `force_route`
-(tests, benchmarks, or a GPU whose compiler refuses a FlexAttention kernel: ``force_route("sdpa")``).
+Dispatch (`attention.fused_route`), on CUDA, for the batch-1 multi-token calls of full-attention layers: flash-attn
+when installed (fp16/bf16), then `varlen_attn` (fp16/bf16, nothing to compile), then FlexAttention (fp32, head dims
+varlen refuses; compiled on first use, seconds per shape family), then the masked SDPA / matmul path. A route that
+fails raises: pin another with `force_route` (tests, benchmarks, or a GPU whose compiler refuses a FlexAttention
+kernel: ``force_route("sdpa")``).
 """
 
 from __future__ import annotations

@@ -1,28 +1,18 @@
-"""Building and loading the library's C kernels (`csrc/`): compiled on first use, kept, loaded into torch's OpenMP.
+"""Building and loading the library's C kernels (`csrc/`): compiled on first use, kept, loaded into torch's OpenMP
+(docs/deployment.md, "Build").
 
-Build target: ``HF_TRIFORCE_CPU_MARCH`` (`MARCHES`): ``native`` (the default: ``-march=native``, 512-bit vectors where
-the CPU has AVX-512, gcc's default for ``-march=native`` often being 256), ``x86-64-v4`` (AVX-512, 512-bit vectors) or
-``x86-64-v3`` (AVX2 and FMA, 256-bit vectors: the code an AVX2-only CPU runs, built and checked on any newer one). A
+Build target: ``HF_TRIFORCE_CPU_MARCH`` (`MARCHES`): ``native`` (the default; 512-bit vectors where the CPU has
+AVX-512), ``x86-64-v4`` or ``x86-64-v3`` (the code an AVX2-only CPU runs, built and checked on any newer one). A
 forced target the CPU cannot run is refused with the features it lacks (`unsupported_target`). Where
-``/proc/cpuinfo`` cannot be read, ``native`` builds for the ISA level torch detects (`torch.backends.cpu`: AVX512 ->
-x86-64-v4, AVX2 -> x86-64-v3), so the cache key always names the instructions the build may use.
+``/proc/cpuinfo`` cannot be read, ``native`` builds for the ISA level torch detects (`CAPABILITY_TARGETS`), so the
+cache key always names the instructions the build may use.
 
-Each kernel is kept under ``$HF_TRIFORCE_CACHE/kernels`` (default ``~/.cache/hf_triforce/kernels``) as
-``<name>-<key>-<compiler key>.so``, the key a digest of its sources, flags and the CPU's features, the compiler key one
-of the compiler (`compiler_identity`: its path and its ``--version`` output; another ``$CC`` or an upgraded compiler
-builds its own), beside a ``.json`` record of the same name: the library's size and SHA-256, and the compiler that
-built it. A kept library is loaded only where its size and digest match its record (a truncated or damaged file is
-rebuilt, or refused with the reason where no compiler is there), and no compiler is needed to load it: where none is
-found, a kept library of the same key built by any compiler is loaded (a cache prepared in an image and used where
-there is none). The compiler runs
-under `COMPILE_TIMEOUT_S`, with a progress line after a second; callers build at a call's set-up (`prepare`), not
-inside a timed step.
-
-The library is loaded with ctypes into torch's OpenMP runtime (it names ``libgomp.so.1``, already loaded by torch).
-x86-64 Linux only; elsewhere `unsupported_platform` says why not, and each kernel's module keeps ATen's paths.
-
-Public functions the kernels' modules call: `load_checked`, `switched_off`, `build_target`, `build`, `load`,
-`CSRC`.
+Each kernel is kept under ``$HF_TRIFORCE_CACHE/kernels`` as ``<name>-<key>-<compiler key>.so`` (`kept_path`: the key
+a digest of its sources, flags and the CPU's features; the compiler key one of `compiler_identity`), beside a
+``.json`` record of its size and SHA-256. A kept library is loaded only where it matches its record (`damage`); with
+no compiler, a kept library of the same key built by any compiler is loaded. The compiler runs under
+`COMPILE_TIMEOUT_S`; callers build at a call's set-up, not inside a timed step. x86-64 Linux only
+(`unsupported_platform`); elsewhere each kernel's module keeps ATen's paths.
 """
 
 from __future__ import annotations

@@ -1,37 +1,27 @@
 """Int8 copies of a model's linear layers, for the drafting tiers (CPU only).
 
-Force 1 and Force 2 only have to report the distribution they drew from (`sampling.verify_chain` does
-the rest), so they may run a cheaper copy of a model; Force 3 computes the target itself (its own weights), so
-the output stays exactly the target's.
+Force 1 and Force 2 only have to report the distribution they drew from (`sampling.verify_chain` does the rest), so
+they may run a cheaper copy of a model; Force 3 computes the target itself, so the output stays exactly the target's.
 
-The copy shares the config, every non-linear parameter and every buffer with the original (no second
-embedding table, the same attention implementation); each `nn.Linear` is replaced by an `Int8Linear`
-(int8 weights per output channel, each input row quantized to int8 on its own, int32 sums by
-`torch._int_mm`) except the MLP output projections (``intermediate_size -> hidden_size``), kept fp32: their
+The copy shares the config, every non-linear parameter and every buffer with the original; each `nn.Linear` is
+replaced by an `Int8Linear` (int8 weights per output channel, each input row quantized to int8 on its own, int32
+sums by `torch._int_mm`) except the MLP output projections (``intermediate_size -> hidden_size``), kept fp32: their
 inputs carry activation outliers. It is made once per model object and reused: if you change the model's weights
 afterwards, call `forget_int8_copy`.
 
-Row independence (exactness): Force 2's q at row ``i`` of a verification must be a function of the
-sequence up to ``i`` only, never of the values of the other rows of the call (the drafts being verified,
-other rows of a batch, which `lockstep` runs as one forward): otherwise the token it emits is not distributed
-as the q it hands up. `Int8Linear` quantizes every row with its own scale, and nothing else in it reaches
-across rows, so each output row is a function of its input row alone, bit for bit, at every call size. (torch.ao
-dynamic-int8 linears take one activation scale per call; run row by row only in calls of up to 64 rows, a batch's
-lockstep Force-2 calls of more than 64 rows — 2 rows x gamma1 32, or 22 rows x the default gamma1 2 — mix rows, and
-the enumerated law is off by 3e-2, tests/test_batch.py.) Run row by row at every call size they make a prefill chunk
-dearer than fp32, and weight-only int8 is dearer than fp32 at every size: `Int8Linear` is the cheap row-independent
-int8 (docs/experiments.md, "Lean drafting tiers: weight-only int4 in groups of 32").
+Row independence (exactness): Force 2's q at row ``i`` must be a function of the sequence up to ``i`` only, never of
+the call's other rows (the drafts being verified, other rows of a batch). `Int8Linear` quantizes every row with its
+own scale, so each output row is a function of its input row alone, bit for bit, at every call size. torch.ao's
+dynamic-int8 linears take one activation scale per call (they mix rows: the enumerated law is off by 3e-2,
+tests/test_batch.py), and weight-only int8 is dearer than fp32 (docs/experiments.md, "Lean drafting tiers").
 
-Device maps (accelerate ``device_map=``, ``offload_folder=``): every execution device must be the CPU. The
-copy is made once from the loaded weights (offloaded layers are read from CPU or disk for it) and holds them
-in CPU memory: int8 for the quantized linears, fp32 for the MLP output projections, norms and embeddings of
-offloaded layers (shared with the model where they are resident). `int8_copy_bytes` reports its size.
+Device maps (accelerate ``device_map=``, ``offload_folder=``): every execution device must be the CPU. The copy is
+made once from the loaded weights and holds them in CPU memory (`int8_copy_bytes` reports its size).
 
-Adapters (PEFT LoRA and the like): linears held in a `nn.ModuleDict` — the per-adapter containers
-(``lora_A``/``lora_B``) — stay fp32: they are low-rank, and their owner layers read ``.weight`` from them.
-The adapted base layers are quantized. A copy remembers which adapters were active and merged when it was
-made (`adapter_state`); `set_adapter`, `merge_adapter` or disabling adapters afterwards makes the next
-call build a fresh copy, so the drafting tiers follow the adapter Force 3 runs.
+Adapters (PEFT LoRA and the like): linears held in a `nn.ModuleDict` (the per-adapter ``lora_A``/``lora_B``) stay
+fp32; the adapted base layers are quantized. A copy remembers which adapters were active and merged when it was made
+(`adapter_state`); changing them afterwards makes the next call build a fresh copy, so the drafting tiers follow the
+adapter Force 3 runs.
 """
 
 from __future__ import annotations

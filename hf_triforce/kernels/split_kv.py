@@ -1,27 +1,21 @@
 """Split-KV (FlashDecoding) attention: a few query rows over a long cache buffer, the buffer cut into spans.
 
-One attention call parallelises over (batch, KV heads, query blocks). A verification's few query rows over a long
-cache make few work items: 8 KV heads and 28 rows are 8 thread blocks of CUDA's memory-efficient kernel on a
-132-SM GPU, and 3 KV heads are 3 work items for 2 CPU threads. `split_kv_attention` cuts the buffer into ``parts``
-equal spans laid along the batch dimension (strided views of the buffer, no copy): ``parts * kv_heads`` work items
-in one call of a kernel that also returns each row's log-sum-exp, then merges the spans' partial results exactly
-by their log-sum-exp (`merge_by_lse`). The span length is a multiple of `SPAN_ALIGN` (CUDA's kernel reads its
-bias in aligned vectors); the entries past ``parts`` spans (1 to ``parts * SPAN_ALIGN``) take one more call, which
-always runs (whether ``parts`` divides the capacity is then no branch of a compiled graph). Every shape is fixed
-by the query's and the buffer's: the function traces under ``torch.compile(fullgraph=True)`` and in a CUDA graph
-capture (no host read, no data-dependent shape).
+One attention call parallelises over (batch, KV heads, query blocks), so a verification's few query rows over a long
+cache make few work items (8 KV heads and 28 rows are 8 thread blocks on a 132-SM GPU; 3 KV heads are 3 work items
+for 2 CPU threads). `split_kv_attention` cuts the buffer into ``parts`` equal spans laid along the batch dimension
+(strided views, no copy), runs one call of a kernel that also returns each row's log-sum-exp, and merges the spans
+exactly by it (`merge_by_lse`). The span length is a multiple of `SPAN_ALIGN`; the entries past ``parts`` spans take
+one more call, which always runs. Every shape is fixed by the query's and the buffer's, so the function traces under
+``torch.compile(fullgraph=True)`` and in a CUDA graph capture.
 
-`split_parts` says how many spans pay on a device: on CUDA enough thread blocks for two per SM, spans of at least
-`MIN_SPAN` entries; on the CPU a span per thread, where the KV heads alone leave threads idle. It returns 1
-where one masked call is as fast (short buffers; on the CPU, KV heads that keep every thread busy): the caller runs
-that call.
+`split_parts` says how many spans pay on a device (on CUDA two thread blocks per SM, spans of at least `MIN_SPAN`;
+on the CPU a span per thread where the KV heads alone leave threads idle), or 1 where one masked call is as fast.
 
-Kernels, per device: CPU ``aten._scaled_dot_product_flash_attention_for_cpu`` (an additive mask in the query's
-dtype; a row that sees nothing comes back as 0 with log-sum-exp 0), CUDA
-``aten._scaled_dot_product_efficient_attention`` with ``compute_log_sumexp=True`` (a 4-D ``[batch, heads, rows,
-keys]`` bias in the query's dtype, its last dim contiguous and its other strides multiples of 8 elements; the
-log-sum-exp padded to a multiple of 32 rows). Neither kernel's log-sum-exp of a fully masked row is trusted: the
-merge gives a span whose row sees nothing weight exactly 0 from the mask itself (`SplitKVMask.seen`).
+Kernels: CPU ``aten._scaled_dot_product_flash_attention_for_cpu`` (an additive mask in the query's dtype; a row that
+sees nothing comes back as 0 with log-sum-exp 0), CUDA ``aten._scaled_dot_product_efficient_attention`` with
+``compute_log_sumexp=True`` (a 4-D bias in the query's dtype, last dim contiguous, other strides multiples of 8
+elements; the log-sum-exp padded to a multiple of 32 rows). Neither kernel's log-sum-exp of a fully masked row is
+trusted: the merge gives such a span weight exactly 0 from the mask itself (`SplitKVMask.seen`).
 """
 
 from __future__ import annotations

@@ -1,27 +1,23 @@
 """Tree attention: one forward scores every node of a candidate tree (`tree.DraftTree`).
 
-The new block of a tree forward is ``m`` rows (the uncached tail of the committed sequence, then the tree's
-nodes) after ``cached`` entries. Every row sees every cached entry, and inside the block only what
-``visible`` (``[m, m]`` bool, `block_visibility`) allows: the committed tail causally, a node its ancestors
-and itself. The attention is computed in two parts merged exactly by their log-sum-exp:
+The new block of a tree forward is ``m`` rows (the uncached tail of the committed sequence, then the tree's nodes)
+after ``cached`` entries. Every row sees every cached entry, and inside the block only what ``visible`` (``[m, m]``
+bool, `block_visibility`) allows: the committed tail causally, a node its ancestors and itself. The attention is
+computed in two parts merged exactly by their log-sum-exp:
 
-* the cached prefix, unmasked: on CPU ATen's flash attention returning its log-sum-exp, the prefix split
-  into spans laid along the batch dimension (as `attention.split_kv_sdpa`: 2 threads busy with few KV
-  heads), GQA-native (the query heads of a group are extra rows of their KV head); on CUDA the fused route
-  `attention.fused_route` picks: flash-attn's `flash_attn_varlen_func` where installed (``return_attn_probs``
-  gives its log-sum-exp; `flash_prefix_attention`), torch's ``varlen_attn`` in fp16/bf16
-  (`native_attention.varlen_prefix_attention`), FlexAttention (`native_attention.flex_prefix_attention`);
-  elsewhere one matmul;
+* the cached prefix, unmasked: on CPU ATen's flash attention returning its log-sum-exp, the prefix split into spans
+  along the batch dimension (as `attention.split_kv_sdpa`), GQA-native; on CUDA the route `attention.fused_route`
+  picks (`flash_prefix_attention`, `native_attention.varlen_prefix_attention`,
+  `native_attention.flex_prefix_attention`); elsewhere one matmul;
 * the block, ``m x m``, with the tree mask, in fp32.
 
-Pinned to ``"flex_tree"`` (`native_attention.force_route`), the whole tree is one FlexAttention call whose mask
-reads ``visible`` (`native_attention.flex_tree_sdpa`) instead; the split stays the default (its block in fp32, and
-the one-call form is unmeasured on a GPU: `benchmarks/gpu_check.py` times both).
+Pinned to ``"flex_tree"`` (`native_attention.force_route`), the whole tree is one FlexAttention call whose mask reads
+``visible`` (`native_attention.flex_tree_sdpa`); the split stays the default (`benchmarks/gpu_check.py` times both).
 
-No ``[m, cached]`` mask is ever built. The block mask reaches the attention function through a context
-(`tree_block`) set around the forward by `decoding.tree_forward.tree_logits`, like the query recorder: the
-model's own causal mask is ignored while it is set. Sliding-window layers, soft-capping and position
-biases are refused (their masks/scores are not this computation).
+No ``[m, cached]`` mask is ever built: the block mask reaches the attention function through a context (`tree_block`)
+set around the forward by `decoding.tree_forward.tree_logits`, and the model's own causal mask is ignored while it is
+set. Sliding-window layers, soft-capping and position biases are refused (their masks/scores are not this
+computation).
 """
 
 from __future__ import annotations

@@ -1,13 +1,12 @@
 """Exact verification of a candidate tree (`tree.DraftTree`): greedy and sampled.
 
 **Greedy.** Accept the deepest node whose path matches the verifier's ``argmax`` at every step (the first
-in node order among equals); emit the ``argmax`` after it. This accepts the longest root-to-node path that plain greedy
-decoding would produce, and the emitted tokens are exactly greedy decoding's.
+in node order among equals); emit the ``argmax`` after it: exactly greedy decoding's tokens.
 
-**Sampled: recursive rejection sampling over siblings** (SpecInfer's multi-step speculative sampling, Miao et
-al. 2023, arXiv:2305.09781; its without-replacement form is Recursive Speculative Decoding, Jeon et al. 2024,
-arXiv:2402.14160). At a node whose target distribution is ``p`` and whose children ``x_1 .. x_k`` were drawn
-with the laws ``q_1 .. q_k`` (``q_j``: the law of ``x_j`` given the path and ``x_1 .. x_{j-1}``)::
+**Sampled: recursive rejection sampling over siblings** (SpecInfer, arXiv:2305.09781; without replacement,
+Recursive Speculative Decoding, arXiv:2402.14160). At a node whose target distribution is ``p`` and whose children
+``x_1 .. x_k`` were drawn with the laws ``q_1 .. q_k`` (``q_j``: the law of ``x_j`` given the path and
+``x_1 .. x_{j-1}``)::
 
     r_1 = p
     for j = 1 .. k:
@@ -15,23 +14,9 @@ with the laws ``q_1 .. q_k`` (``q_j``: the law of ``x_j`` given the path and ``x
         otherwise r_{j+1} = norm(max(r_j - q_j, 0))          # the residual, updated after every rejection
     all rejected: emit a draw from r_{k+1}                     # no children: a bonus draw from p
 
-*Exactness.* Claim: given the history ``h_j`` (path and ``x_1 .. x_{j-1}``), the token this node emits is
-distributed as ``r_j``. For ``j = k + 1`` it is drawn from ``r_{k+1}``. For ``j <= k``: ``x_j ~ q_j`` given
-``h_j`` (the drafter's contract) and the coin is fresh, so the token is ``y = x_j`` accepted with mass
-``min(r_j, q_j)(y)``, or, with probability ``1 - sum min(r_j, q_j) = sum max(r_j - q_j, 0)``, a rejection after
-which (induction: ``r_{j+1}`` does not depend on ``x_j``) it is distributed as ``r_{j+1} = max(r_j - q_j, 0) /
-sum max(r_j - q_j, 0)``. Together: ``min(r_j, q_j) + max(r_j - q_j, 0) = r_j``. At ``j = 1`` the emitted token
-is distributed as ``p``; given an accepted child, the next token is emitted by the same rule one level down,
-with that child's ``p``. So every emitted token has the target's law given the tokens before it.
-
-The rule needs ``q_j`` to be the law ``x_j`` was *actually* drawn with given ``h_j``: i.i.d. siblings carry
-``q``; siblings drawn without replacement carry ``q`` without the earlier siblings, renormalised
-(`tree.draw_siblings`); deterministic siblings (n-gram matches, top-k picks) are point masses (``None``), for
-which a rejection removes the token's mass: ``r_{j+1} = norm(r_j`` without ``x_j)``. Precisely, ``q_j`` is the law
-of ``x_j`` given everything drawn before it that it depends on; that may include the earlier siblings' subtrees
-(and whether ``x_j`` exists may depend on them too): the proof holds with ``h_j`` extended by those subtrees,
-since all drafting precedes the coins, the coins are fresh and ``r_{j+1}`` depends on ``h_j`` and ``q_j`` only
-(docs/exactness.md). With one child per node this is the chain rule of `sampling.ChainVerifier`.
+The proof, and what ``q_j`` must be (i.i.d. siblings: ``q``; drawn without replacement: ``q`` without the earlier
+siblings, `draft_tree.draw_siblings`; deterministic siblings: point masses, ``None``), are in docs/exactness.md,
+"Candidate trees". With one child per node this is the chain rule of `sampling.ChainVerifier`.
 """
 
 from __future__ import annotations
@@ -54,15 +39,11 @@ class TreeVerifier:
     rows ``[rows, vocab]``; a field, like `ChainVerifier`'s, so that tests can substitute a wrong rule and see it
     caught.
 
-    Sampling, the walk runs on the device and the host reads its result once (`scoring.read_back`, like a chain's).
-    The coins of every node are known before the walk: node ``r``'s ``j``-th child is accepted with probability
-    ``a_rj = min(1, r_j(x_j) / q_j(x_j))`` given that its earlier children were rejected, where the residuals
-    ``r_j`` depend only on the node's ``p`` and its children's laws (`acceptance`). So at a node the walk tosses its
-    children's rejection coins, ``1 - a_rj``, in order and counts how many come up before the first acceptance
-    (`Sampler.leading_successes`): the child tried first that is accepted, with exactly the law of trying them one
-    by one; if none is, it draws from the residual after all of them (a leaf: from its ``p``). One level per depth,
-    ``depth + 1`` levels in all, each a fixed number of tensor operations; past the emitting node a level's coins
-    are certain rejections, so a sampler that tosses coins one at a time draws nothing there.
+    Sampling, the walk runs on the device and the host reads its result once (`scoring.read_back`): every node's
+    acceptance probabilities are computed before the walk (`acceptance`), and the walk takes one level per depth,
+    tossing a node's children's rejection coins in order (`Sampler.leading_successes`: the same law as trying them
+    one by one; docs/exactness.md, "On the device, one readback"); past the emitting node a level's coins are
+    certain rejections, so a sampler that tosses coins one at a time draws nothing there.
     """
 
     do_sample: bool
