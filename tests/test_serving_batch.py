@@ -195,3 +195,20 @@ def test_a_joining_prefill_stalls_the_decoding_rows_by_one_chunk_at_most(sharp_m
         alone = sharp_model.generate(ids, max_new_tokens=jobs[b].generate_kwargs["max_new_tokens"], do_sample=False,
                                      triforce_config=CONFIG)
         assert answers[b].tokens == alone[0, ids.shape[1]:].tolist(), b
+
+
+def test_requests_waiting_together_share_a_batch_whatever_their_lengths(sharp_model):
+    """The batch's rows hold the longest of the requests waiting when it opens: a request a few tokens longer than the
+    first (past the first's rows, rounded up to 1024 tokens) joins the same batch instead of waiting for it to end."""
+    engine = Engine(sharp_model, word_tokenizer(), None, prefill_chunk_size=512)
+    scheduler = Scheduler(engine, max_batch_size=4)
+    prompts = [random_prompt(1000, period=41, seed=21), random_prompt(1010, period=43, seed=22)]
+    jobs = [Job(ids, {"max_new_tokens": 24, "do_sample": False}, CONFIG) for ids in prompts]
+    try:
+        with scheduler._changed:  # both wait before the scheduler's thread takes the first
+            futures = [scheduler.submit(job) for job in jobs]
+        answers = [future.result(timeout=300) for future in futures]
+    finally:
+        scheduler.close(timeout=300)
+    assert len({answer.figures["batch"]["started"] for answer in answers}) == 1
+    assert engine.batches[-1]["requests"] == 2 and engine.batches[-1]["max_length"] == 2048

@@ -21,7 +21,7 @@ from ..continuous import BatchRequest, ContinuousBatch
 from .engine import Answer, Cancelled, ChunkedPrefill, Engine, Job
 from .row_stops import RowRules, RowStops
 
-LENGTH_STEP = 1024  # a batch's rows hold the longest first request's tokens rounded up to a multiple of this
+LENGTH_STEP = 1024  # a batch's rows hold the longest waiting request's tokens rounded up to a multiple of this
 
 
 @dataclass(eq=False)
@@ -42,15 +42,13 @@ class _Member:
 
 class JoiningBatch:
     """Jobs of ``first``'s `Job.batch_key` on ``engine``, up to ``max_rows`` at once (decoding or prefilling), each of
-    up to ``max_length`` tokens (None: ``first``'s, rounded up to `LENGTH_STEP`). A context (the batch's kernels are
+    up to ``max_length`` tokens (at least ``first``'s), rounded up to `LENGTH_STEP`. A context (the batch's kernels are
     held while it is open); `join`, `advance` and `close` on one thread."""
 
     def __init__(self, engine: Engine, first: Job, max_rows: int, max_length: int | None = None) -> None:
         self.engine, self.key, self.max_rows = engine, first.batch_key(), max_rows
         need = first.ids.shape[1] + first.generate_kwargs["max_new_tokens"]
-        length = max_length if max_length is not None else -(-need // LENGTH_STEP) * LENGTH_STEP
-        if engine.context_length is not None:
-            length = max(min(length, engine.context_length), need)
+        length = -(-max(need, max_length or 0) // LENGTH_STEP) * LENGTH_STEP
         shared = {k: v for k, v in first.generate_kwargs.items() if k not in ("max_new_tokens", "stop_strings")}
         self.batch = ContinuousBatch(engine.model, first.triforce, max_rows=max(max_rows, 2), max_length=length,
                                      **shared)
