@@ -16,7 +16,7 @@ once prefilled), then runs one Force-3 step of every decoding row (`decoding.loo
 answered at once and its row is free for the next request.
 
 Exactness per row: a row's full-cache row, drafters, levels, processors, statistics and stop are its own and new when
-it joins (`Decoder.admit`); its forwards attend exactly over its own entries at its own positions; every random
+it joins (`Decoder.admit_steps`); its forwards attend exactly over its own entries at its own positions; every random
 draw is a fresh one from the shared sampler, so its sampled law is its own law alone, whoever joins or leaves
 (docs/exactness.md). Rows share ``do_sample`` (the verification rule); temperatures, top-p, stop strings and lengths
 are per request.
@@ -124,10 +124,6 @@ class ContinuousBatch:
     def idle(self) -> bool:
         """No request waits or decodes."""
         return not self.waiting and all(request is None for request in self.rows)
-
-    @property
-    def free_rows(self) -> int:
-        return sum(request is None for request in self.rows) - len(self.waiting)
 
     def add(self, input_ids: torch.LongTensor, streamer=None, **generate_kwargs) -> BatchRequest:
         """Queue a request (prompt ``input_ids`` ``[1, n]``, unpadded; ``cache=``: a batch-1 cache of its first

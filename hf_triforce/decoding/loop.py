@@ -36,7 +36,7 @@ from transformers import LogitsProcessorList, StoppingCriteriaList
 from .. import compat
 from ..caches.buffer import BufferCache
 from ..config import TriForceConfig
-from ..forwards.forward import Clock, device_clock, run_inline_chunks
+from ..forwards.forward import Clock, device_clock
 from ..kernels.call_kernels import CallKernels
 from ..kernels.row_mixing import RowByRowMixingLayers
 from ..stats import TriForceStats
@@ -214,7 +214,7 @@ class Decoder:
         if config.trees and any(window is not None for window in compat.layer_windows(model.config)):
             raise ValueError("TriForceConfig.tree_nodes / force2_tree_nodes > 0: candidate trees are not supported "
                              "on models with sliding-window layers; use 0 (chains)")
-        # the rows' sizes as built (`admit` changes a row's own max length, never its caches')
+        # the rows' sizes as built (`admit_steps` changes a row's own max length, never its caches')
         self.hierarchy = Hierarchy(model, config, self.processors, do_sample, self.sampler, self.clock,
                                    list(max_lengths), paddings)
         self.force3 = self.hierarchy.force3
@@ -222,7 +222,7 @@ class Decoder:
         # timing and accounting: each row's statistics, the call's Force-3 seconds, the policy's observations
         self.recorder = StepRecorder(self.stats, self.policy, self.clock, self.hierarchy.lockstep, do_sample)
         self.prefill_seconds = 0.0
-        self.admitted = False  # whether a row joined (`admit`): the policy is seeded on the first
+        self.admitted = False  # whether a row joined (`admit_steps`): the policy is seeded on the first
 
     @property
     def batch(self) -> int:
@@ -298,28 +298,23 @@ class Decoder:
         row.done = row.out.commit(first, scores[0], logits[0])
         return row
 
-    def admit(self, b: int, ids: torch.LongTensor, entries: list, max_length: int,
-              criteria: StoppingCriteriaList | None, processors: LogitsProcessorList | None, streamer=None) -> Row:
+    def admit_steps(self, b: int, ids: torch.LongTensor, entries: list, max_length: int,
+                    criteria: StoppingCriteriaList | None, processors: LogitsProcessorList | None,
+                    streamer=None) -> Generator[int, None, Row]:
         """Row ``b`` of a batch, free (its last request's row stopped and `finish_row` ended it), takes a new request
         between two steps: prompt ``ids`` ``[1, n]`` (no padding) after ``entries`` (per layer ``(keys, values)``
         ``[1, kv_heads, held, head_dim]``: its first ``held`` tokens, held < n), up to ``max_length`` tokens,
         stopped by ``criteria``, scored by ``processors`` (its own, as a batch-1 ``generate`` builds them). Its full
-        cache row, drafters, levels, statistics and stop are new; the other rows are not touched. Returns the row, its
-        first token committed (`Row.done` where that stopped it)."""
-        return run_inline_chunks(self.admit_steps(b, ids, entries, max_length, criteria, processors, streamer))
-
-    def admit_steps(self, b: int, ids: torch.LongTensor, entries: list, max_length: int,
-                    criteria: StoppingCriteriaList | None, processors: LogitsProcessorList | None,
-                    streamer=None) -> Generator[int, None, Row]:
-        """`admit` a prefill chunk at a time: yields each chunk's tokens (the other rows may step in between, row
-        ``b`` taking no part until it is returned)."""
+        cache row, drafters, levels, statistics and stop are new; the other rows are not touched. A generator of its
+        prefill's chunks (each chunk's tokens; the other rows may step in between, row ``b`` taking no part); returns
+        the row, its first token committed (`Row.done` where that stopped it)."""
         if self.batch < 2:
-            raise ValueError("Decoder.admit: rows join batches (a decoder of two rows or more)")
+            raise ValueError("Decoder.admit_steps: rows join batches (a decoder of two rows or more)")
         if not 0 <= b < self.batch:
-            raise ValueError(f"Decoder.admit: row {b} of a batch of {self.batch}")
+            raise ValueError(f"Decoder.admit_steps: row {b} of a batch of {self.batch}")
         if not ids.shape[1] < max_length <= self.hierarchy.max_lengths[b]:
-            raise ValueError(f"Decoder.admit: max_length {max_length} must exceed the prompt's {ids.shape[1]} tokens "
-                             f"and fit the row's {self.hierarchy.max_lengths[b]}")
+            raise ValueError(f"Decoder.admit_steps: max_length {max_length} must exceed the prompt's {ids.shape[1]} "
+                             f"tokens and fit the row's {self.hierarchy.max_lengths[b]}")
         self.recorder.finish()  # the last step's timings counted in the rows that took part in it
         self.stats[b], self.max_lengths[b], self.views[b] = TriForceStats(), max_length, PaddedView(ids[:, :0])
         self.processors[b] = processors if processors is not None else LogitsProcessorList()
@@ -331,12 +326,12 @@ class Decoder:
         return self._first_token(b, ids, logits, queries, criteria, streamer)
 
     def step(self, active: list[Row]) -> None:
-        """One Force-3 step of the ``active`` rows (not done; rows may join between steps: `admit`)."""
+        """One Force-3 step of the ``active`` rows (not done; rows may join between steps: `admit_steps`)."""
         self._step(active)
 
     def finish_row(self, row: Row, session: Session) -> TriForceStats:
         """``row`` stopped: its streamer ended, its statistics completed (`Hierarchy.finish_row`, the call's kernels
-        and compiles so far); its batch row is free for `admit`."""
+        and compiles so far); its batch row is free for `admit_steps`."""
         row.out.end()
         self.recorder.finish()
         stats = self.stats[row.index]

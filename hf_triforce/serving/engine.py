@@ -57,6 +57,11 @@ class Job:
     cancelled: threading.Event = field(default_factory=threading.Event)
     submitted: float = field(default_factory=time.perf_counter)  # its clock: time to first token counts from here
 
+    @property
+    def tokens_needed(self) -> int:
+        """Its prompt's tokens and ``max_new_tokens``: what a batch row must hold for it."""
+        return self.ids.shape[1] + self.generate_kwargs["max_new_tokens"]
+
     def batch_key(self) -> str | None:
         """Jobs of one key can share a batch: the same TriForce configuration and ``generate`` arguments but for
         ``max_new_tokens`` and ``stop_strings`` (each row's own). None: the job runs alone (a seed sets the one RNG

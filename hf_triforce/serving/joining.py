@@ -47,8 +47,7 @@ class JoiningBatch:
 
     def __init__(self, engine: Engine, first: Job, max_rows: int, max_length: int | None = None) -> None:
         self.engine, self.key, self.max_rows = engine, first.batch_key(), max_rows
-        need = first.ids.shape[1] + first.generate_kwargs["max_new_tokens"]
-        length = -(-max(need, max_length or 0) // LENGTH_STEP) * LENGTH_STEP
+        length = -(-max(first.tokens_needed, max_length or 0) // LENGTH_STEP) * LENGTH_STEP
         shared = {k: v for k, v in first.generate_kwargs.items() if k not in ("max_new_tokens", "stop_strings")}
         self.batch = ContinuousBatch(engine.model, first.triforce, max_rows=max(max_rows, 2), max_length=length,
                                      **shared)
@@ -58,7 +57,7 @@ class JoiningBatch:
     def fits(self, job: Job) -> bool:
         """Whether ``job`` can join now: its key, a free row, and its tokens within the rows' length."""
         return (job.batch_key() == self.key and len(self.members) < self.max_rows
-                and job.ids.shape[1] + job.generate_kwargs["max_new_tokens"] <= self.batch.max_length)
+                and job.tokens_needed <= self.batch.max_length)
 
     @property
     def idle(self) -> bool:

@@ -89,8 +89,8 @@ class Scheduler:
         with self._changed:
             first = self._waiting[0]
             # rows long enough for every request of its kind waiting now (they arrive together, a few tokens apart)
-            length = max(item.job.ids.shape[1] + item.job.generate_kwargs["max_new_tokens"]
-                         for item in self._waiting if item.job.batch_key() == first.job.batch_key())
+            key = first.job.batch_key()
+            length = max(item.job.tokens_needed for item in self._waiting if item.job.batch_key() == key)
         try:
             batch = JoiningBatch(self.engine, first.job, self.max_batch_size, length)
         except ValueError:  # the job's own refusal: it runs alone, and is told there
