@@ -212,3 +212,27 @@ def test_requests_waiting_together_share_a_batch_whatever_their_lengths(sharp_mo
         scheduler.close(timeout=300)
     assert len({answer.figures["batch"]["started"] for answer in answers}) == 1
     assert engine.batches[-1]["requests"] == 2 and engine.batches[-1]["max_length"] == 2048
+
+
+def test_a_request_arriving_while_a_batch_decodes_joins_it(sharp_model):
+    """A request submitted after the batch's first row streamed its first token joins that batch (one batch record,
+    one start, both rows decoding together) and each answer equals the request alone."""
+    engine = Engine(sharp_model, word_tokenizer(), None, prefill_chunk_size=128)
+    scheduler = Scheduler(engine, max_batch_size=4)
+    prompts = [random_prompt(120, period=19, seed=31), random_prompt(90, period=37, seed=32)]
+    jobs = [Job(ids, {"max_new_tokens": 60 if b == 0 else 12, "do_sample": False}, CONFIG)
+            for b, ids in enumerate(prompts)]
+    decoding = threading.Event()
+    try:
+        first = scheduler.submit(jobs[0], lambda token: decoding.set())
+        assert decoding.wait(timeout=300)
+        second = scheduler.submit(jobs[1])
+        answers = [first.result(timeout=300), second.result(timeout=300)]
+    finally:
+        scheduler.close(timeout=300)
+    assert len(engine.batches) == 1 and engine.batches[0]["requests"] == 2
+    assert [answer.figures["batch"]["rows"] for answer in answers] == [2, 2]
+    for job, answer in zip(jobs, answers):
+        alone = sharp_model.generate(job.ids, max_new_tokens=job.generate_kwargs["max_new_tokens"], do_sample=False,
+                                     triforce_config=CONFIG)
+        assert answer.tokens == alone[0, job.ids.shape[1]:].tolist()

@@ -114,11 +114,13 @@ class Scheduler:
             batch.fail(error)
 
     def _joining(self, batch: JoiningBatch) -> list[_Waiting]:
-        """The waiting jobs that join ``batch`` now, oldest first, up to the first that cannot (it runs next)."""
+        """The waiting jobs that join ``batch`` now, oldest first, up to the first that cannot (it runs next). A job of
+        the batch's key is batchable as its first was (`Engine.why_not_batched` depends on the key alone, and is not
+        asked again: within the batch the model's attention is the batch's own)."""
         with self._changed:
             taken = []
             for item in self._waiting:
-                if self._closed or not batch.fits(item.job) or self.engine.why_not_batched(item.job) is not None:
+                if self._closed or not batch.fits(item.job):
                     break
                 taken.append(item)
             self._waiting = self._waiting[len(taken):]
