@@ -33,6 +33,11 @@ def _check_int(name: str, value: Any, minimum: int) -> None:
         raise ValueError(f"TriForceConfig.{name} must be an integer >= {minimum}, got {value!r}")
 
 
+def _check_choice(name: str, value: Any, allowed: tuple) -> None:
+    if value not in allowed:
+        raise ValueError(f"TriForceConfig.{name} must be one of {allowed}, got {value!r}")
+
+
 @dataclass(kw_only=True)
 class TriForceConfig:
     """Configuration of TriForce hierarchical speculative decoding: Force 1 drafts, Force 2 (the target on a
@@ -285,24 +290,21 @@ class TriForceConfig:
             )
         if isinstance(self.levels, bool) or not isinstance(self.levels, int) or self.levels not in (2, 3):
             raise ValueError(f"TriForceConfig.levels must be 2 or 3, got {self.levels!r}")
-        if self.draft_precision not in DRAFT_PRECISIONS:
-            raise ValueError(
-                f"TriForceConfig.draft_precision must be one of {DRAFT_PRECISIONS}, got {self.draft_precision!r}"
-            )
-        if self.retrieval_dtype not in RETRIEVAL_DTYPES:
-            raise ValueError(
-                f"TriForceConfig.retrieval_dtype must be one of {RETRIEVAL_DTYPES}, got {self.retrieval_dtype!r}"
-            )
+        for name, allowed in (
+            ("draft_precision", DRAFT_PRECISIONS),
+            ("retrieval_dtype", RETRIEVAL_DTYPES),
+            ("draft_positions", DRAFT_POSITIONS),
+            ("tier_compile", TIER_COMPILE),
+            ("full_cache_device", FULL_CACHE_DEVICES),
+            ("policy", POLICIES),
+            ("loop", LOOPS),
+            ("force3_compile", FORCE3_COMPILE),
+        ):
+            _check_choice(name, getattr(self, name), allowed)
         if self.retrieval_dtype == "bfloat16" and self.draft_precision in ("model", "int8"):
             raise ValueError(f"TriForceConfig.retrieval_dtype='bfloat16' needs Force 2's lean forward: set "
                              f"draft_precision to one of {('auto', *LEAN_PRECISIONS)} (got {self.draft_precision!r}), "
                              "or retrieval_dtype='model'")
-        if self.draft_positions not in DRAFT_POSITIONS:
-            raise ValueError(
-                f"TriForceConfig.draft_positions must be one of {DRAFT_POSITIONS}, got {self.draft_positions!r}"
-            )
-        if self.tier_compile not in TIER_COMPILE:
-            raise ValueError(f"TriForceConfig.tier_compile must be one of {TIER_COMPILE}, got {self.tier_compile!r}")
         if self.tier_compile not in ("off", "auto") and self.draft_precision not in ("auto", *LEAN_PRECISIONS):
             raise ValueError(f"TriForceConfig.tier_compile={self.tier_compile!r} runs the lean tier forward: set "
                              f"draft_precision to one of {('auto', *LEAN_PRECISIONS)} (got {self.draft_precision!r}), "
@@ -328,17 +330,6 @@ class TriForceConfig:
             with_trees = tuple(name for name in drafter_names() if DRAFTERS[name].trees)
             raise ValueError(f"TriForceConfig.tree_nodes > 0: the {self.draft!r} drafter proposes chains only; use one "
                              f"of {with_trees} or a draft model")
-        if self.full_cache_device not in FULL_CACHE_DEVICES:
-            raise ValueError(
-                f"TriForceConfig.full_cache_device must be one of {FULL_CACHE_DEVICES}, got {self.full_cache_device!r}"
-            )
-        if self.policy not in POLICIES:
-            raise ValueError(f"TriForceConfig.policy must be one of {POLICIES}, got {self.policy!r}")
-        if self.loop not in LOOPS:
-            raise ValueError(f"TriForceConfig.loop must be one of {LOOPS}, got {self.loop!r}")
-        if self.force3_compile not in FORCE3_COMPILE:
-            raise ValueError(f"TriForceConfig.force3_compile must be one of {FORCE3_COMPILE}, got "
-                             f"{self.force3_compile!r}")
         if self.loop == "assisted" and self.force3_compile not in ("auto", "off"):
             raise ValueError(f"TriForceConfig(loop='assisted', force3_compile={self.force3_compile!r}): transformers' "
                              "assisted loop runs the target's own forward for Force 3; use force3_compile='auto' or "
