@@ -43,9 +43,7 @@ from .tree_attention import active_tree
 
 PARTS = ("qkv", "o", "gate_up", "down", "head")  # the projections of a lean copy (qkv, gate_up: fused)
 # TriForceConfig.draft_precision values served by this module -> the precision of each part. The output layer of
-# "lean-int4" is int8: in int4 it costs 0.10 of agreement, in int8 0.01 (SmolLM2, 768 tokens of the essays,
-# E[sum min(p, q)] against the fp32 model at T=1: int4 everywhere 0.881, int4 with an int8 output layer 0.976,
-# with an fp32 one 0.988; benchmarks/lean_drafting.py --agreement)
+# "lean-int4" is int8: in int4 it costs far more agreement (docs/experiments.md, "Lean drafting tiers")
 LEAN_PRECISIONS = {
     "lean": dict.fromkeys(PARTS, "fp32"),
     "lean-int8": dict.fromkeys(PARTS, "int8"),
@@ -55,9 +53,8 @@ LEAN_PRECISIONS = {
     "native": dict.fromkeys(PARTS, "model"),
 }
 # inputs per int4 scale/zero point: the smallest group the CPU kernel takes (32, 64, 128, 256; it must divide every
-# input width). On SmolLM2, 64 costs 0.23 of agreement (0.759 against 0.988 with an fp32 output layer) -- but the
-# bundled SmolLM2 is dequantized from a Q4_1 GGUF (blocks of 32), so 32 reproduces its grid almost exactly
-# (weights within 0.5%); on weights not quantized before, expect the usual int4 error at 32 too
+# input width); 64 costs far more agreement on the bundled SmolLM2, dequantized from blocks of 32 (docs/experiments.md,
+# "Lean drafting tiers")
 INT4_GROUP_SIZE = 32
 INT4_INNER_K_TILES = 2  # the packing's inner tiles (CPU kernel: no measured difference between 1, 2, 4, 8)
 
