@@ -20,7 +20,7 @@ RETRIEVAL_DTYPES = ("auto", "model", "bfloat16")
 DRAFT_POSITIONS = ("auto", "absolute", "slots")
 LOOPS = ("triforce", "assisted")
 # Force 1's window: where a self drafter agrees with Force 3 at little more cost than a smaller one
-# (docs/results.md, "Force 1: a window of 1024")
+# (docs/experiments.md, "Force 1: a window of 1024")
 DEFAULT_WINDOW = 1024
 # `TriForceConfig.refresh_every`'s default: a retrieval selection of at least LARGE_BUDGET entries is renewed every
 # REFRESH_EVERY_LARGE Force-3 steps, a smaller one at every step
@@ -95,7 +95,7 @@ class TriForceConfig:
         forward on a CUDA device, else ``"off"``. ``"off"``: through the caches' own ``update``. ``"fixed"``: on
         whole cache buffers (fixed shapes, eager). ``"compile"``: that fixed-shape forward compiled once per model
         with ``torch.compile`` and reused by every later step and call; on the CPU it pays only over long or many
-        generations (docs/results.md, "Tier forwards compiled"). ``"graph"`` (CUDA): the fixed-shape forward
+        generations (docs/experiments.md, "Tier forwards compiled"). ``"graph"`` (CUDA): the fixed-shape forward
         captured as a CUDA graph per row count and cache. Batches and candidate trees run the lean forward;
         ``TriForceDetail.tier_compile`` reports what was compiled and its seconds. On a CUDA device Force 3's
         verification follows ``"graph"`` and ``"compile"`` by default (``force3_compile``).
@@ -129,9 +129,7 @@ class TriForceConfig:
     refresh_every: ``None`` (default) or an integer >= 1: re-select the retrieval chunks every this many Force-3 steps
         (between re-selections the committed tokens' exact entries are copied in after every step). ``None``: every
         `REFRESH_EVERY_LARGE` steps with a ``retrieval_budget`` of at least `LARGE_BUDGET`, else every step: a smaller
-        selection misses more of what the answer moves on to (teacher-forced at 16k, renewed every 4 positions
-        instead of every one, it agrees 0.02 less at 4096 entries, 0.04-0.05 less at 512-1024), and at 32k a
-        re-selection costs a fifth of a step where Force 2 drafts (docs/results.md, "Force 2: re-select every 4
+        selection misses more of what the answer moves on to (docs/experiments.md, "Force 2: re-select every 4
         Force-3 steps"). `refresh_interval` is the value in force.
     refresh_below: ``None`` (default: never) or a fraction in (0, 1]: also re-select after a Force-3 step that
         accepts less than this fraction of its tokens.
@@ -164,7 +162,7 @@ class TriForceConfig:
     Experimental
     ------------
     Candidate trees: exact, off by default, chosen by the adaptive policy only where it predicts they pay; they have
-    not paid on the CPU at long contexts (docs/results.md, "Candidate trees"). Refused on sliding-window models, in
+    not paid on the CPU at long contexts (docs/experiments.md, "Candidate trees"). Refused on sliding-window models, in
     batches and with ``loop="assisted"``.
 
     tree_nodes: integer from 0 to 63, default 0 (chains). ``> 0``: the drafter proposes a candidate tree of at most
