@@ -53,6 +53,7 @@ from hf_triforce.tools.prompts import document_prompt
 from hf_triforce.tools.timing import prefill_prefix, static_copy
 from hf_triforce.verification.sampling import TorchSampler
 from hf_triforce_bench import texts
+from hf_triforce_bench.restricted_vocabulary import restricted as restrict_vocabulary
 
 SAMPLING = dict(do_sample=True, temperature=0.6, top_p=0.9)
 
@@ -78,7 +79,7 @@ def drafting_models(model, prompt: torch.Tensor, frequent: int) -> dict:
     models = {"model": model, "int8": int8_copy(model)}
     for precision in lean.LEAN_PRECISIONS:
         models[precision] = tiers.lean_model(model, precision)
-    models["lean-int4/vocab"] = models["lean-int4"].restricted(vocabulary(model, prompt, frequent))
+    models["lean-int4/vocab"] = restrict_vocabulary(models["lean-int4"], vocabulary(model, prompt, frequent))
     return models
 
 
@@ -176,8 +177,9 @@ def acceptance(model, ids, prefix, new: int, frequent: int, samples: int) -> dic
         if force2 is not None:
             tiers.FORCE2_PRECISION[precision] = force2
         if restricted:
-            hierarchy.tier_model = lambda m, p, tier, *rest: real_tier_model(m, p, tier, *rest).restricted(subset) \
-                if tier == 1 else real_tier_model(m, p, tier, *rest)
+            hierarchy.tier_model = lambda m, p, tier, *rest: (
+                restrict_vocabulary(real_tier_model(m, p, tier, *rest), subset) if tier == 1
+                else real_tier_model(m, p, tier, *rest))
         try:
             for mode, sampling, seeds in (("greedy", {"do_sample": False}, [0]), ("sampled", SAMPLING, range(samples))):
                 config = TriForceConfig(draft="self", policy="fixed", levels=3, gamma1=2, gamma2=6,

@@ -20,7 +20,7 @@ RETRIEVAL_DTYPES = ("auto", "model", "bfloat16")
 DRAFT_POSITIONS = ("auto", "absolute", "slots")
 LOOPS = ("triforce", "assisted")
 # Force 1's window: where a self drafter agrees with Force 3 at little more cost than a smaller one
-# (docs/results.md, "Force 1: a window of 1024")
+# (docs/experiments.md, "Force 1: a window of 1024")
 DEFAULT_WINDOW = 1024
 # `TriForceConfig.refresh_every`'s default: a retrieval selection of at least LARGE_BUDGET entries is renewed every
 # REFRESH_EVERY_LARGE Force-3 steps, a smaller one at every step
@@ -31,6 +31,11 @@ REFRESH_EVERY_LARGE = 4
 def _check_int(name: str, value: Any, minimum: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ValueError(f"TriForceConfig.{name} must be an integer >= {minimum}, got {value!r}")
+
+
+def _check_choice(name: str, value: Any, allowed: tuple) -> None:
+    if value not in allowed:
+        raise ValueError(f"TriForceConfig.{name} must be one of {allowed}, got {value!r}")
 
 
 @dataclass(kw_only=True)
@@ -90,7 +95,7 @@ class TriForceConfig:
         forward on a CUDA device, else ``"off"``. ``"off"``: through the caches' own ``update``. ``"fixed"``: on
         whole cache buffers (fixed shapes, eager). ``"compile"``: that fixed-shape forward compiled once per model
         with ``torch.compile`` and reused by every later step and call; on the CPU it pays only over long or many
-        generations (docs/results.md, "Tier forwards compiled"). ``"graph"`` (CUDA): the fixed-shape forward
+        generations (docs/experiments.md, "Tier forwards compiled"). ``"graph"`` (CUDA): the fixed-shape forward
         captured as a CUDA graph per row count and cache. Batches and candidate trees run the lean forward;
         ``TriForceDetail.tier_compile`` reports what was compiled and its seconds. On a CUDA device Force 3's
         verification follows ``"graph"`` and ``"compile"`` by default (``force3_compile``).
@@ -124,9 +129,7 @@ class TriForceConfig:
     refresh_every: ``None`` (default) or an integer >= 1: re-select the retrieval chunks every this many Force-3 steps
         (between re-selections the committed tokens' exact entries are copied in after every step). ``None``: every
         `REFRESH_EVERY_LARGE` steps with a ``retrieval_budget`` of at least `LARGE_BUDGET`, else every step: a smaller
-        selection misses more of what the answer moves on to (teacher-forced at 16k, renewed every 4 positions
-        instead of every one, it agrees 0.02 less at 4096 entries, 0.04-0.05 less at 512-1024), and at 32k a
-        re-selection costs a fifth of a step where Force 2 drafts (docs/results.md, "Force 2: re-select every 4
+        selection misses more of what the answer moves on to (docs/experiments.md, "Force 2: re-select every 4
         Force-3 steps"). `refresh_interval` is the value in force.
     refresh_below: ``None`` (default: never) or a fraction in (0, 1]: also re-select after a Force-3 step that
         accepts less than this fraction of its tokens.
@@ -159,7 +162,7 @@ class TriForceConfig:
     Experimental
     ------------
     Candidate trees: exact, off by default, chosen by the adaptive policy only where it predicts they pay; they have
-    not paid on the CPU at long contexts (docs/results.md, "Candidate trees"). Refused on sliding-window models, in
+    not paid on the CPU at long contexts (docs/experiments.md, "Candidate trees"). Refused on sliding-window models, in
     batches and with ``loop="assisted"``.
 
     tree_nodes: integer from 0 to 63, default 0 (chains). ``> 0``: the drafter proposes a candidate tree of at most
@@ -285,24 +288,21 @@ class TriForceConfig:
             )
         if isinstance(self.levels, bool) or not isinstance(self.levels, int) or self.levels not in (2, 3):
             raise ValueError(f"TriForceConfig.levels must be 2 or 3, got {self.levels!r}")
-        if self.draft_precision not in DRAFT_PRECISIONS:
-            raise ValueError(
-                f"TriForceConfig.draft_precision must be one of {DRAFT_PRECISIONS}, got {self.draft_precision!r}"
-            )
-        if self.retrieval_dtype not in RETRIEVAL_DTYPES:
-            raise ValueError(
-                f"TriForceConfig.retrieval_dtype must be one of {RETRIEVAL_DTYPES}, got {self.retrieval_dtype!r}"
-            )
+        for name, allowed in (
+            ("draft_precision", DRAFT_PRECISIONS),
+            ("retrieval_dtype", RETRIEVAL_DTYPES),
+            ("draft_positions", DRAFT_POSITIONS),
+            ("tier_compile", TIER_COMPILE),
+            ("full_cache_device", FULL_CACHE_DEVICES),
+            ("policy", POLICIES),
+            ("loop", LOOPS),
+            ("force3_compile", FORCE3_COMPILE),
+        ):
+            _check_choice(name, getattr(self, name), allowed)
         if self.retrieval_dtype == "bfloat16" and self.draft_precision in ("model", "int8"):
             raise ValueError(f"TriForceConfig.retrieval_dtype='bfloat16' needs Force 2's lean forward: set "
                              f"draft_precision to one of {('auto', *LEAN_PRECISIONS)} (got {self.draft_precision!r}), "
                              "or retrieval_dtype='model'")
-        if self.draft_positions not in DRAFT_POSITIONS:
-            raise ValueError(
-                f"TriForceConfig.draft_positions must be one of {DRAFT_POSITIONS}, got {self.draft_positions!r}"
-            )
-        if self.tier_compile not in TIER_COMPILE:
-            raise ValueError(f"TriForceConfig.tier_compile must be one of {TIER_COMPILE}, got {self.tier_compile!r}")
         if self.tier_compile not in ("off", "auto") and self.draft_precision not in ("auto", *LEAN_PRECISIONS):
             raise ValueError(f"TriForceConfig.tier_compile={self.tier_compile!r} runs the lean tier forward: set "
                              f"draft_precision to one of {('auto', *LEAN_PRECISIONS)} (got {self.draft_precision!r}), "
@@ -328,17 +328,6 @@ class TriForceConfig:
             with_trees = tuple(name for name in drafter_names() if DRAFTERS[name].trees)
             raise ValueError(f"TriForceConfig.tree_nodes > 0: the {self.draft!r} drafter proposes chains only; use one "
                              f"of {with_trees} or a draft model")
-        if self.full_cache_device not in FULL_CACHE_DEVICES:
-            raise ValueError(
-                f"TriForceConfig.full_cache_device must be one of {FULL_CACHE_DEVICES}, got {self.full_cache_device!r}"
-            )
-        if self.policy not in POLICIES:
-            raise ValueError(f"TriForceConfig.policy must be one of {POLICIES}, got {self.policy!r}")
-        if self.loop not in LOOPS:
-            raise ValueError(f"TriForceConfig.loop must be one of {LOOPS}, got {self.loop!r}")
-        if self.force3_compile not in FORCE3_COMPILE:
-            raise ValueError(f"TriForceConfig.force3_compile must be one of {FORCE3_COMPILE}, got "
-                             f"{self.force3_compile!r}")
         if self.loop == "assisted" and self.force3_compile not in ("auto", "off"):
             raise ValueError(f"TriForceConfig(loop='assisted', force3_compile={self.force3_compile!r}): transformers' "
                              "assisted loop runs the target's own forward for Force 3; use force3_compile='auto' or "

@@ -37,7 +37,7 @@ from hf_triforce.decoding.loop import Decoder
 from hf_triforce.drafters.registry import DRAFTERS, DrafterSpec
 from hf_triforce.integration import recording_attention
 from hf_triforce.verification.draft_tree import DraftTree
-from hf_triforce.verification.sampling import scores_to_probs
+from hf_triforce.verification.sampling import acceptance_probability, point_mass, scores_to_probs
 
 from .conftest import make_model, random_prompt
 from .enumeration_util import FreeThenGreedy, enumerate_outcomes
@@ -67,6 +67,15 @@ def total_variation(law: dict, exact: dict) -> float:
     return 0.5 * sum(abs(law.get(key, 0.0) - exact.get(key, 0.0)) for key in set(law) | set(exact))
 
 
+def accept_or_resample(chain, token: int, p: torch.Tensor, q: torch.Tensor | None) -> tuple[bool, int]:
+    """``chain``'s speculative acceptance of one proposal ``token ~ q`` against target ``p`` (1-D probabilities)."""
+    if q is None:
+        q = point_mass(token, p)
+    if chain.sampler.bernoulli(acceptance_probability(p[token], q[token])):
+        return True, token
+    return False, chain.sampler.categorical(chain.resample(p, q))
+
+
 def first_draft_laws(decoder) -> None:
     """The planted wrong Force-2 rule: every draft of a round verified against the first draft's laws (the
     verifier's row 0 and the first draft's law), the bonus token from its own row. Trees: every node's children
@@ -76,8 +85,8 @@ def first_draft_laws(decoder) -> None:
     def verify_chain(proposals, proposal_probs, target_scores):
         q = scores_to_probs(target_scores)
         for i, token in enumerate(proposals):
-            accepted, emitted = chain.accept_or_resample(token, q[0], None if proposal_probs is None
-                                                         else proposal_probs[0])
+            accepted, emitted = accept_or_resample(chain, token, q[0], None if proposal_probs is None
+                                                   else proposal_probs[0])
             if not accepted:
                 return i, emitted
         return len(proposals), chain.sampler.categorical(q[len(proposals)])

@@ -26,6 +26,7 @@ from hf_triforce.decoding.tiers import forget_lean_copy, lean_copy_bytes, lean_m
 from hf_triforce.forwards.forward import ragged_forward
 from hf_triforce.kernels import lean
 from hf_triforce.kernels.lean import INT4_MM, LEAN_PRECISIONS, LeanModel, Projection
+from hf_triforce_bench.restricted_vocabulary import OUTSIDE_LOGIT, restricted
 
 from .conftest import make_model, random_prompt
 from .enumeration_util import FreeThenGreedy
@@ -223,8 +224,8 @@ def test_a_restricted_drafting_vocabulary_keeps_the_law_exact(tiny, monkeypatch,
     from hf_triforce.decoding import hierarchy
 
     real = hierarchy.tier_model  # what the hierarchy hands the drafters as Force 1's model (tier 1)
-    monkeypatch.setattr(hierarchy, "tier_model", lambda m, p, tier, *mode: real(m, p, tier, *mode).restricted(
-        torch.tensor([0, 1, 2])) if tier == 1 else real(m, p, tier, *mode))
+    monkeypatch.setattr(hierarchy, "tier_model", lambda m, p, tier, *mode: restricted(
+        real(m, p, tier, *mode), torch.tensor([0, 1, 2])) if tier == 1 else real(m, p, tier, *mode))
     model, prompt = tiny
     processors = LogitsProcessorList([TopKLogitsWarper(2)])
     config = TriForceConfig(draft="self", draft_precision="lean-int4", **ENUMERATION)
@@ -239,7 +240,7 @@ def test_a_restricted_output_layer_scores_its_subset_only():
     model = make_model("llama-gqa")
     full = LeanModel(model, "lean-int8")
     subset = torch.tensor([40, 0, 5, 7, 5])
-    view = full.restricted(subset)
+    view = restricted(full, subset)
     prompt = random_prompt(20)
 
     def logits(copy):
@@ -249,9 +250,9 @@ def test_a_restricted_output_layer_scores_its_subset_only():
     inside = torch.tensor([0, 5, 7, 40])
     outside = torch.ones(96, dtype=torch.bool)
     outside[inside] = False
-    assert torch.allclose(a[:, inside], b[:, inside], atol=1e-2) and (b[:, outside] == lean.OUTSIDE_LOGIT).all()
+    assert torch.allclose(a[:, inside], b[:, inside], atol=1e-2) and (b[:, outside] == OUTSIDE_LOGIT).all()
     assert (torch.softmax(b / 0.6, -1)[:, outside] == 0).all()
-    assert view.layers is full.layers and full.vocabulary is None
+    assert view.layers is full.layers and type(full) is LeanModel and "vocabulary" not in vars(full)
 
 
 # --- row independence -----------------------------------------------------------------------------------------

@@ -256,9 +256,6 @@ class WindowLayer(BufferLayer):
         drop = self._drop(query_length)
         return self.held - drop + query_length, self.start + drop
 
-    def get_seq_length(self) -> int:
-        return self.length
-
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         self.check_device(key_states)
         if not self.is_initialized:

@@ -15,24 +15,38 @@ from .registry import Drafter, host_row, register_drafter
 TREE_OCCURRENCES = 64
 
 
-class NgramDrafter(Drafter):
-    """The longest suffix of ``ngram_max`` .. ``ngram_min`` tokens that occurred earlier (prompt or output)
-    is continued as it continued at its most recent occurrence. Deterministic: point-mass proposals."""
+class LookupDrafter(Drafter):
+    """A drafter that reads only the earlier occurrences of the sequence's suffix of ``ngram_max`` .. ``ngram_min``
+    tokens (on the host): it holds no state, so there is nothing to prefill, roll back or count."""
 
     host_sequence = True
 
     def __init__(self, ngram_max: int, ngram_min: int):
         self.ngram_max, self.ngram_min = ngram_max, ngram_min
 
+    def suffix_sizes(self, length: int) -> range:
+        """The suffix sizes to match in a sequence of ``length`` tokens, longest first."""
+        return range(min(self.ngram_max, length - 1), self.ngram_min - 1, -1)
+
     def prefill(self, prompt: torch.Tensor) -> None:
         pass
+
+    def rollback(self, length: int) -> None:
+        pass
+
+    def nbytes(self) -> int:
+        return 0
+
+
+class NgramDrafter(LookupDrafter):
+    """The longest suffix of ``ngram_max`` .. ``ngram_min`` tokens that occurred earlier (prompt or output)
+    is continued as it continued at its most recent occurrence. Deterministic: point-mass proposals."""
 
     def propose(self, sequence: torch.Tensor | np.ndarray, n: int) -> tuple[list[int], None]:
         start = time.perf_counter()
         seq = host_row(sequence)
-        length = seq.shape[0]
         try:
-            for size in range(min(self.ngram_max, length - 1), self.ngram_min - 1, -1):
+            for size in self.suffix_sizes(seq.shape[0]):
                 hits = occurrences(seq, size)
                 if hits.size:
                     begin = int(hits[-1]) + size
@@ -47,10 +61,9 @@ class NgramDrafter(Drafter):
         alternatives. Deterministic (point masses), no side effects."""
         start = time.perf_counter()
         seq = host_row(sequence)
-        length = seq.shape[0]
         builder = TreeBuilder(nodes, branch)
         try:
-            for size in range(min(self.ngram_max, length - 1), self.ngram_min - 1, -1):
+            for size in self.suffix_sizes(seq.shape[0]):
                 for hit in occurrences(seq, size)[::-1][:TREE_OCCURRENCES].tolist():
                     builder.add_path(seq[hit + size : hit + size + depth].tolist())
                     if len(builder.tokens) >= nodes:
@@ -58,12 +71,6 @@ class NgramDrafter(Drafter):
             return builder.tree()
         finally:
             self.seconds += time.perf_counter() - start
-
-    def rollback(self, length: int) -> None:
-        pass
-
-    def nbytes(self) -> int:
-        return 0
 
 
 def occurrences(seq: np.ndarray, size: int) -> np.ndarray:

@@ -14,23 +14,14 @@ import time
 import numpy as np
 import torch
 
-from .ngram import occurrences
-from .registry import DraftContext, Drafter, host_row, register_drafter
+from .ngram import LookupDrafter, occurrences
+from .registry import DraftContext, host_row, register_drafter
 
 
-class SuffixDrafter(Drafter):
-    host_sequence = True
-
-    def __init__(self, ngram_max: int, ngram_min: int):
-        self.ngram_max, self.ngram_min = ngram_max, ngram_min
-
-    def prefill(self, prompt: torch.Tensor) -> None:
-        pass
-
+class SuffixDrafter(LookupDrafter):
     def _continuations(self, seq: np.ndarray) -> np.ndarray:
         """Positions right after each earlier occurrence of the longest matching suffix (empty: no match)."""
-        length = seq.shape[0]
-        for size in range(min(self.ngram_max, length - 1), self.ngram_min - 1, -1):
+        for size in self.suffix_sizes(seq.shape[0]):
             hits = occurrences(seq, size)
             if hits.size:
                 return hits + size
@@ -52,12 +43,6 @@ class SuffixDrafter(Drafter):
             starts = starts[following == best] + 1
         self.seconds += time.perf_counter() - start
         return tokens, None
-
-    def rollback(self, length: int) -> None:
-        pass
-
-    def nbytes(self) -> int:
-        return 0
 
 
 def _build(context: DraftContext) -> SuffixDrafter:

@@ -284,10 +284,8 @@ def _wants_one_row(base: str, query, attention_mask, kwargs) -> bool:
 
 def _split_pays(query, key) -> bool:
     """Where splitting the cache across threads pays (`split_kv_sdpa`): several query rows, and KV heads that do not
-    divide among the threads (`split_kv.cpu_split_pays`). Measured on a Zen 4, 2 threads, a split call against one
-    call: SmolLM2 (3 KV heads, fp32) 7 rows 0.82x at 32k, 0.95-0.97x at 8-16k; one row 1.2-1.4x dearer at 8-16k
-    than the one-row call without a mask (the merge outweighs the balance); Qwen2.5-Coder-1.5B (2 KV heads, bf16)
-    1.02-1.35x dearer at every length and row count from 1 to 7 (both threads busy already)."""
+    divide among the threads (`split_kv.cpu_split_pays`); one row's merge outweighs the balance (docs/experiments.md,
+    "Verification attention: GQA-native, split across threads only where it pays")."""
     return query.shape[2] > 1 and split_kv.cpu_split_pays(key.shape[1], torch.get_num_threads())
 
 

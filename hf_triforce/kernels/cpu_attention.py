@@ -20,7 +20,7 @@ import functools
 
 import torch
 
-from .native_build import CSRC, load_checked
+from .native_build import CSRC, INT, LONG, POINTER, bind, built, load_checked
 
 SOURCES = (CSRC / "decode_attention.c", CSRC / "decode_attention_span.h", CSRC / "vectors.h")  # compiled, included
 HEAD_DIMS = (64, 128)
@@ -45,15 +45,9 @@ OUTPUT_ROUNDING = {torch.float32: 0.0, torch.bfloat16: 2.0 ** -8, torch.float16:
 
 class _Kernel:
     def __init__(self, library: ctypes.CDLL) -> None:
-        self.library = library
-        pointer, long, integer = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
-        self.attend = self.library.triforce_attend
-        self.attend.argtypes = [integer, integer, pointer, pointer, pointer, long, long, long, long, integer, integer,
-                                integer, integer, long, ctypes.c_float, integer, integer, pointer, pointer]
-        self.attend.restype = integer
-        self.workspace = self.library.triforce_attend_workspace
-        self.workspace.argtypes = [integer, integer, integer, integer, integer]
-        self.workspace.restype = long
+        self.attend = bind(library, "triforce_attend", INT, INT, INT, POINTER, POINTER, POINTER, LONG, LONG, LONG,
+                           LONG, INT, INT, INT, INT, LONG, ctypes.c_float, INT, INT, POINTER, POINTER)
+        self.workspace = bind(library, "triforce_attend_workspace", LONG, INT, INT, INT, INT, INT)
 
 
 @functools.cache
@@ -100,9 +94,7 @@ def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling:
     layout), in their dtype. ValueError for inputs the kernel does not take (`check_inputs`); the kernel must be built
     (`available`). Which calls should take it is `supports`'s and the routes' choice (`attention_routes`).
     ``narrow_rows``: see `NARROW_ROWS`, its default (both paths give the same values up to summation order)."""
-    kernel = _load()[0]
-    if kernel is None:
-        raise RuntimeError(f"cpu_attention.attend: the kernel is {status()}")
+    kernel = built(_load, "cpu_attention.attend")
     if narrow_rows is not None and narrow_rows < 0:
         raise ValueError(f"cpu_attention.attend: narrow_rows must be >= 0, got {narrow_rows}")
     return _attend_with(kernel, query, key, value, scaling, narrow_rows)

@@ -21,7 +21,7 @@ import functools
 
 import torch
 
-from .native_build import CSRC, load_checked
+from .native_build import CSRC, INT, LONG, POINTER, bind, built, load_checked
 
 SOURCES = (CSRC / "few_rows_linear.c", CSRC / "vectors.h")  # compiled, included
 ENV = "HF_TRIFORCE_CPU_LINEAR"
@@ -34,10 +34,8 @@ FP32_NORMAL = 2.0 ** -126  # the smallest normal fp32 value: vdpbf16ps takes sma
 
 class _Kernel:
     def __init__(self, library: ctypes.CDLL) -> None:
-        self.multiply = library.triforce_few_rows_linear
-        pointer, long, integer = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
-        self.multiply.argtypes = [integer, integer, pointer, pointer, pointer, long, long, integer]
-        self.multiply.restype = integer
+        self.multiply = bind(library, "triforce_few_rows_linear", INT, INT, INT, POINTER, POINTER, POINTER, LONG, LONG,
+                             INT)
 
 
 @functools.cache
@@ -65,10 +63,7 @@ def supports(weight: torch.Tensor) -> bool:
 def multiply(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``rows`` ``[n, in]`` (n >= 1) times ``weight.T`` (``weight`` ``[out, in]``) -> ``[n, out]`` in their dtype.
     ValueError for inputs the kernel does not take (`check_inputs`); the kernel must be built (`available`)."""
-    kernel = _load()[0]
-    if kernel is None:
-        raise RuntimeError(f"few_rows_linear.multiply: the kernel is {status()}")
-    return _multiply_with(kernel, rows, weight)
+    return _multiply_with(built(_load, "few_rows_linear.multiply"), rows, weight)
 
 
 def check_inputs(rows: torch.Tensor, weight: torch.Tensor) -> None:

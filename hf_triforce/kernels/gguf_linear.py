@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .native_build import CSRC, load_checked
+from .native_build import CSRC, INT, LONG, POINTER, bind, built, load_checked
 
 SOURCES = (CSRC / "gguf_rows_linear.c", CSRC / "vectors.h")  # compiled, included
 ENV = "HF_TRIFORCE_CPU_GGUF"
@@ -67,13 +67,8 @@ class BlockMatrix:
 
 class _Kernel:
     def __init__(self, library: ctypes.CDLL) -> None:
-        pointer, long, integer = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
-        self.multiply = library.triforce_gguf_linear
-        self.multiply.argtypes = [integer, integer, pointer, pointer, pointer, long, long, integer]
-        self.multiply.restype = integer
-        self.dequantize = library.triforce_gguf_dequantize
-        self.dequantize.argtypes = [integer, pointer, pointer, long, long]
-        self.dequantize.restype = integer
+        self.multiply = bind(library, "triforce_gguf_linear", INT, INT, INT, POINTER, POINTER, POINTER, LONG, LONG, INT)
+        self.dequantize = bind(library, "triforce_gguf_dequantize", INT, INT, POINTER, POINTER, LONG, LONG)
 
 
 @functools.cache
@@ -91,22 +86,15 @@ def available() -> bool:
     return _load()[0] is not None
 
 
-def _kernel() -> _Kernel:
-    kernel = _load()[0]
-    if kernel is None:
-        raise RuntimeError(f"gguf_linear: the kernel is {status()}")
-    return kernel
-
-
 def multiply(rows: torch.Tensor, matrix: BlockMatrix) -> torch.Tensor:
     """``rows`` ``[n, in]`` fp32 (n >= 1) times the matrix's values transposed -> ``[n, out]`` fp32. ValueError for
     rows the kernel does not take (`check_rows`); the kernel must be built (`available`)."""
-    return _multiply_with(_kernel(), rows, matrix)
+    return _multiply_with(built(_load, "gguf_linear.multiply"), rows, matrix)
 
 
 def dequantize(matrix: BlockMatrix) -> torch.Tensor:
     """``[out, in]`` fp32: the values `multiply` multiplies by, written by the kernel's own code."""
-    return _dequantize_with(_kernel(), matrix)
+    return _dequantize_with(built(_load, "gguf_linear.dequantize"), matrix)
 
 
 def check_rows(rows: torch.Tensor, matrix: BlockMatrix) -> None:

@@ -43,9 +43,7 @@ from .tree_attention import active_tree
 
 PARTS = ("qkv", "o", "gate_up", "down", "head")  # the projections of a lean copy (qkv, gate_up: fused)
 # TriForceConfig.draft_precision values served by this module -> the precision of each part. The output layer of
-# "lean-int4" is int8: in int4 it costs 0.10 of agreement, in int8 0.01 (SmolLM2, 768 tokens of the essays,
-# E[sum min(p, q)] against the fp32 model at T=1: int4 everywhere 0.881, int4 with an int8 output layer 0.976,
-# with an fp32 one 0.988; benchmarks/lean_drafting.py --agreement)
+# "lean-int4" is int8: in int4 it costs far more agreement (docs/experiments.md, "Lean drafting tiers")
 LEAN_PRECISIONS = {
     "lean": dict.fromkeys(PARTS, "fp32"),
     "lean-int8": dict.fromkeys(PARTS, "int8"),
@@ -55,15 +53,10 @@ LEAN_PRECISIONS = {
     "native": dict.fromkeys(PARTS, "model"),
 }
 # inputs per int4 scale/zero point: the smallest group the CPU kernel takes (32, 64, 128, 256; it must divide every
-# input width). On SmolLM2, 64 costs 0.23 of agreement (0.759 against 0.988 with an fp32 output layer) -- but the
-# bundled SmolLM2 is dequantized from a Q4_1 GGUF (blocks of 32), so 32 reproduces its grid almost exactly
-# (weights within 0.5%); on weights not quantized before, expect the usual int4 error at 32 too
+# input width); 64 costs far more agreement on the bundled SmolLM2, dequantized from blocks of 32 (docs/experiments.md,
+# "Lean drafting tiers")
 INT4_GROUP_SIZE = 32
 INT4_INNER_K_TILES = 2  # the packing's inner tiles (CPU kernel: no measured difference between 1, 2, 4, 8)
-
-# the logit of tokens outside a restricted drafting vocabulary (`LeanModel.restricted`): exp(-1e4 - x) is exactly 0
-# in fp32 for any real logit x, and it stays finite under temperature, penalties and the other processors
-OUTSIDE_LOGIT = -1.0e4
 
 # ATen's weight-only CPU kernels (None where this torch lacks them: `decoding.tiers.check_lean_eligible` says so)
 INT8_MM = getattr(torch.ops.aten, "_weight_int8pack_mm", None)
@@ -204,7 +197,6 @@ class LeanModel:
         self.precision = precision
         self.parts = parts = {**LEAN_PRECISIONS[precision], **(parts or {})}
         self.group_size = group_size
-        self.vocabulary: torch.Tensor | None = None  # `restricted`: the token ids the output layer scores
         self.fixed_shape = None  # `compiled`: a `fixed_shape.FixedShapeForward` for the forwards it covers
         self._compiled_views: dict[str, LeanModel] = {}
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
@@ -405,23 +397,7 @@ class LeanModel:
         keep = n if not logits_to_keep else min(logits_to_keep, n)
         last = hidden.view(batch, n, -1)[:, n - keep :]
         last = self._norm(last.reshape(batch * keep, -1), self.final_norm)
-        logits = self.head(last).float()
-        if self.vocabulary is not None:  # the subset's logits in place, `OUTSIDE_LOGIT` elsewhere
-            subset = logits
-            logits = subset.new_full((subset.shape[0], self.vocab_size), OUTSIDE_LOGIT)
-            logits[:, self.vocabulary] = subset
-        return LeanOutput(logits.view(batch, keep, -1))
-
-    def restricted(self, vocabulary: torch.Tensor) -> LeanModel:
-        """This copy with an output layer over the token ids ``vocabulary`` only (the layers are shared): every
-        other token gets the logit `OUTSIDE_LOGIT`, so its probability is exactly 0 next to any real logit (and a
-        processor that masks the whole subset leaves a uniform law over the rest, not NaN). Exact as any draft:
-        the tier hands up the law it drew from (q is 0 outside the subset; the residual covers those tokens)."""
-        vocabulary = torch.unique(vocabulary.reshape(-1).to(torch.long))
-        head = self.original.get_output_embeddings()
-        bias = None if head.bias is None else head.bias[vocabulary]
-        return self._view(vocabulary=vocabulary, head=Projection(head.weight[vocabulary], bias, self.parts["head"],
-                                                                 self.group_size, weight_left=True))
+        return LeanOutput(self.head(last).float().view(batch, keep, -1))
 
     def compiled(self, mode: str) -> LeanModel:
         """This copy (weights shared) whose forwards run `fixed_shape.FixedShapeForward` ``(mode)`` where it covers
@@ -440,9 +416,9 @@ class LeanModel:
         cache's buffers run by `fixed_shape.FixedShapeForward` ``(mode)``, whose cache capacity (a call's
         ``max_length`` and room for its rows) is a dynamic dimension (and a row count above one): made once per mode
         and kept, what it compiled serves every later call and length."""
-        if self.precision != "native" or self.vocabulary is not None:
-            raise ValueError(f"Force 3 verifies with the model's own weights and vocabulary (precision 'native', "
-                             f"no restriction); this copy has precision {self.precision!r}")
+        if self.precision != "native":
+            raise ValueError(f"Force 3 verifies with the model's own weights (precision 'native'); this copy has "
+                             f"precision {self.precision!r}")
         key = f"verify {mode}"
         if key not in self._compiled_views:
             from .fixed_shape import FixedShapeForward

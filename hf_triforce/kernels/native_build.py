@@ -54,6 +54,7 @@ CAPABILITY_TARGETS = {"AVX512": "x86-64-v4", "AVX2": "x86-64-v3"}
 COMPILE_TIMEOUT_S = 300.0  # a compile of one kernel takes 1-5 s; a compiler that hangs is stopped, the kernel off
 PROGRESS_AFTER_S = 1.0  # a compile longer than this shows a progress line
 Kernel = TypeVar("Kernel")
+POINTER, LONG, INT = ctypes.c_void_p, ctypes.c_long, ctypes.c_int  # the C types of the kernels' arguments
 
 
 def cache_dir() -> Path:
@@ -268,3 +269,19 @@ def load_checked(env: str, name: str, sources: tuple[Path, ...], wrap: Callable[
     if error is not None:
         return None, f"unavailable (self-check against float64: {error})"
     return kernel, "on"
+
+
+def bind(library: ctypes.CDLL, symbol: str, restype, *argtypes) -> Callable:
+    """``library``'s C function ``symbol``, declared to take ``argtypes`` and return ``restype``."""
+    function = getattr(library, symbol)
+    function.argtypes, function.restype = list(argtypes), restype
+    return function
+
+
+def built(load_kernel: Callable[[], tuple[Kernel | None, str]], caller: str) -> Kernel:
+    """The kernel ``load_kernel`` returns (a module's ``_load``); RuntimeError naming ``caller`` and why where it does
+    not run."""
+    kernel, why = load_kernel()
+    if kernel is None:
+        raise RuntimeError(f"{caller}: the kernel is {why}")
+    return kernel

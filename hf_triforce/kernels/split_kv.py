@@ -34,8 +34,7 @@ CUDA_MIN_CAPACITY = 8192
 # CUDA: thread blocks to aim for per SM (two resident blocks per SM hide each other's memory latency)
 BLOCKS_PER_SM = 2
 MAX_PARTS = 128
-# CPU: split buffers from this capacity on (SmolLM2, 2 threads, 9 query rows, benchmarks/verify_cost.py: the split
-# equal at 8k, 19% / 12% cheaper at 16k / 32k, 15% dearer at 4k)
+# CPU: split buffers from this capacity on (docs/experiments.md, "Verification attention: GQA-native, split ...")
 CPU_MIN_CAPACITY = 8192
 
 

@@ -105,14 +105,6 @@ class ChainVerifier:
     # (proposals, the values of the accepted ones) of the last readback of proposals
     read: tuple | None = field(default=None, repr=False, compare=False)
 
-    def accept_or_resample(self, token: int, p: torch.Tensor, q: torch.Tensor | None) -> tuple[bool, int]:
-        """Speculative acceptance of one proposal ``token ~ q`` against target ``p`` (1-D probabilities)."""
-        if q is None:
-            q = point_mass(token, p)
-        if self.sampler.bernoulli(acceptance_probability(p[token], q[token])):
-            return True, token
-        return False, self.sampler.categorical(self.resample(p, q))
-
     def verify(self, proposals: list[int] | torch.Tensor, proposal_probs: torch.Tensor | None,
                target_scores: torch.Tensor) -> tuple[int, int]:
         """Verify ``proposals`` against the processed target scores of ``len(proposals) + 1`` positions.
